@@ -1,0 +1,369 @@
+"""Typed configuration for Ling-3.0 (BailingMoeV3, ``model_type: bailing_hybrid``) checkpoints.
+
+Source of the fields: the checkpoint's ``config.json`` as public engines read it
+(``../shared/spec/ling3-reference.md`` sections 1.1, 1.2 and 4; transformers'
+``BailingHybridConfig``). Unknown *optional* keys are kept in ``extra``; missing required keys and
+contradictions raise :class:`ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields, asdict
+from pathlib import Path
+from typing import Any
+
+from bytebound.errors import ConfigError
+
+MODEL_TYPES = ("bailing_hybrid",)
+
+# Fields a config.json must carry: the model cannot be built without them.
+REQUIRED = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+    "intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "layer_group_size",
+)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """The checkpoint's ``quantization_config`` (Ling fp4 form, reference section 4).
+
+    Attributes:
+        method: ``"fp8"`` (dense linears are E4M3 with block scales) or ``"none"``.
+        weight_block_size: FP8 scale block ``(128, 128)`` over ``[N, K]``.
+        scale_fmt: ``"ue8m0"`` means every FP8 ``weight_scale_inv`` is a power of two.
+        modules_to_not_convert: suffix patterns of linears kept in BF16 (``lm_head``, ``b_proj``).
+        routed_experts: ``"mxfp4"`` (E2M1 + E8M0 per 32 inputs), ``"fp8"`` or ``"none"``.
+        routed_group_size: MXFP4 scale group along K (32 by the OCP MX spec).
+    """
+
+    method: str = "none"
+    weight_block_size: tuple[int, int] = (128, 128)
+    scale_fmt: str = "ue8m0"
+    modules_to_not_convert: tuple[str, ...] = ("lm_head",)
+    routed_experts: str = "none"
+    routed_group_size: int = 32
+
+    def linear_is_fp8(self, name: str) -> bool:
+        """Whether the linear module called ``name`` is stored as FP8 block weights."""
+        if self.method != "fp8":
+            return False
+        return not any(name == m or name.endswith("." + m) or name.endswith(m) for m in self.modules_to_not_convert)
+
+    def to_json(self) -> dict[str, Any] | None:
+        if self.method == "none":
+            return None
+        d: dict[str, Any] = {
+            "quant_method": self.method, "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": list(self.weight_block_size), "scale_fmt": self.scale_fmt,
+            "modules_to_not_convert": list(self.modules_to_not_convert),
+        }
+        if self.routed_experts != "none":
+            d["routed_experts_quant_method"] = self.routed_experts
+            d["routed_experts_group_size"] = self.routed_group_size
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any] | None) -> "QuantConfig":
+        if not d:
+            return cls()
+        method = d.get("quant_method", "none")
+        if method not in ("fp8", "none"):
+            raise ConfigError(f"quantization_config.quant_method={method!r} is not supported (expected 'fp8')")
+        if d.get("fmt", "e4m3") != "e4m3":
+            raise ConfigError(f"quantization_config.fmt={d.get('fmt')!r} is not supported (expected 'e4m3')")
+        wbs = tuple(d.get("weight_block_size") or (128, 128))
+        if len(wbs) != 2 or any(int(b) <= 0 for b in wbs):
+            raise ConfigError(f"quantization_config.weight_block_size={list(wbs)} must be two positive ints")
+        routed = d.get("routed_experts_quant_method", method)
+        if routed not in ("mxfp4", "fp8", "none"):
+            raise ConfigError(f"quantization_config.routed_experts_quant_method={routed!r} is not supported")
+        gs = int(d.get("routed_experts_group_size", 32))
+        if routed == "mxfp4" and gs != 32:
+            raise ConfigError(f"quantization_config.routed_experts_group_size={gs}: MXFP4 needs 32")
+        return cls(method=method, weight_block_size=(int(wbs[0]), int(wbs[1])),
+                   scale_fmt=d.get("scale_fmt", "ue8m0"),
+                   modules_to_not_convert=tuple(d.get("modules_to_not_convert") or ("lm_head",)),
+                   routed_experts=routed, routed_group_size=gs)
+
+
+@dataclass(frozen=True)
+class LingConfig:
+    """Architecture of a BailingMoeV3 model; one field per ``config.json`` key the engine reads.
+
+    Layer kinds: with an int ``layer_group_size`` g, layer i is MLA iff ``(i + 1) % g == 0`` (SGLang
+    ``is_linear_layer``, HF ``layer_types``); a list gives one entry per layer, 1 = KDA (linear), 0 = MLA.
+    Layers ``i < first_k_dense_replace`` use a dense SwiGLU MLP, the rest the routed MoE.
+    The NEXTN layer is ``model.layers.{num_hidden_layers}`` (MLA + MoE).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    layer_group_size: int | tuple[int, ...]
+    num_key_value_heads: int | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    first_k_dense_replace: int = 0
+    num_shared_experts: int = 1
+    moe_shared_expert_intermediate_size: int | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    score_function: str = "sigmoid"
+    moe_router_enable_expert_bias: bool = True
+    router_dtype: str = "fp32"
+    expert_swiglu_limit_list: tuple[float | None, ...] | None = None
+    share_expert_swiglu_limit_list: tuple[float | None, ...] | None = None
+    q_lora_rank: int | None = None
+    rope_theta: float = 10000.0
+    rope_interleave: bool = True
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 131072
+    gated_attention_proj_granularity_type: str = "head_wise"
+    short_conv_kernel_size: int = 4
+    no_kda_lora: bool = True
+    kda_safe_gate: bool = True
+    kda_lower_bound: float = -5.0
+    num_nextn_predict_layers: int = 0
+    pad_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    bos_token_id: int | None = None
+    torch_dtype: str = "bfloat16"
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    architectures: tuple[str, ...] = ("BailingMoeV3ForCausalLM",)
+    extra: dict = field(default_factory=dict)
+
+    # ---- derived -------------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        """MLA query/key width per head: nope + rope (128 + 64 = 192 for Ling-3.0-flash)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kda_dim(self) -> int:
+        """KDA projection width: heads x head_dim (32 x 128 = 4096)."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def mla_cache_dim(self) -> int:
+        """Latent KV values cached per token per MLA layer: kv_lora_rank + qk_rope_head_dim (576)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def shared_intermediate(self) -> int:
+        base = self.moe_shared_expert_intermediate_size or self.moe_intermediate_size
+        return base * self.num_shared_experts
+
+    def is_mla(self, i: int) -> bool:
+        """True when layer ``i`` is gated MLA (the NEXTN layer, ``i >= num_hidden_layers``, always is)."""
+        if i >= self.num_hidden_layers:
+            return True
+        g = self.layer_group_size
+        if isinstance(g, tuple):
+            return g[i] == 0
+        return (i + 1) % g == 0
+
+    def is_moe(self, i: int) -> bool:
+        """True when layer ``i`` uses routed experts (NEXTN layer included)."""
+        return i >= self.first_k_dense_replace and self.num_experts > 0
+
+    @property
+    def mla_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_mla(i)]
+
+    @property
+    def kda_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if not self.is_mla(i)]
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        e = self.eos_token_id
+        if e is None:
+            return ()
+        return tuple(e) if isinstance(e, tuple) else (int(e),)
+
+    def swiglu_limit(self, i: int, shared: bool = False) -> float | None:
+        """Per-layer SwiGLU clamp from ``expert_swiglu_limit_list`` (None: no clamp)."""
+        lst = self.share_expert_swiglu_limit_list if shared else self.expert_swiglu_limit_list
+        if not lst or i >= len(lst):
+            return None
+        v = lst[i]
+        return None if v is None or v <= 0 else float(v)
+
+    # ---- I/O -----------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "LingConfig":
+        """Build from a parsed ``config.json``.
+
+        Raises:
+            ConfigError: wrong ``model_type``, a missing required field, a wrong type, or a contradiction
+                (e.g. ``n_group`` not dividing ``num_experts``, ``layer_group_size`` list of the wrong length).
+        """
+        mt = d.get("model_type")
+        if mt not in MODEL_TYPES:
+            raise ConfigError(f"model_type={mt!r} is not supported (expected one of {MODEL_TYPES})")
+        missing = [k for k in REQUIRED if k not in d or d[k] is None]
+        if missing:
+            raise ConfigError(f"config.json is missing required field(s): {', '.join(missing)}")
+        d = dict(d)
+        # Aliases used by other readers of the same model type.
+        if "num_experts" not in d and "num_local_experts" in d:
+            d["num_experts"] = d["num_local_experts"]
+        if "n_shared_experts" in d and "num_shared_experts" not in d:
+            d["num_shared_experts"] = d["n_shared_experts"]
+        if "num_mtp_layers" in d and "num_nextn_predict_layers" not in d:
+            d["num_nextn_predict_layers"] = d["num_mtp_layers"]
+        names = {f.name for f in fields(cls)} - {"quant", "extra"}
+        kw: dict[str, Any] = {}
+        for k in names:
+            if k in d:
+                v = d[k]
+                if isinstance(v, list):
+                    v = tuple(v)
+                kw[k] = v
+        for k in REQUIRED:
+            if k == "layer_group_size":
+                continue
+            if not isinstance(kw[k], int) or isinstance(kw[k], bool) or kw[k] < 0:
+                raise ConfigError(f"config field {k}={kw[k]!r} must be a non-negative int")
+        kw["quant"] = QuantConfig.from_json(d.get("quantization_config"))
+        kw["extra"] = {k: v for k, v in d.items() if k not in names and k not in ("quantization_config", "model_type")}
+        cfg = cls(**kw)
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "LingConfig":
+        """Read ``config.json`` (a file or a checkpoint directory). Raises ConfigError on bad JSON."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        try:
+            d = json.loads(p.read_text())
+        except FileNotFoundError as e:
+            raise ConfigError(f"no config.json at {p}") from e
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p}: invalid JSON ({e})") from e
+        return cls.from_dict(d)
+
+    def validate(self) -> None:
+        """Check contradictions between fields; raise ConfigError naming them."""
+        def bad(msg: str) -> None:
+            raise ConfigError(msg)
+        g = self.layer_group_size
+        if isinstance(g, tuple):
+            if len(g) != self.num_hidden_layers:
+                bad(f"layer_group_size list has {len(g)} entries, num_hidden_layers={self.num_hidden_layers}")
+            if any(x not in (0, 1) for x in g):
+                bad("layer_group_size list entries must be 1 (KDA/linear) or 0 (MLA)")
+        elif not isinstance(g, int) or g < 1:
+            bad(f"layer_group_size={g!r} must be a positive int or a per-layer list")
+        if self.num_experts:
+            if self.num_experts_per_tok > self.num_experts:
+                bad(f"num_experts_per_tok={self.num_experts_per_tok} > num_experts={self.num_experts}")
+            if self.n_group < 1 or self.num_experts % self.n_group:
+                bad(f"n_group={self.n_group} must divide num_experts={self.num_experts}")
+            if not 1 <= self.topk_group <= self.n_group:
+                bad(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+            per_group = self.num_experts // self.n_group
+            if self.topk_group * per_group < self.num_experts_per_tok:
+                bad(f"topk_group={self.topk_group} groups of {per_group} experts cannot hold "
+                    f"num_experts_per_tok={self.num_experts_per_tok}")
+            if self.n_group > 1 and per_group < 2:
+                bad("group-limited routing scores each group by its top-2 experts: need >= 2 experts per group")
+        if self.score_function != "sigmoid":
+            bad(f"score_function={self.score_function!r} is not supported (Ling-3.0 uses 'sigmoid')")
+        if self.q_lora_rank is not None:
+            bad("q_lora_rank must be null: Ling-3.0 MLA has no q-LoRA")
+        if not self.no_kda_lora:
+            bad("no_kda_lora=false (low-rank KDA gates) is not supported")
+        if self.gated_attention_proj_granularity_type != "head_wise":
+            bad(f"gated_attention_proj_granularity_type={self.gated_attention_proj_granularity_type!r}: "
+                "only 'head_wise' is supported")
+        if self.qk_rope_head_dim % 2:
+            bad(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+        if self.first_k_dense_replace > self.num_hidden_layers:
+            bad(f"first_k_dense_replace={self.first_k_dense_replace} > num_hidden_layers")
+        if self.num_key_value_heads not in (None, self.num_attention_heads):
+            bad(f"num_key_value_heads={self.num_key_value_heads} must equal num_attention_heads")
+        if self.tie_word_embeddings:
+            bad("tie_word_embeddings=true: Ling-3.0 has an untied LM head")
+        if self.num_nextn_predict_layers not in (0, 1):
+            bad(f"num_nextn_predict_layers={self.num_nextn_predict_layers}: only 0 or 1 supported")
+        if self.rope_scaling:
+            rt = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if rt not in ("yarn", "default"):
+                bad(f"rope_scaling.rope_type={rt!r} is not supported (yarn or default)")
+            if rt == "yarn" and "original_max_position_embeddings" not in self.rope_scaling:
+                bad("rope_scaling yarn needs original_max_position_embeddings")
+        for name in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
+            lst = getattr(self, name)
+            if lst is not None and len(lst) not in (self.num_hidden_layers, self.num_hidden_layers + 1):
+                bad(f"{name} has {len(lst)} entries, expected num_hidden_layers (+1 for NEXTN)")
+        for i in self.eos_ids:
+            if not 0 <= i < self.vocab_size:
+                bad(f"eos_token_id {i} outside vocab_size={self.vocab_size}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``config.json`` form (round-trips through :meth:`from_dict`)."""
+        d = {}
+        for f in fields(self):
+            if f.name in ("quant", "extra"):
+                continue
+            v = getattr(self, f.name)
+            d[f.name] = list(v) if isinstance(v, tuple) else v
+        d["model_type"] = "bailing_hybrid"
+        q = self.quant.to_json()
+        if q:
+            d["quantization_config"] = q
+        for k, v in self.extra.items():
+            d.setdefault(k, v)
+        return d
+
+    def replace(self, **kw) -> "LingConfig":
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d.update(kw)
+        cfg = LingConfig(**d)
+        cfg.validate()
+        return cfg
+
+
+def tiny_config(**overrides) -> LingConfig:
+    """A small random-test config: 4 layers (KDA, MLA, KDA, MLA), hidden 64, 16 experts in 4 groups.
+
+    Matches the acceptance shape of issue 2 (layer_group_size 2, top-4, topk_group 2, one NEXTN layer).
+    """
+    base = dict(
+        vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=16,
+        intermediate_size=96, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, layer_group_size=2, first_k_dense_replace=1, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, rope_theta=10000.0, num_nextn_predict_layers=1, pad_token_id=0,
+        eos_token_id=1, max_position_embeddings=4096,
+    )
+    base.update(overrides)
+    quant = base.pop("quant", QuantConfig())
+    d = {k: (tuple(v) if isinstance(v, list) else v) for k, v in base.items()}
+    cfg = LingConfig(quant=quant, **d)
+    cfg.validate()
+    return cfg
+
+
+def dumps(cfg: LingConfig) -> str:
+    return json.dumps(cfg.to_dict(), indent=2)
+
+
+__all__ = ["LingConfig", "QuantConfig", "tiny_config", "dumps", "asdict"]

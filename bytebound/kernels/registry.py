@@ -1,0 +1,113 @@
+"""Backend registry: each op has named implementations, resolved once at load, never swapped silently.
+
+Ops (names are the keys of :data:`OPS`): ``moe`` (routed MXFP4/plain experts), ``linear`` (dense
+projections, FP8 block or plain), ``lm_head``, ``kda`` (KDA prefill + decode), ``mla`` (MLA attention),
+``sampling``. Backends: ``torch`` (reference, everywhere), ``triton`` (ours, CUDA), ``humming``
+(humming-kernels MXFP4 GEMM, CUDA), ``fla`` (fla-core KDA, CUDA).
+
+A backend registers an ``available(device) -> str | None`` probe (``None`` = usable, else the reason) and
+a factory. :func:`resolve` returns the implementation plus a :class:`Resolution` record for the manifest.
+An unusable request raises :class:`~bytebound.errors.BackendError` unless ``allow_fallback`` is set, in
+which case the substitution is recorded (``fallback_from``/``reason``) and printed by the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, asdict
+from typing import Callable
+
+import torch
+
+from bytebound.errors import BackendError
+
+OPS = ("moe", "linear", "lm_head", "kda", "mla", "sampling")
+
+
+@dataclass
+class Resolution:
+    """What one op resolved to: requested vs resolved backend, and why if they differ."""
+    op: str
+    requested: str
+    resolved: str
+    fallback_from: str | None = None
+    reason: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Entry:
+    factory: Callable[..., object]
+    available: Callable[[torch.device], str | None]
+
+
+_REGISTRY: dict[str, dict[str, _Entry]] = {op: {} for op in OPS}
+
+
+def register(op: str, name: str, available: Callable[[torch.device], str | None] | None = None):
+    """Decorator: register ``factory`` as backend ``name`` of ``op``."""
+    if op not in _REGISTRY:
+        raise KeyError(f"unknown op {op!r}; known: {OPS}")
+
+    def deco(factory):
+        _REGISTRY[op][name] = _Entry(factory, available or (lambda dev: None))
+        return factory
+    return deco
+
+
+def backends(op: str) -> list[str]:
+    """Registered backend names for ``op`` (importing the optional backend modules first)."""
+    _load_optional()
+    return sorted(_REGISTRY[op])
+
+
+def cuda_only(dev: torch.device) -> str | None:
+    return None if torch.device(dev).type == "cuda" else "needs a CUDA device"
+
+
+def resolve(op: str, requested: str, device: torch.device, allow_fallback: bool = False,
+            fallback: str = "torch", **kw) -> tuple[object, Resolution]:
+    """Instantiate backend ``requested`` of ``op`` for ``device``.
+
+    Raises:
+        BackendError: unknown op/backend, or the backend is unusable here and ``allow_fallback`` is False.
+    """
+    _load_optional()
+    if op not in _REGISTRY:
+        raise BackendError(f"unknown op {op!r}; known: {OPS}")
+    table = _REGISTRY[op]
+    entry = table.get(requested)
+    reason = None if entry else f"backend {requested!r} is not registered for op {op!r} (have {sorted(table)})"
+    if entry and reason is None:
+        reason = entry.available(torch.device(device))
+    if reason is None:
+        return entry.factory(**kw), Resolution(op, requested, requested)
+    if not allow_fallback:
+        raise BackendError(f"op {op!r}: backend {requested!r} unusable: {reason} "
+                           f"(pass --allow-fallback to substitute {fallback!r}, recorded in the manifest)")
+    fb = table[fallback]
+    why = fb.available(torch.device(device))
+    if why is not None:
+        raise BackendError(f"op {op!r}: fallback {fallback!r} also unusable: {why}")
+    return fb.factory(**kw), Resolution(op, requested, fallback, fallback_from=requested, reason=reason)
+
+
+_loaded = False
+
+
+def _load_optional() -> None:
+    """Import backend modules so their ``@register`` lines run. Missing libraries are fine here: each
+    backend's ``available`` probe reports them at resolve time."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    import importlib
+    for mod in ("bytebound.kernels.torch_ref", "bytebound.kernels.triton_moe", "bytebound.kernels.triton_fp8",
+                "bytebound.kernels.humming_moe", "bytebound.kernels.fla_kda"):
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:  # only our own optional modules may be absent
+            if e.name != mod:
+                raise

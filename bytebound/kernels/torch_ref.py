@@ -1,0 +1,128 @@
+"""The ``torch`` backend of every op: plain PyTorch, any device, the numerical reference for the others."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from bytebound.kernels.registry import register
+from bytebound.layers.lm_head import bf16_logits
+from bytebound.layers.moe import swiglu
+from bytebound.quant import dequantize_mxfp4, quantize_fp8_token
+
+GATHER_MAX_ROWS = 64        # token x top-k rows up to which the MoE gathers expert weights (sync-free)
+MATERIALIZE_MAX_BYTES = 2 << 30
+
+
+def _expert_weights(ex, idx: torch.Tensor, dtype):
+    """Dequantised ``(w13 [n, 2I, H], w2 [n, H, I])`` of experts ``idx`` in ``dtype``."""
+    if ex.fmt == "plain" or getattr(ex, "_deq", None) is not None:
+        w13, w2 = ex._deq if getattr(ex, "_deq", None) is not None else (ex.w13, ex.w2)
+        return w13[idx].to(dtype), w2[idx].to(dtype)
+    return (dequantize_mxfp4(ex.w13[idx], ex.w13_scale[idx], dtype),
+            dequantize_mxfp4(ex.w2[idx], ex.w2_scale[idx], dtype))
+
+
+def moe_reference(ex, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Routed-expert sum ``y[m] = sum_j w[m, j] * SwiGLU_{ids[m, j]}(x[m])``; ``x [M, H]`` -> ``[M, H]``.
+
+    Few rows (decode/verify): gather the chosen experts and batch them (no host sync, graph-capturable).
+    Many rows (prefill/training): loop over the experts that were hit, each once (differentiable).
+    """
+    m, k = ids.shape
+    inter = ex.inter
+    if m * k <= GATHER_MAX_ROWS:
+        w13, w2 = _expert_weights(ex, ids.reshape(-1), x.dtype)            # [Mk,2I,H], [Mk,H,I]
+        xs = x.repeat_interleave(k, 0)
+        h = torch.bmm(w13, xs[:, :, None])[..., 0]
+        a = swiglu(h[:, :inter], h[:, inter:], ex.limit)
+        o = torch.bmm(w2, a[:, :, None])[..., 0].view(m, k, -1)
+        return (o.float() * w[..., None]).sum(1).to(x.dtype)
+    y = torch.zeros(m, x.shape[1], dtype=torch.float32, device=x.device)
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids)
+    counts = torch.bincount(flat_ids, minlength=ex.n).tolist()
+    tok = (order // k)
+    wt = w.reshape(-1)[order]
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        t = tok[start:start + c]
+        w13, w2 = _expert_weights(ex, torch.tensor([e], device=x.device), x.dtype)
+        h = x[t] @ w13[0].t()
+        a = swiglu(h[:, :inter], h[:, inter:], ex.limit)
+        y = y.index_add(0, t, (a @ w2[0].t()).float() * wt[start:start + c, None])
+        start += c
+    return y.to(x.dtype)
+
+
+def lm_head_reference(head, x: torch.Tensor) -> torch.Tensor:
+    """LM head per ``head.mode``: ``x [M, H]`` -> float32 logits ``[M, V]``."""
+    if head.mode == "fp32":
+        return F.linear(x.float(), head.weight.float())
+    if head.mode == "fp8":
+        xq, sx = quantize_fp8_token(x)
+        if x.is_cuda:
+            # FP8 tensor-core product with row-wise scales, float32 out (cuBLASLt, sm89+).
+            return torch._scaled_mm(xq, head.w_fp8.t(), scale_a=sx[:, None].float(),
+                                    scale_b=head.w_scale[None, :].float(), out_dtype=torch.float32)
+        return (xq.float() @ head.w_fp8.float().t()) * sx[:, None] * head.w_scale[None, :]
+    return bf16_logits(head.weight, x)
+
+
+# ---- registered backends ------------------------------------------------------------------------
+class TorchLinear:
+    """Dequantises FP8 block weights once to the compute dtype and calls ``F.linear``."""
+    name = "torch"
+
+    def bind(self, lin, dtype):
+        w = lin.dequantized(dtype).contiguous()
+        return lambda x: F.linear(x, w)
+
+
+class TorchMoE:
+    """Gather/loop reference; small layers keep a dequantised copy (CPU speed), large ones dequantise per call."""
+    name = "torch"
+
+    def bind(self, ex, dtype):
+        if ex.fmt == "mxfp4" and ex.n * 3 * ex.hidden * ex.inter * torch.finfo(dtype).bits // 8 <= MATERIALIZE_MAX_BYTES:
+            ex._deq = (dequantize_mxfp4(ex.w13, ex.w13_scale, dtype), dequantize_mxfp4(ex.w2, ex.w2_scale, dtype))
+        return lambda x, ids, w: moe_reference(ex, x, ids, w)
+
+
+class TorchLMHead:
+    name = "torch"
+
+    def bind(self, head, dtype):
+        return lambda x: lm_head_reference(head, x)
+
+
+class TorchKDA:
+    name = "torch"
+
+    def bind(self, layer, dtype):
+        from bytebound.layers.kda import torch_kda
+        return torch_kda
+
+
+class TorchMLA:
+    name = "torch"
+
+    def bind(self, layer, dtype):
+        return None     # the layer's own absorbed/expanded torch code
+
+
+class TorchSampling:
+    name = "torch"
+
+    def bind(self, *_):
+        return None
+
+
+register("linear", "torch")(TorchLinear)
+register("moe", "torch")(TorchMoE)
+register("lm_head", "torch")(TorchLMHead)
+register("kda", "torch")(TorchKDA)
+register("mla", "torch")(TorchMLA)
+register("sampling", "torch")(TorchSampling)

@@ -1,0 +1,114 @@
+"""Kimi Delta Attention layer (Ling-3.0 linear-attention layers; ``ling3-reference.md`` section 1.5).
+
+    q, k, v = SiLU(causal_conv_k4(q_proj x | k_proj x | v_proj x))     # depthwise, per channel
+    g       = lower_bound * sigmoid(exp(A_log) * (f_proj x + dt_bias))  # safe gate, log decay in (lb, 0)
+    beta    = sigmoid(b_proj x)
+    o       = KDA(l2norm q, l2norm k, v, g, beta)                       # delta rule, state [H, K, V] fp32
+    out     = o_proj(RMSNormGated(o, g_proj x))
+
+Per-request state (batch 1): ``conv [B, 3*H*K, kernel-1]`` float32 (the last inputs of the convolution) and
+``rec [B, H, K, V]`` float32. The op itself (chunked prefill / recurrent decode) comes from the ``kda``
+backend bound at load; unbound it uses the torch reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bytebound.kernels.kda_ref import kda_chunked, kda_gate, kda_recurrent
+from bytebound.layers.linear import QLinear
+from bytebound.layers.norm import RMSNormGated
+
+
+@dataclass
+class KDAState:
+    """Recurrent state of one KDA layer: ``conv [B, 3D, kernel-1]`` and ``rec [B, H, K, V]``, both float32."""
+    conv: torch.Tensor
+    rec: torch.Tensor
+
+    def clone(self) -> "KDAState":
+        return KDAState(self.conv.clone(), self.rec.clone())
+
+    def copy_(self, other: "KDAState") -> None:
+        self.conv.copy_(other.conv)
+        self.rec.copy_(other.rec)
+
+
+class ConvWeight(nn.Module):
+    """Holder of one depthwise conv weight ``[D, 1, kernel]`` float32 (applied in :meth:`KimiDeltaAttention.short_conv`)."""
+
+    def __init__(self, dim: int, kernel: int, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim, 1, kernel, dtype=torch.float32, device=device))
+
+
+def torch_kda(q, k, v, g, beta, state):
+    """Reference op: chunked form for T > 1, recurrent for one token. Returns ``(o float32, state)``."""
+    if q.shape[1] == 1:
+        return kda_recurrent(q, k, v, g, beta, state)
+    return kda_chunked(q, k, v, g, beta, state)
+
+
+class KimiDeltaAttention(nn.Module):
+    """One KDA layer. ``lin_fmt(name)`` gives each projection's storage format ("plain"/"fp8")."""
+
+    def __init__(self, cfg, lin_fmt, dtype=torch.float32, device=None):
+        super().__init__()
+        h, d, hid = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+        self.heads, self.head_dim, self.dim = h, d, h * d
+        self.kernel = cfg.short_conv_kernel_size
+        self.lower_bound = cfg.kda_lower_bound if cfg.kda_safe_gate else None
+        blk = cfg.quant.weight_block_size
+
+        def lin(name, i, o):
+            return QLinear(i, o, lin_fmt(name), blk, dtype, device)
+        self.q_proj, self.k_proj, self.v_proj = lin("q_proj", hid, self.dim), lin("k_proj", hid, self.dim), \
+            lin("v_proj", hid, self.dim)
+        self.f_proj, self.g_proj = lin("f_proj", hid, self.dim), lin("g_proj", hid, self.dim)
+        self.b_proj = lin("b_proj", hid, h)
+        self.o_proj = lin("o_proj", self.dim, hid)
+        # Separate q/k/v depthwise convs, as the checkpoint stores them (``attention.q_conv1d.weight [D, 1, 4]``).
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (ConvWeight(self.dim, self.kernel, device) for _ in range(3))
+        self.A_log = nn.Parameter(torch.zeros(h, dtype=torch.float32, device=device))
+        self.dt_bias = nn.Parameter(torch.zeros(self.dim, dtype=torch.float32, device=device))
+        self.o_norm = RMSNormGated(d, cfg.rms_norm_eps)
+        self.kda_fn = torch_kda
+
+    def new_state(self, batch: int, device) -> KDAState:
+        return KDAState(torch.zeros(batch, 3 * self.dim, self.kernel - 1, device=device),
+                        torch.zeros(batch, self.heads, self.head_dim, self.head_dim, device=device))
+
+    def conv_weight(self) -> torch.Tensor:
+        """Depthwise weights of the concatenated q|k|v channels: ``[3D, 1, kernel]`` float32."""
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0).float()
+
+    def short_conv(self, x: torch.Tensor, state: KDAState | None) -> torch.Tensor:
+        """Causal depthwise conv + SiLU over ``x [B, T, 3D]``; updates ``state.conv`` in place."""
+        xt = x.float().transpose(1, 2)                                        # [B, 3D, T]
+        t = xt.shape[-1]
+        if state is not None:
+            full = torch.cat([state.conv, xt], -1)                           # [B, 3D, k-1+T]
+            state.conv.copy_(full[..., -(self.kernel - 1):])
+        else:
+            full = F.pad(xt, (self.kernel - 1, 0))
+        y = F.conv1d(full, self.conv_weight(), groups=3 * self.dim)[..., -t:]
+        return F.silu(y).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, state: KDAState | None = None) -> torch.Tensor:
+        """``x [B, T, hidden]`` (normed) -> ``[B, T, hidden]``; with ``state`` continues and updates it."""
+        b, t, _ = x.shape
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        q, k, v = self.short_conv(qkv, state).split(self.dim, -1)
+        shape = (b, t, self.heads, self.head_dim)
+        g = kda_gate(self.f_proj(x), self.A_log, self.dt_bias, self.lower_bound, self.head_dim)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        o, new = self.kda_fn(q.reshape(shape), k.reshape(shape), v.reshape(shape), g, beta,
+                             None if state is None else state.rec)
+        if state is not None:
+            state.rec.copy_(new)
+        o = self.o_norm(o, self.g_proj(x).view(shape)).to(x.dtype)
+        return self.o_proj(o.reshape(b, t, self.dim))

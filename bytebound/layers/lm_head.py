@@ -1,0 +1,65 @@
+"""The untied LM head and its three paths (``ling3-reference.md`` section 3).
+
+* ``bf16``: the checkpoint's BF16 weight, BF16 product, logits cast to float32 afterwards.
+* ``fp32``: BF16 weight, float32 accumulation and output (SGLang ``--enable-fp32-lm-head``, the seed's baseline).
+* ``fp8``: *online* FP8 - at load the BF16 weight ``[V, H]`` is quantised to E4M3 per output channel
+  (``scale [V]`` float32, SGLang ``Fp8LinearMethod`` channelwise); per call the hidden state is quantised per
+  token (dynamic scale), the product accumulates in float32 and the logits are float32.
+
+The module *is* the head: the MTP draft must call this same object (issue 6/7), never its weight tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bytebound.quant import quantize_fp8_channel
+
+HEAD_MODES = ("bf16", "fp32", "fp8")
+
+
+class LMHead(nn.Module):
+    """``logits [.., V] float32 = head(hidden [.., H])``. ``weight [V, H]`` as loaded (BF16 in the checkpoint)."""
+
+    def __init__(self, vocab: int, hidden: int, dtype=torch.bfloat16, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, hidden, dtype=dtype, device=device))
+        self.mode = "bf16"
+        self.fn = None          # bound backend callable (x [M, H]) -> float32 [M, V]
+        self.backend: str | None = None
+        self.w_fp8: torch.Tensor | None = None
+        self.w_scale: torch.Tensor | None = None
+
+    def quantize_fp8(self) -> None:
+        """Online FP8: E4M3 per output channel from the loaded weight (done once, at load)."""
+        self.w_fp8, self.w_scale = quantize_fp8_channel(self.weight.detach())
+
+    def configure(self, mode: str) -> None:
+        """Select the path (``bf16``/``fp32``/``fp8``); ``fp8`` quantises now. Raises ValueError on others."""
+        if mode not in HEAD_MODES:
+            raise ValueError(f"LM head mode must be one of {HEAD_MODES}, got {mode!r}")
+        self.mode = mode
+        if mode == "fp8" and self.w_fp8 is None:
+            self.quantize_fp8()
+
+    def bytes_per_call(self) -> int:
+        """Weight bytes one call reads: V*H*2 (BF16) or V*H + 4V (FP8 + per-channel scales)."""
+        v, h = self.weight.shape
+        return v * h + 4 * v if self.mode == "fp8" else v * h * self.weight.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.fn is not None:
+            out = self.fn(x2)
+        else:
+            from bytebound.kernels.torch_ref import lm_head_reference
+            out = lm_head_reference(self, x2)
+        return out.view(*shape[:-1], out.shape[-1])
+
+
+def bf16_logits(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """BF16 path: ``(x.to(w) @ w^T).float()``."""
+    return F.linear(x.to(weight.dtype), weight).float()

@@ -1,0 +1,132 @@
+"""Gated MLA (Ling-3.0 full-attention layers; ``ling3-reference.md`` section 1.4, DeepSeek-V2 arXiv 2405.04434).
+
+    q            = q_proj x -> [H, nope 128 | rope 64]            (no q-LoRA)
+    latent|k_pe  = kv_a_proj_with_mqa x -> [512 | 64]; latent = kv_a_layernorm(latent)
+    cache        = [latent | rope(k_pe)] : 576 values per token per layer
+    k_nope|v     = kv_b_proj latent -> [H, 128 | 128]
+    o            = softmax(q.k / sqrt(192)) v  * sigmoid(g_proj x)[head]    (head-wise output gate)
+    out          = dense(o)                                                  (checkpoint name of o_proj)
+
+Decode/verify (T <= 8) uses the *absorbed* form over the latent cache: ``q_nope`` is mapped through
+``W_kc [H, 128, 512]`` into latent space and the latent attention output through ``W_vc [H, 128, 512]``, so
+the per-token cache read is 576 values, never the expanded keys (DeepSeek-V2 section 2.1.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bytebound.layers.linear import QLinear
+from bytebound.layers.norm import RMSNorm
+from bytebound.layers.rope import Rope, mla_softmax_scale
+
+ABSORB_MAX_T = 8
+
+
+@dataclass
+class MLAState:
+    """Latent KV cache of one MLA layer: ``kv [B, max_len, kv_lora_rank + rope_dim]`` in the compute dtype.
+
+    Indexed by position, so rolling back a rejected draft needs no copy: later writes overwrite the slots.
+    """
+    kv: torch.Tensor
+
+
+class GatedMLA(nn.Module):
+    """One gated-MLA layer. ``lin_fmt(name)`` gives each projection's storage format."""
+
+    def __init__(self, cfg, lin_fmt, dtype=torch.float32, device=None):
+        super().__init__()
+        self.heads, self.nope, self.rope_dim, self.vdim = (cfg.num_attention_heads, cfg.qk_nope_head_dim,
+                                                           cfg.qk_rope_head_dim, cfg.v_head_dim)
+        self.rank = cfg.kv_lora_rank
+        hid, blk = cfg.hidden_size, cfg.quant.weight_block_size
+
+        def lin(name, i, o):
+            return QLinear(i, o, lin_fmt(name), blk, dtype, device)
+        self.q_proj = lin("q_proj", hid, self.heads * (self.nope + self.rope_dim))
+        self.kv_a_proj_with_mqa = lin("kv_a_proj_with_mqa", hid, self.rank + self.rope_dim)
+        self.kv_a_layernorm = RMSNorm(self.rank, cfg.rms_norm_eps)
+        self.kv_b_proj = lin("kv_b_proj", self.rank, self.heads * (self.nope + self.vdim))
+        self.g_proj = lin("g_proj", hid, self.heads)
+        self.dense = lin("dense", self.heads * self.vdim, hid)
+        self.rope = Rope(self.rope_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.scale = mla_softmax_scale(self.nope + self.rope_dim, cfg.rope_scaling)
+        self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def new_state(self, batch: int, max_len: int, dtype, device) -> MLAState:
+        return MLAState(torch.zeros(batch, max_len, self.rank + self.rope_dim, dtype=dtype, device=device))
+
+    def absorbed(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(W_kc [H, nope, R], W_vc [H, v, R])`` from kv_b_proj, cached once weights are final (``prepare``)."""
+        if self._absorbed is not None and self._absorbed[0].dtype == dtype:
+            return self._absorbed
+        w = self.kv_b_proj.dequantized(dtype).view(self.heads, self.nope + self.vdim, self.rank)
+        return w[:, :self.nope], w[:, self.nope:]
+
+    def prepare(self, dtype) -> None:
+        """Materialise the absorbed weights (call after loading)."""
+        self._absorbed = None
+        wkc, wvc = self.absorbed(dtype)
+        self._absorbed = (wkc.contiguous(), wvc.contiguous())
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, state: MLAState | None = None,
+                kv_len: int | None = None) -> torch.Tensor:
+        """``x [B, T, hidden]`` at ``positions [T]`` -> ``[B, T, hidden]``.
+
+        With ``state`` the new latents are written at ``positions`` and attention reads slots ``[0, kv_len)``
+        (``kv_len`` defaults to ``positions[-1] + 1``; a larger static length is masked by position, which is
+        what CUDA-graph replay uses).
+        """
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.nope + self.rope_dim).transpose(1, 2)  # [B,H,T,192]
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], -1)
+        ckv = self.kv_a_proj_with_mqa(x)
+        latent, k_pe = ckv.split([self.rank, self.rope_dim], -1)
+        latent = self.kv_a_layernorm(latent)
+        cos, sin = self.rope.cos_sin(positions)
+        q_pe = Rope.apply(q_pe, cos, sin)
+        k_pe = Rope.apply(k_pe, cos, sin)                                     # [B,T,64]
+        if state is None:
+            out = self._expanded(q_nope, q_pe, latent, k_pe, positions, positions)
+        else:
+            state.kv[:, positions] = torch.cat([latent, k_pe], -1).to(state.kv.dtype)
+            n = int(positions[-1]) + 1 if kv_len is None else kv_len
+            kv = state.kv[:, :n]
+            kpos = torch.arange(n, device=x.device)
+            lat_c, pe_c = kv.split([self.rank, self.rope_dim], -1)
+            if t <= ABSORB_MAX_T:
+                out = self._absorbed_attn(q_nope, q_pe, lat_c, pe_c, positions, kpos)
+            else:
+                out = self._expanded(q_nope, q_pe, lat_c, pe_c, positions, kpos)
+        gate = torch.sigmoid(self.g_proj(x).float())                          # [B,T,H]
+        out = (out.float() * gate[..., None]).to(x.dtype)                     # [B,T,H,v]
+        return self.dense(out.reshape(b, t, self.heads * self.vdim))
+
+    def _mask(self, qpos, kpos):
+        return kpos[None, :] <= qpos[:, None]                                 # [T, L]
+
+    def _expanded(self, q_nope, q_pe, latent, k_pe, qpos, kpos):
+        """Naive form: expand keys/values from latents, one SDPA. Returns ``[B, T, H, v]``."""
+        b, l = latent.shape[0], latent.shape[1]
+        kv = self.kv_b_proj(latent.to(q_nope.dtype)).view(b, l, self.heads, self.nope + self.vdim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.vdim], -1)
+        k = torch.cat([k_nope, k_pe.to(k_nope.dtype)[:, None].expand(-1, self.heads, -1, -1)], -1)
+        q = torch.cat([q_nope, q_pe], -1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(qpos, kpos), scale=self.scale)
+        return o.transpose(1, 2)
+
+    def _absorbed_attn(self, q_nope, q_pe, latent, k_pe, qpos, kpos):
+        """Latent-space attention: reads the 576-wide cache only. Returns ``[B, T, H, v]``."""
+        wkc, wvc = self.absorbed(q_nope.dtype)
+        q_lat = torch.einsum("bhtn,hnr->bhtr", q_nope, wkc)                   # [B,H,T,R]
+        s = (torch.einsum("bhtr,blr->bhtl", q_lat.float(), latent.float())
+             + torch.einsum("bhtp,blp->bhtl", q_pe.float(), k_pe.float())) * self.scale
+        s = s.masked_fill(~self._mask(qpos, kpos), float("-inf"))
+        p = torch.softmax(s, -1)
+        o_lat = torch.einsum("bhtl,blr->bhtr", p, latent.float())
+        return torch.einsum("bhtr,hvr->bthv", o_lat, wvc.float()).to(q_nope.dtype)

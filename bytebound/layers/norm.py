@@ -1,0 +1,40 @@
+"""RMSNorm and the gated RMSNorm of KDA outputs (float32 statistics, as transformers and fla do)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``y = w * x / sqrt(mean(x^2) + eps)`` over the last dim; stats in float32, result in x's dtype.
+
+    Shapes: ``x [..., D]``, ``weight [D]``. eps from ``rms_norm_eps`` (1e-6 for Ling-3.0).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class RMSNormGated(nn.Module):
+    """KDA output norm: ``RMSNorm_D(o) * w * sigmoid(gate)``, all in float32 (fla ``FusedRMSNormGated``).
+
+    Shapes: ``o, gate [..., D]`` (D = head_dim, applied per head); returns o's dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        of = o.float()
+        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return (of * torch.sigmoid(gate.float())).to(o.dtype)

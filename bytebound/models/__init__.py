@@ -1,0 +1,1 @@
+"""Model families. One file per family; each only wires ``bytebound.layers`` together."""
