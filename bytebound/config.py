@@ -77,8 +77,9 @@ class QuantConfig:
         if len(wbs) != 2 or any(int(b) <= 0 for b in wbs):
             raise ConfigError(f"quantization_config.weight_block_size={list(wbs)} must be two positive ints")
         routed = d.get("routed_experts_quant_method", method)
-        if routed not in ("mxfp4", "fp8", "none"):
-            raise ConfigError(f"quantization_config.routed_experts_quant_method={routed!r} is not supported")
+        if routed not in ("mxfp4", "none"):
+            raise ConfigError(f"quantization_config.routed_experts_quant_method={routed!r} is not supported "
+                              "(routed experts must be 'mxfp4', as in Ling-3.0-flash-fp4, or unquantised)")
         gs = int(d.get("routed_experts_group_size", 32))
         if routed == "mxfp4" and gs != 32:
             raise ConfigError(f"quantization_config.routed_experts_group_size={gs}: MXFP4 needs 32")

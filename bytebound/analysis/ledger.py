@@ -261,6 +261,15 @@ class Ledger:
     def routed_bytes(self) -> float:
         return sum(it.bytes for it in self.items if it.group == "routed experts x top-k")
 
+    def with_head(self, head: str) -> "Ledger":
+        """The same ledger with the LM head stored as ``head`` (``bf16`` or ``fp8`` = per-channel FP8)."""
+        fmt = {"bf16": "bf16", "fp8": "fp8_channel"}.get(head, head)
+        r = replace(self.recipe, head=fmt)
+        c = self.cfg
+        items = [it for it in self.items if it.group != "LM head"]
+        items.append(_linear(r, "lm_head", "LM head", c.vocab_size, c.hidden_size, 1, fmt))
+        return Ledger(c, r, items, self.nextn)
+
     def verify_bytes(self, k: int) -> float:
         """Weight bytes of one target verify step over ``k`` tokens [B]: everything is read once except the
         routed experts, which grow from top_k to E[1 - (1 - top_k/E)^k] per MoE layer (seed section 8)."""

@@ -20,6 +20,13 @@ def _token_str(tok: Any) -> str | None:
     return tok.get("content") if isinstance(tok, dict) else tok
 
 
+def _as_ids(ids: Any) -> list[int]:
+    # Accepts an int, a list of ints, or a torch / numpy array or scalar.
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    return [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
+
+
 def _raise_exception(message: str):
     raise ValueError(message)
 
@@ -91,9 +98,9 @@ class Tokenizer:
         """Token ids of ``text``; special-token strings in it (``<role>``...) become their single ids."""
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Iterable[int] | Any, skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; byte-level, so ``decode(encode(s)) == s`` for any string ``s``."""
-        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.tok.decode(_as_ids(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Render ``messages`` (``[{"role", "content"}, ...]``) with the checkpoint's chat template to a string."""
@@ -127,7 +134,7 @@ class IncrementalDecoder:
 
     def decode_stream(self, ids: int | Iterable[int]) -> str:
         """Feed the newly generated id(s); return the text they complete ("" while a character is unfinished)."""
-        self.ids.extend([ids] if isinstance(ids, int) else ids)
+        self.ids.extend(_as_ids(ids))
         done = self._decode(self.ids[self.prefix:self.read])
         text = self._decode(self.ids[self.prefix:])
         if len(text) > len(done) and not text.endswith("\ufffd"):

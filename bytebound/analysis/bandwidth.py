@@ -1,0 +1,70 @@
+"""Measured memory bandwidth: the denominator of every floor in this package.
+
+``measure_read_bandwidth(device)`` times a streaming read of a buffer much larger than the caches and
+returns GB/s (1e9 B/s). On CUDA it is timed with CUDA events; on CPU with the wall clock. Two kernels:
+
+* ``mode="read"``: ``buf.sum()`` over a float32 buffer; bytes moved = ``nbytes`` (the reduction's output is
+  one scalar). This is what a batch-1 decode step does to its weights.
+* ``mode="copy"``: ``dst.copy_(src)``; bytes moved = 2 x ``nbytes`` (read + write), the usual "copy
+  bandwidth" figure of STREAM-like benchmarks.
+
+Floor of a step (seed section 5): ``t_min [ms] = B_step [B] / (GB/s x 1e9) x 1e3``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from bytebound.errors import BackendError
+
+
+def measure_read_bandwidth(device: str | torch.device = "cuda", nbytes: int = 1 << 30, iters: int = 20,
+                           warmup: int = 3, mode: str = "read") -> float:
+    """Best-of-``iters`` streaming bandwidth on ``device`` [GB/s, 1e9 B/s].
+
+    Args:
+        device: ``"cuda"``, ``"cuda:1"``, ``"cpu"``...
+        nbytes: buffer size in bytes (default 1 GiB; use >= 4x the last-level cache).
+        iters: timed repetitions; the fastest is reported (least disturbed by other work).
+        warmup: untimed repetitions first.
+        mode: ``"read"`` (sum, nbytes moved) or ``"copy"`` (copy, 2 x nbytes moved).
+
+    Raises:
+        BackendError: CUDA requested but not available, or an unknown ``mode``.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BackendError(f"measure_read_bandwidth: device {dev} requested but CUDA is not available")
+    if mode not in ("read", "copy"):
+        raise BackendError(f"measure_read_bandwidth: mode={mode!r}, expected 'read' or 'copy'")
+    n = max(1, nbytes // 4)
+    src = torch.ones(n, dtype=torch.float32, device=dev)
+    dst = torch.empty_like(src) if mode == "copy" else None
+    moved = 4 * n * (2 if mode == "copy" else 1)
+
+    def once():
+        if dst is not None:
+            dst.copy_(src)
+        else:
+            src.sum()
+
+    for _ in range(warmup):
+        once()
+    best = float("inf")
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            once()
+            b.record()
+            b.synchronize()
+            best = min(best, a.elapsed_time(b) * 1e-3)
+    else:
+        for _ in range(iters):
+            t = time.perf_counter()
+            once()
+            best = min(best, time.perf_counter() - t)
+    return moved / best / 1e9

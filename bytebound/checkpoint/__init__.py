@@ -1,0 +1,1 @@
+"""Ling checkpoint format: expected tensors (``layout``), strict loading, writing, random/dummy weights."""
