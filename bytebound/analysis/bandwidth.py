@@ -9,6 +9,9 @@ returns GB/s (1e9 B/s). On CUDA it is timed with CUDA events; on CPU with the wa
   bandwidth" figure of STREAM-like benchmarks.
 
 Floor of a step (seed section 5): ``t_min [ms] = B_step [B] / (GB/s x 1e9) x 1e3``.
+
+Seen on one H200 (torch 2.11, best of 20): read 4038 GB/s at 1 GiB and 4267 GB/s at 4 GiB; copy 4188 and
+4238 GB/s. Small buffers under-read (3296 GB/s at 256 MiB): launch and tail cost are not amortised.
 """
 
 from __future__ import annotations

@@ -148,12 +148,12 @@ def _mla(cfg: LingConfig, r: Recipe, n: float) -> list[Item]:
     g_proj d->H, dense H v->d."""
     d, H, g = cfg.hidden_size, cfg.num_attention_heads, "MLA projections"
     return [
-        _linear(r, "attention.q_proj", g, H * cfg.qk_head_dim, d, n),
-        _linear(r, "attention.kv_a_proj_with_mqa", g, cfg.mla_cache_dim, d, n),
-        _plain(r, "attention.kv_a_layernorm", g, (cfg.kv_lora_rank,), n),
-        _linear(r, "attention.kv_b_proj", g, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank, n),
-        _linear(r, "attention.g_proj", g, H, d, n),
-        _linear(r, "attention.dense", g, d, H * cfg.v_head_dim, n),
+        _linear(r, "mla.attention.q_proj", g, H * cfg.qk_head_dim, d, n),
+        _linear(r, "mla.attention.kv_a_proj_with_mqa", g, cfg.mla_cache_dim, d, n),
+        _plain(r, "mla.attention.kv_a_layernorm", g, (cfg.kv_lora_rank,), n),
+        _linear(r, "mla.attention.kv_b_proj", g, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank, n),
+        _linear(r, "mla.attention.g_proj", g, H, d, n),
+        _linear(r, "mla.attention.dense", g, d, H * cfg.v_head_dim, n),
     ]
 
 
@@ -179,15 +179,15 @@ def _items(cfg: LingConfig, r: Recipe) -> list[Item]:
     D, H, ck = cfg.kda_dim, cfg.num_attention_heads, cfg.short_conv_kernel_size
     items = [_plain(r, "word_embeddings (1 row)", "embedding row", (d,), 1)]
     g = "KDA projections"
-    items += [_linear(r, f"attention.{p}", g, D, d, nk) for p in ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj")]
-    items.append(_linear(r, "attention.o_proj", g, d, D, nk))
-    b = _linear(r, "attention.b_proj", g, H, d, nk)
+    items += [_linear(r, f"kda.attention.{p}", g, D, d, nk) for p in ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj")]
+    items.append(_linear(r, "kda.attention.o_proj", g, d, D, nk))
+    b = _linear(r, "kda.attention.b_proj", g, H, d, nk)
     items.append(replace(b, group="KDA b_proj") if b.fmt == r.plain else b)
     g = "KDA conv/gates/norm"
-    items += [_plain(r, f"attention.{p}_conv1d", g, (D, 1, ck), nk) for p in ("q", "k", "v")]
-    items.append(_plain(r, "attention.A_log", g, (H,), nk, "fp32" if "A_log" in r.kda_fp32 else None))
-    items.append(_plain(r, "attention.dt_bias", g, (D,), nk, "fp32" if "dt_bias" in r.kda_fp32 else None))
-    items.append(_plain(r, "attention.o_norm", g, (cfg.head_dim,), nk))
+    items += [_plain(r, f"kda.attention.{p}_conv1d", g, (D, 1, ck), nk) for p in ("q", "k", "v")]
+    items.append(_plain(r, "kda.attention.A_log", g, (H,), nk, "fp32" if "A_log" in r.kda_fp32 else None))
+    items.append(_plain(r, "kda.attention.dt_bias", g, (D,), nk, "fp32" if "dt_bias" in r.kda_fp32 else None))
+    items.append(_plain(r, "kda.attention.o_norm", g, (cfg.head_dim,), nk))
     items += _mla(cfg, r, nm)
     items.append(_plain(r, "input/post_attention_layernorm", "norms", (d,), 2 * L))
     items.append(_plain(r, "model.norm", "norms", (d,), 1))
@@ -208,7 +208,7 @@ def _nextn_items(cfg: LingConfig, r: Recipe) -> list[Item]:
     d = cfg.hidden_size
     items = [_plain(r, "nextn.enorm/hnorm/final_layernorm", "NEXTN layer", (d,), 3),
              _plain(r, "nextn.input/post_attention_layernorm", "NEXTN layer", (d,), 2),
-             _linear(r, "eh_proj", "NEXTN layer", d, 2 * d, 1)]
+             _linear(r, "nextn.eh_proj", "NEXTN layer", d, 2 * d, 1)]
     inner = _mla(cfg, r, 1) + _moe(cfg, r, 1)
     return items + [replace(it, name="nextn." + it.name, group="NEXTN layer") for it in inner]
 

@@ -29,9 +29,19 @@ class KDAState:
     """Recurrent state of one KDA layer: ``conv [B, 3D, kernel-1]`` and ``rec [B, H, K, V]``, both float32."""
     conv: torch.Tensor
     rec: torch.Tensor
+    # When set to a list, a multi-token forward (MTP verify) appends the state after *each* token, so a
+    # rejected draft rolls back to an exact committed boundary without replaying anything.
+    history: list | None = None
 
     def clone(self) -> "KDAState":
         return KDAState(self.conv.clone(), self.rec.clone())
+
+    def rollback(self, i: int) -> None:
+        """Restore the state recorded after token ``i`` of the last recorded forward, and stop recording."""
+        conv, rec = self.history[i]
+        self.conv.copy_(conv)
+        self.rec.copy_(rec)
+        self.history = None
 
     def copy_(self, other: "KDAState") -> None:
         self.conv.copy_(other.conv)
@@ -86,11 +96,28 @@ class KimiDeltaAttention(nn.Module):
         """Depthwise weights of the concatenated q|k|v channels: ``[3D, 1, kernel]`` float32."""
         return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0).float()
 
+    def _stepwise(self, q, k, v, g, beta, state: KDAState, qkv):
+        """Token-by-token recurrence that records (conv, rec) after every token into ``state.history``.
+        ``state.conv`` already holds the post-forward conv window; the per-token windows are rebuilt from
+        the pre-forward window (saved by :meth:`short_conv`) and the new inputs."""
+        t = q.shape[1]
+        full = torch.cat([state._conv_before, qkv.float().transpose(1, 2)], -1)   # [B, 3D, k-1+T]
+        outs, rec = [], state.rec
+        state.history = []
+        for i in range(t):
+            o, rec = self.kda_fn(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], g[:, i:i + 1], beta[:, i:i + 1], rec)
+            outs.append(o)
+            state.history.append((full[..., i + 1:i + self.kernel].clone(), rec.clone()))
+        state.rec.copy_(rec)
+        return torch.cat(outs, 1)
+
     def short_conv(self, x: torch.Tensor, state: KDAState | None) -> torch.Tensor:
         """Causal depthwise conv + SiLU over ``x [B, T, 3D]``; updates ``state.conv`` in place."""
         xt = x.float().transpose(1, 2)                                        # [B, 3D, T]
         t = xt.shape[-1]
         if state is not None:
+            if state.history is not None:
+                state._conv_before = state.conv.clone()
             full = torch.cat([state.conv, xt], -1)                           # [B, 3D, k-1+T]
             state.conv.copy_(full[..., -(self.kernel - 1):])
         else:
@@ -106,9 +133,12 @@ class KimiDeltaAttention(nn.Module):
         shape = (b, t, self.heads, self.head_dim)
         g = kda_gate(self.f_proj(x), self.A_log, self.dt_bias, self.lower_bound, self.head_dim)
         beta = torch.sigmoid(self.b_proj(x).float())
-        o, new = self.kda_fn(q.reshape(shape), k.reshape(shape), v.reshape(shape), g, beta,
-                             None if state is None else state.rec)
-        if state is not None:
-            state.rec.copy_(new)
+        q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
+        if state is not None and state.history is not None:
+            o = self._stepwise(q, k, v, g, beta, state, qkv)
+        else:
+            o, new = self.kda_fn(q, k, v, g, beta, None if state is None else state.rec)
+            if state is not None:
+                state.rec.copy_(new)
         o = self.o_norm(o, self.g_proj(x).view(shape)).to(x.dtype)
         return self.o_proj(o.reshape(b, t, self.dim))

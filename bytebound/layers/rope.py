@@ -63,9 +63,15 @@ class Rope(torch.nn.Module):
 
     def __init__(self, dim: int, theta: float, scaling: dict | None):
         super().__init__()
+        self.dim, self.theta, self.scaling = dim, theta, scaling
         inv, att = rope_inv_freq(dim, theta, scaling)
         self.register_buffer("inv_freq", inv, persistent=False)
         self.attention_factor = att
+
+    def reset_buffers(self) -> None:
+        """Recompute ``inv_freq`` (needed after ``Module.to_empty``, which leaves buffers uninitialised)."""
+        inv, _ = rope_inv_freq(self.dim, self.theta, self.scaling)
+        self.inv_freq.copy_(inv.to(self.inv_freq.device))
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [T]`` int64 -> cos, sin ``[T, D/2]`` float32 (amplitude-scaled for YaRN)."""

@@ -99,6 +99,17 @@ class BailingMoeV3ForCausalLM(nn.Module):
         self.model = BailingMoeV3Model(cfg, dtype, device)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device)
 
+    def finish_load(self) -> "BailingMoeV3ForCausalLM":
+        """After weights are in place (``to_empty`` + fill): rebuild buffers, materialise MLA absorbed weights."""
+        from bytebound.layers.rope import Rope
+        for m in self.modules():
+            if isinstance(m, Rope):
+                m.reset_buffers()
+        for layer in self.model.layers:
+            if layer.is_mla:
+                layer.attention.prepare(self.dtype)
+        return self.eval()
+
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
         return list(self.model.layers[: self.cfg.num_hidden_layers])

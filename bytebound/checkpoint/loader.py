@@ -1,0 +1,131 @@
+"""Strict loading of Ling checkpoints (HF-style directory: config.json + safetensors shards/index).
+
+Every expected tensor (``layout.expected_tensors``) must be present exactly once with the right shape and
+dtype, finite, with scales of the right layout; nothing unexpected may be left over. All problems found
+are gathered and raised as one :class:`~bytebound.errors.CheckpointError` naming the tensors and files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from bytebound.checkpoint.layout import TensorSpec, expected_tensors
+from bytebound.config import LingConfig
+from bytebound.errors import CheckpointError
+from bytebound.models.bailing_moe_v3 import BailingMoeV3ForCausalLM
+
+MAX_LISTED = 12
+
+
+def _index(path: Path) -> dict[str, str]:
+    """``{tensor name: shard file name}`` from the index, or from the single ``model.safetensors``."""
+    idx = path / "model.safetensors.index.json"
+    if idx.exists():
+        try:
+            wmap = json.loads(idx.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{idx}: unreadable index ({e})") from e
+        return dict(wmap)
+    single = path / "model.safetensors"
+    if not single.exists():
+        raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    return {k: single.name for k in _open(single).keys()}
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except FileNotFoundError as e:
+        raise CheckpointError(f"shard {file} is missing (named in the index)") from e
+    except Exception as e:  # safetensors raises SafetensorError / OSError for truncated headers
+        raise CheckpointError(f"shard {file} is unreadable or truncated: {e}") from e
+
+
+def _check(spec: TensorSpec, t: torch.Tensor, scale_pow2: bool) -> str | None:
+    """Problem with tensor ``t`` against ``spec`` (None when fine)."""
+    if tuple(t.shape) != spec.shape:
+        what = "scale layout" if spec.kind.endswith("scale") else "shape"
+        return f"{spec.name}: {what} {tuple(t.shape)}, expected {spec.shape}"
+    if t.dtype not in spec.dtypes:
+        return f"{spec.name}: dtype {t.dtype}, expected one of {[str(d) for d in spec.dtypes]}"
+    if spec.kind in ("float", "fp8", "fp8_scale") and not torch.isfinite(t.float()).all():
+        return f"{spec.name}: non-finite values"
+    if spec.kind == "fp8_scale":
+        if (t <= 0).any():
+            return f"{spec.name}: non-positive scale"
+        if scale_pow2 and not torch.equal(torch.exp2(torch.log2(t).round()), t):
+            return f"{spec.name}: scale_fmt ue8m0 needs power-of-two scales"
+    if spec.kind == "mxfp4_scale" and (t == 255).any():
+        return f"{spec.name}: E8M0 scale byte 255 (NaN)"
+    return None
+
+
+def load_model(path, device="cpu", dtype: torch.dtype | None = None) -> BailingMoeV3ForCausalLM:
+    """Build the model of ``path/config.json`` and fill it from the checkpoint, strictly.
+
+    Args:
+        path: checkpoint directory. device: where the weights end up. dtype: compute dtype of plain tensors
+            (default float32 on CPU, bfloat16 on CUDA).
+    Raises:
+        ConfigError: bad config. CheckpointError: missing / unexpected / mis-shaped / wrong-dtype / non-finite
+            tensors, bad scale layout, unreadable or truncated shards (one error, all names and files listed).
+    """
+    path = Path(path)
+    cfg = LingConfig.from_file(path)
+    device = torch.device(device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    with torch.device("meta"):
+        model = BailingMoeV3ForCausalLM(cfg, dtype)
+    model = model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    wmap = _index(path)
+    specs = expected_tensors(cfg)
+    by_file: dict[str, list[TensorSpec]] = defaultdict(list)
+    problems: list[str] = []
+    for s in specs:
+        if s.name in wmap:
+            by_file[wmap[s.name]].append(s)
+        else:
+            problems.append(f"missing tensor {s.name}")
+    expected = {s.name for s in specs}
+    unexpected = sorted(set(wmap) - expected)
+    problems += [f"unexpected tensor {n} (in {wmap[n]})" for n in unexpected]
+    filled: set[str] = set()
+    pow2 = cfg.quant.scale_fmt == "ue8m0"
+    with torch.no_grad():
+        for fname, group in by_file.items():
+            f = _open(path / fname)
+            keys = set(f.keys())
+            for s in group:
+                if s.name not in keys:
+                    problems.append(f"{s.name}: listed in the index for {fname} but not in that file")
+                    continue
+                try:
+                    t = f.get_tensor(s.name)
+                except Exception as e:
+                    problems.append(f"{s.name}: unreadable in {fname} (truncated shard?): {e}")
+                    continue
+                why = _check(s, t, pow2)
+                if why:
+                    problems.append(f"{why} (in {fname})")
+                    continue
+                p = params[s.target]
+                if s.expert is None:
+                    p.copy_(t.to(p.dtype) if p.dtype != torch.float8_e4m3fn else t)
+                else:
+                    src = t.view(torch.uint8) if p.dtype == torch.uint8 else t.to(p.dtype)
+                    p[s.expert, s.rows[0]:s.rows[1]].copy_(src)
+                filled.add(s.name)
+    if problems:
+        shown = problems[:MAX_LISTED]
+        more = f"\n  ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
+        raise CheckpointError(f"checkpoint {path} failed strict loading ({len(problems)} problem(s)):\n  "
+                              + "\n  ".join(shown) + more)
+    model.finish_load()
+    model.loaded_tensors = len(filled)
+    return model

@@ -1,0 +1,100 @@
+"""``bytebound`` command line: generate, verify, analyze, bench, serve."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from bytebound.engine.engine import DEFAULT_MODEL
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that starts an engine."""
+    p.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint dir (default: bundled ling-nano)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, choices=[None, "bf16", "fp32"])
+    p.add_argument("--lm-head", default="bf16", choices=["bf16", "fp32", "fp8"],
+                   help="bf16 (checkpoint), fp32 (fp32 logits, --enable-fp32-lm-head), fp8 (online FP8)")
+    p.add_argument("--enable-fp32-lm-head", action="store_true", help="alias of --lm-head fp32")
+    p.add_argument("--moe-backend", default=None, help="routed-MoE backend: torch | triton | humming")
+    p.add_argument("--linear-backend", default=None, help="dense projection backend: torch | triton")
+    p.add_argument("--kda-backend", default=None, help="KDA backend: torch | fla")
+    p.add_argument("--allow-fallback", action="store_true",
+                   help="substitute the torch backend when a requested one is unusable (recorded and printed)")
+    p.add_argument("--speculative-algorithm", default=None, choices=[None, "NEXTN"])
+    p.add_argument("--speculative-num-steps", type=int, default=3)
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=4)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+
+
+def engine_config(a):
+    from bytebound.engine.engine import EngineConfig
+    steps = 0
+    if a.speculative_algorithm == "NEXTN":
+        steps = a.speculative_num_steps
+        if a.speculative_num_draft_tokens != steps + 1:
+            raise SystemExit("--speculative-num-draft-tokens must equal --speculative-num-steps + 1 (chain, top-k 1)")
+    backends = {k: v for k, v in (("moe", a.moe_backend), ("linear", a.linear_backend), ("kda", a.kda_backend)) if v}
+    return EngineConfig(model=a.model, device=a.device, dtype=a.dtype,
+                        lm_head="fp32" if a.enable_fp32_lm_head else a.lm_head, backends=backends,
+                        allow_fallback=a.allow_fallback, speculative_steps=steps, max_model_len=a.max_model_len,
+                        load_format=a.load_format)
+
+
+def print_fallbacks(engine) -> None:
+    for r in engine.plan.fallbacks():
+        print(f"[bytebound] FALLBACK op={r.op}: requested {r.fallback_from!r}, running {r.resolved!r} ({r.reason})",
+              file=sys.stderr)
+
+
+def cmd_generate(a) -> int:
+    from bytebound.engine.engine import Engine
+    from bytebound.sampling import SamplingParams
+    eng = Engine(engine_config(a))
+    print_fallbacks(eng)
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                            seed=a.seed, stop=tuple(a.stop or ()))
+    out = None
+    for chunk in eng.stream(a.prompt, params, chat=a.chat):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        out = chunk.output or out
+    print()
+    msg = (f"[{out.completion_tokens} tokens, finish={out.finish_reason}, TTFT {out.ttft_s * 1e3:.1f} ms, "
+           f"TPOT {out.tpot_s * 1e3:.2f} ms, decode {out.decode_tok_s:.1f} tok/s")
+    if out.spec:
+        msg += f", accept length {out.spec['accept_length']:.2f}"
+    print(msg + "]", file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="bytebound", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    add_engine_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.set_defaults(fn=cmd_generate)
+    import importlib
+    for mod in ("bytebound.analysis.cli", "bytebound.verify.cli", "bytebound.bench.cli", "bytebound.server.cli"):
+        try:
+            m = importlib.import_module(mod)
+        except ModuleNotFoundError as e:   # a subcommand module not written yet; real import errors propagate
+            if e.name != mod:
+                raise
+            continue
+        m.add_parser(sub)
+    a = ap.parse_args(argv)
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""The engine: load a checkpoint, bind kernels, generate (batch 1) with stops, streaming and metrics.
+
+``Engine.generate(prompts, params)`` returns one :class:`RequestOutput` per prompt; ``Engine.stream`` yields
+:class:`StreamChunk` deltas. Requests run one at a time (batch 1); callers serialise access (the server
+queues them).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from bytebound.engine.tokenizer import Tokenizer
+from bytebound.errors import RequestError
+from bytebound.runner.backends import BackendPlan, bind_model
+from bytebound.runner.runner import ModelRunner
+from bytebound.sampling import SamplingParams, make_generator, sample
+from bytebound.speculative.mtp import MTPDrafter, SpecStats, mtp_tokens
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "ling-nano"
+
+
+@dataclass
+class EngineConfig:
+    """Everything ``Engine`` needs to start. ``lm_head``: bf16 | fp32 | fp8. ``backends``: op -> backend
+    overrides (see ``runner.backends``). ``speculative_steps`` 0 disables MTP."""
+    model: str = str(DEFAULT_MODEL)
+    device: str = "cpu"
+    dtype: str | None = None
+    lm_head: str = "bf16"
+    backends: dict = field(default_factory=dict)
+    allow_fallback: bool = False
+    speculative_steps: int = 0
+    max_model_len: int = 4096
+    load_format: str = "auto"
+    draft_share: str = "module"       # "weight-only" exists only to reproduce the seed's failure in tests
+
+
+@dataclass
+class RequestOutput:
+    """One finished request. Times in seconds; ``tpot_s`` = mean time per output token after the first."""
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+    spec: dict | None = None
+
+    @property
+    def decode_tok_s(self) -> float:
+        return 1.0 / self.tpot_s if self.tpot_s > 0 else 0.0
+
+
+@dataclass
+class StreamChunk:
+    """A streamed delta: new text and token ids; ``finish_reason`` and ``output`` set on the last chunk."""
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    output: RequestOutput | None = None
+
+
+def _dtype(name: str | None, device: str) -> torch.dtype:
+    if name is None:
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}[name]
+
+
+class Engine:
+    """Batch-1 generation over a Ling checkpoint (see :class:`EngineConfig`).
+
+    Raises at start-up: ConfigError / CheckpointError (bad checkpoint), BackendError (unusable backend without
+    ``allow_fallback``), FileNotFoundError (no tokenizer).
+    """
+
+    def __init__(self, config: EngineConfig | None = None, **kw):
+        self.config = cfg = config or EngineConfig(**kw)
+        dev = torch.device(cfg.device)
+        dtype = _dtype(cfg.dtype, cfg.device)
+        if cfg.load_format == "dummy":
+            from bytebound.checkpoint.synthetic import dummy_model
+            from bytebound.config import LingConfig
+            self.model = dummy_model(LingConfig.from_file(cfg.model), dev, dtype)
+            self.tokenizer = None
+        else:
+            from bytebound.checkpoint.loader import load_model
+            self.model = load_model(cfg.model, dev, dtype)
+            self.tokenizer = Tokenizer.from_dir(cfg.model)
+        self.plan = bind_model(self.model, BackendPlan(
+            {**BackendPlan.default(dev).requested, **cfg.backends}, cfg.allow_fallback), dev, cfg.lm_head)
+        self.runner = ModelRunner(self.model, cfg.max_model_len, dev)
+        self.drafter = MTPDrafter(self.model, cfg.speculative_steps, cfg.draft_share) if cfg.speculative_steps else None
+        self.spec_totals = SpecStats(cfg.speculative_steps or 1)
+        self.device = dev
+
+    # -------------------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if self.tokenizer is None:
+            raise RequestError("this engine has no tokenizer (dummy weights): pass token ids")
+        if chat:
+            prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def stop_ids(self, p: SamplingParams) -> set[int]:
+        """EOS ids (union of config and generation_config) plus the request's ``stop_token_ids``."""
+        ids = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            ids |= set(self.model.cfg.eos_ids)
+            if self.tokenizer is not None:
+                ids |= set(self.tokenizer.eos_token_ids)
+        return ids
+
+    def _tokens(self, ids: torch.Tensor, p: SamplingParams, gen, stats: SpecStats | None):
+        """Raw token source: plain decode or MTP rounds; yields ``(token, round)``."""
+        if self.drafter is not None:
+            yield from mtp_tokens(self.runner, self.drafter, ids, p, gen, stats)
+            return
+        r = self.runner
+        logits = r.logits(r.prefill(ids.to(self.device))[-1:])
+        while True:
+            tok = int(sample(logits, p, gen)[0])
+            yield tok, 0
+            logits = r.logits(r.forward(torch.tensor([tok], device=self.device)))
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, chat: bool = False
+               ) -> Iterator[StreamChunk]:
+        """Generate for one prompt, yielding text deltas. Stops on EOS/stop ids (not emitted), stop strings
+        (output truncated before them) or ``max_tokens``; token ids, text and usage end at the same place."""
+        p = params or SamplingParams()
+        ids = self.encode_prompt(prompt, chat)
+        if not ids:
+            raise RequestError("empty prompt")
+        if len(ids) + p.max_tokens + (self.config.speculative_steps + 1) > self.runner.max_len:
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds the model's "
+                               f"max length {self.runner.max_len}")
+        self.runner.reset()
+        gen = make_generator(p, self.device)
+        stats = SpecStats(self.config.speculative_steps) if self.drafter else None
+        stop_ids = self.stop_ids(p)
+        out_ids: list[int] = []
+        rounds: list[int] = []          # verify round of each emitted token (0 = from prefill)
+        text, sent = "", 0
+        holdback = max((len(s) for s in p.stop), default=0)
+        t0 = time.perf_counter()
+        t_first = t_last = None
+        finish = None
+        source = self._tokens(torch.tensor(ids), p, gen, stats)
+        try:
+            for tok, rnd in source:
+                now = time.perf_counter()
+                t_first = t_first or now
+                t_last = now
+                if tok in stop_ids:
+                    finish = "stop"
+                    break
+                out_ids.append(tok)
+                rounds.append(rnd)
+                if self.tokenizer is not None:
+                    text = self.tokenizer.decode(out_ids)
+                    hit = [i for i in (text.find(s, max(0, sent - len(s))) for s in p.stop) if i >= 0]
+                    if hit:
+                        cut = min(hit)
+                        text = text[:cut]
+                        out_ids = self._trim_ids(out_ids, cut)
+                        finish = "stop"
+                        break
+                if len(out_ids) >= p.max_tokens:
+                    finish = "length"
+                    break
+                safe = len(text) - holdback
+                if text.endswith("\ufffd"):
+                    safe = min(safe, len(text) - 1)
+                if safe > sent:
+                    yield StreamChunk(text[sent:safe], [tok])
+                    sent = safe
+                elif self.tokenizer is None:
+                    yield StreamChunk("", [tok])
+        finally:
+            source.close()
+        end = time.perf_counter()
+        n = len(out_ids)
+        tpot = (t_last - t_first) / (n - 1) if n > 1 and t_first else 0.0
+        if stats:
+            # Accept length counts the tokens the request kept: EOS and text cut by a stop string do not count.
+            stats.committed = sum(1 for r in rounds[:n] if r > 0)
+        spec = stats.to_dict() if stats else None
+        if stats:
+            self._accumulate(stats)
+        out = RequestOutput(text, out_ids, finish or "length", len(ids), n, (t_first or end) - t0, tpot, end - t0, spec)
+        yield StreamChunk(text[sent:], [], finish or "length", out)
+
+    def _trim_ids(self, ids: list[int], nchars: int) -> list[int]:
+        """Shortest prefix of ``ids`` whose text covers the kept ``nchars`` characters."""
+        for i in range(len(ids) + 1):
+            if len(self.tokenizer.decode(ids[:i])) >= nchars:
+                return ids[:i]
+        return ids
+
+    def _accumulate(self, s: SpecStats) -> None:
+        t = self.spec_totals
+        t.rounds += s.rounds
+        t.committed += s.committed
+        t.accepted_at = [a + b for a, b in zip(t.accepted_at, s.accepted_at)]
+        t.tried_at = [a + b for a, b in zip(t.tried_at, s.tried_at)]
+        t.draft_s, t.verify_s, t.rollback_s = t.draft_s + s.draft_s, t.verify_s + s.verify_s, t.rollback_s + s.rollback_s
+
+    def generate(self, prompts, params: SamplingParams | None = None, chat: bool = False) -> list[RequestOutput]:
+        """Run each prompt (a string, token-id list, or a list of those) to completion, in order."""
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        outs = []
+        for pr in ([prompts] if single else prompts):
+            last = None
+            for last in self.stream(pr, params, chat):
+                pass
+            outs.append(last.output)
+        return outs

@@ -1,0 +1,55 @@
+"""Bind every op of a loaded model to its backend, once, and record what was resolved (for the manifest)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from bytebound.kernels.registry import Resolution, resolve
+from bytebound.layers.kda import KimiDeltaAttention
+from bytebound.layers.linear import QLinear
+from bytebound.layers.moe import RoutedExperts
+
+DEFAULTS_CPU = {"moe": "torch", "linear": "torch", "lm_head": "torch", "kda": "torch", "mla": "torch",
+                "sampling": "torch"}
+DEFAULTS_CUDA = {"moe": "triton", "linear": "triton", "lm_head": "triton", "kda": "fla", "mla": "torch",
+                 "sampling": "torch"}
+
+
+@dataclass
+class BackendPlan:
+    """Requested backend per op plus the resolved records (``resolutions``) after :func:`bind_model`."""
+    requested: dict[str, str]
+    allow_fallback: bool = False
+    resolutions: dict[str, Resolution] = field(default_factory=dict)
+
+    @classmethod
+    def default(cls, device, **overrides) -> "BackendPlan":
+        base = dict(DEFAULTS_CUDA if torch.device(device).type == "cuda" else DEFAULTS_CPU)
+        base.update({k: v for k, v in overrides.items() if v})
+        return cls(base)
+
+    def fallbacks(self) -> list[Resolution]:
+        return [r for r in self.resolutions.values() if r.fallback_from]
+
+
+def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> BackendPlan:
+    """Resolve each op once and bind every module of that op to it. Raises BackendError (named) when a
+    requested backend is unusable and ``plan.allow_fallback`` is False."""
+    dtype = model.dtype
+    impl = {}
+    for op in ("moe", "linear", "lm_head", "kda", "mla"):
+        impl[op], plan.resolutions[op] = resolve(op, plan.requested[op], device, plan.allow_fallback)
+    plan.resolutions["sampling"] = Resolution("sampling", plan.requested.get("sampling", "torch"), "torch")
+    model.lm_head.configure(lm_head_mode)
+    for m in model.modules():
+        if isinstance(m, QLinear):
+            m.fn, m.backend = impl["linear"].bind(m, dtype), plan.resolutions["linear"].resolved
+        elif isinstance(m, RoutedExperts):
+            m.fn, m.backend = impl["moe"].bind(m, dtype), plan.resolutions["moe"].resolved
+        elif isinstance(m, KimiDeltaAttention):
+            m.kda_fn = impl["kda"].bind(m, dtype)
+    model.lm_head.fn = impl["lm_head"].bind(model.lm_head, dtype)
+    model.lm_head.backend = plan.resolutions["lm_head"].resolved
+    return plan

@@ -1,0 +1,76 @@
+"""Batch-1 model runner: one request's state, prefill, decode and the M-token verify forward of MTP.
+
+Positions are committed-length indices. MLA caches are position-indexed (no rollback needed); KDA states are
+rolled back from per-token history recorded during verify (``KDAState.history``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bytebound.layers.kda import KDAState
+
+PREFILL_CHUNK = 2048
+
+
+class ModelRunner:
+    """Holds the model, one request's state and its committed length ``pos``.
+
+    Args:
+        model: a loaded ``BailingMoeV3ForCausalLM``. max_len: cache slots (prompt + output + draft room).
+    """
+
+    def __init__(self, model, max_len: int, device=None):
+        self.model, self.max_len = model, max_len
+        self.device = device or model.lm_head.weight.device
+        self.state = model.new_state(max_len, device=self.device)
+        self.pos = 0
+
+    def reset(self) -> None:
+        """Zero every state for a new request (buffers reused)."""
+        for st in self.state:
+            if isinstance(st, KDAState):
+                st.conv.zero_()
+                st.rec.zero_()
+                st.history = None
+        self.pos = 0
+
+    def _check_room(self, n: int) -> None:
+        if self.pos + n > self.max_len:
+            raise ValueError(f"sequence of {self.pos + n} tokens exceeds the cache ({self.max_len} slots)")
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Run ``ids [T]`` at positions ``pos..pos+T-1``, advance ``pos``; returns final-normed hidden ``[T, H]``."""
+        t = ids.shape[0]
+        self._check_room(t)
+        positions = torch.arange(self.pos, self.pos + t, device=self.device)
+        h = self.model(ids.view(1, t).to(self.device), positions, self.state)
+        self.pos += t
+        return h[0]
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Whole prompt in chunks of ``PREFILL_CHUNK`` tokens (the chunked KDA form inside each)."""
+        outs = [self.forward(ids[i:i + PREFILL_CHUNK]) for i in range(0, ids.shape[0], PREFILL_CHUNK)]
+        return torch.cat(outs, 0)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
+
+    @torch.inference_mode()
+    def verify(self, ids: torch.Tensor) -> torch.Tensor:
+        """Verify forward of ``ids [M]`` recording KDA state after each token; pair with :meth:`commit`."""
+        for st in self.state:
+            if isinstance(st, KDAState):
+                st.history = []
+        return self.forward(ids)
+
+    def commit(self, n: int, verified: int) -> None:
+        """Keep the first ``n`` of the last ``verified`` tokens: ``pos`` moves back and KDA states roll back to
+        the state after token ``n - 1``; MLA slots past ``pos`` are simply overwritten later."""
+        self.pos -= verified - n
+        for st in self.state:
+            if isinstance(st, KDAState):
+                st.rollback(n - 1)

@@ -1,0 +1,100 @@
+"""Sampling parameters and the token sampler (greedy, temperature, top-k, top-p with a seed).
+
+Processing order follows SGLang/vLLM: logits / T -> softmax -> top-k renorm -> top-p renorm
+(``ling3-reference.md`` section 2.4). The same :func:`probs` feeds plain sampling and speculative
+verification, so both sample from exactly the same target distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from bytebound.errors import RequestError
+
+MAX_TOKENS_LIMIT = 1 << 20
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings (OpenAI-compatible names).
+
+    temperature 0 means greedy. top_k <= 0 and top_p = 1 disable those filters. ``stop``: strings that end
+    the output (not included in it); ``stop_token_ids``: extra ids beside the model's EOS ids.
+    """
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop or ())
+        self.stop_token_ids = tuple(self.stop_token_ids or ())
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def validate(self) -> None:
+        """Raise :class:`RequestError` naming the first out-of-range field."""
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or \
+                not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise RequestError(f"max_tokens must be an int in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens!r}")
+        if not (0.0 <= float(self.temperature) <= 100.0):
+            raise RequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not (0.0 < float(self.top_p) <= 1.0):
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise RequestError(f"top_k must be an int >= -1 (0 or -1 = off), got {self.top_k!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError("stop strings must be non-empty strings")
+        if len(self.stop) > 16:
+            raise RequestError("at most 16 stop strings")
+
+
+def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Target distribution ``[.., V]`` float32 after temperature, top-k and top-p (renormalised each time)."""
+    x = logits.float() / max(float(p.temperature), 1e-6)
+    pr = torch.softmax(x, -1)
+    v = pr.shape[-1]
+    if 0 < p.top_k < v:
+        kth = pr.topk(p.top_k, -1).values[..., -1:]
+        pr = torch.where(pr >= kth, pr, torch.zeros_like(pr))
+        pr = pr / pr.sum(-1, keepdim=True)
+    if p.top_p < 1.0:
+        sp, idx = pr.sort(-1, descending=True)
+        cum = sp.cumsum(-1)
+        keep = (cum - sp) < p.top_p                      # keep tokens until the mass before them reaches top_p
+        sp = torch.where(keep, sp, torch.zeros_like(sp))
+        pr = torch.zeros_like(pr).scatter_(-1, idx, sp)
+        pr = pr / pr.sum(-1, keepdim=True)
+    return pr
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
+    """One token id per row of ``logits [.., V]`` (int64 ``[..]``): argmax when greedy, else multinomial."""
+    if p.greedy:
+        return logits.argmax(-1)
+    pr = probs(logits, p)
+    flat = pr.reshape(-1, pr.shape[-1])
+    return torch.multinomial(flat, 1, generator=gen).view(pr.shape[:-1])
+
+
+def make_generator(p: SamplingParams, device) -> torch.Generator | None:
+    """A seeded generator for ``p.seed`` (None: nondeterministic unless greedy)."""
+    if p.greedy:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(p.seed if p.seed is not None else torch.seed() % (1 << 62))
+    return g
+
+
+__all__ = ["SamplingParams", "probs", "sample", "make_generator", "field"]

@@ -1,0 +1,144 @@
+"""NEXTN chain drafting with one verify forward per round (``ling3-reference.md`` sections 2.1-2.3).
+
+Round (steps = 3, 4 verified positions), with ``y`` the last committed, not yet processed token at ``pos``:
+  1. draft-extend: NEXTN over the tokens committed last round, each paired with the target hidden state of
+     the position before it -> draft token d1 (and the NEXTN hidden at ``pos - 1``);
+  2. steps - 1 draft decodes, each feeding back the NEXTN's own hidden and token -> d2, d3;
+  3. verify: the target runs [y, d1, d2, d3] at pos..pos+3 in one forward (KDA state recorded per token);
+  4. accept the longest matching prefix j + one bonus token (``accept.accept_chain``); the runner keeps
+     j + 1 tokens and rolls the KDA states back to after the last kept one.
+The draft holds the target's **LM-head module object** and embedding (shared, never copied): whatever path
+the head uses (BF16, FP32 logits, online FP8), drafts use the same one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from bytebound.sampling import SamplingParams, sample
+from bytebound.speculative.accept import accept_chain
+
+
+@dataclass
+class SpecStats:
+    """Accept-length metrics: committed tokens / verify rounds (SGLang ``accept len``), per-position rates,
+    and round time split into draft, verify and rollback (seconds)."""
+    steps: int
+    rounds: int = 0
+    committed: int = 0
+    accepted_at: list[int] = field(default_factory=list)   # accepted drafts per draft position
+    tried_at: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    rollback_s: float = 0.0
+
+    def __post_init__(self):
+        self.accepted_at = self.accepted_at or [0] * self.steps
+        self.tried_at = self.tried_at or [0] * self.steps
+
+    @property
+    def accept_length(self) -> float:
+        return self.committed / self.rounds if self.rounds else 0.0
+
+    def position_rates(self) -> list[float]:
+        return [a / t if t else 0.0 for a, t in zip(self.accepted_at, self.tried_at)]
+
+    def to_dict(self) -> dict:
+        return {"accept_length": round(self.accept_length, 4), "rounds": self.rounds, "committed": self.committed,
+                "per_position_accept": [round(r, 4) for r in self.position_rates()],
+                "draft_s": self.draft_s, "verify_s": self.verify_s, "rollback_s": self.rollback_s}
+
+
+class MTPDrafter:
+    """The NEXTN draft model: the checkpoint's NEXTN layer + the target's embedding and LM-head *modules*.
+
+    ``share="module"`` (the only production mode) holds ``target.lm_head`` itself. ``share="weight-only"`` is a
+    test-only reproduction of the seed's silent failure: a separate BF16 head that aliases the target's weight
+    *tensor*; with the online FP8 head that tensor holds FP8 bytes which the BF16 path reads without their
+    scales (issue 7 must refuse it at start-up).
+    """
+
+    def __init__(self, model, steps: int = 3, share: str = "module"):
+        if model.nextn is None:
+            raise ValueError("the checkpoint has no NEXTN layer (num_nextn_predict_layers = 0): MTP unavailable")
+        self.model, self.steps, self.share = model, steps, share
+        self.layer = model.nextn
+        self.embedding = model.model.word_embeddings
+        if share == "module":
+            self.lm_head = model.lm_head
+        elif share == "weight-only":
+            from bytebound.layers.lm_head import LMHead
+            head = model.lm_head
+            alias = LMHead.__new__(LMHead)
+            torch.nn.Module.__init__(alias)
+            src = head.w_fp8 if head.w_fp8 is not None and head.mode == "fp8" else head.weight
+            alias.weight = torch.nn.Parameter(src, requires_grad=False)   # the tensor, not the module
+            alias.mode, alias.fn, alias.backend, alias.w_fp8, alias.w_scale = "bf16", None, "torch", None, None
+            self.lm_head = alias
+        else:
+            raise ValueError(f"share must be 'module' or 'weight-only', got {share!r}")
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.share == "weight-only":
+            # A BF16 matmul over whatever bytes the aliased tensor holds (FP8 values, scales dropped).
+            return torch.nn.functional.linear(hidden.float(), self.lm_head.weight.float())
+        return self.lm_head(hidden)
+
+    def hidden(self, ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor, state) -> torch.Tensor:
+        """NEXTN hidden ``[T, H]`` for tokens ``ids [T]`` (t+1) after target hiddens ``prev_hidden [T, H]`` (t)."""
+        st = state[self.model.cfg.num_hidden_layers]
+        h = self.layer(self.embedding(ids.view(1, -1)), prev_hidden.view(1, *prev_hidden.shape), positions, st)
+        return h[0]
+
+
+@torch.inference_mode()
+def mtp_tokens(runner, drafter: MTPDrafter, prompt: torch.Tensor, p: SamplingParams, gen, stats: SpecStats):
+    """Yield ``(token, round)`` pairs: round 0 is the prefill's token, then one round id per verify.
+
+    The caller stops iterating at EOS / stop strings / max_tokens; only what it consumed is committed.
+    """
+    dev = runner.device
+    hid = runner.prefill(prompt.to(dev))                                  # [P, H]
+    y = int(sample(runner.logits(hid[-1:]), p, gen)[0])
+    yield y, 0
+    ext_ids = torch.cat([prompt[1:].to(dev), torch.tensor([y], device=dev)])
+    ext_hidden, ext_pos = hid, torch.arange(0, prompt.shape[0], device=dev)
+    k = drafter.steps
+    rnd = 0
+    while True:
+        rnd += 1
+        t0 = time.perf_counter()
+        dh = drafter.hidden(ext_ids, ext_hidden, ext_pos, runner.state)[-1:]
+        drafts = [int(drafter.logits(dh).argmax(-1)[0])]
+        pos = int(ext_pos[-1]) + 1
+        for _ in range(k - 1):
+            dh = drafter.hidden(torch.tensor([drafts[-1]], device=dev), dh, torch.tensor([pos], device=dev),
+                                runner.state)
+            drafts.append(int(drafter.logits(dh).argmax(-1)[0]))
+            pos += 1
+        t1 = time.perf_counter()
+        vin = torch.tensor([y] + drafts, device=dev)
+        vpos = torch.arange(runner.pos, runner.pos + k + 1, device=dev)
+        vh = runner.verify(vin)
+        j, bonus = accept_chain(runner.logits(vh), drafts, p, gen)
+        t2 = time.perf_counter()
+        runner.commit(j + 1, k + 1)
+        t3 = time.perf_counter()
+        stats.draft_s += t1 - t0
+        stats.verify_s += t2 - t1
+        stats.rollback_s += t3 - t2
+        stats.rounds += 1
+        for i in range(min(j + 1, k)):
+            stats.tried_at[i] += 1
+        for i in range(j):
+            stats.accepted_at[i] += 1
+        emitted = drafts[:j] + [bonus]
+        for tok in emitted:
+            stats.committed += 1
+            yield tok, rnd
+        ext_ids = torch.tensor(emitted, device=dev)
+        ext_hidden, ext_pos = vh[: j + 1], vpos[: j + 1]
+        y = bonus

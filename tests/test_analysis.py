@@ -1,0 +1,265 @@
+"""Issue 8: ``bytebound analyze`` reproduces the seed's numbers and gives the exact ledger beside them."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from bytebound.analysis import seed as sd
+from bytebound.analysis.bandwidth import measure_read_bandwidth
+from bytebound.analysis.cli import main, parse_context
+from bytebound.analysis.ledger import (Recipe, build_ledger, expected_distinct_experts, ledger_from_specs,
+                                       specs_from_safetensors, tensor_bytes)
+from bytebound.config import LingConfig, QuantConfig, tiny_config
+from bytebound.errors import BackendError
+
+CONFIG = Path(__file__).resolve().parents[2] / "shared" / "data" / "configs" / "ling-3.0-flash.json"
+if not CONFIG.exists():
+    CONFIG = Path("/work/shared/data/configs/ling-3.0-flash.json")
+needs_config = pytest.mark.skipif(not CONFIG.exists(), reason=f"Ling-3.0-flash config not found at {CONFIG}")
+
+
+@pytest.fixture(scope="module")
+def cfg() -> LingConfig:
+    if not CONFIG.exists():
+        pytest.skip(f"Ling-3.0-flash config not found at {CONFIG}")
+    return LingConfig.from_file(CONFIG)
+
+
+# ---- seed mode: every number, to the digits the seed prints -------------------------------------------------
+SEED_PRINTED = {
+    # section 4 and derivation list
+    "active_bytes_gb": "2.55", "lm_head_bf16_gb": "0.805", "lm_head_fp8_gb": "0.402",
+    "step_bytes_bf16_gb": "3.355", "step_bytes_fp8_gb": "2.952",
+    # section 5
+    "b_eff_gbs": "121.1", "utilisation": "0.44", "ai_flop_per_byte": "3.04", "ridge_flop_per_byte": "3663",
+    # section 6 / derivation list, section 7
+    "b_eff_humming_gbs": "132.4", "b_eff_humming_s7_gbs": "132.3", "lm_head_params_m": "402.39",
+    "lm_head_share_bf16_pct": "24.0", "lm_head_share_fp8_pct": "13.6", "fp8_head_cf_saving_ms": "3.32",
+    "fp8_head_cf_tpot_ms": "24.38", "fp8_head_pred_tpot_ms": "22.31", "fp8_head_pred_err_pct": "-2.0",
+    # section 8 and 14
+    "distinct_experts": "31.3", "spec_speedup": "1.73", "spec_tpot_ms": "13.19", "byte_ratio_needed": "1.55",
+    "spec_speedup_gsm8k": "1.19",
+    # section 10
+    "equiv_bytes_gb": "1.711", "equiv_bytes_factor": "1.96", "b_eff_mtp_gbs": "176.0", "b_eff_factor": "1.45",
+    "decomposed_speedup": "2.85", "measured_speedup": "2.85", "gsm8k_equiv_bytes_gb": "2.489",
+    "gsm8k_bytes_factor": "1.35", "gsm8k_b_eff_gbs": "126.8", "gsm8k_b_eff_all_gbs": "134.1",
+    "gsm8k_b_eff_factor": "1.06", "gsm8k_measured_speedup": "1.43",
+    # section 11
+    "fallback_tpot_ms": "51", "fallback_tok_s": "20", "fallback_vs_base_pct": "55",
+    # section 13
+    "kv_per_token_kib": "7.88", "kv_2K": "16", "kv_32K": "258", "kv_256K": "2.06",
+    "kv_2K_pct": "0.5", "kv_32K_pct": "7.7", "kv_256K_pct": "61.5",
+}
+
+
+@pytest.mark.parametrize("key,printed", sorted(SEED_PRINTED.items()))
+def test_seed_number_reproduced(key, printed):
+    assert sd.seed_report()[key].printed == printed
+
+
+def test_seed_units_match_the_seed():
+    rep = sd.seed_report()
+    assert (rep["kv_2K"].unit, rep["kv_32K"].unit, rep["kv_256K"].unit) == ("MB", "MB", "GB")
+    assert rep["kv_per_token_kib"].unit == "KiB" and rep["step_bytes_bf16_gb"].unit == "GB"
+    assert sd.kv_bytes_per_token(7, 576, 2) == 8064
+
+
+def test_seed_rounding_chains_are_flagged():
+    """Where the seed carried a rounded intermediate, the unrounded formula gives other digits; say so."""
+    rep = sd.seed_report()
+    assert format(rep["b_eff_humming_gbs"].exact, ".1f") == "132.3"  # 3.355 GB / 25.35 ms
+    assert format(rep["fallback_tok_s"].exact, ".1f") == "19.4"
+    for key in ("b_eff_humming_gbs", "fallback_tok_s", "fallback_vs_base_pct", "fp8_head_cf_tpot_ms",
+                "gsm8k_equiv_bytes_gb"):
+        assert rep[key].note
+    for key, v in rep.items():  # every other number is the unrounded formula at the printed digits
+        if not v.note:
+            assert format(v.exact, v.fmt) == v.printed, key
+
+
+def test_seed_formulas_cite_their_section():
+    for name in ("step_bytes", "lm_head_params", "effective_bandwidth", "utilisation", "arithmetic_intensity",
+                 "ridge_point", "speculative_speedup", "speculative_tpot", "equivalent_bytes", "fallback_tpot",
+                 "kv_bytes_per_token", "byte_ratio_needed"):
+        assert "Section" in inspect.getdoc(getattr(sd, name)), name
+
+
+# ---- formulas ------------------------------------------------------------------------------------------------
+def test_expected_distinct_experts_formula():
+    assert expected_distinct_experts(512, 8, 1) == pytest.approx(8)
+    assert expected_distinct_experts(512, 8, 4) == pytest.approx(512 * (1 - (1 - 8 / 512) ** 4))
+    assert expected_distinct_experts(512, 8, 4) < 32
+    assert expected_distinct_experts(512, 8, 10_000) == pytest.approx(512)
+    g = torch.Generator().manual_seed(0)  # Monte Carlo: 4 tokens, each top-8 of 512 uniformly
+    hits = [len(set(torch.cat([torch.randperm(512, generator=g)[:8] for _ in range(4)]).tolist()))
+            for _ in range(4000)]
+    assert sum(hits) / len(hits) == pytest.approx(31.26, abs=0.05)
+
+
+def test_tensor_bytes_formats():
+    assert tensor_bytes((4096, 2560), "fp8_block") == (4096 * 2560, 4 * 32 * 20)
+    assert tensor_bytes((576, 2560), "fp8_block") == (576 * 2560, 4 * 5 * 20)  # ceil(576/128) = 5
+    assert tensor_bytes((768, 2560), "mxfp4") == (768 * 1280, 768 * 80)
+    assert tensor_bytes((157184, 2560), "fp8_channel") == (157184 * 2560, 4 * 157184)
+    assert tensor_bytes((512, 2560), "fp32") == (4 * 512 * 2560, 0)
+
+
+# ---- exact ledger ------------------------------------------------------------------------------------------
+@needs_config
+def test_ling3_flash_active_params_and_bytes(cfg):
+    bf16, fp8 = build_ledger(cfg), build_ledger(cfg, head="fp8")
+    assert bf16.params == pytest.approx(5.1e9, rel=0.01)
+    assert bf16.params == 5_103_304_672 == fp8.params
+    assert bf16.bytes == 4_784_230_304          # 4.784 GB per token, BF16 head
+    assert fp8.bytes == 4_382_468_000           # 4.382 GB per token, FP8 head
+    assert bf16.head_bytes == 2 * 157184 * 2560
+    assert fp8.head_bytes == 157184 * 2560 + 4 * 157184
+    assert build_ledger(cfg).with_head("fp8").bytes == fp8.bytes
+    g = bf16.group_bytes()
+    assert max(g, key=g.get) == "KDA projections"  # the largest group is FP8 attention, not the experts
+    assert g["routed experts x top-k"] == 40 * 8 * 3 * (768 * 1280 + 768 * 80)
+    assert g["router"] == 40 * (512 * 2560 + 512) * 4
+
+
+@needs_config
+def test_ling3_flash_recipe_follows_quantization_config(cfg):
+    r = Recipe.from_config(cfg)
+    assert r.linear_fmt("kda.attention.b_proj") == "bf16"
+    assert r.linear_fmt("mla.attention.kv_b_proj") == "fp8_block"  # suffix match on a dot boundary
+    assert r.routed == "mxfp4" and r.router == "fp32" and r.head == "bf16"
+    plain = cfg.replace(quant=QuantConfig())  # a BF16 checkpoint: everything 2 B/param, router fp32
+    led = build_ledger(plain)
+    assert {it.fmt for it in led.items} <= {"bf16", "fp32"}
+    assert led.params == build_ledger(cfg).params
+
+
+@needs_config
+def test_ling3_flash_verify_draft_kv(cfg):
+    led = build_ledger(cfg, head="fp8")
+    assert led.verify_bytes(1) == pytest.approx(led.bytes)
+    grow = expected_distinct_experts(512, 8, 4) / 8
+    assert led.verify_bytes(4) == pytest.approx(led.bytes + led.routed_bytes * (grow - 1))
+    assert "nextn.eh_proj" in {it.name for it in led.nextn}
+    assert led.draft_step_bytes() > led.head_bytes
+    assert led.round_bytes(4, 3) == pytest.approx(led.verify_bytes(4) + 3 * led.draft_step_bytes())
+    assert led.kv_bytes_per_token() == 8064 and led.kv_bytes_per_token(with_nextn=True) == 8 * 1152
+    assert led.state_bytes() == 35 * (32 * 128 * 128 * 4 + 3 * 4096 * 3 * 2)
+
+
+def _checkpoint_specs(cfg: LingConfig) -> dict:
+    """Tensor names/shapes/dtypes of a Ling fp4 checkpoint (spec section 4), for the loaded-model path."""
+    d, H, D, V = cfg.hidden_size, cfg.num_attention_heads, cfg.kda_dim, cfg.vocab_size
+    s: dict = {"model.word_embeddings.weight": ((V, d), "BF16"), "lm_head.weight": ((V, d), "BF16"),
+               "model.norm.weight": ((d,), "BF16")}
+
+    def fp8(name, n, k):
+        s[name + ".weight"] = ((n, k), "F8_E4M3")
+        s[name + ".weight_scale_inv"] = ((math.ceil(n / 128), math.ceil(k / 128)), "F32")
+
+    for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
+        p = f"model.layers.{i}."
+        s[p + "input_layernorm.weight"] = s[p + "post_attention_layernorm.weight"] = ((d,), "BF16")
+        a = p + "attention."
+        if cfg.is_mla(i):
+            fp8(a + "q_proj", H * cfg.qk_head_dim, d)
+            fp8(a + "kv_a_proj_with_mqa", cfg.mla_cache_dim, d)
+            s[a + "kv_a_layernorm.weight"] = ((cfg.kv_lora_rank,), "BF16")
+            fp8(a + "kv_b_proj", H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+            fp8(a + "g_proj", H, d)
+            fp8(a + "dense", d, H * cfg.v_head_dim)
+        else:
+            for n in ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj"):
+                fp8(a + n, D, d)
+            fp8(a + "o_proj", d, D)
+            s[a + "b_proj.weight"] = ((H, d), "BF16")
+            for n in ("q", "k", "v"):
+                s[a + f"{n}_conv1d.weight"] = ((D, 1, 4), "BF16")
+            s[a + "A_log"], s[a + "dt_bias"] = ((H,), "F32"), ((D,), "F32")
+            s[a + "o_norm.weight"] = ((cfg.head_dim,), "BF16")
+        if not cfg.is_moe(i):
+            I = cfg.intermediate_size
+            fp8(p + "mlp.gate_proj", I, d), fp8(p + "mlp.up_proj", I, d), fp8(p + "mlp.down_proj", d, I)
+        else:
+            E, I = cfg.num_experts, cfg.moe_intermediate_size
+            s[p + "mlp.gate.weight"], s[p + "mlp.gate.expert_bias"] = ((E, d), "F32"), ((E,), "F32")
+            for e in range(E):
+                for n, (o, k) in (("gate_proj", (I, d)), ("up_proj", (I, d)), ("down_proj", (d, I))):
+                    s[p + f"mlp.experts.{e}.{n}.weight"] = ((o, k // 2), "I8")
+                    s[p + f"mlp.experts.{e}.{n}.weight_scale_inv"] = ((o, k // 32), "U8")
+            S = cfg.shared_intermediate
+            fp8(p + "mlp.shared_experts.gate_proj", S, d), fp8(p + "mlp.shared_experts.up_proj", S, d)
+            fp8(p + "mlp.shared_experts.down_proj", d, S)
+        if i >= cfg.num_hidden_layers:
+            fp8(p + "eh_proj", d, 2 * d)
+            for n in ("enorm", "hnorm", "final_layernorm"):
+                s[p + n + ".weight"] = ((d,), "BF16")
+            s[p + "shared_head.head.weight"] = ((V, d), "BF16")
+    return s
+
+
+@needs_config
+def test_loaded_model_ledger_matches_config_ledger(cfg):
+    from_cfg, from_ckpt = build_ledger(cfg), ledger_from_specs(cfg, _checkpoint_specs(cfg))
+    assert from_ckpt.bytes == pytest.approx(from_cfg.bytes, rel=1e-12)
+    assert from_ckpt.params == pytest.approx(from_cfg.params, rel=1e-12)
+    assert from_ckpt.group_bytes() == pytest.approx(from_cfg.group_bytes(), rel=1e-12)
+    assert from_ckpt.draft_step_bytes() == pytest.approx(from_cfg.draft_step_bytes(), rel=1e-12)
+
+
+def test_specs_from_safetensors_header(tmp_path):
+    cfg = tiny_config(quant=QuantConfig(method="fp8", routed_experts="mxfp4", modules_to_not_convert=("lm_head", "b_proj")))
+    specs = _checkpoint_specs(cfg)
+    header, off = {}, 0
+    for k, (shape, dt) in specs.items():
+        n = math.prod(shape) * {"BF16": 2, "F32": 4, "F8_E4M3": 1, "I8": 1, "U8": 1}[dt]
+        header[k] = {"dtype": dt, "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(off))
+    read = specs_from_safetensors(tmp_path)
+    assert read == {k: (tuple(s), d) for k, (s, d) in specs.items()}
+    assert ledger_from_specs(cfg, read).bytes == pytest.approx(build_ledger(cfg).bytes, rel=1e-12)
+
+
+# ---- CLI, bandwidth ----------------------------------------------------------------------------------------
+def test_parse_context():
+    assert parse_context("2K,32K,256K") == (2000, 32000, 256000)
+    assert parse_context("32Ki, 131072") == (32768, 131072)
+
+
+@needs_config
+def test_cli_writes_json_and_pngs(tmp_path, capsys):
+    rc = main(["--config", str(CONFIG), "--json", str(tmp_path / "a.json"), "--plots", str(tmp_path)])
+    assert rc == 0
+    rep = json.loads((tmp_path / "a.json").read_text())
+    assert rep["seed"]["step_bytes_bf16_gb"]["printed"] == "3.355"
+    assert rep["exact"]["active_params_b"] == pytest.approx(5.1, rel=0.01)
+    assert rep["exact"]["step_bytes_fp8_gb"] == pytest.approx(4.382468)
+    for name in ("ledger.png", "roofline.png", "kv_context.png", "speculative.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "3.355" in out and "4.784" in out and "121.1" in out
+
+
+def test_cli_seed_only_and_errors(tmp_path, capsys):
+    assert main(["--tpot", "27.71", "--bandwidth", "273"]) == 0
+    assert "132.4" in capsys.readouterr().out
+    assert main(["--config", str(tmp_path / "missing.json")]) == 2
+    assert "ConfigError" in capsys.readouterr().err
+
+
+def test_measure_read_bandwidth_cpu():
+    assert measure_read_bandwidth("cpu", nbytes=1 << 22, iters=3, warmup=1) > 0.1
+    assert measure_read_bandwidth("cpu", nbytes=1 << 22, iters=3, warmup=1, mode="copy") > 0.1
+    with pytest.raises(BackendError):
+        measure_read_bandwidth("cpu", mode="write")
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendError):
+            measure_read_bandwidth("cuda")
