@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:   # a subcommand module not written yet; real import errors propagate
-            if e.name != mod:
+            if e.name is None or not mod.startswith(e.name):
                 raise
             continue
         m.add_parser(sub)
