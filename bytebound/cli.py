@@ -26,6 +26,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-num-draft-tokens", type=int, default=4)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture the decode step in a graph")
 
 
 def engine_config(a):
@@ -39,7 +40,7 @@ def engine_config(a):
     return EngineConfig(model=a.model, device=a.device, dtype=a.dtype,
                         lm_head="fp32" if a.enable_fp32_lm_head else a.lm_head, backends=backends,
                         allow_fallback=a.allow_fallback, speculative_steps=steps, max_model_len=a.max_model_len,
-                        load_format=a.load_format)
+                        load_format=a.load_format, enforce_eager=a.enforce_eager)
 
 
 def print_fallbacks(engine) -> None:

@@ -81,8 +81,11 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.contiguous(), (exp + 127).to(torch.uint8).contiguous()
 
 
-def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype=torch.float32, check: bool = True
+                     ) -> torch.Tensor:
     """Decode MXFP4 ``packed [.., N, K/2]`` (uint8 or int8) with E8M0 ``scales [.., N, K/32]`` to ``[.., N, K]``.
+
+    ``check=False`` skips the value check (a host sync), for hot paths and CUDA-graph capture.
 
     Raises:
         QuantFormatError: shapes disagree, wrong dtypes, or a scale byte 255 (E8M0 NaN).
@@ -103,7 +106,7 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype=torch.flo
     hi = lut[(p >> 4).long()]
     vals = torch.stack((lo, hi), dim=-1).flatten(-2)  # [.., N, K], even column from the low nibble
     s = scales.to(torch.float32)
-    if (scales == 255).any():
+    if check and (scales == 255).any():
         raise QuantFormatError("MXFP4 scale byte 255 (E8M0 NaN)")
     sc = torch.exp2(s - 127.0)
     out = vals.view(*vals.shape[:-1], k // MX_BLOCK, MX_BLOCK) * sc[..., None]

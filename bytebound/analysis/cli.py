@@ -63,7 +63,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--detail", action="store_true", help="also print every tensor kind of the exact ledger")
     p.add_argument("--json", help="write the full report here")
     p.add_argument("--plots", help="write ledger/roofline/kv/speculative PNGs into this folder")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, fn=run)  # bytebound.cli dispatches on fn
     return p
 
 
@@ -80,7 +80,8 @@ def exact_values(led: Ledger, s: sd.SeedInputs, draft_steps: int) -> dict[str, f
     """The seed's quantities recomputed from the exact ledger ``led`` (BF16 head) at the same operating points.
 
     Speculation: c_B = round bytes / plain-step bytes (FP8 head), S = a / c_B (seed section 8 with the byte
-    ratio in place of the measured time ratio), TPOT_MTP = TPOT_fp8 c_B / a, fallback = c_B TPOT_fp8 (section 11).
+    ratio in place of the measured time ratio), TPOT_MTP = TPOT_fp8 c_B / a, fallback = c_B TPOT_fp8 (section 11),
+    and the round's effective bandwidth at the reported MTP TPOT: (round bytes / a) / TPOT_MTP (section 10).
     """
     f8 = led.with_head("fp8")
     b16, b8 = led.bytes, f8.bytes
@@ -107,6 +108,8 @@ def exact_values(led: Ledger, s: sd.SeedInputs, draft_steps: int) -> dict[str, f
         "round_bytes_gb": f8.round_bytes(s.draft_tokens, draft_steps) / GB, "byte_ratio": cb,
         "spec_speedup": s.accept_length / cb, "spec_tpot_ms": s.tpot_fp8_head_ms * cb / s.accept_length,
         "fallback_tpot_ms": cb * s.tpot_fp8_head_ms, "fallback_tok_s": 1e3 / (cb * s.tpot_fp8_head_ms),
+        "b_eff_mtp_gbs": sd.effective_bandwidth(f8.round_bytes(s.draft_tokens, draft_steps) / s.accept_length,
+                                                s.tpot_mtp_ms),
     }
     for n in s.contexts:
         v[f"kv_{n}_bytes"] = n * kv
@@ -167,6 +170,8 @@ def _rows(sv: dict[str, sd.SeedValue], ex: dict[str, float] | None, s: sd.SeedIn
         [f"S = a / c at a = {s.accept_length:.2f}", p("spec_speedup"), e("spec_speedup", ".2f"), "x", "8"],
         [f"MTP TPOT = {s.tpot_fp8_head_ms:g} c / a (reported {s.tpot_mtp_ms:g})", p("spec_tpot_ms"),
          e("spec_tpot_ms", ".2f"), "ms", "8"],
+        [f"B_eff of MTP rounds at {s.tpot_mtp_ms:g} ms", p("b_eff_mtp_gbs"), e("b_eff_mtp_gbs", ".1f"), "GB/s",
+         "10"],
         ["fallback a = 1: TPOT / throughput", f"≈ {p('fallback_tpot_ms')} / ≈ {p('fallback_tok_s')}",
          f"{e('fallback_tpot_ms', '.1f')} / {e('fallback_tok_s', '.1f')}", "ms, tok/s", "11"],
     ]

@@ -133,8 +133,9 @@ def speculative(rep: dict, path: Path) -> None:
                 inp["accept_length"] * inp["tpot_mtp_ms"] / inp["tpot_fp8_head_ms"], "^"))
     for name, x, y, m in pts:
         ax.plot([x], [y], m, color="k", mfc="white", ms=8)
-        ax.annotate(f"{name}: S={x / y:.2f}", (x, y), textcoords="offset points", xytext=(-8 if x > 2 else 8, 6), fontsize=8,
-                    ha="right" if x > 2 else "left")
+        right = x > 2
+        ax.annotate(f"{name}: S={x / y:.2f}", (x, y), textcoords="offset points", xytext=(-8 if right else 8, 6),
+                    fontsize=8, ha="right" if right else "left")
     ax.set_xlabel("accept length a [tokens per round]")
     ax.set_ylabel("c = round cost / plain step")
     ax.set_title("speculative speed-up, S = a / c (black: S = 1)")

@@ -197,7 +197,8 @@ def seed_report(s: SeedInputs = SeedInputs()) -> dict[str, SeedValue]:
     put("spec_speedup_gsm8k", f"S = a/c (a={s.accept_length_gsm8k})", sg, sg, ".2f", "x", "14")
     put("byte_ratio_needed", "c_B needed for 9.72 ms", byte_ratio_needed(s.tpot_mtp_ms, beff, s.accept_length, b8),
         byte_ratio_needed(s.tpot_mtp_ms, beffx, s.accept_length, b8x), ".2f", "", "8")
-    eq, eqx = equivalent_bytes(s.verify_cost, b8, s.accept_length), equivalent_bytes(s.verify_cost, b8x, s.accept_length)
+    eq = equivalent_bytes(s.verify_cost, b8, s.accept_length)
+    eqx = equivalent_bytes(s.verify_cost, b8x, s.accept_length)
     put("equiv_bytes_gb", "bytes per accepted token, MTP", eq / GB, eqx / GB, ".3f", "GB", "10")
     put("equiv_bytes_factor", "bytes factor", b16 / eq, b16x / eqx, ".2f", "x", "10")
     e2, e2x = effective_bandwidth(eq, s.tpot_mtp_ms), effective_bandwidth(eqx, s.tpot_mtp_ms)

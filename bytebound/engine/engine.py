@@ -38,6 +38,7 @@ class EngineConfig:
     max_model_len: int = 4096
     load_format: str = "auto"
     draft_share: str = "module"       # "weight-only" exists only to reproduce the seed's failure in tests
+    enforce_eager: bool = False       # CUDA: skip graph capture of the decode step
 
 
 @dataclass
@@ -96,6 +97,9 @@ class Engine:
         self.plan = bind_model(self.model, BackendPlan(
             {**BackendPlan.default(dev).requested, **cfg.backends}, cfg.allow_fallback), dev, cfg.lm_head)
         self.runner = ModelRunner(self.model, cfg.max_model_len, dev)
+        if dev.type == "cuda" and not cfg.enforce_eager:
+            from bytebound.runner.graphs import capture_decode
+            capture_decode(self.runner)
         self.drafter = MTPDrafter(self.model, cfg.speculative_steps, cfg.draft_share) if cfg.speculative_steps else None
         self.spec_totals = SpecStats(cfg.speculative_steps or 1)
         self.device = dev

@@ -22,9 +22,13 @@ class ModelRunner:
 
     def __init__(self, model, max_len: int, device=None):
         self.model, self.max_len = model, max_len
-        self.device = device or model.lm_head.weight.device
+        self.device = torch.device(device or model.lm_head.weight.device)
         self.state = model.new_state(max_len, device=self.device)
         self.pos = 0
+        # On CUDA every step attends over all ``max_len`` slots, masked by position: the same kernels as the
+        # captured graph (bit-identical replay) and no host sync for the cache length. On CPU, slice instead.
+        self.static_kv = self.device.type == "cuda"
+        self.graph = None       # a DecodeGraph once captured (runner.graphs)
 
     def reset(self) -> None:
         """Zero every state for a new request (buffers reused)."""
@@ -45,7 +49,12 @@ class ModelRunner:
         t = ids.shape[0]
         self._check_room(t)
         positions = torch.arange(self.pos, self.pos + t, device=self.device)
-        h = self.model(ids.view(1, t).to(self.device), positions, self.state)
+        kv_len = self.max_len if self.static_kv else None
+        if t == 1 and self.graph is not None:
+            h = self.graph.replay(ids.view(1), self.pos)[None]
+            self.pos += 1
+            return h[0]
+        h = self.model(ids.view(1, t).to(self.device), positions, self.state, kv_len)
         self.pos += t
         return h[0]
 

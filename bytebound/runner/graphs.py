@@ -1,0 +1,72 @@
+"""CUDA-graph capture of the whole batch-1 decode step (embedding -> 42 layers -> final norm).
+
+Static buffers: the input token and the position live in device tensors the graph reads; the runner writes
+them before each replay (``copy_``), so no host-computed position is baked into the graph. KDA states and MLA
+caches are updated in place by the captured kernels. Attention spans all ``max_len`` slots masked by
+position, exactly as the eager CUDA path does, so replay equals eager bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bytebound.layers.kda import KDAState
+
+
+def _snapshot(state):
+    return [(s.conv.clone(), s.rec.clone()) if isinstance(s, KDAState) else s.kv.clone() for s in state]
+
+
+def _restore(state, snap):
+    for s, v in zip(state, snap):
+        if isinstance(s, KDAState):
+            s.conv.copy_(v[0])
+            s.rec.copy_(v[1])
+        else:
+            s.kv.copy_(v)
+
+
+class DecodeGraph:
+    """One captured decode step. ``replay(token [1], pos)`` -> final-normed hidden ``[1, H]`` (static buffer).
+
+    ``captured_shapes`` lists what was captured, for the start-up manifest.
+    """
+
+    def __init__(self, runner, warmup: int = 2):
+        self.runner = runner
+        dev = runner.device
+        self.tok = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        snap = _snapshot(runner.state)
+        model = runner.model
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.inference_mode():
+            for _ in range(warmup):               # JIT/autotune outside the capture
+                self._body(model)
+        torch.cuda.current_stream().wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), torch.inference_mode():
+            self.hidden = self._body(model)
+        _restore(runner.state, snap)
+        self.captured_shapes = [{"op": "decode", "tokens": 1, "kv_slots": runner.max_len}]
+
+    def _body(self, model):
+        h = model(self.tok.view(1, 1), self.pos, self.runner.state, self.runner.max_len)
+        return h[0]
+
+    def replay(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        self.tok.copy_(token.view(1), non_blocking=True)
+        self.pos.fill_(pos)
+        self.graph.replay()
+        return self.hidden
+
+
+def capture_decode(runner) -> DecodeGraph:
+    """Capture the decode step of ``runner`` (CUDA only) and install it (``runner.graph``)."""
+    if runner.device.type != "cuda":
+        raise RuntimeError("CUDA graphs need a CUDA device")
+    runner.graph = None
+    g = DecodeGraph(runner)
+    runner.graph = g
+    return g

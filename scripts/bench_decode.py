@@ -1,0 +1,213 @@
+"""Full-scale Ling-3.0-flash batch-1 decode benchmark on one GPU with ``dummy`` (synthetic) weights.
+
+Measures, in one run: the GPU's streaming-read bandwidth; TPOT and tok/s of the CUDA-graph decode step at
+2K and 32K context for each routed-MoE backend and LM-head path; a per-op table (time per token, stored
+bytes, achieved GB/s) from graphs of each op class over all its layers; TTFT of a 32K prompt (optional);
+U = ledger bytes per token / TPOT / measured bandwidth. Writes JSON + markdown to --out.
+
+Weights are synthetic (random values at the real shapes and storage formats): speed only, no quality.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bytebound.analysis.bandwidth import measure_read_bandwidth  # noqa: E402
+from bytebound.analysis.ledger import build_ledger  # noqa: E402
+from bytebound.checkpoint.synthetic import dummy_model  # noqa: E402
+from bytebound.config import LingConfig  # noqa: E402
+from bytebound.errors import BackendError  # noqa: E402
+from bytebound.runner.backends import BackendPlan, bind_model  # noqa: E402
+from bytebound.runner.graphs import capture_decode  # noqa: E402
+from bytebound.runner.runner import ModelRunner  # noqa: E402
+
+
+def commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
+    except Exception:
+        return os.environ.get("BYTEBOUND_COMMIT", "unknown")
+
+
+def time_graph(fn, reps: int = 50, warmup: int = 3) -> float:
+    """Median ms of one replay of a graph capturing ``fn`` once."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.inference_mode():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g), torch.inference_mode():
+        fn()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def decode_tpot(runner, ctx: int, steps: int = 64) -> float:
+    """Median ms per decode-graph replay at context ``ctx`` (cache slots [0, ctx) hold random latents)."""
+    runner.reset()
+    for st in runner.state:
+        if hasattr(st, "kv"):
+            st.kv.normal_()
+    capture_decode(runner)
+    tok = torch.tensor([17], device=runner.device)
+    ts = []
+    for i in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        runner.graph.replay(tok, ctx + i)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    runner.graph = None
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def per_op(model, runner, ctx: int) -> list[dict]:
+    """Time each op class over all its layers in one graph: [{op, layers, ms, bytes}]."""
+    cfg, dev = model.cfg, runner.device
+    x = torch.randn(1, 1, cfg.hidden_size, device=dev, dtype=model.dtype)
+    pos = torch.tensor([ctx], device=dev)
+    layers = model.decoder_layers
+    kda = [(l, runner.state[l.index]) for l in layers if not l.is_mla]
+    mla = [(l, runner.state[l.index]) for l in layers if l.is_mla]
+    moe = [l for l in layers if hasattr(l.mlp, "experts")]
+    dense = [l for l in layers if not hasattr(l.mlp, "experts")]
+
+    def nbytes(mods, frac_experts=None):
+        tot = 0
+        for m in mods:
+            for n, p in m.named_parameters():
+                b = p.numel() * p.element_size()
+                if ".experts." in f".{n}" or n.startswith("experts."):
+                    b *= cfg.num_experts_per_tok / cfg.num_experts
+                tot += b
+        return tot
+
+    rows = [
+        ("KDA attention", len(kda), lambda: [l.attention(x, s) for l, s in kda], nbytes([l.attention for l, _ in kda])),
+        ("MLA attention", len(mla), lambda: [l.attention(x, pos, s, runner.max_len) for l, s in mla],
+         nbytes([l.attention for l, _ in mla]) + len(mla) * (ctx + 1) * cfg.mla_cache_dim * 2),
+        ("MoE (router+routed+shared)", len(moe), lambda: [l.mlp(x) for l in moe], nbytes([l.mlp for l in moe])),
+        ("dense MLP", len(dense), lambda: [l.mlp(x) for l in dense], nbytes([l.mlp for l in dense])),
+        ("LM head", 1, lambda: model.lm_head(x), model.lm_head.bytes_per_call()),
+        ("norms+embedding", 1, lambda: [l.input_layernorm(x) for l in layers] + [model.embed(pos.view(1, 1))], 0),
+    ]
+    out = []
+    for name, n, fn, b in rows:
+        ms = time_graph(fn)
+        out.append({"op": name, "layers": n, "ms": ms, "bytes": b, "GBps": b / ms / 1e6 if ms else 0})
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--config", default=str(ROOT / "configs" / "ling-3.0-flash.json"))
+    ap.add_argument("--moe-backends", default="triton,humming,torch")
+    ap.add_argument("--heads", default="bf16,fp8")
+    ap.add_argument("--contexts", default="2048,32768")
+    ap.add_argument("--ttft-len", type=int, default=32768, help="0 skips the TTFT prefill")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    cfg = LingConfig.from_file(a.config)
+    info = {"device": torch.cuda.get_device_name(0), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "commit": commit(), "command": " ".join(sys.argv), "weights": "synthetic (dummy: random, real shapes/formats)",
+            "torch": torch.__version__}
+    print(json.dumps(info))
+    bw = measure_read_bandwidth(dev, nbytes=4 << 30)
+    info["read_bandwidth_GBps"] = bw
+    print(f"streaming read bandwidth: {bw:.0f} GB/s", flush=True)
+    t = time.perf_counter()
+    model = dummy_model(cfg, dev, torch.bfloat16)
+    torch.cuda.synchronize()
+    info["weights_create_s"] = time.perf_counter() - t
+    info["gpu_mem_GB"] = torch.cuda.memory_allocated() / 1e9
+    print(f"dummy weights: {info['weights_create_s']:.1f} s, {info['gpu_mem_GB']:.1f} GB", flush=True)
+    ctxs = [int(c) for c in a.contexts.split(",")]
+    runner = ModelRunner(model, max(ctxs) + 128, dev)
+    results, ops = [], {}
+    for moe in a.moe_backends.split(","):
+        for head in a.heads.split(","):
+            plan = BackendPlan.default(dev, moe=moe)
+            try:
+                t = time.perf_counter()
+                bind_model(model, plan, dev, head)
+                bind_s = time.perf_counter() - t
+            except BackendError as e:
+                print(f"skip moe={moe} head={head}: {e}", flush=True)
+                results.append({"moe": moe, "head": head, "error": str(e)})
+                continue
+            led = build_ledger(cfg, head=head)
+            for ctx in ctxs:
+                try:
+                    ms = decode_tpot(runner, ctx)
+                except Exception as e:  # report, keep measuring the other variants
+                    print(f"FAIL moe={moe} head={head} ctx={ctx}: {type(e).__name__}: {e}", flush=True)
+                    results.append({"moe": moe, "head": head, "ctx": ctx, "error": f"{type(e).__name__}: {e}"})
+                    continue
+                kv = led.kv_bytes_per_token() * ctx
+                b = led.bytes + kv + led.state_bytes()
+                r = {"moe": moe, "head": head, "ctx": ctx, "tpot_ms": ms, "tok_s": 1e3 / ms, "bind_s": bind_s,
+                     "ledger_GB": b / 1e9, "floor_ms": b / (bw * 1e9) * 1e3,
+                     "U": b / (ms * 1e-3) / (bw * 1e9),
+                     "resolved": {k: v.resolved for k, v in plan.resolutions.items()}}
+                results.append(r)
+                print(json.dumps(r), flush=True)
+            if head == "fp8" and moe == a.moe_backends.split(",")[0]:
+                ops[f"{moe}/{head}"] = per_op(model, runner, ctxs[0])
+                for row in ops[f"{moe}/{head}"]:
+                    print(f"  {row['op']:<28} x{row['layers']:<3} {row['ms']:8.3f} ms {row['bytes'] / 1e9:7.3f} GB "
+                          f"{row['GBps']:7.0f} GB/s", flush=True)
+    if a.ttft_len:
+        try:
+            plan = BackendPlan.default(dev, moe=a.moe_backends.split(",")[0])
+            bind_model(model, plan, dev, "fp8")
+            runner = ModelRunner(model, a.ttft_len + 64, dev)
+            ids = torch.randint(0, cfg.vocab_size, (a.ttft_len,), device=dev)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            h = runner.prefill(ids)
+            model.logits(h[-1:])
+            torch.cuda.synchronize()
+            info["ttft_s"] = {"prompt": a.ttft_len, "s": time.perf_counter() - t,
+                              "resolved": {k: v.resolved for k, v in plan.resolutions.items()}}
+            print(f"TTFT {a.ttft_len} tokens: {info['ttft_s']['s']:.2f} s", flush=True)
+        except Exception as e:
+            info["ttft_s"] = {"prompt": a.ttft_len, "error": f"{type(e).__name__}: {e}"}
+            print(f"TTFT failed: {e}", flush=True)
+    (out / "bench_decode.json").write_text(json.dumps({"info": info, "results": results, "per_op": ops}, indent=2))
+    print("\n| MoE | head | ctx | TPOT ms | tok/s | ledger GB | floor ms | U |\n|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "tpot_ms" in r:
+            print(f"| {r['moe']} | {r['head']} | {r['ctx']} | {r['tpot_ms']:.3f} | {r['tok_s']:.1f} | "
+                  f"{r['ledger_GB']:.3f} | {r['floor_ms']:.3f} | {r['U']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
