@@ -49,7 +49,8 @@ class QuantConfig:
         """Whether the linear module called ``name`` is stored as FP8 block weights."""
         if self.method != "fp8":
             return False
-        return not any(name == m or name.endswith("." + m) or name.endswith(m) for m in self.modules_to_not_convert)
+        # Suffix match on a dot boundary: "b_proj" must not catch "kv_b_proj".
+        return not any(name == m or name.endswith("." + m) for m in self.modules_to_not_convert)
 
     def to_json(self) -> dict[str, Any] | None:
         if self.method == "none":
@@ -216,17 +217,17 @@ class LingConfig:
         mt = d.get("model_type")
         if mt not in MODEL_TYPES:
             raise ConfigError(f"model_type={mt!r} is not supported (expected one of {MODEL_TYPES})")
-        missing = [k for k in REQUIRED if k not in d or d[k] is None]
-        if missing:
-            raise ConfigError(f"config.json is missing required field(s): {', '.join(missing)}")
         d = dict(d)
-        # Aliases used by other readers of the same model type.
+        # Aliases used by other readers of the same model type (resolved before the required-field check).
         if "num_experts" not in d and "num_local_experts" in d:
             d["num_experts"] = d["num_local_experts"]
         if "n_shared_experts" in d and "num_shared_experts" not in d:
             d["num_shared_experts"] = d["n_shared_experts"]
         if "num_mtp_layers" in d and "num_nextn_predict_layers" not in d:
             d["num_nextn_predict_layers"] = d["num_mtp_layers"]
+        missing = [k for k in REQUIRED if k not in d or d[k] is None]
+        if missing:
+            raise ConfigError(f"config.json is missing required field(s): {', '.join(missing)}")
         names = {f.name for f in fields(cls)} - {"quant", "extra"}
         kw: dict[str, Any] = {}
         for k in names:

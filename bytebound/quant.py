@@ -73,7 +73,10 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = wf.shape
     blocks = wf.view(n, k // MX_BLOCK, MX_BLOCK)
     amax = blocks.abs().amax(-1)
-    exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=2.0 ** -126))) - 2, torch.full_like(amax, -127))
+    # floor(log2(amax)) exactly, from the float's own exponent: a float32 log2 rounds values just below a power
+    # of two up to it (e.g. log2(2^20 - 1ulp) == 20.0), which would pick the next shared exponent.
+    _, e2 = torch.frexp(amax)                                # amax = m * 2^e2, m in [0.5, 1)
+    exp = torch.where(amax > 0, (e2 - 1 - 2).to(torch.float32), torch.full_like(amax, -127))
     exp = exp.clamp(-127, 127)
     scale = torch.exp2(exp)
     codes = _e2m1_encode(blocks / scale[..., None]).view(n, k)
@@ -140,7 +143,11 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128), pow
     amax = tiles.abs().amax(dim=(1, 3))
     s = (amax / FP8_MAX).clamp(min=2.0 ** -126)
     if pow2:
-        s = torch.exp2(torch.ceil(torch.log2(s)))
+        e = torch.ceil(torch.log2(s))
+        # amax / 448 and log2 both round in float32; settle e exactly: the smallest e with amax <= 448 * 2^e.
+        e = e + (amax > FP8_MAX * torch.exp2(e)).float()
+        e = e - ((amax <= FP8_MAX * torch.exp2(e - 1)) & (e > -126)).float()
+        s = torch.exp2(e.clamp(min=-126))
     q = (tiles / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(nb * bn, kb * bk)[:n, :k]
     return q.to(FP8).contiguous(), s.float().contiguous()
 

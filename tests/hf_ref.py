@@ -6,15 +6,53 @@ test environment has no importable fla/causal-conv1d, so HF logs its torch fallb
 
 from __future__ import annotations
 
+import importlib
+import sys
+
 import torch
+
+YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
+# Packages whose kernels transformers' BailingHybrid would pick up at import when importable. They need a GPU
+# (fla: triton), so the CPU oracle is always imported with them hidden: the pure-torch reference paths run.
+_HIDE = ("fla", "causal_conv1d")
+
+
+def _modeling():
+    """``transformers...modeling_bailing_hybrid`` imported with fla / causal_conv1d hidden (torch fallbacks).
+
+    With a CUDA torch wheel triton is installed, so ``import fla`` may succeed even on a CPU machine, and
+    transformers would then bind fla's Triton kernels to CPU tensors."""
+    name = "transformers.models.bailing_hybrid.modeling_bailing_hybrid"
+    if name in sys.modules:
+        return sys.modules[name]
+    saved = {k: sys.modules[k] for k in list(sys.modules) if k.split(".")[0] in _HIDE}
+    for k in saved:
+        del sys.modules[k]
+    for k in _HIDE:
+        sys.modules[k] = None          # makes ``import fla`` raise ImportError
+    try:
+        return importlib.import_module(name)
+    finally:
+        for k in _HIDE:
+            sys.modules.pop(k, None)
+        sys.modules.update(saved)
 
 
 def hf_config(cfg):
     from transformers.models.bailing_hybrid.configuration_bailing_hybrid import BailingHybridConfig
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling and cfg.rope_scaling.get("rope_type") == "yarn":
+    if cfg.rope_scaling and cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type")) == "yarn":
         rope = {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": cfg.rope_scaling["factor"],
                 "original_max_position_embeddings": cfg.rope_scaling["original_max_position_embeddings"]}
+        rope.update({k: cfg.rope_scaling[k] for k in YARN_KEYS if cfg.rope_scaling.get(k) is not None})
+    # HF sizes the shared expert as moe_intermediate_size * n_shared_experts: only comparable when equal.
+    assert cfg.shared_intermediate == cfg.moe_intermediate_size * cfg.num_shared_experts, \
+        "HF BailingHybrid cannot express a different shared-expert width"
+    g = cfg.layer_group_size
+    layer_types = None
+    if isinstance(g, tuple):
+        layer_types = ["full_attention" if x == 0 else "linear_attention" for x in g]
+        g = len(g) + 1           # unused by HF once layer_types is given
     return BailingHybridConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         moe_intermediate_size=cfg.moe_intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
@@ -25,7 +63,7 @@ def hf_config(cfg):
         first_k_dense_replace=cfg.first_k_dense_replace, rms_norm_eps=cfg.rms_norm_eps,
         kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=cfg.v_head_dim, head_dim=cfg.head_dim, short_conv_kernel_size=cfg.short_conv_kernel_size,
-        layer_group_size=cfg.layer_group_size, kda_safe_gate=cfg.kda_safe_gate, kda_lower_bound=cfg.kda_lower_bound,
+        layer_group_size=g, layer_types=layer_types, kda_safe_gate=cfg.kda_safe_gate, kda_lower_bound=cfg.kda_lower_bound,
         rope_parameters=rope, max_position_embeddings=cfg.max_position_embeddings,
         pad_token_id=cfg.pad_token_id, eos_token_id=cfg.eos_token_id, num_mtp_layers=0,
     )
@@ -71,9 +109,39 @@ def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
 
 def build_hf(model):
     """A float32 HF model carrying ``model``'s weights (strict load: every HF parameter set)."""
-    from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridForCausalLM
-    hf = BailingHybridForCausalLM(hf_config(model.cfg)).float().eval()
+    hf = _modeling().BailingHybridForCausalLM(hf_config(model.cfg)).float().eval()
     missing, unexpected = hf.load_state_dict(to_hf_state_dict(model), strict=False)
     missing = [k for k in missing if "rotary_emb" not in k]
     assert not missing and not unexpected, (missing, unexpected)
     return hf
+
+
+def init_sensitive_(model, seed: int = 0, std: float = 0.12, expert_bias_std: float = 0.0):
+    """Non-trivial random weights for oracle comparisons (so a wrong formula shows up clearly): linears and
+    embeddings N(0, std), every norm weight N(1, 0.1), KDA ``A_log`` U(0, 2), ``dt_bias`` N(0, 0.5), conv
+    weights N(0, 0.3), router ``expert_bias`` N(0, expert_bias_std) (0: zero). Plain-weight models only."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(shape):
+        return torch.randn(shape, generator=g)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dtype in (torch.uint8, torch.float8_e4m3fn):
+                raise ValueError(f"init_sensitive_ needs a plain-weight model ({name} is {p.dtype})")
+            leaf = name.split(".")
+            if name.endswith("A_log"):
+                v = torch.rand(p.shape, generator=g) * 2
+            elif name.endswith("dt_bias"):
+                v = rnd(p.shape) * 0.5
+            elif any("norm" in part for part in leaf[-2:]):
+                v = 1 + 0.1 * rnd(p.shape)
+            elif "conv1d" in name:
+                v = rnd(p.shape) * 0.3
+            elif name.endswith("expert_bias"):
+                v = rnd(p.shape) * expert_bias_std
+            else:
+                v = rnd(p.shape) * std
+            p.copy_(v.to(p.dtype))
+    if hasattr(model, "finish_load"):
+        model.finish_load()
+    return model

@@ -87,11 +87,13 @@ def load_model(path, device="cpu", dtype: torch.dtype | None = None) -> BailingM
     specs = expected_tensors(cfg)
     by_file: dict[str, list[TensorSpec]] = defaultdict(list)
     problems: list[str] = []
+    source = ("model.safetensors.index.json" if (path / "model.safetensors.index.json").exists()
+              else "model.safetensors")
     for s in specs:
         if s.name in wmap:
             by_file[wmap[s.name]].append(s)
         else:
-            problems.append(f"missing tensor {s.name}")
+            problems.append(f"missing tensor {s.name} (not in {source})")
     expected = {s.name for s in specs}
     unexpected = sorted(set(wmap) - expected)
     problems += [f"unexpected tensor {n} (in {wmap[n]})" for n in unexpected]
@@ -99,7 +101,13 @@ def load_model(path, device="cpu", dtype: torch.dtype | None = None) -> BailingM
     pow2 = cfg.quant.scale_fmt == "ue8m0"
     with torch.no_grad():
         for fname, group in by_file.items():
-            f = _open(path / fname)
+            try:
+                f = _open(path / fname)
+            except CheckpointError as e:     # name the tensors the shard should have held, not just the file
+                names = [s.name for s in group]
+                listed = ", ".join(names[:4]) + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
+                problems.append(f"{e}; its tensors cannot be loaded: {listed}")
+                continue
             keys = set(f.keys())
             for s in group:
                 if s.name not in keys:

@@ -7,6 +7,7 @@ queues them).
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from bytebound.runner.backends import BackendPlan, bind_model
 from bytebound.runner.runner import ModelRunner
 from bytebound.sampling import SamplingParams, make_generator, sample
 from bytebound.speculative.mtp import MTPDrafter, SpecStats, mtp_tokens
+from bytebound.verify.watchdog import AcceptWatchdog, watch_rounds
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "ling-nano"
 
@@ -38,6 +40,10 @@ class EngineConfig:
     max_model_len: int = 4096
     load_format: str = "auto"
     draft_share: str = "module"       # "weight-only" exists only to reproduce the seed's failure in tests
+    verify: bool = False              # run the start-up canaries (bytebound.verify) and print the manifest
+    strict: bool = False              # a failed canary / unresolved lever / watchdog alarm raises VerificationError
+    watchdog_window: int = 64         # rolling accept-length watchdog (MTP only): rounds in the window
+    watchdog_threshold: float = 1.05  # ... alarm at or below this accept length
     enforce_eager: bool = False       # CUDA: skip graph capture of the decode step
 
 
@@ -103,6 +109,13 @@ class Engine:
         self.drafter = MTPDrafter(self.model, cfg.speculative_steps, cfg.draft_share) if cfg.speculative_steps else None
         self.spec_totals = SpecStats(cfg.speculative_steps or 1)
         self.device = dev
+        self.watchdog = (AcceptWatchdog(cfg.watchdog_window, cfg.watchdog_threshold, cfg.strict)
+                         if self.drafter is not None else None)
+        self.canaries = None
+        if cfg.verify:
+            from bytebound.verify import build_manifest, print_manifest, run_canaries
+            run_canaries(self, cfg.strict)
+            print_manifest(build_manifest(self), file=sys.stderr)
 
     # -------------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
@@ -126,7 +139,7 @@ class Engine:
     def _tokens(self, ids: torch.Tensor, p: SamplingParams, gen, stats: SpecStats | None):
         """Raw token source: plain decode or MTP rounds; yields ``(token, round)``."""
         if self.drafter is not None:
-            yield from mtp_tokens(self.runner, self.drafter, ids, p, gen, stats)
+            yield from watch_rounds(mtp_tokens(self.runner, self.drafter, ids, p, gen, stats), stats, self.watchdog)
             return
         r = self.runner
         logits = r.logits(r.prefill(ids.to(self.device))[-1:])

@@ -1,0 +1,96 @@
+"""Shared fixtures of the CPU suite and the ``gpu`` marker skip.
+
+Checkpoints are written once per session by the real writer (``bytebound.checkpoint.writer``) from seeded
+random models, so every test that loads one exercises the real loader.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+NANO_TOKENIZER = ROOT / "models" / "ling-nano"
+sys.path.insert(0, str(TESTS))          # tests/hf_ref.py is importable as ``hf_ref`` from every test module
+
+GPU_SKIP_REASON = "needs a CUDA GPU: run scripts/gpu_check.sh on the device"
+
+# FP8 block 32x32 (instead of 128x128) so the tiny config's scale grids are not all 1x1: a transposed or
+# mis-sized grid is then a real layout error, and FP8 block boundaries fall inside the tiny matrices.
+QUANT_TINY = dict(method="fp8", weight_block_size=(32, 32), scale_fmt="ue8m0",
+                  modules_to_not_convert=("lm_head", "b_proj"), routed_experts="mxfp4", routed_group_size=32)
+
+
+def pytest_configure(config):
+    # pyproject registers the markers too; repeated here so the suite also runs from a bare checkout.
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU with a reason)")
+    config.addinivalue_line("markers", "slow: longer CPU test")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def quant_tiny():
+    from bytebound.config import QuantConfig
+    return QuantConfig(**QUANT_TINY)
+
+
+def make_model(cfg=None, seed: int = 0, **init):
+    """A plain fp32 model of ``cfg`` (default ``tiny_config()``) with non-trivial seeded weights."""
+    from bytebound.checkpoint.synthetic import random_model
+    from bytebound.config import tiny_config
+    from hf_ref import init_sensitive_
+    return init_sensitive_(random_model(cfg or tiny_config(), seed=seed), seed=seed, **init)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """Plain fp32 tiny model (``tiny_config()``), sensitive init, seed 0. Do not modify in place."""
+    return make_model()
+
+
+@pytest.fixture(scope="session")
+def plain_ckpt(tmp_path_factory, tiny_model):
+    """``tiny_model`` written as a single fp32 ``model.safetensors`` (+ ling-nano tokenizer files)."""
+    from bytebound.checkpoint.writer import save_pretrained
+    return save_pretrained(tiny_model, tmp_path_factory.mktemp("plain_ckpt"), float_dtype=torch.float32,
+                           tokenizer_dir=NANO_TOKENIZER)
+
+
+@pytest.fixture(scope="session")
+def quant_ckpt(tmp_path_factory, tiny_model):
+    """``tiny_model`` quantised (FP8 32x32 block dense linears, MXFP4 routed experts, fp32 rest), sharded
+    into several files with ``model.safetensors.index.json``, with the ling-nano tokenizer files."""
+    from bytebound.checkpoint.writer import save_pretrained
+    return save_pretrained(tiny_model, tmp_path_factory.mktemp("quant_ckpt"), quant=quant_tiny(),
+                           float_dtype=torch.float32, max_shard_bytes=24_000, tokenizer_dir=NANO_TOKENIZER)
+
+
+def nano_model(seed: int = 0):
+    """A tiny model whose vocabulary is the ling-nano tokenizer's (6144 ids, EOS 3 / pad 0). The LM-head rows
+    of the four special tokens are zeroed so random weights never emit them by accident (logit 0 is below the
+    maximum of 6140 random logits)."""
+    from bytebound.config import tiny_config
+    cfg = tiny_config(vocab_size=6144, eos_token_id=3, pad_token_id=0)
+    m = make_model(cfg, seed=seed)
+    with torch.no_grad():
+        m.lm_head.weight[:4] = 0
+    return m
+
+
+@pytest.fixture(scope="session")
+def nano_ckpt(tmp_path_factory):
+    """A quantised tiny checkpoint with the ling-nano tokenizer (``bytebound generate`` end to end)."""
+    from bytebound.checkpoint.writer import save_pretrained
+    return save_pretrained(nano_model(), tmp_path_factory.mktemp("nano_ckpt"), quant=quant_tiny(),
+                           tokenizer_dir=NANO_TOKENIZER)

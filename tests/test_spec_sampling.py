@@ -1,0 +1,86 @@
+"""Lossless speculative sampling: MTP chain acceptance reproduces the target's (T, top-k, top-p) distribution.
+
+A Markov-chain target (logits of token t+1 depend on token t) and a deliberately wrong deterministic draft run
+through the real ``accept_chain`` round after round; the first two emitted tokens must follow
+p(t1 | y) p(t2 | t1) exactly. Chi-square goodness of fit against the exact target probabilities (p > 0.01),
+at 10^5 draws (issue 6).
+"""
+
+import torch
+
+from bytebound.sampling import SamplingParams, probs
+from bytebound.speculative.accept import accept_chain
+
+V, STEPS, N = 40, 3, 100_000
+
+
+def chi2_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson chi-square p-value, cells with expected < 5 merged into one."""
+    small = expected < 5
+    obs = torch.cat([observed[~small], observed[small].sum().view(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = exp > 0
+    obs, exp = obs[keep].double(), exp[keep].double()
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def test_chain_acceptance_is_lossless():
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(V, V, generator=g) * 2.5                 # target logits of the next token given this one
+    wrong = torch.randn(V, V, generator=g) * 2.5                 # draft: argmax of an unrelated table
+    p = SamplingParams(temperature=0.6, top_p=0.95, top_k=29)
+    target = probs(table, p)                                     # [V, V] exact next-token distributions
+    y = 7
+    gen = torch.Generator().manual_seed(1)
+    first = torch.zeros(V, dtype=torch.long)
+    second = torch.zeros(V, dtype=torch.long)
+    accepted = 0
+    for _ in range(N):
+        out, last = [], y
+        while len(out) < 2:
+            drafts, cur = [], last
+            for _ in range(STEPS):                               # chain drafting, each draft after the previous
+                cur = int(wrong[cur].argmax()) if len(drafts) % 2 == 0 else int(table[cur].argmax())
+                drafts.append(cur)
+            ctx = [last] + drafts
+            j, bonus = accept_chain(table[ctx], drafts, p, gen)
+            accepted += j
+            out += drafts[:j] + [bonus]
+            last = out[-1]
+        first[out[0]] += 1
+        second[out[1]] += 1
+    assert accepted > 0.2 * N, "the test must exercise both acceptance and rejection"
+    exp1 = target[y] * N
+    exp2 = (target[y][:, None] * target).sum(0) * N             # marginal of t2 = sum_t1 p(t1|y) p(t2|t1)
+    p1, p2 = chi2_pvalue(first, exp1), chi2_pvalue(second, exp2)
+    assert p1 > 0.01, p1
+    assert p2 > 0.01, p2
+    tv1 = 0.5 * (first.double() / N - target[y].double()).abs().sum()
+    assert tv1 < 0.02, tv1
+
+
+def test_greedy_acceptance_longest_prefix_and_bonus():
+    logits = torch.full((4, 10), -5.0)
+    for i, t in enumerate([3, 5, 1, 8]):
+        logits[i, t] = 5.0
+    p = SamplingParams()
+    assert accept_chain(logits, [3, 5, 1], p, None) == (3, 8)
+    assert accept_chain(logits, [3, 4, 1], p, None) == (1, 5)
+    assert accept_chain(logits, [0, 5, 1], p, None) == (0, 3)
+
+
+def test_biased_sampler_would_fail():
+    """The statistic has power: a sampler that always accepts the draft is rejected."""
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(V, V, generator=g) * 2.5
+    p = SamplingParams(temperature=0.6, top_p=0.95, top_k=29)
+    target = probs(table, p)
+    y, n = 7, 20_000
+    draft = int(table[y].argmax())
+    counts = torch.zeros(V, dtype=torch.long)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(n):                                           # wrong rule: accept the draft w.p. 0.9
+        counts[draft if torch.rand(1, generator=gen) < 0.9 else int(torch.multinomial(target[y], 1, generator=gen))] += 1
+    assert chi2_pvalue(counts, target[y] * n) < 1e-6
