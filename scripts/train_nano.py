@@ -139,6 +139,52 @@ class DenseExperts:
         return F.linear(a.reshape(m, e * i), w2)
 
 
+def kda_chunk_parallel(q, k, v, g, beta, state=None, normalize_qk: bool = True, chunk: int = 64):
+    """``kda_chunked`` (same WY algebra, same result to float32 rounding) with the intra-chunk work batched over
+    all chunks; only the state recurrence loops. By linearity ``D_c = U_c - W_c S_c`` with
+    ``(I + A_c) [U_c | W_c] = [b V_c | b exp(G_c) K_c]``, so the loop is three small products per chunk.
+    Shapes as ``kda_chunked``; T must be a multiple of ``chunk`` (training rows are), state starts at zero."""
+    from bytebound.kernels.kda_ref import l2norm
+    if state is not None or q.shape[1] % chunk:
+        return kda_chunked(q, k, v, g, beta, state, normalize_qk, chunk)
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    if normalize_qk:
+        q, k = l2norm(q), l2norm(k)
+    b, t, h, dk = k.shape
+    dv, nc, n = v.shape[-1], t // chunk, chunk
+    q = q * dk ** -0.5
+
+    def blk(x):                                                               # [B,T,H,*] -> [B,H,NC,n,*]
+        return x.transpose(1, 2).reshape(b, h, nc, n, *x.shape[3:])
+    q, k, v, g, bc = blk(q), blk(k), blk(v), blk(g), blk(beta)
+    gc = g.cumsum(3)                                                          # [B,H,NC,n,K]
+    tri = torch.ones(n, n, dtype=torch.bool, device=q.device)
+    strict, incl = torch.tril(tri, -1), torch.tril(tri)
+    diff = gc[..., :, None, :] - gc[..., None, :, :]                          # [B,H,NC,n(t),n(j),K]
+    decay = torch.where(incl[..., None], diff, torch.full_like(diff, float("-inf"))).exp()
+    a = torch.einsum("...tk,...tjk,...jk->...tj", k, decay, k) * bc[..., None] * strict
+    eye = torch.eye(n, device=q.device).expand_as(a)
+    eg = gc.exp()
+    rhs = torch.cat([bc[..., None] * v, bc[..., None] * (eg * k)], -1)       # [B,H,NC,n,V+K]
+    uw = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+    u, w = uw[..., :dv], uw[..., dv:]
+    qk = torch.einsum("...tk,...tjk,...jk->...tj", q, decay, k)             # causal incl. diagonal
+    qg = eg * q
+    last = gc[..., -1:, :]                                                    # [B,H,NC,1,K]
+    kl = (last - gc).exp() * k
+    gl = last.squeeze(-2).exp()                                               # [B,H,NC,K]
+    s = torch.zeros(b, h, dk, dv, dtype=torch.float32, device=q.device)
+    outs = []
+    # unbind: one stack in backward instead of a full-size zero-filled gradient per chunk (select_backward)
+    for uc, wc, qgc, qkc, glc, klc in zip(u.unbind(2), w.unbind(2), qg.unbind(2), qk.unbind(2), gl.unbind(2),
+                                          kl.transpose(-1, -2).unbind(2)):
+        d = uc - wc @ s                                                       # [B,H,n,V]
+        outs.append(qgc @ s + qkc @ d)
+        s = glc[..., None] * s + klc @ d
+    o = torch.stack(outs, 2).reshape(b, h, t, dv).transpose(1, 2)
+    return o, s
+
+
 def prepare_for_training(model: BailingMoeV3ForCausalLM, kda_chunk: int) -> list[tuple[MoE, DenseExperts]]:
     moes = []
     for mod in model.modules():
@@ -150,7 +196,7 @@ def prepare_for_training(model: BailingMoeV3ForCausalLM, kda_chunk: int) -> list
             moes.append((mod, de))
     for layer in model.model.layers:
         if not layer.is_mla:
-            layer.attention.kda_fn = functools.partial(kda_chunked, chunk=kda_chunk)
+            layer.attention.kda_fn = functools.partial(kda_chunk_parallel, chunk=kda_chunk)
     return moes
 
 
@@ -336,10 +382,11 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="autocast dtype (bf16 on CUDA)")
     ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--batch-rows", type=int, default=16, help="rows per optimiser step")
+    ap.add_argument("--batch-rows", type=int, default=32, help="rows per optimiser step")
     ap.add_argument("--micro-rows", type=int, default=0, help="rows per forward (0: = batch-rows; halves on OOM)")
     ap.add_argument("--steps", default="auto", help="optimiser steps (schedule length) or 'auto'")
-    ap.add_argument("--time-budget", type=float, default=270.0, help="seconds for the training loop (auto steps)")
+    ap.add_argument("--time-budget", type=float, default=240.0, help="seconds for the training loop (auto steps)")
+    ap.add_argument("--max-epochs", type=float, default=8.0, help="auto steps: at most this many epochs")
     ap.add_argument("--calib-steps", type=int, default=8)
     ap.add_argument("--stop-after", type=int, default=0, help="stop after this many steps (schedule unchanged)")
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -515,8 +562,11 @@ def main(argv=None) -> int:
             per = sum(step_times[2:]) / len(step_times[2:])
             left = a.time_budget - (time.time() - t_train)
             per_total = per + val_s / a.val_every
-            total_steps = max(step + 10, int((step + left / per_total) // 10 * 10))
-            log["notes"].append(f"auto steps: {per:.3f}s/step over steps 3-{step}, val {val_s:.1f}s -> {total_steps}")
+            by_time = int((step + left / per_total) // 10 * 10)
+            by_epochs = int(a.max_epochs * ids_all.shape[0] / a.batch_rows // 10 * 10)
+            total_steps = max(step + 10, min(by_time, by_epochs))
+            log["notes"].append(f"auto steps: {per:.3f}s/step over steps 3-{step}, val {val_s:.1f}s -> "
+                                f"{by_time} by time, {by_epochs} by --max-epochs -> {total_steps}")
             print(f"[nano] {per:.3f} s/step ({a.batch_rows * a.seq_len / per:.0f} tok/s, micro {micro}) -> "
                   f"--steps {total_steps}", flush=True)
         if step % 10 == 0 and log["train"]:

@@ -17,6 +17,10 @@ ROOT = TESTS.parent
 NANO_TOKENIZER = ROOT / "models" / "ling-nano"
 sys.path.insert(0, str(TESTS))          # tests/hf_ref.py is importable as ``hf_ref`` from every test module
 
+# The tiny models run thousands of microsecond-sized ops: one intra-op thread is fastest, and with two threads on
+# a busy 2-core machine every op waits for the other thread (measured 2.7 ms vs 400 ms per decode step).
+torch.set_num_threads(1)
+
 GPU_SKIP_REASON = "needs a CUDA GPU: run scripts/gpu_check.sh on the device"
 
 # FP8 block 32x32 (instead of 128x128) so the tiny config's scale grids are not all 1x1: a transposed or

@@ -48,8 +48,8 @@ def check_lever(step: str, engine, outputs=None) -> tuple[bool, str]:
     """Whether ``step``'s lever is really on in ``engine`` (``outputs``: the step's results, for MTP)."""
     cfg = engine.config
     if step in ("baseline", "+kernel"):
-        want = cfg.backends["moe"]
         r = engine.plan.resolutions["moe"]
+        want = cfg.backends.get("moe", r.requested)
         mods = [m for m in engine.model.modules() if type(m).__name__ == "RoutedExperts"]
         wrong = sorted({str(getattr(m, "backend", None)) for m in mods} - {want})
         if r.resolved != want or r.fallback_from:
@@ -80,8 +80,9 @@ def check_lever(step: str, engine, outputs=None) -> tuple[bool, str]:
     raise ValueError(f"unknown step {step!r}")
 
 
-def _free(engine) -> None:
-    del engine
+def _free() -> None:
+    """Release the previous step's engine (the caller drops its reference first): two full-scale models do not
+    fit on one GPU together."""
     gc.collect()
     try:
         import torch
@@ -109,22 +110,26 @@ def run_ablation(base, workload, baseline_moe: str = "torch", kernel_moe: str = 
     for name, lever, cfg in ladder(base, baseline_moe, kernel_moe, mtp_steps):
         rec = {"step": name, "lever": lever, "active": None, "check": "", "note": ""}
         log(f"[ablation] step {name}: {lever}")
+        eng, err = None, None
         try:
             eng = make_engine(cfg)
         except (ByteboundError, ValueError) as e:
             if name == "baseline":
                 raise
-            msg = f"step '{name}' could not start with its lever on: {e}"
+            err = str(e)          # leave the except block first: its traceback still holds the half-built model
+        if err is not None:
+            msg = f"step '{name}' could not start with its lever on: {err}"
             if not allow_fallback:
                 stop = {"step": name, "reason": "lever not active", "message":
                         msg + ". Stopping; pass --allow-fallback to run it with the lever off and continue."}
-                rec.update(active=False, check=str(e))
+                rec.update(active=False, check=err)
                 steps.append(rec)
                 break
             log(f"[ablation] {msg}; --allow-fallback: running it with the lever off")
             cfg = prev_cfg
+            _free()
             eng = make_engine(cfg)
-            rec.update(active=False, check=str(e), note="lever off (engine could not start with it)")
+            rec.update(active=False, check=err, note="lever off (engine could not start with it)")
         if rec["active"] is None:
             ok, detail = check_lever(name, eng)
             rec.update(active=ok, check=detail)
@@ -134,9 +139,19 @@ def run_ablation(base, workload, baseline_moe: str = "torch", kernel_moe: str = 
                     "record it as inactive and continue."}
             rec["manifest"] = manifest(eng)
             steps.append(rec)
-            _free(eng)
+            eng = None
+            _free()
             break
-        outputs, extra = workload(eng)
+        try:
+            outputs, extra = workload(eng)
+        except Exception as e:       # a kernel that binds but fails at run time: report it, do not lose the ladder
+            rec.update(active=False, check=f"{type(e).__name__}: {e}", manifest=manifest(eng))
+            steps.append(rec)
+            stop = {"step": name, "reason": "step failed", "message": f"step '{name}' failed while running its "
+                    f"workload: {type(e).__name__}: {e}. Stopping."}
+            eng = None
+            _free()
+            break
         if rec["active"] and name == "+mtp":
             ok, detail = check_lever(name, eng, outputs)
             rec.update(active=ok, check=detail)
@@ -155,7 +170,8 @@ def run_ablation(base, workload, baseline_moe: str = "torch", kernel_moe: str = 
         log(f"[ablation] {name}: lever {'active' if rec['active'] else 'INACTIVE'} ({rec['check']}); "
             f"TPOT {tpot:.3f} ms" + (f" ({rec['change_pct']:+.2f}% vs previous)" if "change_pct" in rec else ""))
         steps.append(rec)
-        _free(eng)
+        eng = None
+        _free()
         if rec["active"] is False and not allow_fallback:
             stop = {"step": name, "reason": "lever not active", "message": f"step '{name}': lever not active "
                     f"({rec['check']}). Stopping; pass --allow-fallback to record it as inactive and continue."}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from dataclasses import replace
 
 from bytebound.bench import report as rp
@@ -33,6 +34,8 @@ def _common(p: argparse.ArgumentParser, name: str) -> None:
                    help=f"what the weights are, for the report (default: dummy -> '{rp.WEIGHTS_SYNTHETIC}', "
                         f"bundled ling-nano -> '{rp.WEIGHTS_TRAINED}')")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch intra-op threads (CPU; 1 is fastest for tiny models on a busy machine)")
 
 
 def _synthetic_args(p, input_len: int = 32768, output_len: int = 2048) -> None:
@@ -93,8 +96,12 @@ def _config(a, min_len: int = 0):
 def _start(cfg):
     from bytebound.cli import print_fallbacks
     from bytebound.engine.engine import Engine
+    t = time.perf_counter()
     eng = Engine(cfg)
     print_fallbacks(eng)
+    print(f"[bench] engine started in {time.perf_counter() - t:.1f} s (lm_head={eng.model.lm_head.mode}, "
+          f"MTP steps={cfg.speculative_steps}, " + ", ".join(f"{op}={r.resolved}" for op, r in
+                                                            eng.plan.resolutions.items()) + ")", flush=True)
     return eng
 
 
@@ -108,6 +115,9 @@ def _print(paths: dict) -> None:
 
 def _guard(fn):
     def run(a) -> int:
+        if a.torch_threads:
+            import torch
+            torch.set_num_threads(a.torch_threads)
         try:
             return fn(a)
         except (ByteboundError, FileNotFoundError) as e:

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from bytebound.sampling import SamplingParams, probs
+from bytebound.sampling import SamplingParams, draw, probs
+
+
+def _draw(pr: torch.Tensor, gen: torch.Generator | None) -> int:
+    return int(draw(pr, gen))
 
 
 def accept_chain(target_logits: torch.Tensor, drafts: list[int], p: SamplingParams,
@@ -36,6 +40,5 @@ def accept_chain(target_logits: torch.Tensor, drafts: list[int], p: SamplingPara
             continue
         resid = pr[j].clone()
         resid[x] = 0.0
-        bonus = torch.multinomial(resid / resid.sum(), 1, generator=gen).item()
-        return j, bonus
-    return n, torch.multinomial(pr[n], 1, generator=gen).item()
+        return j, _draw(resid, gen)
+    return n, _draw(pr[n], gen)

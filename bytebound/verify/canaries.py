@@ -45,6 +45,7 @@ CANARY_PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she
 SPEC_TOKENS = 8              # greedy tokens compared by spec_vs_plain
 FP8_REL_ERR_MAX = 0.10       # per-row ||fp8 - bf16|| / ||bf16|| bound of the FP8 head
 LARGE_NORM_FACTORS = (32.0, 1024.0)
+PROMPT_MAX = 24             # canary prompt tokens (prefill cost at full scale)
 MOE_ROWS = 4                 # random tokens per checked MoE layer (plus one router-chosen decode row)
 
 
@@ -93,11 +94,11 @@ def _na(name, lever, msg, **m):
     return CanaryResult(name, lever, None, msg, m)
 
 
-# ---- shared context: one short prompt's hidden states, computed once ---------------------------------
+# ---- shared context: one short prompt's prefill, computed once ---------------------------------------
 class _Ctx:
     def __init__(self, engine):
         self.engine = engine
-        self._hidden = None
+        self._hidden = self._snap = None
         self.ids = self._prompt_ids()
 
     def _prompt_ids(self) -> list[int]:
@@ -107,18 +108,30 @@ class _Ctx:
         ids = [i for i in ids if 0 <= i < v]
         if len(ids) < 8:      # dummy weights (no tokenizer): a fixed spread of ids
             g = torch.Generator().manual_seed(1234)
-            ids = torch.randint(0, v, (32,), generator=g).tolist()
-        return ids[:64]
+            ids = torch.randint(0, v, (PROMPT_MAX,), generator=g).tolist()
+        return ids[:PROMPT_MAX]
+
+    def _prefill(self) -> None:
+        r = self.engine.runner
+        r.reset()
+        with torch.inference_mode():
+            self._hidden = r.prefill(torch.tensor(self.ids)).clone()
+        self._snap = snapshot_state(r)
+        r.reset()
 
     @property
     def hidden(self) -> torch.Tensor:
         """Final-normed target hidden states ``[P, H]`` of the canary prompt."""
         if self._hidden is None:
-            r = self.engine.runner
-            r.reset()
-            with torch.inference_mode():
-                self._hidden = r.prefill(torch.tensor(self.ids)).clone()
-            r.reset()
+            self._prefill()
+        return self._hidden
+
+    def after_prefill(self) -> torch.Tensor:
+        """Put the runner in its state right after the prompt's prefill (one prefill for all canaries);
+        returns the prompt's hidden states."""
+        if self._snap is None:
+            self._prefill()
+        restore_state(self.engine.runner, self._snap)
         return self._hidden
 
     def head_rows(self) -> tuple[torch.Tensor, list[str]]:
@@ -352,8 +365,7 @@ def canary_logits_finite(engine, ctx) -> CanaryResult:
     bad = {}
     lg = r.logits(ctx.hidden)
     bad["prompt"] = int((~torch.isfinite(lg)).sum())
-    r.reset()
-    h = r.prefill(torch.tensor(ctx.ids))
+    h = ctx.after_prefill()
     tok = int(r.logits(h[-1:]).argmax(-1)[0])
     step = r.logits(r.forward(torch.tensor([tok], device=engine.device)))
     bad["decode_step"] = int((~torch.isfinite(step)).sum())
@@ -449,11 +461,15 @@ def canary_draft_head(engine, ctx) -> CanaryResult:
 
 
 def snapshot_state(runner) -> tuple:
-    """Copies of every tensor of the runner's per-layer state, and ``pos``."""
-    snap = []
+    """Copies of the runner's per-layer state (MLA caches: the slots ``[0, pos)`` only) and ``pos``."""
+    pos, snap = runner.pos, []
     for st in runner.state:
-        snap.append({k: v.clone() for k, v in vars(st).items() if isinstance(v, torch.Tensor)})
-    return snap, runner.pos
+        d = {}
+        for k, v in vars(st).items():
+            if isinstance(v, torch.Tensor):
+                d[k] = v[:, :pos].clone() if k == "kv" else v.clone()
+        snap.append(d)
+    return snap, pos
 
 
 def restore_state(runner, snap) -> None:
@@ -461,7 +477,7 @@ def restore_state(runner, snap) -> None:
     tensors, pos = snap
     for st, d in zip(runner.state, tensors):
         for k, v in d.items():
-            getattr(st, k).copy_(v)
+            (getattr(st, k)[:, :pos] if k == "kv" else getattr(st, k)).copy_(v)
         if hasattr(st, "history"):
             st.history = None
     runner.pos = pos
@@ -501,8 +517,7 @@ def canary_graph_replay(engine, ctx) -> CanaryResult:
     if not shapes:
         return _bad(name, lever, "runner.graph is set but reports no captured shapes", captured_shapes=shapes)
     replay, eager = graph_step_fns(r, g)
-    r.reset()
-    h = r.prefill(torch.tensor(ctx.ids))
+    h = ctx.after_prefill()
     tok = int(r.logits(h[-1:]).argmax(-1)[0])
     snap = snapshot_state(r)
     pos = r.pos
@@ -534,9 +549,8 @@ def canary_spec_vs_plain(engine, ctx) -> CanaryResult:
     r, dev = engine.runner, engine.device
     ids = torch.tensor(ctx.ids)
     n = SPEC_TOKENS
-    r.reset()
     plain, plain_logits = [], []
-    lg = r.logits(r.prefill(ids)[-1:])
+    lg = r.logits(ctx.after_prefill()[-1:])
     for i in range(n):
         plain_logits.append(lg[0].float())
         plain.append(int(lg.argmax(-1)[0]))

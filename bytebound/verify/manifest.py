@@ -157,7 +157,7 @@ def draft_sharing_facts(engine) -> dict:
     return {"embedding_same_object": dr.embedding is m.model.word_embeddings,
             "lm_head_same_object": dhead is head,
             "nextn_same_object": dr.layer is m.nextn,
-            "lm_head_weight_aliased": aliased,
+            "lm_head_weight_aliased": aliased and dhead is not head,
             "target_head_mode": head.mode, "draft_head_mode": getattr(dhead, "mode", None),
             "target_head_type": type(head).__name__, "draft_head_type": type(dhead).__name__,
             "configured": getattr(dr, "share", None)}

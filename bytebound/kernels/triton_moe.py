@@ -1,0 +1,502 @@
+"""Backend ``triton`` of op ``moe``: one fused MXFP4 routed-MoE kernel for batch-1 decode (M=1) and verify (M<=4).
+
+One launch computes ``y[m] = sum_j w[m, j] * down_e(SwiGLU(gate_e x[m], up_e x[m]))`` for the experts ``e =
+ids[m, j]`` straight from the checkpoint's MXFP4 bytes (``RoutedExperts``: ``w13 uint8 [E, 2I, H/2]``, ``w13_scale
+uint8 [E, 2I, H/32]`` E8M0, ``w2 uint8 [E, H, I/2]``, ``w2_scale uint8 [E, H, I/32]``; low nibble = even column).
+No weight re-layout and no copy: the kernel reads the module's own tensors (viewed as int32 words).
+
+Work split (grid ``(I/BI, M*top_k)``): program ``(j, s)`` owns routing slot ``s`` (token ``s // k``, expert ``e =
+ids.flat[s]``) and the intermediate slice ``[j*BI, (j+1)*BI)``:
+
+1. **Dedup** (M>1): if an earlier slot already chose ``e``, the program does nothing - so each distinct expert's
+   bytes are read once even when several verify tokens picked it. The surviving program computes for *all* M
+   tokens with per-token weights ``w_tok[m] = sum_j w[m, j] [ids[m, j] == e]`` (zero for tokens that did not
+   pick ``e``). No host sync, no torch glue ops: the routing tensors go straight into the kernel.
+2. **gate/up GEMV**: rows ``gate[j-slice] | up[j-slice]`` (2*BI rows) times ``x [M, H]`` on tensor cores (mma
+   m16n8k16, tokens padded to 8 columns); the E2M1 codes are decoded to BF16 in registers by a PRMT lookup
+   table (8 values per 32-bit word, ~2.6 instructions per weight including the E8M0 scale multiply), staged
+   through shared memory and read back with ldmatrix.
+3. SwiGLU (optional clamp ``silu(g).clamp(max=L) * u.clamp(-L, L)``) and the routing weight, in float32; the
+   slice's activations become the BF16 B operand of
+4. **down GEMV** over the slice: ``w2[e, :, j-slice]`` (all H rows, BI columns) -> partial ``[H, M]`` added with
+   vector float32 atomics (``red.global.add.v4.f32``) into a per-binding workspace ``[H, 8]``.
+5. The last program to finish (an acq_rel ticket counter) converts the workspace to the BF16 output and zeroes
+   the workspace and the counter for the next call, so one launch is the whole op and it is CUDA-graph safe.
+
+Two implementations of the same algorithm: ``gluon`` (Triton's explicit-layout dialect: the register layouts are
+chosen so the dequantisation needs no shuffles) and ``tl`` (plain Triton with ``tl.dot_scaled``; the
+compiler's generic MX up-cast, slower, kept as the fallback). Both are specialised per exact shape
+``(E, H, I, top_k, M)`` as constexprs and cached by Triton's JIT. Launch configs (variant, BI, BK, BH, warps)
+come from ``configs/triton_moe.json`` keyed by GPU name and shape, written by ``scripts/bench_moe.py --tune``;
+unknown shapes use :data:`DEFAULT_CONFIG`.
+
+Constraints: M <= :data:`MAX_M` (else :class:`BackendError`: use ``humming`` or ``torch`` for prefill), bf16
+activations, E8M0 scale bytes < 255. Graph capture: the callable allocates only its output (caching allocator)
+and launches one kernel; the workspace and counter belong to the binding, so two bindings never share one, but
+one binding must not run concurrently on two streams.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from bytebound.errors import BackendError
+from bytebound.kernels.registry import register
+
+MAX_M = 4
+NP = 8                      # token columns of the mma tile (m16n8k16)
+CONFIG_PATH = Path(__file__).resolve().parent / "configs" / "triton_moe.json"
+DEFAULT_CONFIG = {"variant": "gluon", "BI": 32, "BK": 256, "BH": 256, "num_warps": 4}
+TL_DEFAULT_CONFIG = {"variant": "tl", "BI": 32, "BK": 256, "BH": 128, "num_warps": 4, "num_stages": 3}
+
+try:  # Triton is optional on CPU machines; everything below the guard needs it.
+    import triton
+    import triton.language as tl
+    _TRITON_ERR = None
+except Exception as exc:  # pragma: no cover - depends on the machine
+    triton = tl = None
+    _TRITON_ERR = f"triton is not importable: {exc}"
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    _GLUON_ERR = None
+except Exception as exc:  # pragma: no cover
+    gluon = gl = mma_v2 = None
+    _GLUON_ERR = f"triton.experimental.gluon is not importable: {exc}"
+
+
+def available(dev) -> str | None:
+    if torch.device(dev).type != "cuda":
+        return "needs a CUDA device"
+    if _TRITON_ERR:
+        return _TRITON_ERR
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    major, _ = torch.cuda.get_device_capability(torch.device(dev))
+    if major < 8:
+        return f"needs compute capability >= 8.0 (mma.m16n8k16 bf16), got {major}.x"
+    return None
+
+
+# E2M1 -> BF16 lookup tables for PRMT (bytes 0..7 = magnitude codes 0..7):
+#   low byte  [00 00 80 C0 00 40 80 C0] and high byte [00 3F 3F 3F 40 40 40 40] of 0, .5, 1, 1.5, 2, 3, 4, 6;
+#   sign byte table [00 80] indexed by the code's bit 3.
+LUT_WORDS = (0xC0800000, 0xC0804000, 0x3F3F3F00, 0x40404040, 0x00008000)
+
+
+def _lut_tensor(device) -> torch.Tensor:
+    vals = [v - (1 << 32) if v >= 1 << 31 else v for v in LUT_WORDS]
+    return torch.tensor(vals + [0, 0, 0], dtype=torch.int32, device=device)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gluon implementation
+# ---------------------------------------------------------------------------------------------------------
+if gluon is not None:
+    # One int32 word = 8 E2M1 codes (code t in bits 4t..4t+3 = k order). $8 word, $9 bf16x2 (scale, scale),
+    # $10..$14 the LUT words (passed as registers so ptxas keeps them resident instead of re-materialising).
+    # Outputs $0..$7: the 8 BF16 values in k order.
+    _ASM_DEQ8 = gl.constexpr("""
+{
+.reg .b32 a<13>;
+.reg .b32 o<4>;
+and.b32  a0, $8, 0x88888888;
+shr.u32  a1, a0, 3;
+and.b32  a2, $8, 0x77777777;
+shr.u32  a3, a2, 16;
+shr.u32  a4, a0, 19;
+prmt.b32 a5, $10, $11, a2;
+prmt.b32 a6, $10, $11, a3;
+prmt.b32 a7, $12, $13, a2;
+prmt.b32 a8, $12, $13, a3;
+prmt.b32 a9, $14, 0, a1;
+prmt.b32 a10, $14, 0, a4;
+or.b32   a11, a7, a9;
+or.b32   a12, a8, a10;
+prmt.b32 o0, a5, a11, 0x5140;
+prmt.b32 o1, a5, a11, 0x7362;
+prmt.b32 o2, a6, a12, 0x5140;
+prmt.b32 o3, a6, a12, 0x7362;
+mul.rn.bf16x2 o0, o0, $9;
+mul.rn.bf16x2 o1, o1, $9;
+mul.rn.bf16x2 o2, o2, $9;
+mul.rn.bf16x2 o3, o3, $9;
+mov.b32 {$0, $1}, o0;
+mov.b32 {$2, $3}, o1;
+mov.b32 {$4, $5}, o2;
+mov.b32 {$6, $7}, o3;
+}
+""")
+
+    _ASM_FENCE = gl.constexpr("fence.acq_rel.gpu; mov.u32 $0, 0;")
+
+    @gluon.jit
+    def _g_dequant(w, s, c0, c1, c2, c3, c4):
+        """``w`` int32 ``[R, NB, 4]`` (4 words = one 32-value scale block), ``s`` uint8 ``[R, NB]`` E8M0 ->
+        BF16 ``[R, NB*32]`` in k order."""
+        s16 = s.to(gl.int32) << 7
+        s2 = gl.expand_dims(s16 | (s16 << 16), 2)
+        s2 = gl.broadcast(s2, w)[0]
+        o = gl.inline_asm_elementwise(_ASM_DEQ8, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r",
+                                      [w, s2, c0, c1, c2, c3, c4], (gl.bfloat16,) * 8, True, 1)
+        v = gl.join(gl.join(gl.join(o[0], o[4]), gl.join(o[2], o[6])),
+                    gl.join(gl.join(o[1], o[5]), gl.join(o[3], o[7])))
+        R: gl.constexpr = w.shape[0]
+        NB: gl.constexpr = w.shape[1]
+        return v.reshape([R, NB * 32])
+
+    @gluon.jit
+    def _moe_fused_gluon(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, w2_ptr, s2_ptr, ws_ptr, cnt_ptr, out_ptr,
+                         lut_ptr, limit,
+                         H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
+                         SP: gl.constexpr, BI: gl.constexpr, BK: gl.constexpr, BH: gl.constexpr,
+                         HAS_LIMIT: gl.constexpr):
+        NW: gl.constexpr = gl.num_warps()
+        NPC: gl.constexpr = 8
+        S: gl.constexpr = M * TOPK
+        NJ: gl.constexpr = I // BI
+        NPROG: gl.constexpr = NJ * S
+        R1: gl.constexpr = 2 * BI
+        NK1: gl.constexpr = H // BK
+        NB1: gl.constexpr = BK // 32
+        NB2: gl.constexpr = BI // 32
+        HW: gl.constexpr = H // 8          # int32 words per w13 row
+        IW: gl.constexpr = I // 8          # int32 words per w2 row
+
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
+        WL1: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32 // NB1, NB1, 1], [NW, 1, 1], [2, 1, 0])
+        SL1: gl.constexpr = gl.SliceLayout(2, WL1)
+        WL2: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32 // NB2, NB2, 1], [NW, 1, 1], [2, 1, 0])
+        SL2: gl.constexpr = gl.SliceLayout(2, WL2)
+        XL: gl.constexpr = gl.BlockedLayout([1, 8], [NPC, 32 // NPC], [1, NW], [1, 0])
+        EL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
+        ASL1: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        SWZ2: gl.constexpr = 128 if BI * 2 >= 128 else BI * 2
+        ASL2: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=SWZ2, element_bitwidth=16, rank=2)
+        HSL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+
+        j = gl.program_id(0)
+        s = gl.program_id(1)
+
+        # ---- routing: the slot's expert, dedup against earlier slots, per-token weights ----
+        t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
+        ids = gl.load(ids_ptr + t, mask=t < S, other=-1)
+        e = gl.load(ids_ptr + s)
+        ndup = gl.sum(gl.where((ids == e) & (t < s), 1, 0), axis=0)
+        if ndup == 0:
+            tw = gl.load(tw_ptr + t, mask=t < S, other=0.0)
+            mcol = gl.arange(0, NPC, layout=gl.SliceLayout(1, RL))
+            sel = (ids[None, :] == e) & ((t // TOPK)[None, :] == mcol[:, None])
+            wtok = gl.sum(gl.where(sel, tw[None, :], 0.0), axis=1)                  # [NPC]
+
+            c0 = gl.load(lut_ptr)
+            c1 = gl.load(lut_ptr + 1)
+            c2 = gl.load(lut_ptr + 2)
+            c3 = gl.load(lut_ptr + 3)
+            c4 = gl.load(lut_ptr + 4)
+
+            # ---- phase-1 addressing: gate|up rows of slice j; first two tiles in flight before anything else ----
+            r = gl.arange(0, R1, layout=gl.SliceLayout(1, SL1))
+            row = gl.where(r < BI, j * BI + r, I + j * BI + (r - BI))
+            b1 = gl.arange(0, NB1, layout=gl.SliceLayout(0, SL1))
+            q1 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, WL1)))
+            wp = w13_ptr + e * (2 * I * HW) + (row[:, None, None] * HW + b1[None, :, None] * 4 + q1[None, None, :])
+            sp = s13_ptr + e * (2 * I * (H // 32)) + (row[:, None] * (H // 32) + b1[None, :])
+            w_c = gl.load(wp)
+            s_c = gl.load(sp)
+            w_n = gl.load(wp + (BK // 8), mask=NK1 > 1, other=0)
+            s_n = gl.load(sp + (BK // 32), mask=NK1 > 1, other=0)
+
+            # ---- stage x (tokens padded to 8 with zeros) in shared memory, one [8, BK] slab per k step ----
+            xs = gl.allocate_shared_memory(gl.bfloat16, [NK1, NPC, BK], ASL1)
+            xn = gl.arange(0, NPC, layout=gl.SliceLayout(1, XL))
+            xk = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
+            for kk in gl.static_range(NK1):
+                xv = gl.load(x_ptr + xn[:, None] * H + kk * BK + xk[None, :], mask=xn[:, None] < M, other=0.0)
+                xs.index(kk).store(xv)
+
+            # ---- phase 1: [gate|up rows] x x^T on tensor cores, loads two tiles ahead ----
+            a_s = gl.allocate_shared_memory(gl.bfloat16, [R1, BK], ASL1)
+            acc = gl.zeros([R1, NPC], gl.float32, MMA)
+            for kk in range(NK1):
+                pf = kk + 2 < NK1
+                w_f = gl.load(wp + (kk + 2) * (BK // 8), mask=pf, other=0)
+                s_f = gl.load(sp + (kk + 2) * (BK // 32), mask=pf, other=0)
+                a_s.store(_g_dequant(w_c, s_c, c0, c1, c2, c3, c4))
+                acc = mma_v2(a_s.load(DA), xs.index(kk).permute([1, 0]).load(DB), acc)
+                w_c = w_n
+                s_c = s_n
+                w_n = w_f
+                s_n = s_f
+
+            # prefetch the first two down tiles while the SwiGLU epilogue runs
+            NH: gl.constexpr = H // BH
+            h = gl.arange(0, BH, layout=gl.SliceLayout(1, SL2))
+            b2 = gl.arange(0, NB2, layout=gl.SliceLayout(0, SL2))
+            q2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, WL2)))
+            wp2 = w2_ptr + e * (H * IW) + (h[:, None, None] * IW + j * (BI // 8) + b2[None, :, None] * 4
+                                           + q2[None, None, :])
+            sp2 = s2_ptr + e * (H * (I // 32)) + (h[:, None] * (I // 32) + j * (BI // 32) + b2[None, :])
+            w2_c = gl.load(wp2)
+            s2_c = gl.load(sp2)
+            w2_n = gl.load(wp2 + BH * IW, mask=NH > 1, other=0)
+            s2_n = gl.load(sp2 + BH * (I // 32), mask=NH > 1, other=0)
+
+            # ---- SwiGLU + routing weight -> B operand of the down GEMV ----
+            h_s = gl.allocate_shared_memory(gl.float32, [R1, NPC], HSL)
+            h_s.store(acc)
+            g = h_s.slice(0, BI, 0).load(EL)
+            u = h_s.slice(BI, BI, 0).load(EL)
+            a = g / (1.0 + gl.exp(-g))
+            if HAS_LIMIT:
+                a = gl.minimum(a, limit)
+                u = gl.minimum(gl.maximum(u, -limit), limit)
+            wt = gl.convert_layout(wtok, gl.SliceLayout(0, EL))
+            act = gl.convert_layout((a * u * wt[None, :]).to(gl.bfloat16), DB)          # [BI, 8]
+
+            # ---- phase 2: down rows (all H) x slice j, atomically accumulated ----
+            a2_s = gl.allocate_shared_memory(gl.bfloat16, [BH, BI], ASL2)
+            zero = gl.zeros([BH, NPC], gl.float32, MMA)
+            if M == 1:
+                OL1: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+                ho = gl.arange(0, BH, layout=OL1)
+            else:
+                OL: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NW, 1], [1, 0])
+                ho2 = gl.arange(0, BH, layout=gl.SliceLayout(1, OL))
+                no2 = gl.arange(0, NPC, layout=gl.SliceLayout(0, OL))
+            for hb in range(NH):
+                pf2 = hb + 2 < NH
+                w2_f = gl.load(wp2 + (hb + 2) * (BH * IW), mask=pf2, other=0)
+                s2_f = gl.load(sp2 + (hb + 2) * (BH * (I // 32)), mask=pf2, other=0)
+                a2_s.store(_g_dequant(w2_c, s2_c, c0, c1, c2, c3, c4))
+                d = mma_v2(a2_s.load(DA), act, zero)
+                if M == 1:
+                    col = gl.arange(0, NPC, layout=gl.SliceLayout(0, MMA))
+                    d1 = gl.convert_layout(gl.sum(gl.where(col[None, :] == 0, d, 0.0), axis=1), OL1)
+                    gl.atomic_add(ws_ptr + (hb * BH + ho) * NPC, d1, sem="relaxed", scope="gpu")
+                else:
+                    dd = gl.convert_layout(d, OL)
+                    gl.atomic_add(ws_ptr + (hb * BH + ho2[:, None]) * NPC + no2[None, :], dd,
+                                  mask=no2[None, :] < M, sem="relaxed", scope="gpu")
+                w2_c = w2_n
+                s2_c = s2_n
+                w2_n = w2_f
+                s2_n = s2_f
+
+        # ---- completion ticket: the last program converts the workspace and re-arms it ----
+        FL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
+        fz = gl.arange(0, 32 * NW, layout=gl.SliceLayout(1, FL))
+        gl.inline_asm_elementwise(_ASM_FENCE, "=r,r", [fz], gl.int32, False, 1)   # every thread: fence
+        gl.thread_barrier()
+        ticket = gl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == NPROG - 1:
+            FB: gl.constexpr = 32 * NW
+            fh = gl.arange(0, FB, layout=gl.SliceLayout(1, FL))
+            fn = gl.arange(0, NPC, layout=gl.SliceLayout(0, FL))
+            for f0 in range(0, H, FB):
+                p = ws_ptr + (f0 + fh[:, None]) * NPC + fn[None, :]
+                v = gl.load(p, cache_modifier=".cg")
+                gl.store(out_ptr + fn[None, :] * H + f0 + fh[:, None], v.to(gl.bfloat16), mask=fn[None, :] < M)
+                gl.store(p, gl.zeros([FB, NPC], gl.float32, FL))
+            gl.store(cnt_ptr, 0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plain-Triton implementation (tl.dot_scaled; the compiler's MX up-cast) - same algorithm, the fallback
+# ---------------------------------------------------------------------------------------------------------
+if tl is not None:
+    @triton.jit
+    def _moe_fused_tl(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, w2_ptr, s2_ptr, ws_ptr, cnt_ptr, out_ptr,
+                      limit,
+                      H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, M: tl.constexpr, SP: tl.constexpr,
+                      BI: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, HAS_LIMIT: tl.constexpr):
+        NPC: tl.constexpr = 16
+        S: tl.constexpr = M * TOPK
+        NPROG: tl.constexpr = (I // BI) * S
+        j = tl.program_id(0)
+        s = tl.program_id(1)
+        t = tl.arange(0, SP)
+        ids = tl.load(ids_ptr + t, mask=t < S, other=-1)
+        e = tl.load(ids_ptr + s)
+        ndup = tl.sum(tl.where((ids == e) & (t < s), 1, 0), axis=0)
+        if ndup == 0:
+            tw = tl.load(tw_ptr + t, mask=t < S, other=0.0)
+            mcol = tl.arange(0, NPC)
+            sel = (ids[None, :] == e) & ((t // TOPK)[None, :] == mcol[:, None])
+            wtok = tl.sum(tl.where(sel, tw[None, :], 0.0), axis=1)
+            ri = j * BI + tl.arange(0, BI)
+            kb = tl.arange(0, BK // 2)
+            ks = tl.arange(0, BK // 32)
+            kx = tl.arange(0, BK)
+            wg = w13_ptr + e * (2 * I * (H // 2)) + ri[:, None] * (H // 2) + kb[None, :]
+            sg = s13_ptr + e * (2 * I * (H // 32)) + ri[:, None] * (H // 32) + ks[None, :]
+            xp = x_ptr + mcol[None, :] * H + kx[:, None]
+            accg = tl.zeros([BI, NPC], tl.float32)
+            accu = tl.zeros([BI, NPC], tl.float32)
+            for kk in range(0, H // BK):
+                xt = tl.load(xp + kk * BK, mask=mcol[None, :] < M, other=0.0)
+                accg = tl.dot_scaled(tl.load(wg + kk * (BK // 2)), tl.load(sg + kk * (BK // 32)), "e2m1",
+                                     xt, None, "bf16", accg)
+                accu = tl.dot_scaled(tl.load(wg + I * (H // 2) + kk * (BK // 2)),
+                                     tl.load(sg + I * (H // 32) + kk * (BK // 32)), "e2m1", xt, None, "bf16", accu)
+            a = accg / (1.0 + tl.exp(-accg))
+            u = accu
+            if HAS_LIMIT:
+                a = tl.minimum(a, limit)
+                u = tl.minimum(tl.maximum(u, -limit), limit)
+            act = (a * u * wtok[None, :]).to(tl.bfloat16)                                  # [BI, NPC]
+            hr = tl.arange(0, BH)
+            ib = tl.arange(0, BI // 2)
+            isb = tl.arange(0, BI // 32)
+            w2p = w2_ptr + e * (H * (I // 2)) + hr[:, None] * (I // 2) + j * (BI // 2) + ib[None, :]
+            s2p = s2_ptr + e * (H * (I // 32)) + hr[:, None] * (I // 32) + j * (BI // 32) + isb[None, :]
+            for hb in range(0, H // BH):
+                d = tl.dot_scaled(tl.load(w2p + hb * BH * (I // 2)), tl.load(s2p + hb * BH * (I // 32)), "e2m1",
+                                  act, None, "bf16")
+                tl.atomic_add(ws_ptr + (hb * BH + hr[:, None]) * 8 + mcol[None, :], d, mask=mcol[None, :] < M,
+                              sem="relaxed", scope="gpu")
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [tl.arange(0, 128)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == NPROG - 1:
+            fh = tl.arange(0, 256)
+            fn = tl.arange(0, 8)
+            for f0 in range(0, H, 256):
+                p = ws_ptr + (f0 + fh[:, None]) * 8 + fn[None, :]
+                v = tl.load(p, cache_modifier=".cg")
+                tl.store(out_ptr + fn[None, :] * H + f0 + fh[:, None], v.to(tl.bfloat16), mask=fn[None, :] < M)
+                tl.store(p, tl.zeros([256, 8], tl.float32))
+            tl.store(cnt_ptr, 0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# configs
+# ---------------------------------------------------------------------------------------------------------
+def shape_key(e: int, h: int, i: int, k: int, m: int) -> str:
+    return f"E{e}_H{h}_I{i}_k{k}_M{m}"
+
+
+def gpu_name(device=None) -> str:
+    return torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cpu"
+
+
+def load_configs(path: Path = CONFIG_PATH) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def lookup_config(e, h, i, k, m, device=None, path: Path = CONFIG_PATH) -> dict:
+    """Tuned config for this GPU and shape (``configs/triton_moe.json``), else the default. The environment
+    variable ``BYTEBOUND_MOE_VARIANT`` (gluon|tl) forces the implementation."""
+    cfg = dict(DEFAULT_CONFIG)
+    table = load_configs(path).get(gpu_name(device), {})
+    cfg.update(table.get(shape_key(e, h, i, k, m), {}))
+    forced = os.environ.get("BYTEBOUND_MOE_VARIANT")
+    if forced:
+        cfg = dict(TL_DEFAULT_CONFIG if forced == "tl" else DEFAULT_CONFIG, **{kk: v for kk, v in cfg.items()
+                                                                           if kk not in ("variant",)})
+        cfg["variant"] = forced
+    return cfg
+
+
+def check_config(cfg: dict, h: int, i: int) -> None:
+    bi, bk, bh = cfg["BI"], cfg["BK"], cfg["BH"]
+    if i % bi or bi % 32 or h % bk or bk % 32 or h % bh or bk // 32 > 32:
+        raise BackendError(f"moe[triton]: config {cfg} does not tile H={h}, I={i}")
+
+
+class MoEKernel:
+    """The bound callable for one ``RoutedExperts``: owns the workspace ``[H, 8]`` float32, the ticket
+    counter and the per-M configs; ``__call__(x, ids, w)`` launches one kernel."""
+
+    def __init__(self, ex, configs: dict[int, dict] | None = None):
+        if ex.fmt != "mxfp4":
+            raise BackendError(f"moe[triton] needs MXFP4 experts, got fmt={ex.fmt!r} (use moe backend 'torch')")
+        dev = ex.w13.device
+        if dev.type != "cuda":
+            raise BackendError("moe[triton] needs the experts on a CUDA device")
+        self.ex = ex
+        self.e, self.h, self.i = ex.n, ex.hidden, ex.inter
+        if ex.w13_scale.dtype != torch.uint8 or ex.w2_scale.dtype != torch.uint8:
+            raise BackendError("moe[triton]: scales must be uint8 E8M0 bytes")
+        for name in ("w13", "w13_scale", "w2", "w2_scale"):
+            if not getattr(ex, name).is_contiguous():
+                raise BackendError(f"moe[triton]: experts.{name} must be contiguous")
+        # int32 word views of the packed codes (no copy)
+        self.w13w = ex.w13.data.view(torch.uint8).view(torch.int32)
+        self.w2w = ex.w2.data.view(torch.uint8).view(torch.int32)
+        self.s13 = ex.w13_scale.data
+        self.s2 = ex.w2_scale.data
+        self.ws = torch.zeros(self.h, NP, dtype=torch.float32, device=dev)
+        self.cnt = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.lut = _lut_tensor(dev)
+        self.limit = ex.limit
+        self.configs = dict(configs or {})
+
+    def config(self, m: int, k: int) -> dict:
+        if m not in self.configs:
+            self.configs[m] = lookup_config(self.e, self.h, self.i, k, m, self.ws.device)
+            check_config(self.configs[m], self.h, self.i)
+        return self.configs[m]
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        m, k = ids.shape
+        if m > MAX_M:
+            raise BackendError(f"moe[triton] handles at most {MAX_M} tokens per call (got {m}); "
+                               "bind 'humming' or 'torch' for prefill")
+        if x.dtype != torch.bfloat16:
+            raise BackendError(f"moe[triton] needs bf16 activations, got {x.dtype}")
+        cfg = self.config(m, k)
+        x = x.contiguous()
+        ids = ids.contiguous()
+        w = w.to(torch.float32).contiguous()
+        out = torch.empty(m, self.h, dtype=torch.bfloat16, device=x.device)
+        grid = (self.i // cfg["BI"], m * k)
+        sp = triton.next_power_of_2(max(m * k, 32))
+        limit = float(self.limit) if self.limit is not None else 0.0
+        common = dict(H=self.h, I=self.i, TOPK=k, M=m, SP=sp, BI=cfg["BI"], BK=cfg["BK"], BH=cfg["BH"],
+                      HAS_LIMIT=self.limit is not None)
+        if cfg["variant"] == "gluon":
+            if gluon is None:
+                raise BackendError(f"moe[triton] variant 'gluon': {_GLUON_ERR}")
+            _moe_fused_gluon[grid](x, ids, w, self.w13w, self.s13, self.w2w, self.s2, self.ws, self.cnt, out,
+                                   self.lut, limit, num_warps=cfg["num_warps"], **common)
+        elif cfg["variant"] == "tl":
+            _moe_fused_tl[grid](x, ids, w, self.ex.w13.data, self.s13, self.ex.w2.data, self.s2, self.ws,
+                                self.cnt, out, limit, num_warps=cfg["num_warps"],
+                                num_stages=cfg.get("num_stages", 3), **common)
+        else:
+            raise BackendError(f"moe[triton]: unknown variant {cfg['variant']!r}")
+        return out
+
+    def weight_bytes(self, n_experts: int) -> int:
+        """Bytes of weights + scales read for ``n_experts`` distinct experts."""
+        per = (self.ex.w13[0].numel() + self.ex.w13_scale[0].numel() + self.ex.w2[0].numel()
+               + self.ex.w2_scale[0].numel())
+        return n_experts * per
+
+
+@register("moe", "triton", available)
+class TritonMoE:
+    """Fused MXFP4 MoE for M <= 4 (decode and MTP verify). See the module docstring."""
+    name = "triton"
+
+    def __init__(self, configs: dict[int, dict] | None = None):
+        self.configs = configs
+
+    def bind(self, ex, dtype):
+        if dtype != torch.bfloat16:
+            raise BackendError(f"moe[triton] runs in bf16, model dtype is {dtype}")
+        return MoEKernel(ex, self.configs)

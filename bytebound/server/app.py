@@ -1,0 +1,546 @@
+"""OpenAI-compatible FastAPI app over one batch-1 :class:`~bytebound.engine.engine.Engine`.
+
+Concurrency model: one worker thread owns the engine (a single-thread executor); requests wait in an
+``asyncio.Queue(max_queue)`` and a dispatcher coroutine hands them to the worker one at a time. A full queue
+answers 429 (``Retry-After: 1``); a closing or broken worker answers 503. The worker checks the request's
+cancel flag between streamed tokens, so a client that disconnects (streaming: the SSE generator is cancelled;
+non-streaming: a watcher polls ``request.is_disconnected()``) stops its generation at the next token.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming SSE and not, with the final
+usage chunk when ``stream_options.include_usage``), ``GET /v1/models``, ``/health``, ``/metrics``
+(Prometheus), ``/server_info`` (the start-up manifest and engine config).
+
+Request rules: malformed JSON, wrong types, out-of-range sampling values, ``n``/``best_of`` other than 1,
+unsupported features (logprobs, echo, penalties, tools) and prompts that do not fit ``max_model_len`` get 400
+before queueing; an unknown model gets 404. Extensions: ``top_k``, ``seed``, ``ignore_eos``,
+``stop_token_ids``, ``return_token_ids`` (non-streaming: ``choices[0].token_ids``).
+``usage.completion_tokens`` is the number of tokens whose text is returned (stop strings and EOS excluded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from bytebound.errors import RequestError
+from bytebound.sampling import SamplingParams
+
+log = logging.getLogger("bytebound.server")
+MAX_BODY = 16 << 20
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+
+
+class APIError(Exception):
+    """An error with its HTTP status, rendered in the OpenAI error format."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code, self.headers = \
+            status, message, type_, param, code, headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                       "code": self.code}}, status_code=self.status, headers=self.headers)
+
+
+# ---- metrics ------------------------------------------------------------------------------------------------
+class Metrics:
+    """Prometheus metrics in the app's own registry (several apps may live in one process)."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("bytebound_time_to_first_token_seconds", "Time to first token (engine, no queue)",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("bytebound_time_per_output_token_seconds", "Mean time per output token after the "
+                              "first, per request", buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("bytebound_e2e_request_latency_seconds", "Request latency incl. queueing",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram("bytebound_queue_time_seconds", "Time a request waited for the engine",
+                                    buckets=E2E_BUCKETS, registry=r)
+        self.accept = Histogram("bytebound_spec_accept_length_per_request", "MTP accept length per request",
+                                buckets=(1, 1.25, 1.5, 1.75, 2, 2.25, 2.5, 2.75, 3, 3.25, 3.5, 3.75, 4, 5, 6, 8),
+                                registry=r)
+        self.accept_avg = Gauge("bytebound_spec_accept_length", "Cumulative MTP accept length (committed tokens "
+                                "per verify round since start; 0 without MTP)", registry=r)
+        self.prompt_tokens = Counter("bytebound_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.gen_tokens = Counter("bytebound_generation_tokens", "Tokens generated and returned", registry=r)
+        self.requests = Counter("bytebound_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.rejected = Counter("bytebound_requests_rejected", "Requests refused before queueing", ["reason"],
+                                registry=r)
+        self.queued = Gauge("bytebound_num_queued_requests", "Requests waiting for the engine", registry=r)
+        self.running = Gauge("bytebound_num_running_requests", "Requests on the engine (0 or 1)", registry=r)
+
+
+# ---- the worker -----------------------------------------------------------------------------------------------
+@dataclass
+class Job:
+    """One request on its way through the queue and the worker; events flow back through ``events``."""
+    rid: str
+    ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    created: float = field(default_factory=time.perf_counter)
+
+    def post(self, kind: str, payload=None) -> None:
+        """From any thread: queue ``(kind, payload)`` for the handler (``chunk`` | ``error`` | ``cancelled``)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:      # loop closed: nobody is listening any more
+            pass
+
+
+class EngineWorker:
+    """The engine's owner: one thread, fed one job at a time from a bounded asyncio queue."""
+
+    def __init__(self, engine, max_queue: int, metrics: Metrics):
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="bytebound-engine")
+        self.queue: asyncio.Queue | None = None
+        self.task: asyncio.Task | None = None
+        self.current: Job | None = None
+        self.closing = False
+        self.served = 0
+
+    async def start(self) -> None:
+        self.queue = asyncio.Queue(self.max_queue)
+        self.task = asyncio.create_task(self._dispatch(), name="bytebound-dispatch")
+
+    def healthy(self) -> str | None:
+        """None when serving, else why not."""
+        if self.closing:
+            return "shutting down"
+        if self.task is None:
+            return "not started"
+        if self.task.done():
+            return "dispatcher stopped"
+        return None
+
+    def submit(self, job: Job) -> None:
+        why = self.healthy()
+        if why:
+            self.metrics.rejected.labels("unavailable").inc()
+            raise APIError(503, f"server unavailable: {why}", "server_error", code="unavailable")
+        try:
+            self.queue.put_nowait(job)
+        except asyncio.QueueFull:
+            self.metrics.rejected.labels("queue_full").inc()
+            raise APIError(429, f"the request queue is full ({self.max_queue} waiting); retry later",
+                           "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
+        self.metrics.queued.set(self.queue.qsize())
+
+    async def _dispatch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            job = await self.queue.get()
+            self.metrics.queued.set(self.queue.qsize())
+            if job.cancel.is_set():                  # its client left while it waited
+                self.metrics.requests.labels("cancelled").inc()
+                job.post("cancelled")
+                continue
+            self.current = job
+            try:
+                await loop.run_in_executor(self.executor, self._run, job)
+            except asyncio.CancelledError:
+                job.cancel.set()
+                raise
+            except Exception:                        # _run reports its own errors; this is a bug guard
+                log.exception("worker failed on %s", job.rid)
+            finally:
+                self.current = None
+
+    def _run(self, job: Job) -> None:
+        """Worker thread: stream the job through the engine, checking its cancel flag between tokens."""
+        m, eng = self.metrics, self.engine
+        m.running.set(1)
+        m.queue_time.observe(time.perf_counter() - job.created)
+        out, finish, sent = None, None, 0
+        gen = None
+        try:
+            gen = eng.stream(job.ids, job.params)
+            for chunk in gen:
+                if job.cancel.is_set():
+                    finish = "cancelled"
+                    break
+                sent += len(chunk.token_ids)
+                job.post("chunk", chunk)
+                out = chunk.output or out
+        except RequestError as e:
+            finish = "error"
+            job.post("error", APIError(400, str(e)))
+        except Exception as e:                       # keep serving: report, count, move on
+            finish = "error"
+            log.exception("generation failed for %s", job.rid)
+            job.post("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error"))
+        finally:
+            if gen is not None:
+                gen.close()
+            m.running.set(0)
+            self.served += 1
+        if finish == "cancelled":
+            m.requests.labels("cancelled").inc()
+            m.prompt_tokens.inc(len(job.ids))
+            m.gen_tokens.inc(sent)
+            job.post("cancelled")
+        elif finish == "error":
+            m.requests.labels("error").inc()
+        elif out is not None:
+            m.requests.labels(out.finish_reason).inc()
+            m.prompt_tokens.inc(out.prompt_tokens)
+            m.gen_tokens.inc(out.completion_tokens)
+            m.ttft.observe(out.ttft_s)
+            if out.completion_tokens > 1:
+                m.tpot.observe(out.tpot_s)
+            m.e2e.observe(time.perf_counter() - job.created)
+            if out.spec:
+                m.accept.observe(out.spec["accept_length"])
+                m.accept_avg.set(eng.spec_totals.accept_length)
+
+    async def stop(self) -> None:
+        """Refuse new work, cancel queued and running jobs, wait for the worker thread (bounded: it stops at
+        the next token)."""
+        self.closing = True
+        while self.queue is not None and not self.queue.empty():
+            job = self.queue.get_nowait()
+            job.cancel.set()
+            job.post("cancelled")
+        if self.current is not None:
+            self.current.cancel.set()
+        if self.task is not None:
+            self.task.cancel()
+            try:
+                await self.task
+            except (asyncio.CancelledError, Exception):
+                pass
+        await asyncio.get_running_loop().run_in_executor(None, lambda: self.executor.shutdown(wait=True))
+
+
+# ---- request parsing --------------------------------------------------------------------------------------
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _get(body: dict, key: str, kind: str, default=None):
+    """``body[key]`` checked against ``kind`` (int | number | bool | str | list | dict); None -> default."""
+    v = body.get(key)
+    if v is None:
+        return default
+    ok = {"int": _is_int, "number": _is_num, "bool": lambda x: isinstance(x, bool), "str": lambda x: isinstance(x, str),
+          "list": lambda x: isinstance(x, list), "dict": lambda x: isinstance(x, dict)}[kind](v)
+    if not ok:
+        raise APIError(400, f"'{key}' must be {'an' if kind[0] in 'ai' else 'a'} {kind}, got {type(v).__name__}",
+                       param=key)
+    return v
+
+
+def _reject_unsupported(body: dict, chat: bool) -> None:
+    checks = [("n", lambda v: v == 1), ("best_of", lambda v: v == 1), ("echo", lambda v: v is False),
+              ("presence_penalty", lambda v: v == 0), ("frequency_penalty", lambda v: v == 0),
+              ("repetition_penalty", lambda v: v == 1), ("logit_bias", lambda v: not v), ("suffix", lambda v: False),
+              ("tools", lambda v: not v), ("functions", lambda v: not v),
+              ("response_format", lambda v: isinstance(v, dict) and v.get("type") == "text"),
+              ("top_logprobs", lambda v: False),
+              ("logprobs", (lambda v: v is False) if chat else (lambda v: False))]
+    for key, fine in checks:
+        v = body.get(key)
+        if v is not None and not fine(v):
+            raise APIError(400, f"'{key}'={v!r} is not supported by this server", param=key)
+
+
+def _sampling(body: dict, chat: bool, prompt_len: int, engine) -> SamplingParams:
+    _reject_unsupported(body, chat)
+    room = engine.runner.max_len - prompt_len - engine.config.speculative_steps - 1
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    mt = _get(body, key, "int", None if chat else 16)
+    if mt is None:                                   # chat without a limit: whatever fits
+        mt = room
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
+        raise APIError(400, "'stop' must be a string or a list of strings", param="stop")
+    ids = _get(body, "stop_token_ids", "list", [])
+    if not all(_is_int(i) for i in ids):
+        raise APIError(400, "'stop_token_ids' must be a list of ints", param="stop_token_ids")
+    try:
+        p = SamplingParams(max_tokens=mt, temperature=float(_get(body, "temperature", "number", 1.0)),
+                           top_p=float(_get(body, "top_p", "number", 1.0)), top_k=_get(body, "top_k", "int", 0),
+                           seed=_get(body, "seed", "int", None), stop=tuple(stop or ()),
+                           stop_token_ids=tuple(ids), ignore_eos=_get(body, "ignore_eos", "bool", False))
+    except RequestError as e:
+        raise APIError(400, str(e), param=key if "max_tokens" in str(e) else None) from None
+    if mt > room:
+        raise APIError(400, f"this model's maximum context length is {engine.runner.max_len} tokens; the prompt "
+                       f"has {prompt_len} tokens and max_tokens is {mt} (room for at most {max(room, 0)} new "
+                       f"tokens{' with MTP draft slots' if engine.config.speculative_steps else ''})", param=key,
+                       code="context_length_exceeded")
+    return p
+
+
+def _token_ids(v, vocab: int) -> list[int] | None:
+    if isinstance(v, list) and v and all(_is_int(i) for i in v):
+        if any(not 0 <= i < vocab for i in v):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return list(v)
+    return None
+
+
+def _completion_prompt(body: dict, engine) -> list[int]:
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    ids = _token_ids(p, engine.model.cfg.vocab_size)
+    if ids is not None:
+        return ids
+    if isinstance(p, list):
+        raise APIError(400, "'prompt' must be one string or one list of token ids (batched prompts are not "
+                       "supported: this is a batch-1 engine)", param="prompt")
+    if not isinstance(p, str) or not p:
+        raise APIError(400, "'prompt' must be a non-empty string", param="prompt")
+    if engine.tokenizer is None:
+        raise APIError(400, "this engine has no tokenizer (dummy weights): send token ids", param="prompt")
+    ids = engine.tokenizer.encode(p)
+    if not ids:
+        raise APIError(400, "'prompt' encodes to no tokens", param="prompt")
+    return ids
+
+
+def _chat_prompt(body: dict, engine) -> list[int]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise APIError(400, "'messages' must be a non-empty list", param="messages")
+    if engine.tokenizer is None:
+        raise APIError(400, "this engine has no tokenizer (dummy weights): chat is unavailable", param="messages")
+    clean = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
+        role = {"developer": "system"}.get(m["role"], m["role"])
+        if role not in ("system", "user", "assistant"):
+            raise APIError(400, f"messages[{i}].role={m['role']!r} is not supported", param="messages")
+        c = m.get("content")
+        if isinstance(c, list):
+            if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str) for x in c):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+            c = "".join(x["text"] for x in c)
+        if c is None and role == "assistant":
+            c = ""
+        if not isinstance(c, str):
+            raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
+        clean.append({"role": role, "content": c})
+    try:
+        text = engine.tokenizer.apply_chat_template(clean)
+    except ValueError as e:
+        raise APIError(400, f"chat template: {e}", param="messages") from None
+    return engine.tokenizer.encode(text)
+
+
+async def _read_json(request: Request) -> dict:
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise APIError(413, f"request body over {MAX_BODY} bytes")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the JSON body must be an object")
+    return body
+
+
+# ---- responses --------------------------------------------------------------------------------------------
+def _usage(out) -> dict:
+    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+            "total_tokens": out.prompt_tokens + out.completion_tokens}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+async def _watch_disconnect(request: Request, job: Job, every: float = 0.1) -> None:
+    while not job.cancel.is_set():
+        if await request.is_disconnected():
+            job.cancel.set()
+            return
+        await asyncio.sleep(every)
+
+
+async def _collect(job: Job, request: Request):
+    """Wait for the job's RequestOutput, cancelling it if the client goes away."""
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    try:
+        while True:
+            kind, payload = await job.events.get()
+            if kind == "chunk" and payload.output is not None:
+                return payload.output
+            if kind == "error":
+                raise payload
+            if kind == "cancelled":
+                raise APIError(503, "request cancelled (client disconnected or server shutting down)",
+                               "server_error", code="cancelled")
+    finally:
+        watcher.cancel()
+
+
+def create_app(engine, served_model_name: str | None = None, max_queue: int = 64, manifest: dict | None = None
+               ) -> FastAPI:
+    """The FastAPI app serving ``engine``. ``served_model_name`` defaults to the checkpoint dir's basename;
+    ``max_queue``: requests that may wait for the engine (beyond the one running) before 429."""
+    from bytebound import __version__ as version
+    from bytebound.bench.report import _jsonable, engine_manifest
+    name = served_model_name or Path(str(engine.config.model)).name
+    metrics = Metrics()
+    worker = EngineWorker(engine, max_queue, metrics)
+    manifest = manifest if manifest is not None else engine_manifest(engine)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await worker.start()
+        try:
+            yield
+        finally:
+            await worker.stop()
+
+    app = FastAPI(title="bytebound", version=version, lifespan=lifespan)
+    app.state.worker, app.state.metrics, app.state.engine, app.state.served_model_name = worker, metrics, engine, name
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.get("/health")
+    async def health():
+        why = worker.healthy()
+        if why:
+            return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                            "owned_by": "bytebound", "root": str(engine.config.model),
+                                            "max_model_len": engine.runner.max_len}]}
+
+    @app.get("/metrics")
+    async def prom():
+        if engine.drafter is not None:
+            metrics.accept_avg.set(engine.spec_totals.accept_length)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/server_info")
+    async def server_info():
+        acc = engine.spec_totals.accept_length if engine.drafter is not None else None
+        return _jsonable({"served_model_name": name, "version": version, "model_path": str(engine.config.model),
+                          "max_model_len": engine.runner.max_len, "max_queue": max_queue,
+                          "queued": worker.queue.qsize() if worker.queue else 0,
+                          "running": worker.current is not None, "served": worker.served,
+                          "engine_config": asdict(engine.config), "avg_spec_accept_length": acc,
+                          "internal_states": [{"avg_spec_accept_length": acc}], "manifest": manifest})
+
+    async def handle(request: Request, chat: bool):
+        body = await _read_json(request)
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise APIError(400, "'model' is required (a string)", param="model")
+        if model != name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {name!r}",
+                           "invalid_request_error", param="model", code="model_not_found")
+        ids = _chat_prompt(body, engine) if chat else _completion_prompt(body, engine)
+        params = _sampling(body, chat, len(ids), engine)
+        stream = _get(body, "stream", "bool", False)
+        opts = _get(body, "stream_options", "dict", None)
+        if opts is not None and not stream:
+            raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
+        include_usage = bool((opts or {}).get("include_usage", False))
+        want_ids = _get(body, "return_token_ids", "bool", False)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        job = Job(rid, ids, params, asyncio.get_running_loop())
+        worker.submit(job)
+        now = int(time.time())
+        if stream:
+            return StreamingResponse(_stream(job, chat, include_usage, now), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        out = await _collect(job, request)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+                      "finish_reason": out.finish_reason}
+        else:
+            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+        if want_ids:
+            choice["token_ids"] = out.token_ids
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now, "model": name,
+                "choices": [choice], "usage": _usage(out)}
+
+    async def _stream(job: Job, chat: bool, include_usage: bool, now: int):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None = None, finish: str | None = None, role: bool = False) -> dict:
+            if chat:
+                delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {})
+                c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            d = {"id": job.rid, "object": obj, "created": now, "model": name, "choices": [c]}
+            if include_usage:
+                d["usage"] = None
+            return d
+
+        try:
+            if chat:
+                yield _sse(chunk(role=True))
+            while True:
+                kind, payload = await job.events.get()
+                if kind == "chunk":
+                    if payload.text:
+                        yield _sse(chunk(payload.text))
+                    if payload.output is not None:
+                        yield _sse(chunk(finish=payload.output.finish_reason))
+                        if include_usage:
+                            yield _sse({"id": job.rid, "object": obj, "created": now, "model": name, "choices": [],
+                                        "usage": _usage(payload.output)})
+                        break
+                elif kind == "error":
+                    yield _sse({"error": {"message": payload.message, "type": payload.type, "code": payload.code}})
+                    break
+                else:
+                    yield _sse({"error": {"message": "request cancelled (server shutting down)",
+                                          "type": "server_error", "code": "cancelled"}})
+                    break
+            yield "data: [DONE]\n\n"
+        finally:                      # normal end, client disconnect (generator cancelled/closed) or error
+            job.cancel.set()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    return app

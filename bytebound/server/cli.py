@@ -1,0 +1,66 @@
+"""``bytebound serve``: the OpenAI-compatible server (FastAPI + uvicorn) over one batch-1 engine.
+
+Usage::
+
+    bytebound serve [engine flags] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
+        [--max-queue 64] [--verify [--strict]] [--log-level info]
+
+Endpoints: /v1/completions, /v1/chat/completions (SSE streaming or not), /v1/models, /health, /metrics,
+/server_info (see :mod:`bytebound.server.app`). The model name is the checkpoint dir's basename unless
+``--served-model-name`` is given. FastAPI and uvicorn are imported only by this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from bytebound.cli import add_engine_args
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="model id clients use (default: checkpoint basename)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for the engine before new ones get 429 (default 64)")
+    p.add_argument("--verify", action="store_true", help="run the start-up canaries (bytebound.verify) first")
+    p.add_argument("--strict", action="store_true", help="with --verify: refuse to start when a canary fails")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(fn=cmd_serve)
+    return p
+
+
+def cmd_serve(a) -> int:
+    from bytebound.cli import engine_config, print_fallbacks
+    from bytebound.engine.engine import Engine
+    from bytebound.errors import ByteboundError
+    try:
+        import uvicorn
+
+        from bytebound.server.app import create_app
+    except ImportError as e:
+        print(f"[bytebound serve] needs fastapi and uvicorn: {e}", file=sys.stderr)
+        return 2
+    if a.max_queue < 1:
+        print("[bytebound serve] --max-queue must be >= 1", file=sys.stderr)
+        return 2
+    cfg = engine_config(a)
+    if a.verify and hasattr(cfg, "verify"):
+        cfg = dataclasses.replace(cfg, verify=True, strict=a.strict)
+    try:
+        eng = Engine(cfg)
+    except (ByteboundError, FileNotFoundError) as e:
+        print(f"[bytebound serve] engine did not start: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    print_fallbacks(eng)
+    app = create_app(eng, a.served_model_name, a.max_queue)
+    name = app.state.served_model_name
+    res = ", ".join(f"{op}={r.resolved}" for op, r in eng.plan.resolutions.items())
+    print(f"[bytebound serve] model {name!r} on {eng.device} ({res}; lm_head={eng.model.lm_head.mode}, "
+          f"MTP steps={eng.config.speculative_steps}); http://{a.host}:{a.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
+    return 0

@@ -1,0 +1,171 @@
+"""Issue 9: ``bytebound bench`` (gsm8k, synthetic, ablation) on a random-weight tiny checkpoint, on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bytebound.bench import ablation as ab
+from bytebound.cli import main
+from bytebound.engine.engine import Engine, EngineConfig, RequestOutput
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from bytebound.checkpoint.synthetic import random_model
+    from bytebound.checkpoint.writer import save_pretrained
+    from bytebound.config import tiny_config
+    d = tmp_path_factory.mktemp("tiny-ckpt")
+    save_pretrained(random_model(tiny_config(vocab_size=6144, eos_token_id=3, pad_token_id=0)), d,
+                    tokenizer_dir="models/ling-nano")
+    return d
+
+
+def _files(out, name):
+    data = json.loads((out / f"{name}.json").read_text())
+    md = (out / f"{name}.md").read_text()
+    pngs = sorted(out.glob(f"{name}_*.png"))
+    assert pngs and all(p.read_bytes()[:8] == PNG for p in pngs)
+    assert data["files"]["png"] == [p.name for p in pngs]
+    return data, md
+
+
+def _check_meta(meta, weights):
+    for k in ("date", "commit", "device", "weights", "manifest", "command"):
+        assert meta.get(k), k
+    assert meta["weights"] == weights
+    assert meta["manifest"].get("levers") or meta["manifest"].get("resolutions")
+
+
+def _check_summary(s):
+    for k in ("tpot_ms", "ttft_ms", "e2e_ms"):
+        assert {"mean", "p50", "p95"} <= set(s[k]) and s[k]["mean"] > 0
+    assert s["decode_tok_s"]["aggregate"] > 0
+    assert s["output_len"]["histogram"]["counts"] and s["output_len"]["total"] > 0
+
+
+def test_gsm8k_bench_writes_report(ckpt, tmp_path):
+    rc = main(["bench", "gsm8k", "--model", str(ckpt), "--limit", "3", "--max-tokens", "8", "--out", str(tmp_path),
+               "--no-progress", "--weights-label", "synthetic (random, real shapes)"])
+    assert rc == 0
+    data, md = _files(tmp_path, "gsm8k")
+    _check_meta(data["meta"], "synthetic (random, real shapes)")
+    _check_summary(data["summary"])
+    assert data["n"] == 3 and 0 <= data["accuracy"] <= 1 and len(data["ci95"]) == 2
+    assert data["sampling"] == {"shots": 5, "seed": 0, "max_tokens": 8, "temperature": 0.6, "top_p": 0.95,
+                                "top_k": 29, "stop": ["\n\n", "Question:"]}
+    q = data["questions"]
+    assert [r["idx"] for r in q] == [0, 1, 2] and all({"gold", "pred", "correct", "text"} <= set(r) for r in q)
+    assert q[0]["gold"] == "18"                              # GSM8K test[0]: Janet's ducks
+    assert all(r["completion_tokens"] <= 8 for r in q)
+    for s in ("Accuracy", "TPOT", "TTFT", data["meta"]["commit"], "manifest", "gsm8k_latency.png"):
+        assert s in md, s
+
+
+def test_gsm8k_bench_with_mtp_reports_accept_length(ckpt, tmp_path):
+    rc = main(["bench", "gsm8k", "--model", str(ckpt), "--limit", "2", "--max-tokens", "6", "--out", str(tmp_path),
+               "--no-progress", "--speculative-algorithm", "NEXTN", "--name", "mtp"])
+    assert rc == 0
+    data, md = _files(tmp_path, "mtp")
+    acc = data["summary"]["accept_length"]
+    assert acc["rounds"] > 0 and 1.0 <= acc["aggregate"] <= 4.0
+    assert "Accept length" in md
+    assert data["meta"]["weights"].startswith("checkpoint ")      # a tmp checkpoint is not called trained
+
+
+def test_synthetic_bench(ckpt, tmp_path):
+    rc = main(["bench", "synthetic", "--model", str(ckpt), "--input-len", "48", "--output-len", "12",
+               "--out", str(tmp_path), "--no-progress", "--weights-label", "synthetic (random, real shapes)"])
+    assert rc == 0
+    data, md = _files(tmp_path, "synthetic")
+    _check_summary(data["summary"])
+    r = data["requests"][0]
+    assert r["prompt_tokens"] == 48 and r["completion_tokens"] == 12          # EOS ignored: exact length
+    f = data["byte_floor"]
+    assert f["step_bytes"] > 0 and "CPU" in f["bandwidth_note"]
+    assert f["tpot_over_floor"] is None or f["tpot_over_floor"] > 0
+    assert "Byte floor" in md and "CPU run" in md
+
+
+# ---- ablation ------------------------------------------------------------------------------------------------
+ABL = ["bench", "ablation", "--input-len", "24", "--output-len", "6", "--warmup", "0", "--no-progress"]
+
+
+def test_ablation_stops_when_kernel_lever_is_inactive(ckpt, tmp_path):
+    rc = main(ABL + ["--model", str(ckpt), "--out", str(tmp_path)])
+    assert rc == 3
+    data, md = _files(tmp_path, "ablation")
+    assert data["status"] == "stopped" and data["stop"]["step"] == "+kernel"
+    assert data["stop"]["reason"] == "lever not active"
+    assert "+kernel" in data["stop"]["message"] and "--allow-fallback" in data["stop"]["message"]
+    base = data["steps"][0]
+    assert base["step"] == "baseline" and base["active"] and base["tpot_ms"] > 0
+    assert [s["step"] for s in data["steps"]] == ["baseline", "+kernel"]
+    assert "Stopped at step `+kernel`" in md
+    _check_meta(data["meta"], data["meta"]["weights"])
+
+
+def test_ablation_allow_fallback_records_inactive_and_continues(ckpt, tmp_path):
+    rc = main(ABL + ["--model", str(ckpt), "--out", str(tmp_path), "--allow-fallback"])
+    data, _ = _files(tmp_path, "ablation")
+    steps = {s["step"]: s for s in data["steps"]}
+    k = steps["+kernel"]
+    assert k["active"] is False and "torch" in k["check"] and k["tpot_ms"] > 0
+    assert k["manifest"]["levers"]["moe"]["resolved"] == "torch" if "levers" in k["manifest"] else True
+    assert "+fp8-head" in steps                                   # it went on past the inactive lever
+    if data["status"] == "stopped":                              # CPU timing may stop it later: TPOT worse
+        assert rc == 3 and data["stop"]["reason"] == "TPOT worse"
+        assert data["stop"]["step"] in ("+fp8-head", "+mtp") and "%" in data["stop"]["message"]
+    else:
+        assert rc == 0 and steps["+mtp"]["active"] and "accept_length" in steps["+mtp"]["summary"]
+
+
+def _fake_outputs(tpot_ms):
+    return [RequestOutput("", [1] * 5, "length", 4, 5, 0.01, tpot_ms / 1e3, 0.05)]
+
+
+def test_ablation_tpot_rule(monkeypatch):
+    """Each step is compared with the previous one; a rise beyond the tolerance stops the ladder by name."""
+    monkeypatch.setattr(ab, "check_lever", lambda step, eng, outputs=None: (True, "fake"))
+    made = []
+
+    def make(cfg):
+        made.append(cfg)
+        return object()
+
+    def run(tpots, tol=0.01):
+        it = iter(tpots)
+        made.clear()
+        return ab.run_ablation(EngineConfig(), lambda eng: (_fake_outputs(next(it)), {}), tolerance=tol,
+                               make_engine=make, log=lambda *_: None, manifest=lambda eng: {})
+
+    r = run([10.0, 8.0, 9.0, 5.0])
+    assert r["status"] == "stopped" and r["stop"]["step"] == "+fp8-head" and r["stop"]["reason"] == "TPOT worse"
+    assert "+12.50%" in r["stop"]["message"] and "8.000 -> 9.000 ms" in r["stop"]["message"]
+    assert len(r["steps"]) == 3
+    # the configs change one lever at a time
+    assert [(c.backends["moe"], c.lm_head, c.speculative_steps) for c in made] == \
+        [("torch", "fp32", 0), ("triton", "fp32", 0), ("triton", "fp8", 0)]
+    r = run([10.0, 8.0, 7.0, 3.0])
+    assert r["status"] == "complete" and r["stop"] is None
+    assert [round(s["change_pct"], 1) for s in r["steps"][1:]] == [-20.0, -12.5, -57.1]
+    assert round(r["steps"][-1]["change_vs_baseline_pct"], 1) == -70.0
+    assert run([10.0, 10.05, 9.0, 8.0])["status"] == "complete"           # +0.5 % is inside the 1 % tolerance
+
+
+def test_check_lever_on_real_engines(ckpt):
+    e = Engine(model=str(ckpt), lm_head="fp8")
+    assert ab.check_lever("+fp8-head", e)[0]
+    assert not ab.check_lever("baseline", e)[0]                         # fp8 head is not the baseline
+    e = Engine(model=str(ckpt), lm_head="fp32", backends={"moe": "torch"})
+    assert ab.check_lever("baseline", e)[0] and not ab.check_lever("+fp8-head", e)[0]
+    e = Engine(model=str(ckpt), speculative_steps=3)
+    outs = e.generate([5, 6, 7, 8], __import__("bytebound.sampling", fromlist=["x"]).SamplingParams(max_tokens=6))
+    assert ab.check_lever("+mtp", e, outs)[0]
+    assert not ab.check_lever("+mtp", Engine(model=str(ckpt)))[0]
+    e = Engine(model=str(ckpt), speculative_steps=3, draft_share="weight-only", lm_head="fp8")
+    ok, why = ab.check_lever("+mtp", e, outs)
+    assert not ok and "LM-head module" in why

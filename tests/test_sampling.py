@@ -1,0 +1,167 @@
+"""SamplingParams validation, the target distribution ``probs`` (temperature -> top-k -> top-p) against hand
+computations, the sampler, and the engine's request handling (stop ids, max_tokens, streaming)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from bytebound.errors import RequestError
+from bytebound.sampling import MAX_TOKENS_LIMIT, SamplingParams, make_generator, probs, sample
+
+P5 = [0.4, 0.3, 0.15, 0.1, 0.05]
+LOGITS5 = torch.tensor(P5).log()
+
+
+# ---- validation ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"),
+    (dict(max_tokens=True), "max_tokens"), (dict(max_tokens=MAX_TOKENS_LIMIT + 1), "max_tokens"),
+    (dict(max_tokens="8"), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"), (dict(temperature=100.5), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.01), "top_p"), (dict(top_p=-0.5), "top_p"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(top_k=2.0), "top_k"),
+    (dict(stop=[""]), "stop"), (dict(stop=[1]), "stop"), (dict(stop=[f"s{i}" for i in range(17)]), "16 stop"),
+])
+def test_invalid_params_raise_request_error(kw, field):
+    with pytest.raises(RequestError, match=field):
+        SamplingParams(**kw)
+
+
+def test_request_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=2)
+
+
+def test_valid_params_and_normalisation():
+    p = SamplingParams(max_tokens=MAX_TOKENS_LIMIT, temperature=100, top_p=1.0, top_k=-1, stop="###",
+                       stop_token_ids=[5, 6])
+    assert p.stop == ("###",) and p.stop_token_ids == (5, 6)
+    assert SamplingParams(stop=None).stop == ()
+    assert SamplingParams().greedy and SamplingParams(temperature=0.7, top_k=1).greedy
+    assert not SamplingParams(temperature=0.7).greedy
+
+
+# ---- probs: temperature -> softmax -> top-k renorm -> top-p renorm -----------------------------------------
+def hand(p):
+    return torch.tensor(p, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kw, want", [
+    (dict(temperature=1.0), P5),
+    (dict(temperature=1.0, top_k=2), [0.4 / 0.7, 0.3 / 0.7, 0, 0, 0]),
+    (dict(temperature=1.0, top_k=5), P5),                       # k == V: no filter
+    (dict(temperature=1.0, top_k=9), P5),                       # k > V: no filter
+    (dict(temperature=1.0, top_k=-1), P5),
+    # top-p keeps tokens while the mass *before* them is below top_p: 0, .4, .7 < .75 -> three tokens
+    (dict(temperature=1.0, top_p=0.75), [0.4 / 0.85, 0.3 / 0.85, 0.15 / 0.85, 0, 0]),
+    (dict(temperature=1.0, top_p=0.6), [0.4 / 0.7, 0.3 / 0.7, 0, 0, 0]),
+    (dict(temperature=1.0, top_p=0.3), [1.0, 0, 0, 0, 0]),     # the top token always stays
+    (dict(temperature=1.0, top_p=0.96), [0.4, 0.3, 0.15, 0.1, 0.05]),
+    # top-k first (renormalised: .4/.85, .3/.85, .15/.85 = .47, .35, .18), then top-p .5 on that: two tokens
+    (dict(temperature=1.0, top_k=3, top_p=0.5), [4 / 7, 3 / 7, 0, 0, 0]),
+])
+def test_probs_hand_computed(kw, want):
+    got = probs(LOGITS5, SamplingParams(**kw))
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, hand(want), atol=1e-6), got
+
+
+def test_probs_temperature():
+    for t in (0.5, 2.0):
+        w = torch.tensor(P5, dtype=torch.float64) ** (1 / t)
+        got = probs(LOGITS5, SamplingParams(temperature=t))
+        assert torch.allclose(got.double(), w / w.sum(), atol=1e-6)
+    # temperature is applied before top-p: at T=2 the distribution is flatter, so top_p .75 keeps more tokens
+    assert (probs(LOGITS5, SamplingParams(temperature=2.0, top_p=0.75)) > 0).sum() == 4
+    assert (probs(LOGITS5, SamplingParams(temperature=1.0, top_p=0.75)) > 0).sum() == 3
+
+
+def test_probs_top_k_ties_kept():
+    # ties at the k-th value are all kept (threshold semantics, as flashinfer's top_k_renorm_probs)
+    got = probs(torch.tensor([2.0, 1.0, 1.0, 0.0]), SamplingParams(temperature=1.0, top_k=2))
+    e = torch.tensor([math.e ** 2, math.e, math.e, 0.0])
+    assert torch.allclose(got, e / e.sum(), atol=1e-6)
+
+
+def test_probs_batched_rows_independent():
+    x = torch.stack([LOGITS5, LOGITS5.flip(0)])
+    got = probs(x, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.allclose(got[0], hand([4 / 7, 3 / 7, 0, 0, 0]), atol=1e-6)
+    assert torch.allclose(got[1], hand([0, 0, 0, 3 / 7, 4 / 7]), atol=1e-6)
+
+
+# ---- sample ----------------------------------------------------------------------------------------------
+def test_greedy_is_argmax():
+    x = torch.randn(7, 50, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sample(x, SamplingParams(), None), x.argmax(-1))
+    assert torch.equal(sample(x, SamplingParams(temperature=0.8, top_k=1), None), x.argmax(-1))
+    assert make_generator(SamplingParams(), "cpu") is None
+
+
+def test_seeded_sampling_reproducible_and_filtered():
+    p = SamplingParams(temperature=1.0, top_k=3, top_p=0.9, seed=123)
+    x = LOGITS5.expand(4000, 5)
+    a = sample(x, p, make_generator(p, "cpu"))
+    b = sample(x, p, make_generator(p, "cpu"))
+    c = sample(x, p, make_generator(SamplingParams(temperature=1.0, top_k=3, top_p=0.9, seed=124), "cpu"))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert set(a.tolist()) == {0, 1, 2}                          # top-k 3 then top-p .9: tokens 3, 4 never
+    freq = torch.bincount(a, minlength=5).double() / 4000
+    want = probs(LOGITS5, p).double()
+    assert (freq - want).abs().max() < 0.03                      # ~4 sigma at n=4000
+
+
+# ---- engine request handling -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(nano_ckpt):
+    from bytebound.engine.engine import Engine
+    return Engine(model=str(nano_ckpt), max_model_len=64)
+
+
+PROMPT = "Natalia sold clips to 48 of her friends"
+
+
+def test_engine_request_errors(engine):
+    with pytest.raises(RequestError, match="empty prompt"):
+        engine.generate("", SamplingParams(max_tokens=2))
+    with pytest.raises(RequestError, match="exceeds"):
+        engine.generate(PROMPT, SamplingParams(max_tokens=60))
+
+
+def test_engine_stop_ids(engine):
+    assert engine.stop_ids(SamplingParams()) == {3, 0}            # config eos 3 + generation_config [3, 0]
+    assert engine.stop_ids(SamplingParams(stop_token_ids=[7])) == {3, 0, 7}
+    assert engine.stop_ids(SamplingParams(ignore_eos=True, stop_token_ids=[7])) == {7}
+
+
+def test_engine_max_tokens_and_stop_token(engine):
+    out = engine.generate(PROMPT, SamplingParams(max_tokens=12))[0]
+    assert out.finish_reason == "length" and out.completion_tokens == 12 == len(out.token_ids)
+    assert out.prompt_tokens == len(engine.tokenizer.encode(PROMPT))
+    assert out.text == engine.tokenizer.decode(out.token_ids)
+    # pick a token whose first occurrence is at index >= 2 and stop on it: output ends right before it
+    i = next(i for i in range(2, 12) if out.token_ids[i] not in out.token_ids[:i])
+    stop = engine.generate(PROMPT, SamplingParams(max_tokens=12, stop_token_ids=[out.token_ids[i]]))[0]
+    assert stop.finish_reason == "stop" and stop.token_ids == out.token_ids[:i]
+
+
+def test_engine_stream_concatenates_to_output(engine):
+    chunks = list(engine.stream(PROMPT, SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=3)))
+    final = chunks[-1]
+    assert final.output is not None and final.finish_reason == "length"
+    assert "".join(c.text for c in chunks) == final.output.text
+    assert all(c.output is None for c in chunks[:-1])
+    again = engine.generate(PROMPT, SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=3))[0]
+    assert again.token_ids == final.output.token_ids
+
+
+def test_engine_token_id_prompt(engine):
+    ids = engine.tokenizer.encode(PROMPT)
+    a = engine.generate(ids, SamplingParams(max_tokens=5))[0]
+    b = engine.generate(PROMPT, SamplingParams(max_tokens=5))[0]
+    assert a.token_ids == b.token_ids

@@ -1,0 +1,339 @@
+"""Issue 9: the OpenAI-compatible server, exercised with the official ``openai`` client against a real uvicorn
+server on 127.0.0.1 (random-weight tiny checkpoint, greedy, small max_tokens).
+
+Every greedy response is compared with the same request run directly on a second engine over the same
+checkpoint, so a lost, truncated or mixed-up response shows up as a mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from bytebound.engine.engine import Engine
+from bytebound.sampling import SamplingParams
+from bytebound.server.app import create_app
+
+NAME = "tiny-random"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from bytebound.checkpoint.synthetic import random_model
+    from bytebound.checkpoint.writer import save_pretrained
+    from bytebound.config import tiny_config
+    d = tmp_path_factory.mktemp("tiny-ckpt")
+    save_pretrained(random_model(tiny_config(vocab_size=6144, eos_token_id=3, pad_token_id=0)), d,
+                    tokenizer_dir="models/ling-nano")
+    return d
+
+
+@pytest.fixture(scope="module")
+def ref(ckpt):
+    """A second engine over the same checkpoint: the expected output of every greedy request."""
+    return Engine(model=str(ckpt))
+
+
+class Server:
+    """uvicorn in a background thread on a free port (port 0), stopped at teardown."""
+
+    def __init__(self, app):
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(300):                      # bounded: 30 s
+            if self.server.started:
+                break
+            time.sleep(0.1)
+        assert self.server.started, "uvicorn did not start"
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def srv(ckpt):
+    s = Server(create_app(Engine(model=str(ckpt)), served_model_name=NAME, max_queue=16))
+    yield s
+    s.stop()
+
+
+def expect(ref, prompt, chat=False, **kw):
+    return ref.generate(prompt, SamplingParams(**{"temperature": 0.0, **kw}), chat=chat)[0]
+
+
+def extra(obj, key):
+    return (obj.model_extra or {}).get(key)
+
+
+# ---- basic endpoints ---------------------------------------------------------------------------------------
+def test_models_health_info(srv):
+    c = srv.client()
+    assert [m.id for m in c.models.list().data] == [NAME]
+    assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}
+    info = httpx.get(f"{srv.url}/server_info").json()
+    assert info["served_model_name"] == NAME and info["max_queue"] == 16
+    man = info["manifest"]
+    assert man.get("levers") or man.get("resolutions")        # the start-up manifest is served
+
+
+def test_default_served_name_is_checkpoint_basename(ckpt, ref):
+    app = create_app(ref, max_queue=1)
+    assert app.state.served_model_name == ckpt.name
+
+
+# ---- completions and chat, streaming and not, against the direct engine -----------------------------------
+def test_completion_matches_engine(srv, ref):
+    want = expect(ref, "The quick brown fox", max_tokens=12)
+    r = srv.client().completions.create(model=NAME, prompt="The quick brown fox", max_tokens=12, temperature=0,
+                                        extra_body={"return_token_ids": True})
+    ch = r.choices[0]
+    assert ch.text == want.text and ch.finish_reason == "length" == want.finish_reason
+    assert extra(ch, "token_ids") == want.token_ids
+    assert r.usage.completion_tokens == len(want.token_ids) == 12
+    assert r.usage.prompt_tokens == want.prompt_tokens
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_completion_stream_with_usage(srv, ref):
+    want = expect(ref, "Once upon a time", max_tokens=10)
+    chunks = list(srv.client().completions.create(model=NAME, prompt="Once upon a time", max_tokens=10,
+                                                  temperature=0, stream=True,
+                                                  stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == want.text and finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == want.completion_tokens == 10
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_matches_engine(srv, ref):
+    want = expect(ref, "How many apples?", chat=True, max_tokens=9)
+    msgs = [{"role": "user", "content": "How many apples?"}]
+    c = srv.client()
+    r = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=9, temperature=0)
+    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == want.completion_tokens
+    chunks = list(c.chat.completions.create(model=NAME, messages=msgs, max_tokens=9, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want.text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == want.completion_tokens
+    # max_completion_tokens (newer clients) is honoured too
+    r2 = c.chat.completions.create(model=NAME, messages=msgs, max_completion_tokens=3, temperature=0)
+    assert r2.usage.completion_tokens == 3
+
+
+def test_finish_reason_stop_string_and_stop_token(srv, ref):
+    full = expect(ref, "Tell me a story", max_tokens=24)
+    text = full.text
+    cut = next((i for i in range(len(text) // 3, len(text) - 2) if text[i:i + 2].isalpha()), None)
+    c = srv.client()
+    if cut is not None:
+        stop = text[cut:cut + 2]
+        want = expect(ref, "Tell me a story", max_tokens=24, stop=(stop,))
+        r = c.completions.create(model=NAME, prompt="Tell me a story", max_tokens=24, temperature=0, stop=[stop],
+                                 extra_body={"return_token_ids": True})
+        ch = r.choices[0]
+        assert ch.finish_reason == "stop" == want.finish_reason and stop not in ch.text
+        assert ch.text == want.text == text[:text.find(stop)]
+        assert r.usage.completion_tokens == len(extra(ch, "token_ids")) == want.completion_tokens
+    # a stop token id (extension): the output ends before it, the id is not counted
+    k = next(i for i in range(2, len(full.token_ids)) if full.token_ids[i] not in full.token_ids[:i])
+    r = c.completions.create(model=NAME, prompt="Tell me a story", max_tokens=24, temperature=0,
+                             extra_body={"stop_token_ids": [full.token_ids[k]], "return_token_ids": True})
+    assert r.choices[0].finish_reason == "stop"
+    assert extra(r.choices[0], "token_ids") == full.token_ids[:k] and r.usage.completion_tokens == k
+
+
+# ---- errors: 4xx, and the server keeps serving ------------------------------------------------------------
+BAD = [
+    (b'{"model": ', 400), (b"[1, 2]", 400), (b"\xff\xfe", 400),
+    ({"model": None, "prompt": "hi"}, 400), ({"model": 7, "prompt": "hi"}, 400),
+    ({"model": "no-such-model", "prompt": "hi"}, 404),
+    ({"prompt": "hi", "max_tokens": -1}, 400), ({"prompt": "hi", "max_tokens": 0}, 400),
+    ({"prompt": "hi", "max_tokens": 10 ** 12}, 400), ({"prompt": "hi", "max_tokens": 5000}, 400),
+    ({"prompt": "hi", "max_tokens": "ten"}, 400), ({"prompt": "hi", "max_tokens": 1.5}, 400),
+    ({"prompt": "hi", "max_tokens": True}, 400),
+    ({"prompt": "hi", "temperature": -0.5}, 400), ({"prompt": "hi", "temperature": 1000}, 400),
+    ({"prompt": "hi", "temperature": "hot"}, 400),
+    ({"prompt": "hi", "top_p": 0}, 400), ({"prompt": "hi", "top_p": 1.5}, 400), ({"prompt": "hi", "top_p": -1}, 400),
+    ({"prompt": "hi", "top_k": -2}, 400), ({"prompt": "hi", "top_k": 2.5}, 400),
+    ({"prompt": "hi", "n": 2}, 400), ({"prompt": "hi", "logprobs": 2}, 400), ({"prompt": "hi", "echo": True}, 400),
+    ({"prompt": "hi", "presence_penalty": 0.5}, 400), ({"prompt": "hi", "stop": 5}, 400),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400), ({"prompt": "hi", "stream": "yes"}, 400),
+    ({"prompt": ""}, 400), ({}, 400), ({"prompt": ["a", "b"]}, 400), ({"prompt": [999999]}, 400),
+    ({"prompt": None}, 400), ({"prompt": "hi", "seed": "x"}, 400),
+]
+BAD_CHAT = [({"messages": []}, 400), ({"messages": [{"role": "tool", "content": "x"}]}, 400),
+            ({"messages": [{"role": "user", "content": 5}]}, 400), ({"messages": "hi"}, 400),
+            ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, 400),
+            ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400),
+            ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}, 404)]
+
+
+def _post(url, path, body):
+    if isinstance(body, dict):
+        body = json.dumps({"model": NAME, **body}).encode()
+    return httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+
+
+def test_bad_requests_get_4xx_and_server_keeps_serving(srv, ref):
+    for body, status in BAD:
+        r = _post(srv.url, "/v1/completions", body)
+        assert r.status_code == status, (body, r.status_code, r.text)
+        assert "message" in r.json()["error"]
+    for body, status in BAD_CHAT:
+        r = _post(srv.url, "/v1/chat/completions", body)
+        assert r.status_code == status, (body, r.status_code, r.text)
+    c = srv.client()
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="nope", prompt="hi", max_tokens=2)
+    for kw in ({"max_tokens": -5}, {"max_tokens": 10 ** 9}, {"temperature": 500.0}, {"top_p": 0.0},
+               {"max_tokens": 2, "top_p": 2.0}):
+        with pytest.raises(openai.BadRequestError):
+            c.completions.create(model=NAME, prompt="hi", **{"max_tokens": 2, **kw})
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], temperature=-1)
+    assert httpx.get(f"{srv.url}/v1/completions").status_code == 405
+    want = expect(ref, "still alive?", max_tokens=4)
+    assert c.completions.create(model=NAME, prompt="still alive?", max_tokens=4, temperature=0).choices[0].text \
+        == want.text
+    assert httpx.get(f"{srv.url}/health").status_code == 200
+
+
+# ---- load: 200 sequential, 8 concurrent ------------------------------------------------------------------
+def test_200_sequential_requests(srv, ref):
+    c = srv.client()
+    prompts = [f"Request {i}: the number is {i * 7 % 113}" for i in range(200)]
+    wants = [expect(ref, p, max_tokens=3) for p in prompts]
+    for i, (p, w) in enumerate(zip(prompts, wants)):
+        if i % 5 == 4:      # every fifth streams
+            chunks = list(c.completions.create(model=NAME, prompt=p, max_tokens=3, temperature=0, stream=True,
+                                               stream_options={"include_usage": True}))
+            got, n = "".join(ch.choices[0].text for ch in chunks if ch.choices), chunks[-1].usage.completion_tokens
+        else:
+            r = c.completions.create(model=NAME, prompt=p, max_tokens=3, temperature=0)
+            got, n = r.choices[0].text, r.usage.completion_tokens
+        assert (got, n) == (w.text, w.completion_tokens), f"request {i} ({p!r})"
+
+
+def test_8_concurrent_clients(srv, ref):
+    jobs = {(t, j): f"Thread {t} asks question {j} about {t * 31 + j}" for t in range(8) for j in range(3)}
+    wants = {k: expect(ref, p, chat=(k[1] == 1), max_tokens=6) for k, p in jobs.items()}
+    got, errors = {}, []
+    start = threading.Barrier(8)
+
+    def client_thread(t):
+        c = srv.client()
+        try:
+            start.wait(timeout=30)
+            for j in range(3):
+                p = jobs[(t, j)]
+                if j == 0:
+                    got[(t, j)] = c.completions.create(model=NAME, prompt=p, max_tokens=6, temperature=0).choices[0].text
+                elif j == 1:
+                    chunks = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": p}],
+                                                       max_tokens=6, temperature=0, stream=True)
+                    got[(t, j)] = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+                else:
+                    chunks = c.completions.create(model=NAME, prompt=p, max_tokens=6, temperature=0, stream=True)
+                    got[(t, j)] = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        except Exception as e:          # reported below with the thread's id
+            errors.append((t, repr(e)))
+
+    threads = [threading.Thread(target=client_thread, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert not errors, errors
+    assert got == {k: w.text for k, w in wants.items()}
+
+
+# ---- queue limit (429) and client-disconnect cancellation -------------------------------------------------
+def _metric(url, name, labels=""):
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + labels + " ") or (not labels and line.startswith(name + " ")):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _wait(cond, timeout=30.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_queue_full_429_and_disconnect_cancels(ckpt, ref):
+    s = Server(create_app(Engine(model=str(ckpt)), served_model_name=NAME, max_queue=1))
+    try:
+        long = {"model": NAME, "prompt": "long one", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+        with httpx.Client(timeout=60) as hc:
+            # A: a long stream occupies the engine
+            with hc.stream("POST", f"{s.url}/v1/completions", json={**long, "stream": True}) as ra:
+                assert ra.status_code == 200
+                lines = ra.iter_lines()
+                assert next(ln for ln in lines if ln.startswith("data: "))
+                # B: waits in the queue (the only slot)
+                box = {}
+                tb = threading.Thread(target=lambda: box.setdefault("b", _post(s.url, "/v1/completions",
+                                                                               {"prompt": "queued", "max_tokens": 4,
+                                                                                "temperature": 0})))
+                tb.start()
+                assert _wait(lambda: httpx.get(f"{s.url}/server_info").json()["queued"] == 1)
+                # C: queue full -> 429 (raw and through the client)
+                rc = _post(s.url, "/v1/completions", {"prompt": "rejected", "max_tokens": 2})
+                assert rc.status_code == 429 and rc.headers.get("retry-after") == "1"
+                with pytest.raises(openai.RateLimitError):
+                    s.client().completions.create(model=NAME, prompt="rejected", max_tokens=2)
+            # leaving the block closes A's connection: its generation must stop at the next token
+            tb.join(timeout=60)
+            assert not tb.is_alive()
+            want = expect(ref, "queued", max_tokens=4)
+            assert box["b"].status_code == 200 and box["b"].json()["choices"][0]["text"] == want.text
+            assert _wait(lambda: _metric(s.url, "bytebound_requests_total", '{finish_reason="cancelled"}') == 1)
+            gen_after_a = _metric(s.url, "bytebound_generation_tokens_total")
+            assert gen_after_a < 3000 + 4, "the disconnected stream was not cancelled"
+            # D: a non-streaming client that gives up (timeout) is cancelled too
+            with pytest.raises(httpx.ReadTimeout):
+                hc.post(f"{s.url}/v1/completions", json=long, timeout=1.0)
+            assert _wait(lambda: _metric(s.url, "bytebound_requests_total", '{finish_reason="cancelled"}') == 2)
+            assert _metric(s.url, "bytebound_generation_tokens_total") < gen_after_a + 3000
+            assert _metric(s.url, "bytebound_requests_rejected_total", '{reason="queue_full"}') == 2
+            # and the server still serves
+            r = _post(s.url, "/v1/completions", {"prompt": "queued", "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text
+    finally:
+        s.stop()
+
+
+# ---- metrics -------------------------------------------------------------------------------------------------
+def test_metrics(srv):
+    srv.client().completions.create(model=NAME, prompt="metrics please", max_tokens=5, temperature=0)
+    text = httpx.get(f"{srv.url}/metrics").text
+    for name in ("bytebound_time_per_output_token_seconds_bucket", "bytebound_time_to_first_token_seconds_bucket",
+                 "bytebound_spec_accept_length", "bytebound_prompt_tokens_total",
+                 "bytebound_generation_tokens_total", "bytebound_e2e_request_latency_seconds_count"):
+        assert name in text, name
+    assert _metric(srv.url, "bytebound_time_per_output_token_seconds_count") >= 1
+    assert _metric(srv.url, "bytebound_generation_tokens_total") >= 5
