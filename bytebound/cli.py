@@ -70,6 +70,34 @@ def cmd_generate(a) -> int:
     return 0
 
 
+def cmd_demo(a) -> int:
+    """Answer one GSM8K test question with the bundled model: print the answer, the gold and the speed."""
+    from bytebound.data.gsm8k import FEW_SHOT_STOP, answers_match, extract_answer, few_shot_prompt, load_split
+    from bytebound.engine.engine import Engine
+    from bytebound.sampling import SamplingParams
+    rec = load_split("test")[a.index]
+    eng = Engine(engine_config(a))
+    print_fallbacks(eng)
+    print(f"GSM8K test #{a.index}: {rec['question']}\n")
+    if a.format == "chat":
+        prompt, stop, chat = rec["question"], (), True
+    else:
+        prompt, stop, chat = few_shot_prompt(rec["question"]), FEW_SHOT_STOP, False
+    params = SamplingParams(max_tokens=a.max_tokens, stop=stop)
+    out = None
+    for chunk in eng.stream(prompt, params, chat=chat):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        out = chunk.output or out
+    pred = extract_answer(out.text)
+    ok = answers_match(pred, rec["final"])
+    print(f"\n\nanswer: {pred}   gold: {rec['final']}   {'correct' if ok else 'wrong'}")
+    spec = f", accept length {out.spec['accept_length']:.2f}" if out.spec else ""
+    print(f"{out.completion_tokens} tokens, prompt {out.prompt_tokens} tokens, TTFT {out.ttft_s * 1e3:.0f} ms, "
+          f"TPOT {out.tpot_s * 1e3:.1f} ms, decode {out.decode_tok_s:.1f} tok/s{spec} ({a.device})")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bytebound", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -84,6 +112,12 @@ def main(argv=None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.set_defaults(fn=cmd_generate)
+    d = sub.add_parser("demo", help="answer a GSM8K test question with the bundled model, print answer and speed")
+    add_engine_args(d)
+    d.add_argument("--index", type=int, default=0, help="GSM8K test question index")
+    d.add_argument("--format", default="chat", choices=["chat", "5shot"])
+    d.add_argument("--max-tokens", type=int, default=256)
+    d.set_defaults(fn=cmd_demo)
     import importlib
     for mod in ("bytebound.analysis.cli", "bytebound.verify.cli", "bytebound.bench.cli", "bytebound.server.cli"):
         try:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -265,6 +267,17 @@ def test_stale_position_graph_fails_replay_canary(ckpt, cls):
     assert r.measured["position"] == len(C._Ctx(eng).ids)
 
 
+CUDA_TORCH = {k: "torch" for k in ("moe", "linear", "lm_head", "kda", "mla")}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_tiny_every_canary_passes_with_real_graph(ckpt):
+    eng = engine(ckpt, device="cuda", backends=CUDA_TORCH)
+    res = {r.name: r for r in run_canaries(eng, strict=True)}
+    assert res["graph_replay"].passed and res["graph_replay"].measured["bit_identical"]
+    assert build_manifest(eng)["levers"]["cuda_graphs"]["captured_shapes"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graphs need a GPU")
 def test_stale_position_cuda_graph_fails_replay_canary(ckpt):
     from bytebound.runner.graphs import DecodeGraph
@@ -274,7 +287,7 @@ def test_stale_position_cuda_graph_fails_replay_canary(ckpt):
             self.tok.copy_(token.view(1), non_blocking=True)
             self.graph.replay()
             return self.hidden
-    eng = engine(ckpt, device="cuda", backends={k: "torch" for k in ("moe", "linear", "lm_head", "kda", "mla")})
+    eng = engine(ckpt, device="cuda", backends=CUDA_TORCH)
     assert eng.runner.graph is not None
     assert one(eng, C.canary_graph_replay).passed
     eng.runner.graph = StaleDecodeGraph(eng.runner)
@@ -456,3 +469,58 @@ def test_canary_timings_recorded(ckpt):
     res = run_canaries(eng)
     assert all(r.seconds >= 0 for r in res)
     assert math.isclose(build_manifest(eng)["canary_seconds"], sum(round(r.seconds, 5) for r in res), abs_tol=1e-3)
+
+
+# ---- start-up cost at full scale (H200; run with BYTEBOUND_FULLSCALE=1) ------------------------------
+def _write_nextn_checkpoint(model, cfg_file: Path, out: Path) -> Path:
+    """A checkpoint dir holding only the NEXTN layer's tensors (all that draft_params_loaded reads)."""
+    from safetensors.torch import save_file
+    from bytebound.checkpoint.layout import expected_tensors
+    cfg = model.cfg
+    prefix = f"model.layers.{cfg.num_hidden_layers}."
+    params = dict(model.named_parameters())
+    tensors = {}
+    for s in expected_tensors(cfg):
+        if not s.name.startswith(prefix):
+            continue
+        p = params[s.target]
+        t = p if s.expert is None else p[s.expert, s.rows[0]:s.rows[1]]
+        if s.kind == "mxfp4":
+            t = t.view(torch.int8)
+        tensors[s.name] = t.detach().contiguous().cpu()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "nextn.safetensors"))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: "nextn.safetensors"
+                                                                                   for k in tensors}}))
+    (out / "config.json").write_text(cfg_file.read_text())
+    return out
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and os.environ.get("BYTEBOUND_FULLSCALE")),
+                    reason="full-scale canary timing: set BYTEBOUND_FULLSCALE=1 on a GPU with ~100 GB free")
+def test_full_scale_canary_cost(tmp_path):
+    cfg_file = ROOT / "configs" / "ling-3.0-flash.json"
+    t0 = time.perf_counter()
+    eng = Engine(EngineConfig(model=str(cfg_file), load_format="dummy", device="cuda", lm_head="fp8",
+                              speculative_steps=3, backends=CUDA_TORCH))
+    torch.cuda.synchronize()
+    report = {"load_s": time.perf_counter() - t0, "device": torch.cuda.get_device_name(), "runs": []}
+    for _ in range(2):
+        t = time.perf_counter()
+        res = run_canaries(eng)
+        report["runs"].append({"total_s": time.perf_counter() - t,
+                               "canaries": {r.name: [r.status, round(r.seconds, 4)] for r in res},
+                               "failed": {r.name: r.message for r in res if r.passed is False}})
+    t = time.perf_counter()
+    d = _write_nextn_checkpoint(eng.model, cfg_file, tmp_path / "nextn")
+    report["write_nextn_s"] = time.perf_counter() - t
+    eng.config.model, eng.config.load_format = str(d), "auto"
+    r = one(eng, C.canary_draft_params_loaded)
+    report["draft_params_loaded"] = [r.status, round(r.seconds, 4), r.measured.get("checked"), r.message[:200]]
+    report["manifest"] = build_manifest(eng)
+    text = json.dumps(report, indent=1, default=str)
+    print(text)
+    if os.environ.get("BYTEBOUND_TIMING_OUT"):
+        Path(os.environ["BYTEBOUND_TIMING_OUT"]).write_text(text)
+    assert r.passed
+    assert not report["runs"][-1]["failed"], report["runs"][-1]["failed"]

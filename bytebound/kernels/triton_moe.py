@@ -138,8 +138,8 @@ mov.b32 {$6, $7}, o3;
 
     @gluon.jit
     def _g_dequant(w, s, c0, c1, c2, c3, c4):
-        """``w`` int32 ``[R, NB, 4]`` (4 words = one 32-value scale block), ``s`` uint8 ``[R, NB]`` E8M0 ->
-        BF16 ``[R, NB*32]`` in k order."""
+        """``w`` int32 ``[R, NB, Q]`` (Q <= 4 consecutive words of one 32-value scale block), ``s`` uint8
+        ``[R, NB]`` E8M0 -> BF16 ``[R, NB*Q*8]`` in k order."""
         s16 = s.to(gl.int32) << 7
         s2 = gl.expand_dims(s16 | (s16 << 16), 2)
         s2 = gl.broadcast(s2, w)[0]
@@ -149,7 +149,8 @@ mov.b32 {$6, $7}, o3;
                     gl.join(gl.join(o[1], o[5]), gl.join(o[3], o[7])))
         R: gl.constexpr = w.shape[0]
         NB: gl.constexpr = w.shape[1]
-        return v.reshape([R, NB * 32])
+        Q: gl.constexpr = w.shape[2]
+        return v.reshape([R, NB * Q * 8])
 
     @gluon.jit
     def _moe_fused_gluon(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, w2_ptr, s2_ptr, ws_ptr, cnt_ptr, out_ptr,
@@ -165,7 +166,9 @@ mov.b32 {$6, $7}, o3;
         R1: gl.constexpr = 2 * BI
         NK1: gl.constexpr = H // BK
         NB1: gl.constexpr = BK // 32
-        NB2: gl.constexpr = BI // 32
+        NB2: gl.constexpr = BI // 32 if BI >= 32 else 1
+        Q2: gl.constexpr = 4 if BI >= 32 else BI // 8
+        MV: gl.constexpr = 1 if M == 1 else (4 if M <= 4 else 8)     # workspace row stride (floats)
         HW: gl.constexpr = H // 8          # int32 words per w13 row
         IW: gl.constexpr = I // 8          # int32 words per w2 row
 
@@ -175,7 +178,7 @@ mov.b32 {$6, $7}, o3;
         RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
         WL1: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32 // NB1, NB1, 1], [NW, 1, 1], [2, 1, 0])
         SL1: gl.constexpr = gl.SliceLayout(2, WL1)
-        WL2: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32 // NB2, NB2, 1], [NW, 1, 1], [2, 1, 0])
+        WL2: gl.constexpr = gl.BlockedLayout([1, 1, Q2], [32 // NB2, NB2, 1], [NW, 1, 1], [2, 1, 0])
         SL2: gl.constexpr = gl.SliceLayout(2, WL2)
         XL: gl.constexpr = gl.BlockedLayout([1, 8], [NPC, 32 // NPC], [1, NW], [1, 0])
         EL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
@@ -242,10 +245,10 @@ mov.b32 {$6, $7}, o3;
             NH: gl.constexpr = H // BH
             h = gl.arange(0, BH, layout=gl.SliceLayout(1, SL2))
             b2 = gl.arange(0, NB2, layout=gl.SliceLayout(0, SL2))
-            q2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, WL2)))
+            q2 = gl.arange(0, Q2, layout=gl.SliceLayout(0, gl.SliceLayout(1, WL2)))
             wp2 = w2_ptr + e * (H * IW) + (h[:, None, None] * IW + j * (BI // 8) + b2[None, :, None] * 4
                                            + q2[None, None, :])
-            sp2 = s2_ptr + e * (H * (I // 32)) + (h[:, None] * (I // 32) + j * (BI // 32) + b2[None, :])
+            sp2 = s2_ptr + e * (H * (I // 32)) + (h[:, None] * (I // 32) + (j * BI) // 32 + b2[None, :])
             w2_c = gl.load(wp2)
             s2_c = gl.load(sp2)
             w2_n = gl.load(wp2 + BH * IW, mask=NH > 1, other=0)
@@ -270,9 +273,9 @@ mov.b32 {$6, $7}, o3;
                 OL1: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
                 ho = gl.arange(0, BH, layout=OL1)
             else:
-                OL: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NW, 1], [1, 0])
+                OL: gl.constexpr = gl.BlockedLayout([1, MV], [32, 1], [NW, 1], [1, 0])
                 ho2 = gl.arange(0, BH, layout=gl.SliceLayout(1, OL))
-                no2 = gl.arange(0, NPC, layout=gl.SliceLayout(0, OL))
+                no2 = gl.arange(0, MV, layout=gl.SliceLayout(0, OL))
             for hb in range(NH):
                 pf2 = hb + 2 < NH
                 w2_f = gl.load(wp2 + (hb + 2) * (BH * IW), mask=pf2, other=0)
@@ -282,10 +285,15 @@ mov.b32 {$6, $7}, o3;
                 if M == 1:
                     col = gl.arange(0, NPC, layout=gl.SliceLayout(0, MMA))
                     d1 = gl.convert_layout(gl.sum(gl.where(col[None, :] == 0, d, 0.0), axis=1), OL1)
-                    gl.atomic_add(ws_ptr + (hb * BH + ho) * NPC, d1, sem="relaxed", scope="gpu")
+                    gl.atomic_add(ws_ptr + hb * BH + ho, d1, sem="relaxed", scope="gpu")
                 else:
-                    dd = gl.convert_layout(d, OL)
-                    gl.atomic_add(ws_ptr + (hb * BH + ho2[:, None]) * NPC + no2[None, :], dd,
+                    if MV == NPC:
+                        dd = gl.convert_layout(d, OL)
+                    else:       # keep columns 0..MV-1 of the 8: [BH, 8] -> [BH, 8/MV, MV], first group
+                        d3 = gl.permute(gl.reshape(d, [BH, NPC // MV, MV]), [0, 2, 1])
+                        dd = gl.convert_layout(gl.split(d3)[0] if NPC // MV == 2 else
+                                               gl.split(gl.split(gl.reshape(d3, [BH, MV, 2, 2]))[0])[0], OL)
+                    gl.atomic_add(ws_ptr + (hb * BH + ho2[:, None]) * MV + no2[None, :], dd,
                                   mask=no2[None, :] < M, sem="relaxed", scope="gpu")
                 w2_c = w2_n
                 s2_c = s2_n
@@ -300,13 +308,14 @@ mov.b32 {$6, $7}, o3;
         ticket = gl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
         if ticket == NPROG - 1:
             FB: gl.constexpr = 32 * NW
-            fh = gl.arange(0, FB, layout=gl.SliceLayout(1, FL))
-            fn = gl.arange(0, NPC, layout=gl.SliceLayout(0, FL))
+            FL2: gl.constexpr = gl.BlockedLayout([1, MV], [32, 1], [NW, 1], [1, 0])
+            fh = gl.arange(0, FB, layout=gl.SliceLayout(1, FL2))
+            fn = gl.arange(0, MV, layout=gl.SliceLayout(0, FL2))
             for f0 in range(0, H, FB):
-                p = ws_ptr + (f0 + fh[:, None]) * NPC + fn[None, :]
+                p = ws_ptr + (f0 + fh[:, None]) * MV + fn[None, :]
                 v = gl.load(p, cache_modifier=".cg")
                 gl.store(out_ptr + fn[None, :] * H + f0 + fh[:, None], v.to(gl.bfloat16), mask=fn[None, :] < M)
-                gl.store(p, gl.zeros([FB, NPC], gl.float32, FL))
+                gl.store(p, gl.zeros([FB, MV], gl.float32, FL2))
             gl.store(cnt_ptr, 0)
 
 
