@@ -42,7 +42,17 @@ def commit() -> str:
 
 
 def time_graph(fn, reps: int = 50, warmup: int = 3) -> float:
-    """Median ms of one replay of a graph capturing ``fn`` once."""
+    """Median ms of one replay of a graph capturing ``fn`` once (CPU smoke runs: eager wall clock)."""
+    if not torch.cuda.is_available():
+        with torch.inference_mode():
+            for _ in range(warmup):
+                fn()
+            ts = []
+            for _ in range(5):
+                t = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t) * 1e3)
+        return sorted(ts)[2]
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s), torch.inference_mode():
@@ -70,6 +80,8 @@ def decode_tpot(runner, ctx: int, steps: int = 64) -> float:
     for st in runner.state:
         if hasattr(st, "kv"):
             st.kv.normal_()
+    if runner.device.type != "cuda":                       # CPU smoke run of the script's logic
+        return time_graph(lambda: runner.forward(torch.tensor([17])))
     capture_decode(runner)
     tok = torch.tensor([17], device=runner.device)
     ts = []
@@ -122,6 +134,39 @@ def per_op(model, runner, ctx: int) -> list[dict]:
     return out
 
 
+def round_cost(model, runner, ctx: int, steps: int = 3) -> dict:
+    """Graph-timed pieces of one MTP round at context ``ctx``: target verify over steps+1 tokens (KDA state
+    recorded per token), NEXTN draft-extend over steps+1 tokens, one NEXTN draft step (each + LM head).
+    round = verify + extend + (steps - 1) draft steps (acceptance itself is a few tiny ops, not timed)."""
+    cfg, dev = model.cfg, runner.device
+    k = steps + 1
+    runner.reset()
+    toks = torch.randint(0, cfg.vocab_size, (1, k), device=dev)
+    pos_k = torch.arange(ctx, ctx + k, device=dev)
+    hid = torch.randn(1, k, cfg.hidden_size, device=dev, dtype=model.dtype)
+    from bytebound.layers.kda import KDAState
+
+    def verify():
+        for st in runner.state:
+            if isinstance(st, KDAState):
+                st.history = []
+        h = model(toks, pos_k, runner.state, runner.max_len)
+        return model.logits(h)
+
+    def extend():
+        return model.logits(model.nextn_forward(toks, hid, pos_k, runner.state, runner.max_len))
+
+    def draft():
+        return model.logits(model.nextn_forward(toks[:, :1], hid[:, :1], pos_k[:1], runner.state, runner.max_len))
+
+    r = {"verify_ms": time_graph(verify), "extend_ms": time_graph(extend), "draft_ms": time_graph(draft)}
+    for st in runner.state:
+        if isinstance(st, KDAState):
+            st.history = None
+    r["round_ms"] = r["verify_ms"] + r["extend_ms"] + (steps - 1) * r["draft_ms"]
+    return r
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", default=str(ROOT / "configs" / "ling-3.0-flash.json"))
@@ -130,23 +175,25 @@ def main() -> int:
     ap.add_argument("--contexts", default="2048,32768")
     ap.add_argument("--ttft-len", type=int, default=32768, help="0 skips the TTFT prefill")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests the script on a small config")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    dev = torch.device("cuda")
+    dev = torch.device(a.device)
     cfg = LingConfig.from_file(a.config)
-    info = {"device": torch.cuda.get_device_name(0), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    info = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "commit": commit(), "command": " ".join(sys.argv), "weights": "synthetic (dummy: random, real shapes/formats)",
             "torch": torch.__version__}
     print(json.dumps(info))
-    bw = measure_read_bandwidth(dev, nbytes=4 << 30)
+    bw = measure_read_bandwidth(dev, nbytes=(4 << 30) if dev.type == "cuda" else (256 << 20))
     info["read_bandwidth_GBps"] = bw
     print(f"streaming read bandwidth: {bw:.0f} GB/s", flush=True)
     t = time.perf_counter()
-    model = dummy_model(cfg, dev, torch.bfloat16)
-    torch.cuda.synchronize()
+    model = dummy_model(cfg, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
     info["weights_create_s"] = time.perf_counter() - t
-    info["gpu_mem_GB"] = torch.cuda.memory_allocated() / 1e9
+    info["gpu_mem_GB"] = torch.cuda.memory_allocated() / 1e9 if dev.type == "cuda" else 0.0
     print(f"dummy weights: {info['weights_create_s']:.1f} s, {info['gpu_mem_GB']:.1f} GB", flush=True)
     ctxs = [int(c) for c in a.contexts.split(",")]
     runner = ModelRunner(model, max(ctxs) + 128, dev)
@@ -178,6 +225,16 @@ def main() -> int:
                      "resolved": {k: v.resolved for k, v in plan.resolutions.items()}}
                 results.append(r)
                 print(json.dumps(r), flush=True)
+            if head == "fp8" and "error" not in results[-1]:
+                try:
+                    rc = round_cost(model, runner, ctxs[0])
+                    base = results[-len(ctxs)]["tpot_ms"]
+                    rc.update({"moe": moe, "head": head, "ctx": ctxs[0], "decode_ms": base, "c": rc["round_ms"] / base,
+                               "c_bytes": led.round_bytes(4, 3) / led.bytes, "c_seed": 2.26})
+                    ops[f"mtp_round/{moe}"] = rc
+                    print("MTP round:", json.dumps(rc), flush=True)
+                except Exception as e:
+                    print(f"MTP round cost failed ({moe}): {type(e).__name__}: {e}", flush=True)
             if head == "fp8" and moe == a.moe_backends.split(",")[0]:
                 ops[f"{moe}/{head}"] = per_op(model, runner, ctxs[0])
                 for row in ops[f"{moe}/{head}"]:
@@ -189,11 +246,12 @@ def main() -> int:
             bind_model(model, plan, dev, "fp8")
             runner = ModelRunner(model, a.ttft_len + 64, dev)
             ids = torch.randint(0, cfg.vocab_size, (a.ttft_len,), device=dev)
-            torch.cuda.synchronize()
+            sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+            sync()
             t = time.perf_counter()
             h = runner.prefill(ids)
             model.logits(h[-1:])
-            torch.cuda.synchronize()
+            sync()
             info["ttft_s"] = {"prompt": a.ttft_len, "s": time.perf_counter() - t,
                               "resolved": {k: v.resolved for k, v in plan.resolutions.items()}}
             print(f"TTFT {a.ttft_len} tokens: {info['ttft_s']['s']:.2f} s", flush=True)
