@@ -128,7 +128,12 @@ def main(argv=None) -> int:
             continue
         m.add_parser(sub)
     a = ap.parse_args(argv)
-    return a.fn(a)
+    from bytebound.errors import ByteboundError
+    try:
+        return a.fn(a)
+    except ByteboundError as e:          # a named, expected failure: one clear line, no traceback
+        print(f"bytebound: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

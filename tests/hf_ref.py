@@ -1,7 +1,8 @@
 """Build transformers' ``BailingHybridForCausalLM`` with the same weights as a bytebound model (test helper).
 
-The HF model is the independent oracle of issue 2 (transformers >= 5.20, fp32, CPU, pure-torch path: the
-test environment has no importable fla/causal-conv1d, so HF logs its torch fallback).
+The HF model is the independent oracle of issue 2 (transformers >= 5.20, fp32, CPU, pure-torch path: its
+modeling module is imported with fla / causal-conv1d hidden, so HF logs and uses its torch fallbacks even
+where those packages are importable).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def test_sampling_same_seed_same_output(nano_ckpt, engine, greedy):
     assert engine.generate(PROMPT, p)[0].text + "\n" == a.stdout
     # and it really samples: another seed and greedy decoding give other text
     other = engine.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, top_k=20, seed=8))[0]
-    assert other.text + "\n" != a.stdout or greedy.text + "\n" != a.stdout
+    assert other.text + "\n" != a.stdout and greedy.text + "\n" != a.stdout
 
 
 def test_stop_string_truncates(nano_ckpt, greedy):

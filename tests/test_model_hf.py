@@ -90,14 +90,20 @@ def test_prefill_then_decode_matches_hf(pairs, name):
 def test_hf_cached_decode_agrees(pairs):
     """The oracle's own decode path (its cache) agrees with its prefill, so comparing our decode to HF's
     prefill logits is comparing like with like."""
+    import inspect
     _, hf, ids, ref = pairs("tiny")
+    # transformers 5.24 renamed the forward argument ``past_key_values`` to ``cache`` (old name deprecated)
+    arg = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+
+    def cache_of(out):
+        c = getattr(out, "cache", None)
+        return out.past_key_values if c is None else c
     with torch.no_grad():
         out = hf(ids[:, :30], use_cache=True)
-        cache, steps = out.past_key_values, [out.logits]
+        cache, steps = cache_of(out), [out.logits]
         for t in range(30, 40):
-            o = hf(ids[:, t:t + 1], past_key_values=cache, use_cache=True,
-                   position_ids=torch.tensor([[t]]))
-            cache = o.past_key_values
+            o = hf(ids[:, t:t + 1], use_cache=True, position_ids=torch.tensor([[t]]), **{arg: cache})
+            cache = cache_of(o)
             steps.append(o.logits)
     assert rel(torch.cat(steps, 1).float(), ref[:, :40]) < TOL
 
