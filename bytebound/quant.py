@@ -28,9 +28,16 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 MX_BLOCK = 32
 
 
+_LUT_CACHE: dict = {}
+
+
 def e2m1_lut(device=None, dtype=torch.float32) -> torch.Tensor:
-    """The 16-entry E2M1 decode table ``[16]`` (index = 4-bit code)."""
-    return torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
+    """The 16-entry E2M1 decode table ``[16]`` (index = 4-bit code), cached per device/dtype so the hot path
+    makes no host-to-device copy (which CUDA-graph capture forbids)."""
+    key = (str(torch.device(device or "cpu")), dtype)
+    if key not in _LUT_CACHE:
+        _LUT_CACHE[key] = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
+    return _LUT_CACHE[key]
 
 
 # ---------------------------------------------------------------------------------------------------

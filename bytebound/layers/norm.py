@@ -20,7 +20,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # The weight may be stored in another dtype (float32 norms in a bf16 model): the result keeps x's dtype.
+        return (self.weight * xf.to(x.dtype)).to(x.dtype)
 
 
 class RMSNormGated(nn.Module):
