@@ -169,3 +169,28 @@ def test_check_lever_on_real_engines(ckpt):
     e = Engine(model=str(ckpt), speculative_steps=3, draft_share="weight-only", lm_head="fp8")
     ok, why = ab.check_lever("+mtp", e, outs)
     assert not ok and "LM-head module" in why
+
+
+def test_ablation_inactive_lever_stays_off_for_later_steps(monkeypatch):
+    """A lever the engine cannot start with is run off (with --allow-fallback) and stays off afterwards, so a later
+    step is not blamed for it; without the flag the ladder stops at that step."""
+    from bytebound.errors import BackendError
+    monkeypatch.setattr(ab, "check_lever", lambda step, eng, outputs=None: (True, "fake"))
+    made = []
+
+    def make(cfg):
+        if cfg.backends["moe"] == "triton":
+            raise BackendError("moe[triton] unusable here")
+        made.append(cfg)
+        return object()
+
+    kw = dict(make_engine=make, log=lambda *_: None, manifest=lambda eng: {}, tolerance=10.0)
+    r = ab.run_ablation(EngineConfig(), lambda eng: (_fake_outputs(5.0), {}), allow_fallback=True, **kw)
+    assert r["status"] == "complete"
+    assert [s["active"] for s in r["steps"]] == [True, False, True, True]
+    assert "moe[triton] unusable" in r["steps"][1]["check"]
+    assert [(c.backends["moe"], c.lm_head, c.speculative_steps) for c in made] == \
+        [("torch", "fp32", 0), ("torch", "fp32", 0), ("torch", "fp8", 0), ("torch", "fp8", 3)]
+    made.clear()
+    r = ab.run_ablation(EngineConfig(), lambda eng: (_fake_outputs(5.0), {}), allow_fallback=False, **kw)
+    assert r["status"] == "stopped" and r["stop"]["step"] == "+kernel" and len(made) == 1

@@ -108,6 +108,9 @@ def test_completion_matches_engine(srv, ref):
     assert r.usage.completion_tokens == len(want.token_ids) == 12
     assert r.usage.prompt_tokens == want.prompt_tokens
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    ids = ref.encode_prompt("The quick brown fox")                 # a token-id prompt gives the same answer
+    r2 = srv.client().completions.create(model=NAME, prompt=ids, max_tokens=12, temperature=0)
+    assert r2.choices[0].text == want.text and r2.usage.prompt_tokens == len(ids)
 
 
 def test_completion_stream_with_usage(srv, ref):

@@ -306,7 +306,8 @@ def test_nonfinite_logits_fail(ckpt):
 def test_broken_rollback_fails_spec_vs_plain(ckpt):
     eng = engine(ckpt)
     assert one(eng, C.canary_spec_vs_plain).passed
-    eng.runner.commit = lambda n, verified: setattr(eng.runner, "pos", eng.runner.pos - (verified - n))  # no KDA rollback
+    r = eng.runner
+    r.commit = lambda n, verified: setattr(r, "pos", r.pos - (verified - n))      # forgets the KDA rollback
     r = one(eng, C.canary_spec_vs_plain)
     assert r.passed is False and "diverges from plain greedy" in r.message
 
@@ -500,11 +501,18 @@ def _write_nextn_checkpoint(model, cfg_file: Path, out: Path) -> Path:
                     reason="full-scale canary timing: set BYTEBOUND_FULLSCALE=1 on a GPU with ~100 GB free")
 def test_full_scale_canary_cost(tmp_path):
     cfg_file = ROOT / "configs" / "ling-3.0-flash.json"
+    layers = os.environ.get("BYTEBOUND_FULLSCALE_LAYERS")        # fewer decoder layers, full widths (quick run)
+    if layers:
+        d = json.loads(cfg_file.read_text())
+        d["num_hidden_layers"] = int(layers)
+        cfg_file = tmp_path / "config.json"
+        cfg_file.write_text(json.dumps(d))
     t0 = time.perf_counter()
     eng = Engine(EngineConfig(model=str(cfg_file), load_format="dummy", device="cuda", lm_head="fp8",
                               speculative_steps=3, backends=CUDA_TORCH))
     torch.cuda.synchronize()
-    report = {"load_s": time.perf_counter() - t0, "device": torch.cuda.get_device_name(), "runs": []}
+    report = {"load_s": time.perf_counter() - t0, "device": torch.cuda.get_device_name(), "runs": [],
+              "num_hidden_layers": eng.model.cfg.num_hidden_layers}
     for _ in range(2):
         t = time.perf_counter()
         res = run_canaries(eng)

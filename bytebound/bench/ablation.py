@@ -32,16 +32,24 @@ from bytebound.errors import ByteboundError
 STEPS = ("baseline", "+kernel", "+fp8-head", "+mtp")
 
 
+def levers(baseline_moe: str = "torch", kernel_moe: str = "triton", mtp_steps: int = 3) -> list[tuple]:
+    """``[(step, lever description, apply(config) -> config)]``: each ``apply`` turns on one lever."""
+    return [("baseline", f"moe={baseline_moe}, lm_head=fp32 (BF16 weight, FP32 logits), no MTP",
+             lambda c: replace(c, backends={**c.backends, "moe": baseline_moe}, lm_head="fp32", speculative_steps=0)),
+            ("+kernel", f"routed-MoE backend {baseline_moe} -> {kernel_moe}",
+             lambda c: replace(c, backends={**c.backends, "moe": kernel_moe})),
+            ("+fp8-head", "LM head fp32 -> online FP8 (per-channel E4M3)", lambda c: replace(c, lm_head="fp8")),
+            ("+mtp", f"NEXTN MTP, {mtp_steps} draft steps", lambda c: replace(c, speculative_steps=mtp_steps))]
+
+
 def ladder(base, baseline_moe: str = "torch", kernel_moe: str = "triton", mtp_steps: int = 3) -> list[tuple]:
-    """``[(step, lever description, EngineConfig)]``: each config differs from the previous one in one lever."""
-    b = replace(base, backends={**base.backends, "moe": baseline_moe}, lm_head="fp32", speculative_steps=0)
-    k = replace(b, backends={**b.backends, "moe": kernel_moe})
-    f = replace(k, lm_head="fp8")
-    m = replace(f, speculative_steps=mtp_steps)
-    return [("baseline", f"moe={baseline_moe}, lm_head=fp32 (BF16 weight, FP32 logits), no MTP", b),
-            ("+kernel", f"routed-MoE backend {baseline_moe} -> {kernel_moe}", k),
-            ("+fp8-head", "LM head fp32 -> online FP8 (per-channel E4M3)", f),
-            ("+mtp", f"NEXTN MTP, {mtp_steps} draft steps", m)]
+    """``[(step, lever description, EngineConfig)]`` when every lever turns on: each config differs from the
+    previous one in one lever."""
+    out, cfg = [], base
+    for name, desc, apply in levers(baseline_moe, kernel_moe, mtp_steps):
+        cfg = apply(cfg)
+        out.append((name, desc, cfg))
+    return out
 
 
 def check_lever(step: str, engine, outputs=None) -> tuple[bool, str]:
@@ -107,7 +115,8 @@ def run_ablation(base, workload, baseline_moe: str = "torch", kernel_moe: str = 
     manifest = manifest or engine_manifest
     base = replace(base, allow_fallback=allow_fallback)
     steps, prev_cfg, prev_tpot, base_tpot, stop = [], None, None, None, None
-    for name, lever, cfg in ladder(base, baseline_moe, kernel_moe, mtp_steps):
+    for name, lever, apply in levers(baseline_moe, kernel_moe, mtp_steps):
+        cfg = apply(prev_cfg or base)     # on top of what really ran: an inactive lever stays off afterwards
         rec = {"step": name, "lever": lever, "active": None, "check": "", "note": ""}
         log(f"[ablation] step {name}: {lever}")
         eng, err = None, None
@@ -156,6 +165,7 @@ def run_ablation(base, workload, baseline_moe: str = "torch", kernel_moe: str = 
             ok, detail = check_lever(name, eng, outputs)
             rec.update(active=ok, check=detail)
         rec["manifest"] = manifest(eng)
+        rec["config"] = _cfg_dict(cfg)
         s = summarize(outputs)
         tpot = s["tpot_ms"]["mean"]
         rec.update(summary=s, tpot_ms=tpot, **extra)

@@ -34,6 +34,7 @@ def _common(p: argparse.ArgumentParser, name: str) -> None:
                    help=f"what the weights are, for the report (default: dummy -> '{rp.WEIGHTS_SYNTHETIC}', "
                         f"bundled ling-nano -> '{rp.WEIGHTS_TRAINED}')")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--note", default=None, help="free text recorded in the report (a workaround, a caveat)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads (CPU; 1 is fastest for tiny models on a busy machine)")
 
@@ -132,7 +133,7 @@ def _guard(fn):
 def cmd_synthetic(a) -> int:
     from bytebound.bench.synthetic import byte_floor, draw_token_times, floor_ratio, measure_bandwidth, run_synthetic
     eng = _start(_config(a, _synthetic_len(a, a.speculative_num_steps)))
-    meta = rp.run_meta(eng, weights=a.weights_label)
+    meta = rp.run_meta(eng, weights=a.weights_label, note=a.note)
     res = run_synthetic(eng, a.input_len, a.output_len, a.num_requests, a.warmup, a.seed, not a.no_progress)
     s = rp.summarize(res["outputs"])
     bw, bw_note = measure_bandwidth(eng.device, a.bandwidth)
@@ -162,7 +163,7 @@ def cmd_synthetic(a) -> int:
     print(f"[bench] synthetic: TPOT {t['mean']:.3f} ms (P50 {t['p50']:.3f}, P95 {t['p95']:.3f}), decode "
           f"{s['decode_tok_s']['aggregate']:.1f} tok/s, TTFT {s['ttft_ms']['mean']:.1f} ms"
           + (f", accept length {acc:.2f}" if acc else ""))
-    print(f"[bench] byte floor: " + (f"{floor['floor_ms']:.3f} ms, TPOT/floor {ratio:.2f}x ({bw_note})"
+    print("[bench] byte floor: " + (f"{floor['floor_ms']:.3f} ms, TPOT/floor {ratio:.2f}x ({bw_note})"
                                      if ratio else bw_note))
     _print(paths)
     return 0
@@ -189,7 +190,7 @@ def gsm8k_markdown(res: dict, s: dict, meta: dict, title: str) -> list[str]:
 def cmd_gsm8k(a) -> int:
     from bytebound.bench.gsm8k import run_gsm8k
     eng = _start(_config(a))
-    meta = rp.run_meta(eng, weights=a.weights_label)
+    meta = rp.run_meta(eng, weights=a.weights_label, note=a.note)
     res = run_gsm8k(eng, a.limit, a.shots, a.seed, a.max_tokens, a.temperature, a.top_p, a.top_k, not a.no_progress)
     s = rp.summarize(res["outputs"])
     n, k = res["n"], res["correct"]
@@ -234,7 +235,7 @@ def cmd_ablation(a) -> int:
     def make(cfg):
         eng = _start(cfg)
         if not meta:
-            meta.update(rp.run_meta(eng, weights=a.weights_label))
+            meta.update(rp.run_meta(eng, weights=a.weights_label, note=a.note))
         return eng
 
     res = run_ablation(base, workload, a.baseline_moe, a.kernel_moe, a.speculative_num_steps, a.tpot_tolerance,

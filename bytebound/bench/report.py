@@ -113,9 +113,9 @@ def engine_manifest(engine) -> dict:
     return _jsonable(build_manifest(engine))
 
 
-def run_meta(engine, argv: list[str] | None = None, weights: str | None = None) -> dict:
+def run_meta(engine, argv: list[str] | None = None, weights: str | None = None, note: str | None = None) -> dict:
     import torch
-    return {
+    meta = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
         "device": device_name(engine.device),
@@ -125,6 +125,7 @@ def run_meta(engine, argv: list[str] | None = None, weights: str | None = None) 
         "torch": torch.__version__, "python": platform.python_version(),
         "manifest": engine_manifest(engine),
     }
+    return {"note": note, **meta} if note else meta
 
 
 # ---- statistics -----------------------------------------------------------------------------------------
@@ -214,7 +215,9 @@ def latency_table(s: dict) -> list[str]:
 def meta_section(meta: dict) -> list[str]:
     m = meta["manifest"]
     rows = ["| | |", "|---|---|"]
-    for k in ("date", "commit", "device", "weights", "model", "command", "torch"):
+    for k in ("note", "date", "commit", "device", "weights", "model", "command", "torch"):
+        if k == "note" and not meta.get(k):
+            continue
         rows.append(f"| {k} | `{meta.get(k)}` |" if k in ("command", "commit") else f"| {k} | {meta.get(k)} |")
     res = m.get("resolutions") or {}
     levers = m.get("levers") or {}

@@ -92,7 +92,7 @@ def byte_floor(engine, bandwidth_gbs: float | None, context: int, accept_length:
     extra = led.state_bytes() + led.kv_bytes_per_token() * context
     out = {"ledger_head": head, "weight_bytes": led.bytes, "state_kv_bytes": extra, "step_bytes": led.bytes + extra,
            "context": context, "bandwidth_gbs": bandwidth_gbs,
-           "note": "ledger of the config's storage recipe (a float32 CPU model reads more than this)"}
+           "note": "ledger of the config's storage recipe (BF16 dense, FP8 blocks, MXFP4 experts); a model run in float32 reads more than this"}
     if bandwidth_gbs:
         out["floor_ms"] = out["step_bytes"] / (bandwidth_gbs * 1e9) * 1e3
     k = engine.config.speculative_steps

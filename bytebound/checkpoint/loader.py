@@ -136,4 +136,5 @@ def load_model(path, device="cpu", dtype: torch.dtype | None = None) -> BailingM
                               + "\n  ".join(shown) + more)
     model.finish_load()
     model.loaded_tensors = len(filled)
+    model.loaded_names = filled
     return model

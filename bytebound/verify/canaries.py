@@ -295,12 +295,14 @@ def canary_expert_scale_layout(engine, ctx) -> CanaryResult:
                 problems.append(f"{full}: data pointer not 16-byte aligned")
             if tn.endswith("_scale") and t.dtype == torch.uint8 and bool((t == 255).any()):
                 problems.append(f"{full}: E8M0 byte 255 (NaN)")
-    meas = {"layers": len(mods), "format": mods[0][1].fmt,
-            "expected": {k: {"shape": list(v[0]), "stride": list(v[1])} for k, v in expected_scale_layout(mods[0][1]).items()},
-            "problems": problems[:8]}
+    want = expected_scale_layout(mods[0][1])
+    meas = {"layers": len(mods), "format": mods[0][1].fmt, "problems": problems[:8],
+            "expected": {k: {"shape": list(v[0]), "stride": list(v[1])} for k, v in want.items()}}
     if problems:
-        return _bad(name, lever, f"{len(problems)} expert tensor layout problem(s): " + "; ".join(problems[:3]), **meas)
-    return _ok(name, lever, f"{len(mods)} layers: {mods[0][1].fmt} weights/scales in the layout the kernel reads", **meas)
+        return _bad(name, lever, f"{len(problems)} expert tensor layout problem(s): " + "; ".join(problems[:3]),
+                    **meas)
+    return _ok(name, lever, f"{len(mods)} layers: {mods[0][1].fmt} weights/scales in the layout the kernel reads",
+               **meas)
 
 
 class _RawExperts:
@@ -588,11 +590,15 @@ def canary_spec_vs_plain(engine, ctx) -> CanaryResult:
 CANARIES = (canary_levers, canary_draft_params_loaded, canary_draft_sharing, canary_expert_scale_layout,
             canary_moe_vs_reference, canary_logits_finite, canary_lm_head, canary_draft_head,
             canary_graph_replay, canary_spec_vs_plain)
-_NAMES = {canary_levers: ("levers_resolved", "all"), canary_draft_params_loaded: ("draft_params_loaded", "mtp"),
+_NAMES = {canary_levers: ("levers_resolved", "all"),
+          canary_draft_params_loaded: ("draft_params_loaded", "mtp"),
           canary_draft_sharing: ("draft_sharing", "draft_sharing"),
-          canary_expert_scale_layout: ("expert_scale_layout", "moe"), canary_moe_vs_reference: ("moe_vs_reference", "moe"),
-          canary_logits_finite: ("logits_finite", "lm_head"), canary_lm_head: ("lm_head_path", "lm_head"),
-          canary_draft_head: ("draft_head_bitwise", "draft_sharing"), canary_graph_replay: ("graph_replay", "cuda_graphs"),
+          canary_expert_scale_layout: ("expert_scale_layout", "moe"),
+          canary_moe_vs_reference: ("moe_vs_reference", "moe"),
+          canary_logits_finite: ("logits_finite", "lm_head"),
+          canary_lm_head: ("lm_head_path", "lm_head"),
+          canary_draft_head: ("draft_head_bitwise", "draft_sharing"),
+          canary_graph_replay: ("graph_replay", "cuda_graphs"),
           canary_spec_vs_plain: ("spec_vs_plain", "mtp")}
 
 
