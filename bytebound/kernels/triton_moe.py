@@ -64,10 +64,10 @@ except Exception as exc:  # pragma: no cover - depends on the machine
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
     _GLUON_ERR = None
 except Exception as exc:  # pragma: no cover
-    gluon = gl = mma_v2 = None
+    gluon = gl = mma_v2 = async_copy = None
     _GLUON_ERR = f"triton.experimental.gluon is not importable: {exc}"
 
 
@@ -219,13 +219,17 @@ mov.b32 {$6, $7}, o3;
             w_n = gl.load(wp + (BK // 8), mask=NK1 > 1, other=0)
             s_n = gl.load(sp + (BK // 32), mask=NK1 > 1, other=0)
 
-            # ---- stage x (tokens padded to 8 with zeros) in shared memory, one [8, BK] slab per k step ----
+            # ---- stage x (tokens padded to 8 with zeros) in shared memory, one [8, BK] slab per k step; all
+            # slabs as cp.async (zero-filled past M) in one group, so their latencies overlap ----
             xs = gl.allocate_shared_memory(gl.bfloat16, [NK1, NPC, BK], ASL1)
             xn = gl.arange(0, NPC, layout=gl.SliceLayout(1, XL))
             xk = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
             for kk in gl.static_range(NK1):
-                xv = gl.load(x_ptr + xn[:, None] * H + kk * BK + xk[None, :], mask=xn[:, None] < M, other=0.0)
-                xs.index(kk).store(xv)
+                async_copy.async_copy_global_to_shared(xs.index(kk), x_ptr + xn[:, None] * H + kk * BK + xk[None, :],
+                                                       mask=xn[:, None] < M)
+            async_copy.commit_group()
+            async_copy.wait_group(0)
+            gl.thread_barrier()
 
             # ---- phase 1: [gate|up rows] x x^T on tensor cores, loads two tiles ahead ----
             a_s = gl.allocate_shared_memory(gl.bfloat16, [R1, BK], ASL1)
@@ -289,10 +293,11 @@ mov.b32 {$6, $7}, o3;
                 else:
                     if MV == NPC:
                         dd = gl.convert_layout(d, OL)
-                    else:       # keep columns 0..MV-1 of the 8: [BH, 8] -> [BH, 8/MV, MV], first group
-                        d3 = gl.permute(gl.reshape(d, [BH, NPC // MV, MV]), [0, 2, 1])
-                        dd = gl.convert_layout(gl.split(d3)[0] if NPC // MV == 2 else
-                                               gl.split(gl.split(gl.reshape(d3, [BH, MV, 2, 2]))[0])[0], OL)
+                    else:       # keep columns 0..3 of the 8: [BH, 8] -> [BH, 4, 2] -> first half
+                        RL8: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
+                        d8 = gl.convert_layout(d, RL8)
+                        d3 = gl.permute(gl.reshape(d8, [BH, 2, MV]), [0, 2, 1])
+                        dd = gl.convert_layout(gl.split(d3)[0], OL)
                     gl.atomic_add(ws_ptr + (hb * BH + ho2[:, None]) * MV + no2[None, :], dd,
                                   mask=no2[None, :] < M, sem="relaxed", scope="gpu")
                 w2_c = w2_n
@@ -307,15 +312,17 @@ mov.b32 {$6, $7}, o3;
         gl.thread_barrier()
         ticket = gl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
         if ticket == NPROG - 1:
-            FB: gl.constexpr = 32 * NW
-            FL2: gl.constexpr = gl.BlockedLayout([1, MV], [32, 1], [NW, 1], [1, 0])
+            FV: gl.constexpr = 8 if H >= 8 * 32 * NW else 1
+            FB: gl.constexpr = FV * 32 * NW
+            FL2: gl.constexpr = gl.BlockedLayout([FV, MV], [32, 1], [NW, 1], [1, 0])
             fh = gl.arange(0, FB, layout=gl.SliceLayout(1, FL2))
             fn = gl.arange(0, MV, layout=gl.SliceLayout(0, FL2))
             for f0 in range(0, H, FB):
+                fm = (f0 + fh[:, None]) < H
                 p = ws_ptr + (f0 + fh[:, None]) * MV + fn[None, :]
-                v = gl.load(p, cache_modifier=".cg")
-                gl.store(out_ptr + fn[None, :] * H + f0 + fh[:, None], v.to(gl.bfloat16), mask=fn[None, :] < M)
-                gl.store(p, gl.zeros([FB, MV], gl.float32, FL2))
+                v = gl.load(p, mask=fm, other=0.0, cache_modifier=".cg")
+                gl.store(out_ptr + fn[None, :] * H + f0 + fh[:, None], v.to(gl.bfloat16), mask=fm & (fn[None, :] < M))
+                gl.store(p, gl.zeros([FB, MV], gl.float32, FL2), mask=fm)
             gl.store(cnt_ptr, 0)
 
 
@@ -327,7 +334,8 @@ if tl is not None:
     def _moe_fused_tl(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, w2_ptr, s2_ptr, ws_ptr, cnt_ptr, out_ptr,
                       limit,
                       H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, M: tl.constexpr, SP: tl.constexpr,
-                      BI: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, HAS_LIMIT: tl.constexpr):
+                      BI: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                      FENCE: tl.constexpr = True):
         NPC: tl.constexpr = 16
         S: tl.constexpr = M * TOPK
         NPROG: tl.constexpr = (I // BI) * S
@@ -373,18 +381,20 @@ if tl is not None:
                                   act, None, "bf16")
                 tl.atomic_add(ws_ptr + (hb * BH + hr[:, None]) * 8 + mcol[None, :], d, mask=mcol[None, :] < M,
                               sem="relaxed", scope="gpu")
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [tl.arange(0, 128)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+        if FENCE:   # (False only under TRITON_INTERPRET, which cannot run PTX)
+            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [tl.arange(0, 128)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
         tl.debug_barrier()
         ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
         if ticket == NPROG - 1:
             fh = tl.arange(0, 256)
             fn = tl.arange(0, 8)
             for f0 in range(0, H, 256):
+                fm = (f0 + fh[:, None]) < H
                 p = ws_ptr + (f0 + fh[:, None]) * 8 + fn[None, :]
-                v = tl.load(p, cache_modifier=".cg")
-                tl.store(out_ptr + fn[None, :] * H + f0 + fh[:, None], v.to(tl.bfloat16), mask=fn[None, :] < M)
-                tl.store(p, tl.zeros([256, 8], tl.float32))
+                v = tl.load(p, mask=fm, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + fn[None, :] * H + f0 + fh[:, None], v.to(tl.bfloat16), mask=fm & (fn[None, :] < M))
+                tl.store(p, tl.zeros([256, 8], tl.float32), mask=fm)
             tl.store(cnt_ptr, 0)
 
 
@@ -420,10 +430,29 @@ def lookup_config(e, h, i, k, m, device=None, path: Path = CONFIG_PATH) -> dict:
     return cfg
 
 
-def check_config(cfg: dict, h: int, i: int) -> None:
-    bi, bk, bh = cfg["BI"], cfg["BK"], cfg["BH"]
-    if i % bi or bi % 32 or h % bk or bk % 32 or h % bh or bk // 32 > 32:
-        raise BackendError(f"moe[triton]: config {cfg} does not tile H={h}, I={i}")
+def _fit(block: int, n: int, lo: int) -> int:
+    """Largest power-of-two block <= ``block`` that divides ``n`` (>= ``lo``), else 0."""
+    b = block
+    while b >= lo:
+        if n % b == 0:
+            return b
+        b //= 2
+    return 0
+
+
+def fit_config(cfg: dict, h: int, i: int) -> dict:
+    """Shrink BI/BK/BH to divide this model's I/H (tiny test models); raises BackendError if impossible."""
+    cfg = dict(cfg)
+    lo_bi = 16 if cfg["variant"] == "gluon" else 32
+    cfg["BI"] = _fit(cfg["BI"], i, lo_bi)
+    cfg["BK"] = _fit(cfg["BK"], h, 32)
+    cfg["BH"] = _fit(cfg["BH"], h, 16)
+    if not (cfg["BI"] and cfg["BK"] and cfg["BH"]) or cfg["BK"] // 32 > 32:
+        raise BackendError(f"moe[triton]: no tiling of H={h}, I={i} for config {cfg} (H and I must be multiples "
+                           "of 32; use moe backend 'torch' or 'humming')")
+    if cfg["BI"] < 32 and cfg["num_warps"] > 2:
+        cfg["num_warps"] = 2
+    return cfg
 
 
 class MoEKernel:
@@ -453,18 +482,23 @@ class MoEKernel:
         self.lut = _lut_tensor(dev)
         self.limit = ex.limit
         self.configs = dict(configs or {})
+        # Optional delegate for M > MAX_M (e.g. the torch or humming callable bound to the same module);
+        # None -> BackendError, as the registry contract asks.
+        self.prefill = None
 
     def config(self, m: int, k: int) -> dict:
         if m not in self.configs:
-            self.configs[m] = lookup_config(self.e, self.h, self.i, k, m, self.ws.device)
-            check_config(self.configs[m], self.h, self.i)
+            self.configs[m] = fit_config(lookup_config(self.e, self.h, self.i, k, m, self.ws.device), self.h,
+                                         self.i)
         return self.configs[m]
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         m, k = ids.shape
         if m > MAX_M:
+            if self.prefill is not None:
+                return self.prefill(x, ids, w)
             raise BackendError(f"moe[triton] handles at most {MAX_M} tokens per call (got {m}); "
-                               "bind 'humming' or 'torch' for prefill")
+                               "bind 'humming' or 'torch' for prefill (or set fn.prefill)")
         if x.dtype != torch.bfloat16:
             raise BackendError(f"moe[triton] needs bf16 activations, got {x.dtype}")
         cfg = self.config(m, k)

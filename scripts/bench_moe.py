@@ -1,0 +1,349 @@
+#!/usr/bin/env python3
+"""Per-layer routed-MoE microbenchmark at Ling-3.0-flash shapes (E 512, H 2560, I 768, top-8), M = 1 and 4.
+
+For each backend (``triton``, ``humming``, ``torch``), token count M and routing (``random``: independent
+top-8 per token; ``skewed``: the verify tokens reuse 6 of token 0's 8 experts, as consecutive MTP tokens
+often do) it reports the time of one MoE layer, the bytes of expert weights + scales that layer must read
+(distinct experts x 3,133,440 B), the achieved GB/s and the ratio to the streaming-read bandwidth measured in
+the same run.
+
+Method (METHOD.md): weights are synthetic random MXFP4 at the real shapes, ``--layers`` separate layers'
+worth of expert buffers (default 8 x 1.6 GB) with different routing each, so one pass touches 8 x 25-100 MB
+and the 60 MB L2 cannot serve repeats; the ``--layers`` calls are captured in one CUDA graph and replayed
+(``--reps`` timed replays after warm-up, median, divided by the layer count). ``torch`` is timed eagerly (its
+reference path syncs on a validity check and cannot be captured). First-call time (JIT compile + load) and a
+cached eager call are recorded per backend and M. Each backend's output on layer 0 is checked against the
+float32 torch reference (rel error in the JSON). Bandwidth: a 2 GiB device-to-device copy (read + write bytes)
+and a 4 GiB read-only Triton reduction.
+
+``--tune`` first sweeps the triton launch configs for each M, keeps the fastest that passes the reference
+check, writes ``triton_moe_configs.json`` (``{gpu_name: {shape_key: config}}``, the format of
+``bytebound/kernels/configs/triton_moe.json``) and benchmarks with it.
+
+Prints device, date and commit, a table last, and writes ``bench_moe.json`` to ``$OUT`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+E, H, I, K = 512, 2560, 768, 8
+EXPERT_BYTES = 2 * I * H // 2 + 2 * I * H // 32 + H * I // 2 + H * I // 32      # 3,133,440
+
+
+def git_commit() -> str:
+    env = os.environ.get("BYTEBOUND_COMMIT")
+    if env:
+        return env
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def cuda_time(fn, reps: int, warmup: int = 3) -> list[float]:
+    """Per-call device times in seconds (events), after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / 1e3)
+    return out
+
+
+def measure_bandwidth(reps: int = 10) -> dict:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _read(x_ptr, o_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        pid = tl.program_id(0)
+        acc = tl.zeros([BLOCK], tl.int32)
+        base = pid.to(tl.int64) * BLOCK * ITERS
+        for it in range(ITERS):
+            offs = base + it * BLOCK + tl.arange(0, BLOCK)
+            acc ^= tl.load(x_ptr + offs, mask=offs < n, other=0)
+        tl.store(o_ptr + pid, tl.sum(acc, axis=0))
+
+    n_copy = 2 << 30
+    a = torch.empty(n_copy, dtype=torch.uint8, device="cuda")
+    a.random_(0, 255)
+    b = torch.empty_like(a)
+    t_copy = statistics.median(cuda_time(lambda: b.copy_(a), reps))
+    del b
+    n_read = (4 << 30) // 4
+    x = torch.empty(n_read, dtype=torch.int32, device="cuda")
+    x.random_(0, 1 << 30)
+    block, iters = 4096, 16
+    grid = (triton.cdiv(n_read, block * iters),)
+    o = torch.empty(grid[0], dtype=torch.int32, device="cuda")
+    t_read = statistics.median(cuda_time(lambda: _read[grid](x, o, n_read, BLOCK=block, ITERS=iters,
+                                                             num_warps=8), reps))
+    del a, x, o
+    torch.cuda.empty_cache()
+    return {"copy_bytes": 2 * n_copy, "copy_s": t_copy, "copy_GBps": 2 * n_copy / t_copy / 1e9,
+            "read_bytes": 4 * n_read, "read_s": t_read, "read_GBps": 4 * n_read / t_read / 1e9}
+
+
+def make_layer(seed: int):
+    from bytebound.layers.moe import RoutedExperts
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ex = RoutedExperts(E, H, I, "mxfp4", torch.bfloat16, "cuda", None)
+    ex.w13.data = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, device="cuda", dtype=torch.uint8)
+    ex.w13_scale.data = torch.randint(118, 123, (E, 2 * I, H // 32), generator=g, device="cuda", dtype=torch.uint8)
+    ex.w2.data = torch.randint(0, 256, (E, H, I // 2), generator=g, device="cuda", dtype=torch.uint8)
+    ex.w2_scale.data = torch.randint(118, 123, (E, H, I // 32), generator=g, device="cuda", dtype=torch.uint8)
+    return ex
+
+
+def make_routing(m: int, kind: str, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(m)])
+    if kind == "skewed" and m > 1:
+        keep = 6
+        for r in range(1, m):
+            base = ids[0, :keep].tolist()
+            extra = [e for e in torch.randperm(E, generator=g).tolist() if e not in ids[0].tolist()][: K - keep]
+            ids[r] = torch.tensor(base + extra)[torch.randperm(K, generator=g)]
+    w = torch.rand(m, K, generator=g) + 0.1
+    w = (w / w.sum(-1, keepdim=True) * 2.5).float()
+    return ids.cuda(), w.cuda()
+
+
+def bind(backend: str, ex, cfg: dict | None = None):
+    """Bound callable; ``cfg`` is one triton config for every M or a ``{M: config}`` map (None: lookup/default)."""
+    if backend == "triton":
+        from bytebound.kernels.triton_moe import MoEKernel, fit_config
+        fn = MoEKernel(ex)
+        if cfg is not None:
+            per_m = cfg if all(isinstance(k, int) for k in cfg) else {m: cfg for m in range(1, 5)}
+            fn.configs = {m: fit_config(c, H, I) for m, c in per_m.items()}
+        return fn
+    if backend == "humming":
+        from bytebound.kernels.humming_moe import HummingMoE
+        return HummingMoE(ex)
+    from bytebound.kernels.torch_ref import TorchMoE
+    return TorchMoE().bind(ex, torch.bfloat16)
+
+
+def reference(ex, x, ids, w):
+    from bytebound.kernels.torch_ref import moe_reference
+    saved = getattr(ex, "_deq", None)
+    ex._deq = None
+    y = moe_reference(ex, x.float(), ids, w)
+    ex._deq = saved
+    return y
+
+
+def rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def run_case(backend, fns, layers, m, kind, reps, graph=True) -> dict:
+    """Time one MoE layer: ``len(layers)`` different layers per graph replay, median per layer."""
+    nl = len(layers)
+    xs = [torch.randn(m, H, device="cuda").to(torch.bfloat16) for _ in range(nl)]
+    routes = [make_routing(m, kind, 1000 * m + 17 * li + (kind == "skewed")) for li in range(nl)]
+    uniq = [int(r[0].unique().numel()) for r in routes]
+    res = {"backend": backend, "M": m, "routing": kind, "layers": nl, "distinct_experts": statistics.mean(uniq),
+           "bytes_per_layer": statistics.mean(uniq) * EXPERT_BYTES}
+    # correctness on layer 0 against the float32 torch reference
+    out0 = fns[0](xs[0], *routes[0])
+    torch.cuda.synchronize()
+    res["rel_err_vs_ref"] = rel(out0, reference(layers[0], xs[0], *routes[0]))
+
+    def all_layers():
+        for li in range(nl):
+            fns[li](xs[li], *routes[li])
+
+    if graph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            all_layers()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            all_layers()
+        times = cuda_time(g.replay, reps)
+        res["timing"] = "cuda-graph replay"
+    else:
+        times = cuda_time(all_layers, max(3, reps // 5), warmup=1)
+        res["timing"] = "eager"
+    per = [t / nl for t in times]
+    res["time_us_median"] = statistics.median(per) * 1e6
+    res["time_us_min"] = min(per) * 1e6
+    res["time_us_spread"] = (max(per) - min(per)) * 1e6
+    res["GBps"] = res["bytes_per_layer"] / (res["time_us_median"] * 1e-6) / 1e9
+    return res
+
+
+def first_call(backend, ex, m, cfg=None) -> dict:
+    """Wall time of the first call (compile + load) and of a cached eager call."""
+    x = torch.randn(m, H, device="cuda").to(torch.bfloat16)
+    ids, w = make_routing(m, "random", 99 + m)
+    t0 = time.perf_counter()
+    fn = bind(backend, ex, cfg)
+    t1 = time.perf_counter()
+    fn(x, ids, w)
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    fn(x, ids, w)
+    torch.cuda.synchronize()
+    t3 = time.perf_counter()
+    return {"bind_s": t1 - t0, "first_call_s": t2 - t1, "cached_call_s": t3 - t2}
+
+
+TUNE_CANDIDATES = {
+    1: [dict(variant="gluon", BI=32, BK=256, BH=512, num_warps=4),
+        dict(variant="gluon", BI=16, BK=256, BH=512, num_warps=2),
+        dict(variant="gluon", BI=64, BK=128, BH=256, num_warps=4),
+        dict(variant="tl", BI=32, BK=256, BH=128, num_warps=4, num_stages=3)],
+    4: [dict(variant="gluon", BI=32, BK=256, BH=512, num_warps=4),
+        dict(variant="gluon", BI=16, BK=256, BH=512, num_warps=2),
+        dict(variant="gluon", BI=64, BK=128, BH=256, num_warps=4),
+        dict(variant="tl", BI=32, BK=256, BH=128, num_warps=4, num_stages=3)],
+}
+
+
+def tune(layers, ms, reps, out_dir: Path, log) -> dict:
+    from bytebound.kernels.triton_moe import shape_key, gpu_name
+    best, rows = {}, []
+    for m in ms:
+        for cfg in TUNE_CANDIDATES[m]:
+            try:
+                t0 = time.perf_counter()
+                fns = [bind("triton", ex, cfg) for ex in layers]
+                r = run_case("triton", fns, layers, m, "random", reps)
+                r["config"] = cfg
+                r["compile_and_run_s"] = time.perf_counter() - t0
+            except Exception as exc:  # a config that fails to compile/run is recorded, not fatal
+                r = {"M": m, "config": cfg, "error": f"{type(exc).__name__}: {exc}"[:400]}
+            rows.append(r)
+            log(f"tune M={m} {cfg} -> {r.get('time_us_median', 'ERR')} us rel={r.get('rel_err_vs_ref')}"
+                f" {r.get('error', '')}")
+            ok = "error" not in r and r["rel_err_vs_ref"] <= 1e-2
+            if ok and (m not in best or r["time_us_median"] < best[m]["time_us_median"]):
+                best[m] = r
+    table = {gpu_name(): {shape_key(E, H, I, K, m): best[m]["config"] for m in best}}
+    (out_dir / "triton_moe_configs.json").write_text(json.dumps(table, indent=2) + "\n")
+    return {"candidates": rows, "best": {m: best[m]["config"] for m in best}, "table": table}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "out" / "bench_moe")))
+    ap.add_argument("--backends", default="triton,humming,torch")
+    ap.add_argument("--m", default="1,4")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="tune only the default gluon config and the tl fallback")
+    args = ap.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ms = [int(v) for v in args.m.split(",")]
+    backends = args.backends.split(",")
+    def log(s: str) -> None:
+        print(s, flush=True)
+
+    import triton
+    dev = torch.cuda.get_device_name()
+    meta = {"device": dev, "capability": list(torch.cuda.get_device_capability()),
+            "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": git_commit(), "torch": torch.__version__, "triton": triton.__version__,
+            "command": " ".join(sys.argv), "shapes": dict(E=E, H=H, I=I, top_k=K), "expert_bytes": EXPERT_BYTES,
+            "weights": "synthetic random MXFP4 codes, E8M0 scale bytes 118..122, real shapes"}
+    try:
+        from importlib.metadata import version
+        meta["humming"] = version("humming-kernels")
+    except Exception:
+        meta["humming"] = None
+    log(f"device {dev}  date {meta['date']}  commit {meta['commit']}  torch {torch.__version__}  "
+        f"triton {triton.__version__}  humming {meta['humming']}")
+    bw = measure_bandwidth()
+    log(f"bandwidth: copy {bw['copy_GBps']:.0f} GB/s (read+write), read-only {bw['read_GBps']:.0f} GB/s")
+    layers = [make_layer(100 + li) for li in range(args.layers)]
+    result = {"meta": meta, "bandwidth": bw, "cases": [], "jit": []}
+
+    tuned = None
+    if args.quick:
+        for m in TUNE_CANDIDATES:
+            TUNE_CANDIDATES[m] = [TUNE_CANDIDATES[m][0], TUNE_CANDIDATES[m][-1]]
+    if args.tune and "triton" in backends:
+        tuned = tune(layers, ms, args.reps, out_dir, log)
+        result["tune"] = tuned
+
+    for backend in backends:
+        cfg = dict(tuned["best"]) if (tuned and backend == "triton" and tuned["best"]) else None
+        try:
+            fns = None
+            for m in ms:
+                jit = first_call(backend, layers[0], m, cfg)
+                jit.update(backend=backend, M=m)
+                result["jit"].append(jit)
+                log(f"jit {backend} M={m}: first call {jit['first_call_s']:.2f} s, cached "
+                    f"{jit['cached_call_s'] * 1e3:.2f} ms, bind {jit['bind_s']:.2f} s")
+                if fns is None:
+                    fns = [bind(backend, ex, cfg) for ex in layers]
+                for kind in (["random", "skewed"] if m > 1 else ["random"]):
+                    r = run_case(backend, fns, layers, m, kind, args.reps, graph=(backend != "torch"))
+                    r["config"] = (cfg or {}).get(m) if backend == "triton" else None
+                    r["ratio_to_read_bw"] = r["GBps"] / bw["read_GBps"]
+                    r["ratio_to_copy_bw"] = r["GBps"] / bw["copy_GBps"]
+                    result["cases"].append(r)
+                    log(f"{backend:8s} M={m} {kind:7s} {r['time_us_median']:8.1f} us  "
+                        f"{r['bytes_per_layer'] / 1e6:6.1f} MB  {r['GBps']:7.0f} GB/s  "
+                        f"{100 * r['ratio_to_read_bw']:5.1f}% of read  rel {r['rel_err_vs_ref']:.1e}")
+            del fns
+            torch.cuda.empty_cache()
+            (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        except Exception as exc:
+            import traceback
+            traceback.print_exc()
+            result["cases"].append({"backend": backend, "M": -1, "error": f"{type(exc).__name__}: {exc}"[:600]})
+            log(f"{backend}: ERROR {type(exc).__name__}: {exc}"[:300])
+
+    by = {(c["backend"], c["M"], c.get("routing")): c for c in result["cases"] if "error" not in c}
+    for m in ms:
+        for kind in ("random", "skewed"):
+            t, h = by.get(("triton", m, kind)), by.get(("humming", m, kind))
+            if t and h:
+                result.setdefault("triton_over_humming", {})[f"M{m}_{kind}"] = h["time_us_median"] / t["time_us_median"]
+    (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    log("")
+    log(f"{'backend':8s} {'M':>2s} {'routing':7s} {'us/layer':>9s} {'MB':>7s} {'GB/s':>7s} {'%read':>6s} {'rel':>8s}")
+    for c in result["cases"]:
+        if "error" in c:
+            log(f"{c['backend']:8s} {c['M']:2d} ERROR {c['error'][:100]}")
+            continue
+        log(f"{c['backend']:8s} {c['M']:2d} {c['routing']:7s} {c['time_us_median']:9.1f} {c['bytes_per_layer'] / 1e6:7.1f}"
+            f" {c['GBps']:7.0f} {100 * c['ratio_to_read_bw']:5.1f}% {c['rel_err_vs_ref']:8.1e}")
+    log(f"read bandwidth {bw['read_GBps']:.0f} GB/s, copy {bw['copy_GBps']:.0f} GB/s; triton/humming speedup "
+        f"{json.dumps({k: round(v, 2) for k, v in result.get('triton_over_humming', {}).items()})}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

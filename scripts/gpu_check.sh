@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# GPU checks for bytebound, run on the device machine from the repository root.
+#
+#   scripts/gpu_check.sh                 # every section, in the order of SECTIONS below
+#   scripts/gpu_check.sh kernels         # one or more named sections
+#   scripts/gpu_check.sh --list          # the section names
+#
+# Logs and JSON go to $OUT (the device tool's result folder) or ./out/gpu_check. Wheels in .whl/ (fla-core,
+# humming-kernels) are installed into /tmp/site and put on PYTHONPATH first. Every section runs even if an
+# earlier one failed; the exit status is non-zero if any failed, and the last lines summarise them.
+#
+# Adding a section: write a function section_<name> and add <name> to SECTIONS. Each section gets its own
+# log $OUT/<name>.log; use `run_step <label> <command...>` inside it so failures are recorded, not fatal.
+# Environment: SECTION_TIMEOUT (seconds per step, default 300), BYTEBOUND_COMMIT (recorded by benchmarks when
+# the checkout has no .git), PYTEST_K (a pytest -k expression, e.g. "not humming"), BENCH_MOE_ARGS
+# (extra bench_moe.py arguments, e.g. "--quick --layers 4").
+
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT="${OUT:-$PWD/out/gpu_check}"
+mkdir -p "$OUT"
+SECTION_TIMEOUT="${SECTION_TIMEOUT:-300}"
+export PYTHONUNBUFFERED=1
+export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+
+SECTIONS=(kernels bench_moe)
+FAILED=()
+
+install_wheels() {
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl || { echo "wheel install failed"; return 1; }
+        export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    else
+        export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+}
+
+# run_step LABEL CMD...: run with a timeout, tee into the current section log, record failure.
+run_step() {
+    local label="$1"; shift
+    echo "=== [$CURRENT] $label: $*" | tee -a "$LOG"
+    local t0=$SECONDS
+    timeout "$SECTION_TIMEOUT" "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    echo "=== [$CURRENT] $label: rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
+    if [ "$rc" -ne 0 ]; then FAILED+=("$CURRENT/$label(rc=$rc)"); fi
+    return 0
+}
+
+section_kernels() {      # GPU kernel tests vs torch / float64 references
+    run_step pytest python3 -m pytest -m gpu tests/gpu/test_kernels_gpu.py -v -p no:cacheprovider --durations=15 \
+        --junitxml="$OUT/kernels_junit.xml" ${PYTEST_K:+-k "$PYTEST_K"}
+}
+
+section_bench_moe() {    # per-layer MoE microbenchmark (+ triton config sweep), JSON in $OUT
+    run_step bench python3 scripts/bench_moe.py --out "$OUT" --tune ${BENCH_MOE_ARGS:-}
+}
+
+section_env() {          # what the machine has
+    run_step env bash -c 'nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; python3 -m pip list 2>/dev/null | grep -i -E "fla|humming|triton|torch"'
+}
+
+main() {
+    if [ "${1:-}" = "--list" ]; then printf '%s\n' "${SECTIONS[@]}" env; return 0; fi
+    local todo=("$@")
+    [ ${#todo[@]} -eq 0 ] && todo=("${SECTIONS[@]}")
+    install_wheels || FAILED+=("install_wheels")
+    for s in "${todo[@]}"; do
+        if ! declare -F "section_$s" >/dev/null; then
+            echo "unknown section '$s' (have: ${SECTIONS[*]} env)"; FAILED+=("$s(unknown)"); continue
+        fi
+        CURRENT="$s"; LOG="$OUT/$s.log"; : >"$LOG"
+        "section_$s"
+    done
+    echo "gpu_check: sections ${todo[*]}; commit $BYTEBOUND_COMMIT; logs in $OUT"
+    if [ ${#FAILED[@]} -gt 0 ]; then echo "FAILED: ${FAILED[*]}"; return 1; fi
+    echo "all passed"
+}
+
+main "$@"
