@@ -31,6 +31,7 @@ class Resolution:
     resolved: str
     fallback_from: str | None = None
     reason: str | None = None
+    prefill: str | None = None      # backend used for M > the decode kernel's limit (e.g. triton MoE -> torch)
 
     def to_dict(self) -> dict:
         return asdict(self)

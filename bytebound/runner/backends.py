@@ -48,6 +48,11 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
             m.fn, m.backend = impl["linear"].bind(m, dtype), plan.resolutions["linear"].resolved
         elif isinstance(m, RoutedExperts):
             m.fn, m.backend = impl["moe"].bind(m, dtype), plan.resolutions["moe"].resolved
+            if getattr(m.fn, "prefill", False) is None:
+                # The decode/verify kernel only takes M <= 4 tokens: prefill runs the torch reference, recorded.
+                from bytebound.kernels.torch_ref import TorchMoE
+                m.fn.prefill = TorchMoE().bind(m, dtype)
+                plan.resolutions["moe"].prefill = "torch"
         elif isinstance(m, KimiDeltaAttention):
             m.kda_fn = impl["kda"].bind(m, dtype)
     model.lm_head.fn = impl["lm_head"].bind(model.lm_head, dtype)
