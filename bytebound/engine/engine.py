@@ -45,6 +45,7 @@ class EngineConfig:
     watchdog_window: int = 64         # rolling accept-length watchdog (MTP only): rounds in the window
     watchdog_threshold: float = 1.05  # ... alarm at or below this accept length
     enforce_eager: bool = False       # CUDA: skip graph capture of the decode step
+    cpu_threads: int | None = 1       # batch-1 CPU steps are many tiny ops: one thread avoids sync overhead
 
 
 @dataclass
@@ -90,6 +91,8 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, **kw):
         self.config = cfg = config or EngineConfig(**kw)
         dev = torch.device(cfg.device)
+        if dev.type == "cpu" and cfg.cpu_threads:
+            torch.set_num_threads(cfg.cpu_threads)
         dtype = _dtype(cfg.dtype, cfg.device)
         if cfg.load_format == "dummy":
             from bytebound.checkpoint.synthetic import dummy_model
