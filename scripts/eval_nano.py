@@ -46,7 +46,6 @@ from bytebound.data.gsm8k import (  # noqa: E402
 )
 from bytebound.engine.tokenizer import Tokenizer  # noqa: E402
 from bytebound.models.bailing_moe_v3 import BailingMoeV3ForCausalLM  # noqa: E402
-from bytebound.runner.backends import BackendPlan, bind_model  # noqa: E402
 
 TORCH_BACKENDS = {"moe": "torch", "linear": "torch", "lm_head": "torch", "kda": "torch", "mla": "torch",
                   "sampling": "torch"}
@@ -236,11 +235,15 @@ def main(argv=None) -> int:
     if need_tf:
         t0 = time.time()
         model = load_model(a.ckpt, dev, torch.float32)
-        bind_model(model, BackendPlan(dict(TORCH_BACKENDS)), dev)
-        fmodel = None
-        if a.float_weights:
-            fmodel = load_float(a.float_weights, dev)
-            bind_model(fmodel, BackendPlan(dict(TORCH_BACKENDS)), dev)
+        fmodel = load_float(a.float_weights, dev) if a.float_weights else None
+        if dev.type == "cpu":
+            # The torch backends, bound: same functions as the unbound modules use, with dequantised copies kept
+            # (CPU speed). On CUDA the unbound modules run the same torch code and no optional kernel module is
+            # imported.
+            from bytebound.runner.backends import BackendPlan, bind_model
+            for m in (model, fmodel):
+                if m is not None:
+                    bind_model(m, BackendPlan(dict(TORCH_BACKENDS)), dev)
         acc = Acc()
         tf = {}
         if a.tf_n >= 0:
