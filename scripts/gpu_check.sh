@@ -13,7 +13,8 @@
 # log $OUT/<name>.log; use `run_step <label> <command...>` inside it so failures are recorded, not fatal.
 # Environment: SECTION_TIMEOUT (seconds per step, default 300), BYTEBOUND_COMMIT (recorded by benchmarks when
 # the checkout has no .git), PYTEST_K (a pytest -k expression, e.g. "not humming"), BENCH_MOE_ARGS
-# (extra bench_moe.py arguments, e.g. "--quick --layers 4").
+# (extra bench_moe.py arguments, e.g. "--quick --layers 4"), BENCH_DECODE_ARGS (extra bench_decode.py
+# arguments, e.g. "--moe-backends triton,torch --ttft-len 0").
 
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +25,7 @@ SECTION_TIMEOUT="${SECTION_TIMEOUT:-300}"
 export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
-SECTIONS=(kernels bench_moe)
+SECTIONS=(kernels engine bench_moe decode verify)
 FAILED=()
 
 install_wheels() {
@@ -56,6 +57,20 @@ section_kernels() {      # GPU kernel tests vs torch / float64 references
 
 section_bench_moe() {    # per-layer MoE microbenchmark (+ triton config sweep), JSON in $OUT
     run_step bench python3 scripts/bench_moe.py --out "$OUT" --tune ${BENCH_MOE_ARGS:-}
+}
+
+section_engine() {       # engine on GPU: graph replay == eager over 64 steps, trained nano GPU vs CPU greedy
+    run_step pytest python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py -v -p no:cacheprovider \
+        --junitxml="$OUT/engine_junit.xml" ${PYTEST_K:+-k "$PYTEST_K"}
+}
+
+section_decode() {       # full-scale Ling-3.0-flash decode benchmark, dummy weights: TPOT, per-op, U, MTP round cost
+    run_step bench python3 scripts/bench_decode.py --out "$OUT" ${BENCH_DECODE_ARGS:-}
+}
+
+section_verify() {       # start-up canaries on GPU, and their cost at full scale
+    run_step pytest env BYTEBOUND_FULLSCALE=1 BYTEBOUND_TIMING_OUT="$OUT/canary_timing.json" \
+        python3 -m pytest tests/test_verify.py -v -p no:cacheprovider -k "gpu or cuda or full_scale"
 }
 
 section_env() {          # what the machine has
