@@ -98,3 +98,15 @@ def nano_ckpt(tmp_path_factory):
     from bytebound.checkpoint.writer import save_pretrained
     return save_pretrained(nano_model(), tmp_path_factory.mktemp("nano_ckpt"), quant=quant_tiny(),
                            tokenizer_dir=NANO_TOKENIZER)
+
+
+@pytest.fixture(scope="session")
+def tiny_random_ckpt(tmp_path_factory):
+    """A plain random tiny checkpoint with the ling-nano tokenizer (bench and server tests)."""
+    from bytebound.checkpoint.synthetic import random_model
+    from bytebound.checkpoint.writer import save_pretrained
+    from bytebound.config import tiny_config
+    d = tmp_path_factory.mktemp("tiny-ckpt")
+    save_pretrained(random_model(tiny_config(vocab_size=6144, eos_token_id=3, pad_token_id=0)), d,
+                    tokenizer_dir=NANO_TOKENIZER)
+    return d

@@ -14,14 +14,8 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from bytebound.checkpoint.synthetic import random_model
-    from bytebound.checkpoint.writer import save_pretrained
-    from bytebound.config import tiny_config
-    d = tmp_path_factory.mktemp("tiny-ckpt")
-    save_pretrained(random_model(tiny_config(vocab_size=6144, eos_token_id=3, pad_token_id=0)), d,
-                    tokenizer_dir="models/ling-nano")
-    return d
+def ckpt(tiny_random_ckpt):
+    return tiny_random_ckpt
 
 
 def _files(out, name):

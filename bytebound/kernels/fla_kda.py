@@ -23,29 +23,15 @@ import os
 import torch
 
 from bytebound.errors import BackendError
-from bytebound.kernels.registry import register
+from bytebound.kernels.registry import cuda_only, pinned_package, register
 
 FLA_VERSION = "0.6.0"
 
 
-def _fla_version() -> str | None:
-    try:
-        from importlib.metadata import version
-        return version("fla-core")
-    except Exception:
-        return None
-
-
 def available(dev) -> str | None:
-    if torch.device(dev).type != "cuda":
-        return "needs a CUDA device"
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    ver = _fla_version()
-    if ver is None:
-        return "fla-core is not installed (pip install fla-core==%s)" % FLA_VERSION
-    if ver != FLA_VERSION:
-        return f"fla-core {ver} installed, {FLA_VERSION} pinned"
+    why = cuda_only(dev) or pinned_package("fla-core", FLA_VERSION)
+    if why:
+        return why
     try:
         from fla.ops.kda import chunk_kda, fused_recurrent_kda  # noqa: F401
     except Exception as exc:

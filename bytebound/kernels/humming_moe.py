@@ -24,30 +24,16 @@ from __future__ import annotations
 import torch
 
 from bytebound.errors import BackendError
-from bytebound.kernels.registry import register
+from bytebound.kernels.registry import cuda_only, pinned_package, register
 from bytebound.layers.moe import swiglu
 
 HUMMING_VERSION = "0.1.20"
 
 
-def _installed_version() -> str | None:
-    try:
-        from importlib.metadata import version
-        return version("humming-kernels")
-    except Exception:
-        return None
-
-
 def available(dev) -> str | None:
-    if torch.device(dev).type != "cuda":
-        return "needs a CUDA device"
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    ver = _installed_version()
-    if ver is None:
-        return f"humming-kernels is not installed (pip install humming-kernels=={HUMMING_VERSION})"
-    if ver != HUMMING_VERSION:
-        return f"humming-kernels {ver} installed, {HUMMING_VERSION} pinned"
+    why = cuda_only(dev) or pinned_package("humming-kernels", HUMMING_VERSION)
+    if why:
+        return why
     try:
         import humming  # noqa: F401
         from humming.layer import HummingLayer  # noqa: F401

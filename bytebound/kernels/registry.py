@@ -64,7 +64,22 @@ def backends(op: str) -> list[str]:
 
 
 def cuda_only(dev: torch.device) -> str | None:
-    return None if torch.device(dev).type == "cuda" else "needs a CUDA device"
+    """Probe shared by the CUDA backends: None when ``dev`` is a usable CUDA device, else the reason."""
+    if torch.device(dev).type != "cuda":
+        return "needs a CUDA device"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    return None
+
+
+def pinned_package(dist: str, pinned: str) -> str | None:
+    """None when distribution ``dist`` is installed at exactly ``pinned``, else the reason."""
+    try:
+        from importlib.metadata import version
+        ver = version(dist)
+    except Exception:
+        return f"{dist} is not installed (pip install {dist}=={pinned})"
+    return None if ver == pinned else f"{dist} {ver} installed, {pinned} pinned"
 
 
 def resolve(op: str, requested: str, device: torch.device, allow_fallback: bool = False,

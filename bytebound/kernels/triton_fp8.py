@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from bytebound.errors import BackendError
-from bytebound.kernels.registry import register
+from bytebound.kernels.registry import cuda_only, register
 
 MAX_M = 4
 
@@ -49,12 +49,9 @@ except Exception as exc:  # pragma: no cover
 
 
 def available(dev) -> str | None:
-    if torch.device(dev).type != "cuda":
-        return "needs a CUDA device"
-    if _TRITON_ERR:
-        return _TRITON_ERR
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
+    why = cuda_only(dev) or _TRITON_ERR
+    if why:
+        return why
     major, minor = torch.cuda.get_device_capability(torch.device(dev))
     if (major, minor) < (8, 9):
         return f"FP8 (E4M3) conversion needs compute capability >= 8.9, got {major}.{minor}"

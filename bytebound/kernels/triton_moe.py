@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from bytebound.errors import BackendError
-from bytebound.kernels.registry import register
+from bytebound.kernels.registry import cuda_only, register
 
 MAX_M = 4
 NP = 8                      # token columns of the mma tile (m16n8k16)
@@ -72,12 +72,9 @@ except Exception as exc:  # pragma: no cover
 
 
 def available(dev) -> str | None:
-    if torch.device(dev).type != "cuda":
-        return "needs a CUDA device"
-    if _TRITON_ERR:
-        return _TRITON_ERR
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
+    why = cuda_only(dev) or _TRITON_ERR
+    if why:
+        return why
     major, _ = torch.cuda.get_device_capability(torch.device(dev))
     if major < 8:
         return f"needs compute capability >= 8.0 (mma.m16n8k16 bf16), got {major}.x"
