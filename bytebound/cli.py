@@ -12,7 +12,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that starts an engine."""
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint dir (default: bundled ling-nano)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, choices=[None, "bf16", "fp32"])
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: fp32 on CPU, bf16 on CUDA")
     p.add_argument("--lm-head", default="bf16", choices=["bf16", "fp32", "fp8"],
                    help="bf16 (checkpoint), fp32 (fp32 logits, --enable-fp32-lm-head), fp8 (online FP8)")
     p.add_argument("--enable-fp32-lm-head", action="store_true", help="alias of --lm-head fp32")
@@ -21,7 +21,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kda-backend", default=None, help="KDA backend: torch | fla")
     p.add_argument("--allow-fallback", action="store_true",
                    help="substitute the torch backend when a requested one is unusable (recorded and printed)")
-    p.add_argument("--speculative-algorithm", default=None, choices=[None, "NEXTN"])
+    p.add_argument("--speculative-algorithm", default=None, choices=["NEXTN"], help="NEXTN = MTP drafting (default off)")
     p.add_argument("--speculative-num-steps", type=int, default=3)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=4)
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -31,11 +31,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config(a):
     from bytebound.engine.engine import EngineConfig
+    from bytebound.errors import ConfigError
     steps = 0
     if a.speculative_algorithm == "NEXTN":
         steps = a.speculative_num_steps
+        if steps < 1:
+            raise ConfigError(f"--speculative-num-steps must be >= 1 with NEXTN, got {steps}")
         if a.speculative_num_draft_tokens != steps + 1:
-            raise SystemExit("--speculative-num-draft-tokens must equal --speculative-num-steps + 1 (chain, top-k 1)")
+            raise ConfigError("--speculative-num-draft-tokens must equal --speculative-num-steps + 1 (chain, top-k 1)")
     backends = {k: v for k, v in (("moe", a.moe_backend), ("linear", a.linear_backend), ("kda", a.kda_backend)) if v}
     return EngineConfig(model=a.model, device=a.device, dtype=a.dtype,
                         lm_head="fp32" if a.enable_fp32_lm_head else a.lm_head, backends=backends,
@@ -75,7 +78,11 @@ def cmd_demo(a) -> int:
     from bytebound.data.gsm8k import FEW_SHOT_STOP, answers_match, extract_answer, few_shot_prompt, load_split
     from bytebound.engine.engine import Engine
     from bytebound.sampling import SamplingParams
-    rec = load_split("test")[a.index]
+    from bytebound.errors import RequestError
+    test = load_split("test")
+    if not 0 <= a.index < len(test):
+        raise RequestError(f"--index must be in [0, {len(test) - 1}], got {a.index}")
+    rec = test[a.index]
     eng = Engine(engine_config(a))
     print_fallbacks(eng)
     print(f"GSM8K test #{a.index}: {rec['question']}\n")

@@ -16,6 +16,8 @@ from typing import Any
 from bytebound.errors import ConfigError
 
 MODEL_TYPES = ("bailing_hybrid",)
+# The reconstructed full-scale Ling-3.0-flash config (see assets/configs/README.md for its provenance).
+LING3_FLASH_CONFIG = Path(__file__).resolve().parent / "assets" / "configs" / "ling-3.0-flash.json"
 
 # Fields a config.json must carry: the model cannot be built without them.
 REQUIRED = (
@@ -286,6 +288,16 @@ class LingConfig:
                     f"num_experts_per_tok={self.num_experts_per_tok}")
             if self.n_group > 1 and per_group < 2:
                 bad("group-limited routing scores each group by its top-2 experts: need >= 2 experts per group")
+        for name, low in (("rms_norm_eps", 0.0), ("rope_theta", 0.0), ("routed_scaling_factor", 0.0),
+                          ("max_position_embeddings", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > low or v != v:
+                bad(f"config field {name}={v!r} must be a number > {low}")
+        if isinstance(self.kda_lower_bound, bool) or not isinstance(self.kda_lower_bound, (int, float)) \
+                or not self.kda_lower_bound < 0:
+            bad(f"kda_lower_bound={self.kda_lower_bound!r} must be a negative number (log-space decay bound)")
+        if self.num_experts and self.num_experts_per_tok < 1:
+            bad(f"num_experts_per_tok={self.num_experts_per_tok} must be >= 1 when num_experts > 0")
         if self.score_function != "sigmoid":
             bad(f"score_function={self.score_function!r} is not supported (Ling-3.0 uses 'sigmoid')")
         if self.q_lora_rank is not None:

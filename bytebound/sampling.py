@@ -54,6 +54,9 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise RequestError(f"top_k must be an int >= -1 (0 or -1 = off), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2 ** 63):
+            raise RequestError(f"seed must be an int in [0, 2^63), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError("stop strings must be non-empty strings")
         if len(self.stop) > 16:

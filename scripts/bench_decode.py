@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from bytebound.analysis.bandwidth import measure_read_bandwidth  # noqa: E402
 from bytebound.analysis.ledger import build_ledger  # noqa: E402
 from bytebound.checkpoint.synthetic import dummy_model  # noqa: E402
-from bytebound.config import LingConfig  # noqa: E402
+from bytebound.config import LING3_FLASH_CONFIG, LingConfig  # noqa: E402
 from bytebound.errors import BackendError  # noqa: E402
 from bytebound.runner.backends import BackendPlan, bind_model  # noqa: E402
 from bytebound.runner.graphs import capture_decode  # noqa: E402
@@ -169,7 +169,7 @@ def round_cost(model, runner, ctx: int, steps: int = 3) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--config", default=str(ROOT / "configs" / "ling-3.0-flash.json"))
+    ap.add_argument("--config", default=str(LING3_FLASH_CONFIG))
     ap.add_argument("--moe-backends", default="triton,humming,torch")
     ap.add_argument("--heads", default="bf16,fp8")
     ap.add_argument("--contexts", default="2048,32768")

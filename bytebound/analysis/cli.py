@@ -48,7 +48,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     d = sd.SeedInputs()
     p = subparsers.add_parser("analyze", help="byte ledger, roofline and speculative cost model (seed vs exact)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="config.json (file or checkpoint dir) for the exact ledger")
+    from bytebound.config import LING3_FLASH_CONFIG
+    p.add_argument("--config", default=str(LING3_FLASH_CONFIG),
+                   help="config.json (file or checkpoint dir) for the exact ledger (default: the bundled "
+                        "Ling-3.0-flash config); 'none' shows the seed column only")
     p.add_argument("--checkpoint", help="price the stored tensors of this checkpoint (safetensors headers)")
     p.add_argument("--tpot", type=float, default=d.tpot_ms, help="measured TPOT, BF16 head [ms]")
     p.add_argument("--tpot-fp8-head", type=float, default=d.tpot_fp8_head_ms, help="measured TPOT, FP8 head [ms]")
@@ -69,7 +72,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def _bandwidth(args) -> tuple[float, str]:
     if str(args.bandwidth).lower() != "measure":
-        return float(args.bandwidth), "given"
+        try:
+            bw = float(args.bandwidth)
+        except ValueError:
+            raise ConfigError(f"--bandwidth must be a number of GB/s or 'measure', got {args.bandwidth!r}") from None
+        if not bw > 0:
+            raise ConfigError(f"--bandwidth must be positive, got {bw}")
+        return bw, "given"
     import torch
     from bytebound.analysis.bandwidth import measure_read_bandwidth
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -181,11 +190,17 @@ def _rows(sv: dict[str, sd.SeedValue], ex: dict[str, float] | None, s: sd.SeedIn
 def build_report(args) -> dict:
     """Everything ``analyze`` prints, plots and writes, as one JSON-able dict."""
     bw, source = _bandwidth(args)
+    for name in ("tpot", "tpot_fp8_head", "accept_length", "verify_cost", "peak_tflops"):
+        v = getattr(args, name)
+        if not (v > 0 and v != float("inf")):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, got {v}")
+    if args.draft_tokens < 1 or args.draft_steps < 0:
+        raise ConfigError("--draft-tokens must be >= 1 and --draft-steps >= 0")
     s = replace(sd.SeedInputs(), tpot_ms=args.tpot, tpot_fp8_head_ms=args.tpot_fp8_head, bandwidth_gbs=bw,
                 peak_flops=args.peak_tflops * 1e12, accept_length=args.accept_length, verify_cost=args.verify_cost,
                 draft_tokens=args.draft_tokens, contexts=parse_context(args.context))
     led = ex = None
-    if args.config:
+    if args.config and args.config.lower() != "none":
         from bytebound.config import LingConfig
         cfg = LingConfig.from_file(args.config)
         led = ledger_from_specs(cfg, specs_from_safetensors(args.checkpoint)) if args.checkpoint else build_ledger(cfg)

@@ -114,14 +114,27 @@ def _print(paths: dict) -> None:
     print(f"[bench] wrote {paths['json']}, {paths['markdown']}" + "".join(f", {p}" for p in paths["png"]))
 
 
+def _validate(a) -> None:
+    """Reject bad numbers and an unwritable --out before any work is done (results are never lost at the end)."""
+    from pathlib import Path
+    from bytebound.errors import ConfigError
+    for name in ("limit", "shots", "input_len", "output_len", "num_requests", "warmup", "max_tokens"):
+        v = getattr(a, name, None)
+        low = 1 if name in ("limit", "input_len", "output_len", "num_requests", "max_tokens") else 0
+        if v is not None and v < low:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {v}")
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+
+
 def _guard(fn):
     def run(a) -> int:
         if a.torch_threads:
             import torch
             torch.set_num_threads(a.torch_threads)
         try:
+            _validate(a)
             return fn(a)
-        except (ByteboundError, FileNotFoundError) as e:
+        except (ByteboundError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
             print(f"[bench] error: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
     run.__name__ = fn.__name__

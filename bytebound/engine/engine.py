@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 
 from bytebound.engine.tokenizer import Tokenizer
-from bytebound.errors import RequestError
+from bytebound.errors import BackendError, CheckpointError, ConfigError, RequestError
 from bytebound.runner.backends import BackendPlan, bind_model
 from bytebound.runner.runner import ModelRunner
 from bytebound.sampling import SamplingParams, make_generator, sample
@@ -90,7 +90,19 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None, **kw):
         self.config = cfg = config or EngineConfig(**kw)
-        dev = torch.device(cfg.device)
+        try:
+            dev = torch.device(cfg.device)
+        except RuntimeError as e:
+            raise ConfigError(f"--device {cfg.device!r} is not a device torch knows ({e})") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise BackendError(f"--device {cfg.device}: CUDA requested but torch.cuda.is_available() is False "
+                               f"(torch {torch.__version__})")
+        if dev.type not in ("cpu", "cuda"):
+            raise ConfigError(f"--device {cfg.device!r}: only cpu and cuda are supported")
+        if cfg.max_model_len < 2:
+            raise ConfigError(f"--max-model-len must be >= 2, got {cfg.max_model_len}")
+        if cfg.speculative_steps < 0:
+            raise ConfigError(f"--speculative-num-steps must be >= 0, got {cfg.speculative_steps}")
         if dev.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         dtype = _dtype(cfg.dtype, cfg.device)
@@ -102,7 +114,14 @@ class Engine:
         else:
             from bytebound.checkpoint.loader import load_model
             self.model = load_model(cfg.model, dev, dtype)
-            self.tokenizer = Tokenizer.from_dir(cfg.model)
+            try:
+                self.tokenizer = Tokenizer.from_dir(cfg.model)
+            except Exception as e:         # missing or corrupt tokenizer files: name them
+                raise CheckpointError(f"{cfg.model}: tokenizer files missing or unreadable "
+                                      f"({type(e).__name__}: {e})") from None
+        if cfg.max_model_len > self.model.cfg.max_position_embeddings:
+            raise ConfigError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings "
+                              f"{self.model.cfg.max_position_embeddings}")
         self.plan = bind_model(self.model, BackendPlan(
             {**BackendPlan.default(dev).requested, **cfg.backends}, cfg.allow_fallback), dev, cfg.lm_head)
         self.runner = ModelRunner(self.model, cfg.max_model_len, dev)
@@ -126,9 +145,14 @@ class Engine:
             return prompt
         if self.tokenizer is None:
             raise RequestError("this engine has no tokenizer (dummy weights): pass token ids")
-        if chat:
-            prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        return self.tokenizer.encode(prompt)
+        try:
+            if chat:
+                prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(prompt)
+        except RequestError:
+            raise
+        except Exception as e:            # e.g. lone surrogates the tokenizer cannot take
+            raise RequestError(f"prompt cannot be tokenized: {type(e).__name__}: {e}") from None
 
     def stop_ids(self, p: SamplingParams) -> set[int]:
         """EOS ids (union of config and generation_config) plus the request's ``stop_token_ids``."""

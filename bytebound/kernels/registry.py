@@ -94,6 +94,8 @@ def resolve(op: str, requested: str, device: torch.device, allow_fallback: bool 
         raise BackendError(f"unknown op {op!r}; known: {OPS}")
     table = _REGISTRY[op]
     entry = table.get(requested)
+    if entry is None:     # a typo is never "unusable here": it fails even with allow_fallback
+        raise BackendError(f"op {op!r}: no backend named {requested!r} (have {sorted(table)})")
     reason = None if entry else f"backend {requested!r} is not registered for op {op!r} (have {sorted(table)})"
     if entry and reason is None:
         reason = entry.available(torch.device(device))
