@@ -334,3 +334,16 @@ def test_metrics(srv):
         assert name in text, name
     assert _metric(srv.url, "bytebound_time_per_output_token_seconds_count") >= 1
     assert _metric(srv.url, "bytebound_generation_tokens_total") >= 5
+
+
+def test_untokenizable_prompt_and_huge_seed_are_400(srv):
+    import httpx
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        name = NAME
+        r = c.post("/v1/completions", content='{"model": "%s", "prompt": "\\ud800", "max_tokens": 2}' % name,
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        r = c.post("/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 2, "temperature": 1.0,
+                                            "seed": 99999999999999999999999})
+        assert r.status_code == 400, r.text
+        assert c.get("/health").status_code == 200

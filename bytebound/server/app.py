@@ -322,7 +322,7 @@ def _completion_prompt(body: dict, engine) -> list[int]:
         raise APIError(400, "'prompt' must be a non-empty string", param="prompt")
     if engine.tokenizer is None:
         raise APIError(400, "this engine has no tokenizer (dummy weights): send token ids", param="prompt")
-    ids = engine.tokenizer.encode(p)
+    ids = _encode(engine, p, "prompt")
     if not ids:
         raise APIError(400, "'prompt' encodes to no tokens", param="prompt")
     return ids
@@ -355,7 +355,15 @@ def _chat_prompt(body: dict, engine) -> list[int]:
         text = engine.tokenizer.apply_chat_template(clean)
     except ValueError as e:
         raise APIError(400, f"chat template: {e}", param="messages") from None
-    return engine.tokenizer.encode(text)
+    return _encode(engine, text, "messages")
+
+
+def _encode(engine, text: str, param: str) -> list[int]:
+    """Tokenise or answer 400 (e.g. a lone UTF-16 surrogate the tokenizer cannot take)."""
+    try:
+        return engine.tokenizer.encode(text)
+    except Exception as e:
+        raise APIError(400, f"'{param}' cannot be tokenized: {type(e).__name__}", param=param) from None
 
 
 async def _read_json(request: Request) -> dict:
