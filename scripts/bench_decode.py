@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bytebound.analysis.bandwidth import measure_read_bandwidth  # noqa: E402
+from bytebound.analysis.bandwidth import cuda_event_times, measure_read_bandwidth  # noqa: E402
 from bytebound.analysis.ledger import build_ledger  # noqa: E402
 from bytebound.checkpoint.synthetic import dummy_model  # noqa: E402
 from bytebound.config import LING3_FLASH_CONFIG, LingConfig  # noqa: E402
@@ -62,15 +62,7 @@ def time_graph(fn, reps: int = 50, warmup: int = 3) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g), torch.inference_mode():
         fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
+    ts = sorted(t * 1e3 for t in cuda_event_times(g.replay, reps, warmup=1))
     return ts[len(ts) // 2]
 
 
@@ -84,16 +76,9 @@ def decode_tpot(runner, ctx: int, steps: int = 64) -> float:
         return time_graph(lambda: runner.forward(torch.tensor([17])))
     capture_decode(runner)
     tok = torch.tensor([17], device=runner.device)
-    ts = []
-    for i in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        runner.graph.replay(tok, ctx + i)
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
+    pos = iter(range(ctx, ctx + steps + 1))
+    ts = sorted(t * 1e3 for t in cuda_event_times(lambda: runner.graph.replay(tok, next(pos)), steps, warmup=1))
     runner.graph = None
-    ts.sort()
     return ts[len(ts) // 2]
 
 

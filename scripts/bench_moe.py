@@ -57,18 +57,8 @@ def git_commit() -> str:
 
 def cuda_time(fn, reps: int, warmup: int = 3) -> list[float]:
     """Per-call device times in seconds (events), after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return out
+    from bytebound.analysis.bandwidth import cuda_event_times
+    return cuda_event_times(fn, reps, warmup)
 
 
 def measure_bandwidth(reps: int = 10) -> dict:

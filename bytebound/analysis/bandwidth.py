@@ -23,6 +23,23 @@ import torch
 from bytebound.errors import BackendError
 
 
+def cuda_event_times(fn, reps: int, warmup: int = 3) -> list[float]:
+    """Device time of each of ``reps`` calls of ``fn`` in seconds, CUDA events around each call, after
+    ``warmup`` untimed calls (shared by every benchmark so they all time the same way)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) * 1e-3)
+    return out
+
+
 def measure_read_bandwidth(device: str | torch.device = "cuda", nbytes: int = 1 << 30, iters: int = 20,
                            warmup: int = 3, mode: str = "read") -> float:
     """Best-of-``iters`` streaming bandwidth on ``device`` [GB/s, 1e9 B/s].
@@ -53,19 +70,13 @@ def measure_read_bandwidth(device: str | torch.device = "cuda", nbytes: int = 1 
         else:
             src.sum()
 
-    for _ in range(warmup):
-        once()
     best = float("inf")
     if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            once()
-            b.record()
-            b.synchronize()
-            best = min(best, a.elapsed_time(b) * 1e-3)
+        with torch.cuda.device(dev):
+            best = min(cuda_event_times(once, iters, warmup))
     else:
+        for _ in range(warmup):
+            once()
         for _ in range(iters):
             t = time.perf_counter()
             once()
