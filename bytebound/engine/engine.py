@@ -194,6 +194,8 @@ class Engine:
         rounds: list[int] = []          # verify round of each emitted token (0 = from prefill)
         text, sent = "", 0
         holdback = max((len(s) for s in p.stop), default=0)
+        dec = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None
+        cut = False                     # output truncated at a stop string
         t0 = time.perf_counter()
         t_first = t_last = None
         finish = None
@@ -208,21 +210,19 @@ class Engine:
                     break
                 out_ids.append(tok)
                 rounds.append(rnd)
-                if self.tokenizer is not None:
-                    text = self.tokenizer.decode(out_ids)
+                if dec is not None:
+                    text += dec.decode_stream(tok)      # incremental: O(1) per token, whole UTF-8 chars only
                     hit = [i for i in (text.find(s, max(0, sent - len(s))) for s in p.stop) if i >= 0]
                     if hit:
-                        cut = min(hit)
-                        text = text[:cut]
-                        out_ids = self._trim_ids(out_ids, cut)
+                        cut = True
+                        text = text[:min(hit)]
+                        out_ids = self._trim_ids(out_ids, len(text))
                         finish = "stop"
                         break
                 if len(out_ids) >= p.max_tokens:
                     finish = "length"
                     break
                 safe = len(text) - holdback
-                if text.endswith("\ufffd"):
-                    safe = min(safe, len(text) - 1)
                 if safe > sent:
                     yield StreamChunk(text[sent:safe], [tok])
                     sent = safe
@@ -230,6 +230,8 @@ class Engine:
                     yield StreamChunk("", [tok])
         finally:
             source.close()
+        if dec is not None and not cut:
+            text += dec.flush()                      # a character left unfinished at the very end
         end = time.perf_counter()
         n = len(out_ids)
         tpot = (t_last - t_first) / (n - 1) if n > 1 and t_first else 0.0
