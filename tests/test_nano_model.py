@@ -40,3 +40,19 @@ def test_mtp_greedy_parity_on_gsm8k(engines):
         committed += b.spec["committed"]
         rounds += b.spec["rounds"]
     assert committed / rounds > 1.5, "a trained NEXTN layer must accept drafts (random weights give ~1.0)"
+
+
+def test_streamed_text_equals_decoded_ids(engines):
+    """The incremental decoder's text equals a full decode of the returned ids; stop strings cut the text."""
+    from bytebound.data.gsm8k import load_split
+    from bytebound.sampling import SamplingParams
+    plain, _ = engines
+    tok = plain.tokenizer
+    for rec in load_split("test")[:3]:
+        o = plain.generate(rec["question"], SamplingParams(max_tokens=60, temperature=0.9, seed=5), chat=True)[0]
+        assert o.text == tok.decode(o.token_ids)
+        chunks = "".join(c.text for c in plain.stream(rec["question"], SamplingParams(max_tokens=60, temperature=0.9,
+                                                                                       seed=5), chat=True))
+        assert chunks == o.text
+        s = plain.generate(rec["question"], SamplingParams(max_tokens=60, stop=("=",)), chat=True)[0]
+        assert "=" not in s.text and tok.decode(s.token_ids).startswith(s.text)
