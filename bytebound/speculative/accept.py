@@ -15,30 +15,31 @@ import torch
 from bytebound.sampling import SamplingParams, draw, probs
 
 
-def _draw(pr: torch.Tensor, gen: torch.Generator | None) -> int:
-    return int(draw(pr, gen))
+def accept_chain_device(target_logits: torch.Tensor, drafts: torch.Tensor, p: SamplingParams,
+                        gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Acceptance without any host sync: ``target_logits [n+1, V]``, ``drafts [n]`` int64 on the same device.
+
+    Returns 0-d int64 tensors ``(j, bonus)``. Greedy: ``j`` = length of the prefix where draft == target argmax.
+    Sampling: one uniform per draft, ``accepted_i = u_i < p_i(x_i)``, ``j`` = leading run of accepts; the bonus is
+    drawn from p_j with x_j removed (rejection) or from p_n (all accepted), by inverse CDF.
+    """
+    n = drafts.shape[0]
+    if p.greedy:
+        tgt = target_logits.argmax(-1)                                    # [n+1]
+        j = (drafts == tgt[:n]).long().cumprod(0).sum()
+        return j, tgt[j]
+    pr = probs(target_logits, p)                                          # [n+1, V]
+    u = torch.rand(n, generator=gen, device=pr.device)
+    px = pr[:n].gather(1, drafts.view(n, 1))[:, 0]
+    j = (u < px).long().cumprod(0).sum()
+    row = pr[j].clone()                                                   # p_j; for j < n remove the rejected x_j
+    x = torch.cat([drafts, drafts.new_full((1,), -1)])[j]
+    row = torch.where((torch.arange(row.numel(), device=row.device) == x), torch.zeros_like(row), row)
+    return j, draw(row, gen)
 
 
 def accept_chain(target_logits: torch.Tensor, drafts: list[int], p: SamplingParams,
                  gen: torch.Generator | None) -> tuple[int, int]:
-    """``target_logits [n+1, V]`` at the verified positions (last committed token, then the n drafts).
-
-    Returns ``(j, bonus)``: the first j drafts are accepted and ``bonus`` is the token after them.
-    """
-    n = len(drafts)
-    if p.greedy:
-        tgt = target_logits.argmax(-1).tolist()
-        j = 0
-        while j < n and drafts[j] == tgt[j]:
-            j += 1
-        return j, tgt[j]
-    pr = probs(target_logits, p)                                          # [n+1, V]
-    u = torch.rand(n, generator=gen, device=pr.device) if gen is not None else torch.rand(n, device=pr.device)
-    for j in range(n):
-        x = drafts[j]
-        if u[j] < pr[j, x]:
-            continue
-        resid = pr[j].clone()
-        resid[x] = 0.0
-        return j, _draw(resid, gen)
-    return n, _draw(pr[n], gen)
+    """Host-side wrapper of :func:`accept_chain_device` (tests, CPU callers): returns ``(j, bonus)`` as ints."""
+    j, bonus = accept_chain_device(target_logits, torch.tensor(drafts, device=target_logits.device), p, gen)
+    return int(j), int(bonus)

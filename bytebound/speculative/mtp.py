@@ -5,7 +5,7 @@ Round (steps = 3, 4 verified positions), with ``y`` the last committed, not yet 
      the position before it -> draft token d1 (and the NEXTN hidden at ``pos - 1``);
   2. steps - 1 draft decodes, each feeding back the NEXTN's own hidden and token -> d2, d3;
   3. verify: the target runs [y, d1, d2, d3] at pos..pos+3 in one forward (KDA state recorded per token);
-  4. accept the longest matching prefix j + one bonus token (``accept.accept_chain``); the runner keeps
+  4. accept the longest matching prefix j + one bonus token (``accept.accept_chain_device``, on the device); keep
      j + 1 tokens and rolls the KDA states back to after the last kept one.
 The draft holds the target's **LM-head module object** and embedding (shared, never copied): whatever path
 the head uses (BF16, FP32 logits, online FP8), drafts use the same one.
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bytebound.sampling import SamplingParams, sample
-from bytebound.speculative.accept import accept_chain
+from bytebound.speculative.accept import accept_chain_device
 
 
 @dataclass
@@ -98,32 +98,35 @@ class MTPDrafter:
 def mtp_tokens(runner, drafter: MTPDrafter, prompt: torch.Tensor, p: SamplingParams, gen, stats: SpecStats):
     """Yield ``(token, round)`` pairs: round 0 is the prefill's token, then one round id per verify.
 
-    The caller stops iterating at EOS / stop strings / max_tokens; only what it consumed is committed.
+    Drafts, verify input and acceptance stay on the device; each round makes **one** host sync (reading the
+    accepted count and tokens), none per draft step. The caller stops iterating at EOS / stop strings /
+    max_tokens; only what it consumed is committed.
     """
     dev = runner.device
     hid = runner.prefill(prompt.to(dev))                                  # [P, H]
-    y = int(sample(runner.logits(hid[-1:]), p, gen)[0])
-    yield y, 0
-    ext_ids = torch.cat([prompt[1:].to(dev), torch.tensor([y], device=dev)])
+    y = sample(runner.logits(hid[-1:]), p, gen).view(1)                   # [1] on the device
+    yield int(y), 0
+    ext_ids = torch.cat([prompt[1:].to(dev), y])
     ext_hidden, ext_pos = hid, torch.arange(0, prompt.shape[0], device=dev)
     k = drafter.steps
     rnd = 0
     while True:
         rnd += 1
         t0 = time.perf_counter()
+        # Draft positions follow the committed length: the extend ends at pos - 1, draft i sits at pos + i - 1.
         dh = drafter.hidden(ext_ids, ext_hidden, ext_pos, runner.state)[-1:]
-        drafts = [int(drafter.logits(dh).argmax(-1)[0])]
-        pos = int(ext_pos[-1]) + 1
-        for _ in range(k - 1):
-            dh = drafter.hidden(torch.tensor([drafts[-1]], device=dev), dh, torch.tensor([pos], device=dev),
-                                runner.state)
-            drafts.append(int(drafter.logits(dh).argmax(-1)[0]))
-            pos += 1
+        drafts = [drafter.logits(dh).argmax(-1)]
+        for i in range(1, k):
+            dpos = torch.arange(runner.pos + i - 1, runner.pos + i, device=dev)
+            dh = drafter.hidden(drafts[-1], dh, dpos, runner.state)
+            drafts.append(drafter.logits(dh).argmax(-1))
+        d = torch.cat(drafts)                                             # [k]
         t1 = time.perf_counter()
-        vin = torch.tensor([y] + drafts, device=dev)
         vpos = torch.arange(runner.pos, runner.pos + k + 1, device=dev)
-        vh = runner.verify(vin)
-        j, bonus = accept_chain(runner.logits(vh), drafts, p, gen)
+        vh = runner.verify(torch.cat([y, d]))
+        j_t, bonus_t = accept_chain_device(runner.logits(vh), d, p, gen)
+        out = torch.cat([d, bonus_t.view(1), j_t.view(1)]).tolist()       # the round's one host sync
+        j, bonus = out[-1], out[-2]
         t2 = time.perf_counter()
         runner.commit(j + 1, k + 1)
         t3 = time.perf_counter()
@@ -135,10 +138,10 @@ def mtp_tokens(runner, drafter: MTPDrafter, prompt: torch.Tensor, p: SamplingPar
             stats.tried_at[i] += 1
         for i in range(j):
             stats.accepted_at[i] += 1
-        emitted = drafts[:j] + [bonus]
+        emitted = out[:j] + [bonus]
         for tok in emitted:
             stats.committed += 1
             yield tok, rnd
-        ext_ids = torch.tensor(emitted, device=dev)
+        y = bonus_t.view(1)
+        ext_ids = torch.cat([d[:j], y])
         ext_hidden, ext_pos = vh[: j + 1], vpos[: j + 1]
-        y = bonus
