@@ -6,7 +6,7 @@ Round (steps = 3, 4 verified positions), with ``y`` the last committed, not yet 
   2. steps - 1 draft decodes, each feeding back the NEXTN's own hidden and token -> d2, d3;
   3. verify: the target runs [y, d1, d2, d3] at pos..pos+3 in one forward (KDA state recorded per token);
   4. accept the longest matching prefix j + one bonus token (``accept.accept_chain_device``, on the device); keep
-     j + 1 tokens and rolls the KDA states back to after the last kept one.
+     j + 1 tokens; the runner rolls the KDA states back to after the last kept one.
 The draft holds the target's **LM-head module object** and embedding (shared, never copied): whatever path
 the head uses (BF16, FP32 logits, online FP8), drafts use the same one.
 """
