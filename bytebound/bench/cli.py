@@ -57,6 +57,7 @@ def _gsm8k_args(p) -> None:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     from bytebound.cli import add_engine_args
+    from bytebound.verify.cli import add_verify_args
     p = subparsers.add_parser("bench", help="benchmarks: synthetic, gsm8k, ablation", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="bench", required=True)
@@ -65,11 +66,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     _common(s, "synthetic")
     _synthetic_args(s)
     s.add_argument("--bandwidth", default="auto", help="auto (measure here), none, or GB/s for the byte floor")
+    add_verify_args(s, strict_default=True)
     s.set_defaults(fn=cmd_synthetic)
     g = sub.add_parser("gsm8k", help="GSM8K 5-shot accuracy and latency")
     add_engine_args(g)
     _common(g, "gsm8k")
     _gsm8k_args(g)
+    add_verify_args(g, strict_default=True)
     g.set_defaults(fn=cmd_gsm8k)
     a = sub.add_parser("ablation", help="baseline -> +kernel -> +fp8-head -> +mtp, one lever at a time",
                        description=__import__("bytebound.bench.ablation", fromlist=["x"]).__doc__,
@@ -91,6 +94,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _config(a, min_len: int = 0):
     from bytebound.cli import engine_config
     cfg = engine_config(a)
+    if hasattr(a, "no_canaries"):      # synthetic / gsm8k: start-up canaries, strict unless --no-strict
+        from bytebound.verify.cli import apply_verify_args
+        cfg = apply_verify_args(cfg, a)
     return replace(cfg, max_model_len=max(cfg.max_model_len, min_len)) if min_len else cfg
 
 
