@@ -84,8 +84,8 @@ def _dtype(name: str | None, device: str) -> torch.dtype:
 class Engine:
     """Batch-1 generation over a Ling checkpoint (see :class:`EngineConfig`).
 
-    Raises at start-up: ConfigError / CheckpointError (bad checkpoint), BackendError (unusable backend without
-    ``allow_fallback``), FileNotFoundError (no tokenizer).
+    Raises at start-up: ConfigError (bad config or engine settings), CheckpointError (bad checkpoint or tokenizer
+    files), BackendError (CUDA absent, or an unusable backend without ``allow_fallback``).
     """
 
     def __init__(self, config: EngineConfig | None = None, **kw):
@@ -122,8 +122,9 @@ class Engine:
         if cfg.max_model_len > self.model.cfg.max_position_embeddings:
             raise ConfigError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings "
                               f"{self.model.cfg.max_position_embeddings}")
-        self.plan = bind_model(self.model, BackendPlan(
-            {**BackendPlan.default(dev).requested, **cfg.backends}, cfg.allow_fallback), dev, cfg.lm_head)
+        plan = BackendPlan.default(dev, **cfg.backends)
+        plan.allow_fallback = cfg.allow_fallback
+        self.plan = bind_model(self.model, plan, dev, cfg.lm_head)
         self.runner = ModelRunner(self.model, cfg.max_model_len, dev)
         if dev.type == "cuda" and not cfg.enforce_eager:
             from bytebound.runner.graphs import capture_decode
@@ -235,12 +236,12 @@ class Engine:
         end = time.perf_counter()
         n = len(out_ids)
         tpot = (t_last - t_first) / (n - 1) if n > 1 and t_first else 0.0
+        spec = None
         if stats:
             # Accept length counts the tokens the request kept: EOS and text cut by a stop string do not count.
             stats.committed = sum(1 for r in rounds[:n] if r > 0)
-        spec = stats.to_dict() if stats else None
-        if stats:
-            self._accumulate(stats)
+            spec = stats.to_dict()
+            self.spec_totals.add(stats)
         out = RequestOutput(text, out_ids, finish or "length", len(ids), n, (t_first or end) - t0, tpot, end - t0, spec)
         yield StreamChunk(text[sent:], [], finish or "length", out)
 
@@ -250,14 +251,6 @@ class Engine:
             if len(self.tokenizer.decode(ids[:i])) >= nchars:
                 return ids[:i]
         return ids
-
-    def _accumulate(self, s: SpecStats) -> None:
-        t = self.spec_totals
-        t.rounds += s.rounds
-        t.committed += s.committed
-        t.accepted_at = [a + b for a, b in zip(t.accepted_at, s.accepted_at)]
-        t.tried_at = [a + b for a, b in zip(t.tried_at, s.tried_at)]
-        t.draft_s, t.verify_s, t.rollback_s = t.draft_s + s.draft_s, t.verify_s + s.verify_s, t.rollback_s + s.rollback_s
 
     def generate(self, prompts, params: SamplingParams | None = None, chat: bool = False) -> list[RequestOutput]:
         """Run each prompt (a string, token-id list, or a list of those) to completion, in order."""

@@ -48,12 +48,12 @@ class ModelRunner:
         """Run ``ids [T]`` at positions ``pos..pos+T-1``, advance ``pos``; returns final-normed hidden ``[T, H]``."""
         t = ids.shape[0]
         self._check_room(t)
+        if t == 1 and self.graph is not None:
+            h = self.graph.replay(ids.view(1), self.pos)
+            self.pos += 1
+            return h
         positions = torch.arange(self.pos, self.pos + t, device=self.device)
         kv_len = self.max_len if self.static_kv else None
-        if t == 1 and self.graph is not None:
-            h = self.graph.replay(ids.view(1), self.pos)[None]
-            self.pos += 1
-            return h[0]
         h = self.model(ids.view(1, t).to(self.device), positions, self.state, kv_len)
         self.pos += t
         return h[0]

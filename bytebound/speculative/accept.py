@@ -32,9 +32,9 @@ def accept_chain_device(target_logits: torch.Tensor, drafts: torch.Tensor, p: Sa
     u = torch.rand(n, generator=gen, device=pr.device)
     px = pr[:n].gather(1, drafts.view(n, 1))[:, 0]
     j = (u < px).long().cumprod(0).sum()
-    row = pr[j].clone()                                                   # p_j; for j < n remove the rejected x_j
+    row = pr[j]                                                           # p_j; for j < n remove the rejected x_j
     x = torch.cat([drafts, drafts.new_full((1,), -1)])[j]
-    row = torch.where((torch.arange(row.numel(), device=row.device) == x), torch.zeros_like(row), row)
+    row = torch.where(torch.arange(row.numel(), device=row.device) == x, torch.zeros_like(row), row)
     return j, draw(row, gen)
 
 

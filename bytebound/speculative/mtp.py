@@ -46,6 +46,16 @@ class SpecStats:
     def position_rates(self) -> list[float]:
         return [a / t if t else 0.0 for a, t in zip(self.accepted_at, self.tried_at)]
 
+    def add(self, s: "SpecStats") -> None:
+        """Accumulate another request's stats into these (engine-lifetime totals)."""
+        self.rounds += s.rounds
+        self.committed += s.committed
+        self.accepted_at = [a + b for a, b in zip(self.accepted_at, s.accepted_at)]
+        self.tried_at = [a + b for a, b in zip(self.tried_at, s.tried_at)]
+        self.draft_s += s.draft_s
+        self.verify_s += s.verify_s
+        self.rollback_s += s.rollback_s
+
     def to_dict(self) -> dict:
         return {"accept_length": round(self.accept_length, 4), "rounds": self.rounds, "committed": self.committed,
                 "per_position_accept": [round(r, 4) for r in self.position_rates()],
