@@ -32,6 +32,7 @@ class KDAState:
     # When set to a list, a multi-token forward (MTP verify) appends the state after *each* token, so a
     # rejected draft rolls back to an exact committed boundary without replaying anything.
     history: list | None = None
+    _conv_before: torch.Tensor | None = None   # conv window before a recorded forward (rebuilds per-token windows)
 
     def clone(self) -> "KDAState":
         return KDAState(self.conv.clone(), self.rec.clone())
