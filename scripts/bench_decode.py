@@ -28,7 +28,6 @@ from bytebound.analysis.bandwidth import cuda_event_times, measure_read_bandwidt
 from bytebound.analysis.ledger import build_ledger  # noqa: E402
 from bytebound.checkpoint.synthetic import dummy_model  # noqa: E402
 from bytebound.config import LING3_FLASH_CONFIG, LingConfig  # noqa: E402
-from bytebound.errors import BackendError  # noqa: E402
 from bytebound.runner.backends import BackendPlan, bind_model  # noqa: E402
 from bytebound.runner.graphs import capture_decode  # noqa: E402
 from bytebound.runner.runner import ModelRunner  # noqa: E402
@@ -155,7 +154,8 @@ def round_cost(model, runner, ctx: int, steps: int = 3) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", default=str(LING3_FLASH_CONFIG))
-    ap.add_argument("--moe-backends", default="triton,humming,torch")
+    ap.add_argument("--moe-backends", default="triton,torch,humming",
+                    help="humming last: its repacked expert copy needs +1.6 GB per layer")
     ap.add_argument("--heads", default="bf16,fp8")
     ap.add_argument("--contexts", default="2048,32768")
     ap.add_argument("--ttft-len", type=int, default=32768, help="0 skips the TTFT prefill")
@@ -183,6 +183,10 @@ def main() -> int:
     ctxs = [int(c) for c in a.contexts.split(",")]
     runner = ModelRunner(model, max(ctxs) + 128, dev)
     results, ops = [], {}
+
+    def dump():  # after every measurement, so a run cut short by its time limit still leaves its numbers
+        (out / "bench_decode.json").write_text(json.dumps({"info": info, "results": results, "per_op": ops},
+                                                          indent=2))
     for moe in a.moe_backends.split(","):
         for head in a.heads.split(","):
             plan = BackendPlan.default(dev, moe=moe)
@@ -190,9 +194,12 @@ def main() -> int:
                 t = time.perf_counter()
                 bind_model(model, plan, dev, head)
                 bind_s = time.perf_counter() - t
-            except BackendError as e:
-                print(f"skip moe={moe} head={head}: {e}", flush=True)
-                results.append({"moe": moe, "head": head, "error": str(e)})
+            except Exception as e:  # BackendError, or out of memory (humming's repacked copy at full scale)
+                print(f"skip moe={moe} head={head}: {type(e).__name__}: {e}", flush=True)
+                results.append({"moe": moe, "head": head, "error": f"{type(e).__name__}: {e}"})
+                bind_model(model, BackendPlan.default(dev, moe="torch"), dev, head)   # drop a half-made binding
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
                 continue
             led = build_ledger(cfg, head=head)
             for ctx in ctxs:
@@ -210,6 +217,7 @@ def main() -> int:
                      "resolved": {k: v.resolved for k, v in plan.resolutions.items()}}
                 results.append(r)
                 print(json.dumps(r), flush=True)
+                dump()
             if head == "fp8" and "error" not in results[-1]:
                 try:
                     rc = round_cost(model, runner, ctxs[0])
@@ -221,10 +229,16 @@ def main() -> int:
                 except Exception as e:
                     print(f"MTP round cost failed ({moe}): {type(e).__name__}: {e}", flush=True)
             if head == "fp8" and moe == a.moe_backends.split(",")[0]:
-                ops[f"{moe}/{head}"] = per_op(model, runner, ctxs[0])
+                try:
+                    ops[f"{moe}/{head}"] = per_op(model, runner, ctxs[0])
+                except Exception as e:
+                    print(f"per-op table failed ({moe}): {type(e).__name__}: {e}", flush=True)
+                    ops[f"{moe}/{head}"] = [{"error": f"{type(e).__name__}: {e}"}]
                 for row in ops[f"{moe}/{head}"]:
-                    print(f"  {row['op']:<28} x{row['layers']:<3} {row['ms']:8.3f} ms {row['bytes'] / 1e9:7.3f} GB "
-                          f"{row['GBps']:7.0f} GB/s", flush=True)
+                    if "error" not in row:
+                        print(f"  {row['op']:<28} x{row['layers']:<3} {row['ms']:8.3f} ms {row['bytes'] / 1e9:7.3f} GB "
+                              f"{row['GBps']:7.0f} GB/s", flush=True)
+            dump()
     if a.ttft_len:
         try:
             plan = BackendPlan.default(dev, moe=a.moe_backends.split(",")[0])
@@ -243,7 +257,7 @@ def main() -> int:
         except Exception as e:
             info["ttft_s"] = {"prompt": a.ttft_len, "error": f"{type(e).__name__}: {e}"}
             print(f"TTFT failed: {e}", flush=True)
-    (out / "bench_decode.json").write_text(json.dumps({"info": info, "results": results, "per_op": ops}, indent=2))
+    dump()
     print("\n| MoE | head | ctx | TPOT ms | tok/s | ledger GB | floor ms | U |\n|---|---|---|---|---|---|---|---|")
     for r in results:
         if "tpot_ms" in r:

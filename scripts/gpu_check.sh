@@ -11,7 +11,7 @@
 #
 # Adding a section: write a function section_<name> and add <name> to SECTIONS. Each section gets its own
 # log $OUT/<name>.log; use `run_step <label> <command...>` inside it so failures are recorded, not fatal.
-# Environment: SECTION_TIMEOUT (seconds per step, default 300), BYTEBOUND_COMMIT (recorded by benchmarks when
+# Environment: SECTION_TIMEOUT (seconds per step, default 300), TEST_TIMEOUT (seconds per pytest test, default 200), BYTEBOUND_COMMIT (recorded by benchmarks when
 # the checkout has no .git), PYTEST_K (a pytest -k expression, e.g. "not humming"), BENCH_MOE_ARGS
 # (extra bench_moe.py arguments, e.g. "--quick --layers 4"), BENCH_DECODE_ARGS (extra bench_decode.py
 # arguments, e.g. "--moe-backends triton,torch --ttft-len 0").
@@ -50,8 +50,15 @@ run_step() {
     return 0
 }
 
+# A per-test limit (pytest-timeout, when installed) so a hung test prints its traceback and the failure summary
+# still appears before the step's own timeout.
+pytest_timeout() {
+    python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${TEST_TIMEOUT:-200}"
+}
+
 section_kernels() {      # GPU kernel tests vs torch / float64 references
     run_step pytest python3 -m pytest -m gpu tests/gpu/test_kernels_gpu.py -v -p no:cacheprovider --durations=15 \
+        -rfE --tb=short $(pytest_timeout) \
         --junitxml="$OUT/kernels_junit.xml" ${PYTEST_K:+-k "$PYTEST_K"}
 }
 
@@ -60,7 +67,8 @@ section_bench_moe() {    # per-layer MoE microbenchmark (+ triton config sweep),
 }
 
 section_engine() {       # engine on GPU: graph replay == eager over 64 steps, trained nano GPU vs CPU greedy
-    run_step pytest python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py -v -p no:cacheprovider \
+    run_step pytest python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py -v -p no:cacheprovider -rfE --tb=short \
+        $(pytest_timeout) \
         --junitxml="$OUT/engine_junit.xml" ${PYTEST_K:+-k "$PYTEST_K"}
 }
 
@@ -70,7 +78,8 @@ section_decode() {       # full-scale Ling-3.0-flash decode benchmark, dummy wei
 
 section_verify() {       # start-up canaries on GPU, and their cost at full scale
     run_step pytest env BYTEBOUND_FULLSCALE=1 BYTEBOUND_TIMING_OUT="$OUT/canary_timing.json" \
-        python3 -m pytest tests/test_verify.py -v -p no:cacheprovider -k "gpu or cuda or full_scale"
+        python3 -m pytest tests/test_verify.py -v -p no:cacheprovider -rfE --tb=short $(pytest_timeout) \
+        -k "gpu or cuda or full_scale"
 }
 
 section_env() {          # what the machine has

@@ -500,7 +500,8 @@ def _write_nextn_checkpoint(model, cfg_file: Path, out: Path) -> Path:
 @pytest.mark.skipif(not (torch.cuda.is_available() and os.environ.get("BYTEBOUND_FULLSCALE")),
                     reason="full-scale canary timing: set BYTEBOUND_FULLSCALE=1 on a GPU with ~100 GB free")
 def test_full_scale_canary_cost(tmp_path):
-    cfg_file = ROOT / "configs" / "ling-3.0-flash.json"
+    from bytebound.config import LING3_FLASH_CONFIG
+    cfg_file = Path(LING3_FLASH_CONFIG)
     layers = os.environ.get("BYTEBOUND_FULLSCALE_LAYERS")        # fewer decoder layers, full widths (quick run)
     if layers:
         d = json.loads(cfg_file.read_text())
@@ -509,9 +510,11 @@ def test_full_scale_canary_cost(tmp_path):
         cfg_file.write_text(json.dumps(d))
     t0 = time.perf_counter()
     eng = Engine(EngineConfig(model=str(cfg_file), load_format="dummy", device="cuda", lm_head="fp8",
-                              speculative_steps=3, backends=CUDA_TORCH))
+                              speculative_steps=3, backends=json.loads(os.environ.get("BYTEBOUND_FULLSCALE_BACKENDS",
+                                                                                      "{}"))))
     torch.cuda.synchronize()
-    report = {"load_s": time.perf_counter() - t0, "device": torch.cuda.get_device_name(), "runs": [],
+    report = {"load_s": time.perf_counter() - t0, "backends": {k: v.resolved for k, v in
+                                                                eng.plan.resolutions.items()}, "device": torch.cuda.get_device_name(), "runs": [],
               "num_hidden_layers": eng.model.cfg.num_hidden_layers}
     for _ in range(2):
         t = time.perf_counter()

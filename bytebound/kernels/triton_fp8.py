@@ -128,7 +128,7 @@ if tl is not None:
         for k0 in range(0, K, BK):
             x = tl.load(x_ptr + m * K + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)
             q = tl.clamp(tl.div_rn(x, tl.full([BK], 1.0, tl.float32) * sc), -448.0, 448.0)
-            tl.store(q_ptr + m * K + k0 + kk, q.to(tl.float8e4nv), mask=k0 + kk < K)
+            tl.store(q_ptr + m * K + k0 + kk, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=k0 + kk < K)
         tl.store(s_ptr + m, sc)
 
     @triton.jit
