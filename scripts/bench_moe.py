@@ -215,8 +215,9 @@ def _grid() -> list[dict]:
                                 (32, 256, 1024, 4), (32, 256, 256, 4), (64, 256, 512, 4), (64, 256, 512, 8),
                                 (32, 256, 512, 8), (16, 512, 1024, 2), (16, 256, 256, 4), (64, 512, 1024, 8),
                                 (128, 128, 256, 8)]]
-    return g + [dict(variant="tl", BI=32, BK=256, BH=128, num_warps=4, num_stages=3),
-                dict(variant="tl", BI=64, BK=256, BH=128, num_warps=8, num_stages=3)]
+    fast = [dict(c, deterministic=False) for c in g[:3]]      # float32 atomics: what determinism costs
+    return g + fast + [dict(variant="tl", BI=32, BK=256, BH=128, num_warps=4, num_stages=3),
+                       dict(variant="tl", BI=64, BK=256, BH=128, num_warps=8, num_stages=3)]
 
 
 TUNE_CANDIDATES = {1: _grid(), 4: _grid()}
@@ -238,7 +239,8 @@ def tune(layers, ms, reps, out_dir: Path, log) -> dict:
             rows.append(r)
             log(f"tune M={m} {cfg} -> {r.get('time_us_median', 'ERR')} us rel={r.get('rel_err_vs_ref')}"
                 f" {r.get('error', '')}")
-            ok = "error" not in r and r["rel_err_vs_ref"] <= 1e-2
+            # the engine default is the deterministic accumulation: only those configs can become "best"
+            ok = "error" not in r and r["rel_err_vs_ref"] <= 1e-2 and cfg.get("deterministic", True)
             if ok and (m not in best or r["time_us_median"] < best[m]["time_us_median"]):
                 best[m] = r
     table = {gpu_name(): {shape_key(E, H, I, K, m): best[m]["config"] for m in best}}

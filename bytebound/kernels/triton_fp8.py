@@ -149,7 +149,10 @@ if tl is not None:
             else:
                 w = tl.load(wp + k0, mask=rmask[:, None], other=0.0)
             q = tl.load(qp + k0, mask=mm[:, None] < M, other=0.0)
-            acc = tl.dot(w, tl.trans(q), acc)
+            # A fresh accumulator per K step, added in float32: Hopper's FP8 tensor cores keep only ~14 bits
+            # while accumulating, so long K runs lose precision (DeepSeek-V3 report, sec. 3.3.2: promote every
+            # 128 elements). BK = 128 gives exactly that promotion interval.
+            acc += tl.dot(w, tl.trans(q))
         sx = tl.load(sx_ptr + mm, mask=mm < M, other=0.0)
         wsc = tl.load(ws_ptr + rows, mask=rmask, other=0.0)
         out = acc * wsc[:, None] * sx[None, :]

@@ -22,15 +22,15 @@ def _tiny_ckpt(tmp_path):
     return save_pretrained(random_model(cfg, std=0.05), tmp_path / "tiny", quant=q, tokenizer_dir=NANO)
 
 
-@pytest.mark.parametrize("moe", ["torch", "triton"])
-def test_graph_replay_equals_eager_64_steps(tmp_path, moe):
+@pytest.mark.parametrize("moe,linear", [("torch", "torch"), ("triton", "torch"), ("triton", "triton")])
+def test_graph_replay_equals_eager_64_steps(tmp_path, moe, linear):
     from bytebound.checkpoint.loader import load_model
     from bytebound.runner.backends import BackendPlan, bind_model
     from bytebound.runner.graphs import capture_decode
     from bytebound.runner.runner import ModelRunner
     path = NANO if (NANO / "config.json").exists() else _tiny_ckpt(tmp_path)
     model = load_model(path, "cuda")
-    bind_model(model, BackendPlan.default("cuda", moe=moe, linear="torch", lm_head="torch"), "cuda", "fp8")
+    bind_model(model, BackendPlan.default("cuda", moe=moe, linear=linear, lm_head="torch"), "cuda", "fp8")
     prompt = torch.randint(0, model.cfg.vocab_size, (37,), device="cuda")
 
     def run(graph: bool) -> list[torch.Tensor]:
@@ -73,3 +73,44 @@ def test_nano_greedy_gpu_matches_cpu():
     top2 = lg.topk(2).values
     gap = float(top2[0] - top2[1])
     assert gap < 0.05 * float(lg.abs().max()), f"GPU diverged from CPU at token {i} with a logit gap {gap:.4f}"
+
+
+@pytest.fixture(scope="module")
+def full_width_model():
+    """Ling-3.0-flash widths (512 experts, H 2560, MLA 576 latent) with 6 layers (dense, 4 KDA+MoE, MLA+MoE)."""
+    from bytebound.checkpoint.synthetic import dummy_model
+    from bytebound.config import LING3_FLASH_CONFIG, LingConfig
+    import json
+    d = json.loads(Path(LING3_FLASH_CONFIG).read_text())
+    d["num_hidden_layers"] = 6
+    return dummy_model(LingConfig.from_dict(d), "cuda", torch.bfloat16)
+
+
+@pytest.mark.parametrize("moe,linear,kda", [("torch", "torch", "torch"), ("torch", "torch", "fla"),
+                                            ("triton", "torch", "fla"), ("torch", "triton", "fla"),
+                                            ("triton", "triton", "fla"), ("humming", "triton", "fla")])
+def test_graph_replay_interleaved_with_eager_full_width(full_width_model, moe, linear, kda):
+    """The start-up canary's pattern on one runner: eager step from a state, restore, graph replay from it.
+    Bisects which backend (if any) makes the captured step differ from the eager one at the real widths."""
+    from bytebound.runner.backends import BackendPlan, bind_model
+    from bytebound.runner.graphs import capture_decode
+    from bytebound.runner.runner import ModelRunner
+    from bytebound.verify.canaries import restore_state, snapshot_state
+    model = full_width_model
+    bind_model(model, BackendPlan.default("cuda", moe=moe, linear=linear, kda=kda), "cuda", "bf16")
+    r = ModelRunner(model, 256)
+    capture_decode(r)
+    g = r.graph
+    h = r.prefill(torch.randint(0, model.cfg.vocab_size, (24,), device="cuda"))
+    tok = model.logits(h[-1:]).argmax(-1).view(1)
+    errs = []
+    for step in range(3):
+        snap = snapshot_state(r)
+        r.graph = None
+        eager = r.forward(tok).float().clone()
+        restore_state(r, snap)
+        r.graph = g
+        replay = r.forward(tok).float().clone()
+        errs.append(float((replay - eager).norm() / eager.norm()))
+        tok = model.logits(replay.to(model.dtype)).argmax(-1).view(1)
+    assert max(errs) <= 1e-2, f"moe={moe} linear={linear} kda={kda}: replay vs eager rel err per step {errs}"
