@@ -310,6 +310,9 @@ def test_broken_rollback_fails_spec_vs_plain(ckpt):
     r.commit = lambda n, verified: setattr(r, "pos", r.pos - (verified - n))      # forgets the KDA rollback
     r = one(eng, C.canary_spec_vs_plain)
     assert r.passed is False and "diverges from plain greedy" in r.message
+    # the diagnosis: verify fed the plain tokens still matches plain decode (the broken part is the rollback)
+    errs = r.measured.get("verify_vs_decode_rel_err")
+    assert errs is not None and max(errs) < 1e-4, r.measured
 
 
 def test_unresolved_backend_lever(ckpt):

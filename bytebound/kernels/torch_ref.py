@@ -64,9 +64,12 @@ def lm_head_reference(head, x: torch.Tensor) -> torch.Tensor:
     if head.mode == "fp8":
         xq, sx = quantize_fp8_token(x)
         if x.is_cuda:
-            # FP8 tensor-core product with row-wise scales (cuBLASLt, sm89+); row-wise needs a bf16 output.
-            return torch._scaled_mm(xq, head.w_fp8.t(), scale_a=sx[:, None].float(),
-                                    scale_b=head.w_scale[None, :].float(), out_dtype=torch.bfloat16).float()
+            # FP8 tensor-core product (cuBLASLt, sm89+) with unit tensor-wise scales and a float32 output; the
+            # per-token and per-channel scales are applied after. (cuBLASLt's row-wise scaling would force a
+            # bf16 output, i.e. logits rounded to 3 significant digits - enough to flip near-ties.)
+            one = torch.ones((), dtype=torch.float32, device=x.device)
+            raw = torch._scaled_mm(xq, head.w_fp8.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+            return raw * sx[:, None].float() * head.w_scale[None, :].float()
         return (xq.float() @ head.w_fp8.float().t()) * sx[:, None] * head.w_scale[None, :]
     return bf16_logits(head.weight, x)
 

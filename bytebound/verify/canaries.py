@@ -578,6 +578,18 @@ def canary_spec_vs_plain(engine, ctx) -> CanaryResult:
     i = next(j for j in range(n) if spec[j] != plain[j])
     l = plain_logits[i]
     margin = float(l[plain[i]] - l[spec[i]])
+    # Diagnosis: the verify forward (M tokens at once, KDA states recorded per token) fed the *plain* tokens must
+    # give the plain decode's logits up to rounding; a large error points at the verify path, not the draft.
+    if 0 < i < 4:
+        try:
+            r.logits(ctx.after_prefill()[-1:])
+            vl = r.logits(r.verify(torch.tensor(plain[:i], device=dev))).float()
+            pl = torch.stack(plain_logits[1:i + 1])
+            meas["verify_vs_decode_rel_err"] = [float((vl[j] - pl[j]).norm() / pl[j].norm()) for j in range(i)]
+        except Exception as e:  # the diagnosis must never mask the verdict below
+            meas["verify_vs_decode_error"] = f"{type(e).__name__}: {e}"
+        finally:
+            r.reset()
     tie = 1e-4 * float(l.abs().max()) if engine.model.dtype == torch.float32 else 2e-2 * float(l.abs().max())
     meas.update({"first_mismatch": i, "logit_margin": margin, "tie_tolerance": tie})
     if margin <= tie:
