@@ -30,7 +30,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,19 +39,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bytebound.bench.report import git_commit  # noqa: E402
+
 E, H, I, K = 512, 2560, 768, 8
 EXPERT_BYTES = 2 * I * H // 2 + 2 * I * H // 32 + H * I // 2 + H * I // 32      # 3,133,440
-
-
-def git_commit() -> str:
-    env = os.environ.get("BYTEBOUND_COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:
-        return "unknown"
 
 
 def cuda_time(fn, reps: int, warmup: int = 3) -> list[float]:

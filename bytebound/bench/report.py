@@ -29,8 +29,9 @@ WEIGHTS_TRAINED = "trained (ling-nano)"
 
 # ---- metadata -------------------------------------------------------------------------------------------
 def git_commit() -> str:
-    """Short commit of the checkout (``+dirty`` when tracked files differ); env ``BYTEBOUND_GIT_COMMIT`` wins."""
-    env = os.environ.get("BYTEBOUND_GIT_COMMIT")
+    """Short commit of the checkout (``+dirty`` when tracked files differ). The environment wins
+    (``BYTEBOUND_COMMIT``, or the older name ``BYTEBOUND_GIT_COMMIT``): a copied tree's ``.git`` can be stale."""
+    env = os.environ.get("BYTEBOUND_COMMIT") or os.environ.get("BYTEBOUND_GIT_COMMIT")
     if env:
         return env
     try:

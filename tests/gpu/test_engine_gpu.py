@@ -89,6 +89,7 @@ def full_width_model():
 @pytest.mark.parametrize("moe,linear,kda", [("torch", "torch", "torch"), ("torch", "torch", "fla"),
                                             ("triton", "torch", "fla"), ("torch", "triton", "fla"),
                                             ("triton", "triton", "fla"), ("humming", "triton", "fla")])
+@torch.inference_mode()
 def test_graph_replay_interleaved_with_eager_full_width(full_width_model, moe, linear, kda):
     """The start-up canary's pattern on one runner: eager step from a state, restore, graph replay from it.
     Bisects which backend (if any) makes the captured step differ from the eager one at the real widths."""
