@@ -155,3 +155,31 @@ def test_every_group_pair_reachable():
         ids, _ = route(torch.zeros(1, E), bias, K, G, TOPK_GROUP, True, 1.0)
         seen.add(tuple(sorted(set((ids[0] // 4).tolist()))))
     assert seen == set(itertools.combinations(range(G), 2))
+
+
+def test_prefill_through_a_4_token_kernel_in_slices_is_exact():
+    """bind_model gives an M <= 4 MoE kernel (triton) a prefill that feeds it 4-token slices: the result must equal
+    one call over all tokens, and the kernel must never see more than 4 tokens."""
+    from bytebound.kernels.torch_ref import TorchMoE
+    from bytebound.layers.moe import RoutedExperts
+    from bytebound.runner.backends import token_slices
+    torch.manual_seed(0)
+    ex = RoutedExperts(16, 64, 32, "plain", torch.float32, "cpu", None)
+    with torch.no_grad():
+        ex.w13.normal_(0, 0.1)
+        ex.w2.normal_(0, 0.1)
+    ref_fn = TorchMoE().bind(ex, torch.float32)
+    seen = []
+
+    def kernel(x, ids, w):              # stands in for MoEKernel: refuses more than 4 tokens
+        assert x.shape[0] <= 4 and ids.shape[0] == x.shape[0] == w.shape[0]
+        seen.append(x.shape[0])
+        return ref_fn(x, ids, w)
+    for m in (1, 4, 5, 11):
+        x = torch.randn(m, 64)
+        ids = torch.stack([torch.randperm(16)[:4] for _ in range(m)])
+        w = torch.rand(m, 4)
+        seen.clear()
+        out = token_slices(kernel, 4)(x, ids, w)
+        torch.testing.assert_close(out, ref_fn(x, ids, w), rtol=1e-6, atol=1e-6)
+        assert sum(seen) == m and max(seen) <= 4

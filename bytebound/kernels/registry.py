@@ -31,7 +31,7 @@ class Resolution:
     resolved: str
     fallback_from: str | None = None
     reason: str | None = None
-    prefill: str | None = None      # backend used for M > the decode kernel's limit (e.g. triton MoE -> torch)
+    prefill: str | None = None      # how M > the decode kernel's limit runs (e.g. "triton (4-token slices)")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -32,7 +32,8 @@ compiler's generic MX up-cast, slower, kept as the fallback). Both are specialis
 come from ``configs/triton_moe.json`` keyed by GPU name and shape, written by ``scripts/bench_moe.py --tune``;
 unknown shapes use :data:`DEFAULT_CONFIG`.
 
-Constraints: M <= :data:`MAX_M` (else :class:`BackendError`: use ``humming`` or ``torch`` for prefill), bf16
+Constraints: M <= :data:`MAX_M` per launch (more raises :class:`BackendError` unless ``fn.prefill`` is set;
+``runner.backends.bind_model`` sets it to this kernel over 4-token slices), bf16
 activations, E8M0 scale bytes < 255. Graph capture: the callable allocates only its output (caching allocator)
 and launches one kernel; the workspace and counter belong to the binding, so two bindings never share one, but
 one binding must not run concurrently on two streams.
@@ -480,6 +481,8 @@ class MoEKernel:
     """The bound callable for one ``RoutedExperts``: owns the workspace ``[H, 8]`` float32, the ticket
     counter and the per-M configs; ``__call__(x, ids, w)`` launches one kernel."""
 
+    max_tokens = MAX_M
+
     def __init__(self, ex, configs: dict[int, dict] | None = None):
         if ex.fmt != "mxfp4":
             raise BackendError(f"moe[triton] needs MXFP4 experts, got fmt={ex.fmt!r} (use moe backend 'torch')")
@@ -505,8 +508,8 @@ class MoEKernel:
         self.lut = _lut_tensor(dev)
         self.limit = ex.limit
         self.configs = dict(configs or {})
-        # Optional delegate for M > MAX_M (e.g. the torch or humming callable bound to the same module);
-        # None -> BackendError, as the registry contract asks.
+        # Delegate for M > MAX_M (bind_model sets it to this kernel over 4-token slices; humming or torch also
+        # fit); None -> BackendError, as the registry contract asks.
         self.prefill = None
 
     def config(self, m: int, k: int) -> dict:

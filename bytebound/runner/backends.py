@@ -34,6 +34,14 @@ class BackendPlan:
         return [r for r in self.resolutions.values() if r.fallback_from]
 
 
+def token_slices(fn, n: int):
+    """``fn(x [M, H], ids [M, k], w [M, k]) -> [M, H]`` for any M, calling ``fn`` (which takes at most ``n``
+    tokens) on consecutive slices of ``n`` tokens. Tokens are independent in a routed MoE, so this is exact."""
+    def run(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.cat([fn(x[i:i + n], ids[i:i + n], w[i:i + n]) for i in range(0, x.shape[0], n)])
+    return run
+
+
 def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> BackendPlan:
     """Resolve each op once and bind every module of that op to it. Raises BackendError (named) when a
     requested backend is unusable and ``plan.allow_fallback`` is False."""
@@ -49,10 +57,13 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
         elif isinstance(m, RoutedExperts):
             m.fn, m.backend = impl["moe"].bind(m, dtype), plan.resolutions["moe"].resolved
             if getattr(m.fn, "prefill", False) is None:
-                # The decode/verify kernel only takes M <= 4 tokens: prefill runs the torch reference, recorded.
-                from bytebound.kernels.torch_ref import TorchMoE
-                m.fn.prefill = TorchMoE().bind(m, dtype)
-                plan.resolutions["moe"].prefill = "torch"
+                # The decode/verify kernel takes at most ``max_tokens`` tokens: prefill feeds it the prompt in
+                # slices of that size (recorded). On the H200 the triton kernel costs ~39 us per token per layer at
+                # M = 4; the torch reference's loop made a 32K prefill cost 183 us per token per layer in all
+                # (docs/perf/decode-h200.md, TTFT).
+                n = m.fn.max_tokens
+                m.fn.prefill = token_slices(m.fn, n)
+                plan.resolutions["moe"].prefill = f"{plan.resolutions['moe'].resolved} ({n}-token slices)"
         elif isinstance(m, KimiDeltaAttention):
             m.kda_fn = impl["kda"].bind(m, dtype)
     model.lm_head.fn = impl["lm_head"].bind(model.lm_head, dtype)
