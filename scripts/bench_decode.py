@@ -149,6 +149,29 @@ def round_cost(model, runner, ctx: int, steps: int = 3) -> dict:
         if isinstance(st, KDAState):
             st.history = None
     r["round_ms"] = r["verify_ms"] + r["extend_ms"] + (steps - 1) * r["draft_ms"]
+    # The engine's whole round as one replay (speculative.round: padded extend, drafts, verify, acceptance,
+    # rollback, next inputs) plus its one host read, from a synthetic state at ``ctx``.
+    try:
+        from bytebound.sampling import SamplingParams
+        from bytebound.speculative.mtp import MTPDrafter
+        from bytebound.speculative.round import StaticRound
+        runner.reset()
+        rnd = StaticRound(runner, MTPDrafter(model, steps), SamplingParams(), None, capture=dev.type == "cuda")
+        rnd.ext_ids.random_(0, cfg.vocab_size)
+        rnd.ext_hidden.normal_()
+        rnd.j.fill_(steps)
+        rnd.pos.fill_(ctx)
+        runner.pos = ctx
+        if dev.type == "cuda":
+            ts = sorted(t * 1e3 for t in cuda_event_times(rnd.step, 20, warmup=2))
+        else:                                   # CPU smoke run: one eager round
+            t0 = time.perf_counter()
+            rnd.step()
+            ts = [(time.perf_counter() - t0) * 1e3]
+        r["static_round_ms"] = ts[len(ts) // 2]
+        runner.reset()
+    except Exception as e:
+        r["static_round_error"] = f"{type(e).__name__}: {e}"
     return r
 
 
@@ -224,6 +247,8 @@ def main() -> int:
                 try:
                     rc = round_cost(model, runner, ctxs[0])
                     base = results[-len(ctxs)]["tpot_ms"]
+                    if rc.get("static_round_ms"):
+                        rc["c_static_round"] = rc["static_round_ms"] / base
                     rc.update({"moe": moe, "head": head, "ctx": ctxs[0], "decode_ms": base, "c": rc["round_ms"] / base,
                                "c_bytes": led.round_bytes(4, 3) / led.bytes, "c_seed": 2.26})
                     ops[f"mtp_round/{moe}"] = rc

@@ -58,9 +58,9 @@ class OracleDrafter:
         self.p_wrong = p_wrong
         self.q = None
 
-    def hidden(self, ids, prev_hidden, positions, state):
+    def hidden(self, ids, prev_hidden, positions, state, kv_len=None):
         self.q = int(positions[-1])          # the NEXTN at position q (token q+1) predicts the token at q + 2
-        return self.real.hidden(ids, prev_hidden, positions, state)
+        return self.real.hidden(ids, prev_hidden, positions, state, kv_len)
 
     def logits(self, hidden):
         i = self.q + 2

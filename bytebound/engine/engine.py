@@ -21,6 +21,7 @@ from bytebound.runner.backends import BackendPlan, bind_model
 from bytebound.runner.runner import ModelRunner
 from bytebound.sampling import SamplingParams, make_generator, sample
 from bytebound.speculative.mtp import MTPDrafter, SpecStats, mtp_tokens
+from bytebound.speculative.round import StaticRound, static_mtp_tokens
 from bytebound.verify.watchdog import AcceptWatchdog, watch_rounds
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "ling-nano"
@@ -44,7 +45,9 @@ class EngineConfig:
     strict: bool = False              # a failed canary / unresolved lever / watchdog alarm raises VerificationError
     watchdog_window: int = 64         # rolling accept-length watchdog (MTP only): rounds in the window
     watchdog_threshold: float = 1.05  # ... alarm at or below this accept length
-    enforce_eager: bool = False       # CUDA: skip graph capture of the decode step
+    enforce_eager: bool = False       # CUDA: skip graph capture of the decode step (and of the MTP round)
+    spec_static_round: bool = False   # MTP rounds with static shapes (speculative.round): on CUDA one graph replay
+    #                                   per greedy round; not yet the default (not yet measured on a GPU)
     cpu_threads: int | None = 1       # batch-1 CPU steps are many tiny ops: one thread avoids sync overhead
 
 
@@ -130,6 +133,9 @@ class Engine:
             from bytebound.runner.graphs import capture_decode
             capture_decode(self.runner)
         self.drafter = MTPDrafter(self.model, cfg.speculative_steps, cfg.draft_share) if cfg.speculative_steps else None
+        self.spec_round = None          # the captured greedy MTP round (CUDA, spec_static_round)
+        if self.drafter is not None and cfg.spec_static_round and dev.type == "cuda" and not cfg.enforce_eager:
+            self.spec_round = StaticRound(self.runner, self.drafter, SamplingParams(), None, capture=True)
         self.spec_totals = SpecStats(cfg.speculative_steps or 1)
         self.device = dev
         self.watchdog = (AcceptWatchdog(cfg.watchdog_window, cfg.watchdog_threshold, cfg.strict)
@@ -167,7 +173,12 @@ class Engine:
     def _tokens(self, ids: torch.Tensor, p: SamplingParams, gen, stats: SpecStats | None):
         """Raw token source: plain decode or MTP rounds; yields ``(token, round)``."""
         if self.drafter is not None:
-            yield from watch_rounds(mtp_tokens(self.runner, self.drafter, ids, p, gen, stats), stats, self.watchdog)
+            if self.config.spec_static_round:
+                rnd = self.spec_round if (p.greedy and self.spec_round is not None) else None
+                src = static_mtp_tokens(self.runner, self.drafter, ids, p, gen, stats, rnd)
+            else:
+                src = mtp_tokens(self.runner, self.drafter, ids, p, gen, stats)
+            yield from watch_rounds(src, stats, self.watchdog)
             return
         r = self.runner
         logits = r.logits(r.prefill(ids.to(self.device))[-1:])

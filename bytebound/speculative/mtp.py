@@ -97,10 +97,13 @@ class MTPDrafter:
             return torch.nn.functional.linear(hidden.float(), self.lm_head.weight.float())
         return self.lm_head(hidden)
 
-    def hidden(self, ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor, state) -> torch.Tensor:
-        """NEXTN hidden ``[T, H]`` for tokens ``ids [T]`` (t+1) after target hiddens ``prev_hidden [T, H]`` (t)."""
+    def hidden(self, ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor, state,
+               kv_len: int | None = None) -> torch.Tensor:
+        """NEXTN hidden ``[T, H]`` for tokens ``ids [T]`` (t+1) after target hiddens ``prev_hidden [T, H]`` (t).
+        ``kv_len``: a static attention span (graph capture); None reads ``positions[-1] + 1`` slots."""
         st = state[self.model.cfg.num_hidden_layers]
-        h = self.layer(self.embedding(ids.view(1, -1)), prev_hidden.view(1, *prev_hidden.shape), positions, st)
+        h = self.layer(self.embedding(ids.view(1, -1)), prev_hidden.view(1, *prev_hidden.shape), positions, st,
+                       kv_len)
         return h[0]
 
 

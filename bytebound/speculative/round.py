@@ -1,0 +1,194 @@
+"""One MTP round with fixed shapes and every input in a device buffer, so the whole round - draft-extend,
+draft steps, verify, acceptance, KDA rollback and the next round's inputs - is one CUDA-graph replay.
+
+The eager round in :func:`bytebound.speculative.mtp.mtp_tokens` has data-dependent shapes: the draft-extend
+runs over the ``j + 1`` tokens committed last round, and the KDA rollback indexes a Python list with a host
+integer. Here both are made static:
+
+* **Padded draft-extend.** The NEXTN always runs over all ``k + 1`` positions of the previous verify
+  (``pos - j - 1 .. pos - j - 1 + k``) and the draft continues from row ``j`` (``index_select`` with the device
+  tensor ``j``). Rows past ``j`` pair rejected drafts with their hiddens. Causal attention keeps them out of
+  rows ``<= j``. Their NEXTN cache slots are ``>= pos`` and each one is rewritten by a draft step of this round
+  before any query reads it (draft ``i`` writes slot ``pos + i - 1`` and reads slots ``<= pos + i - 1``).
+* **On-device rollback.** The verify records the KDA state after every token (``KDAState.history``). The state
+  after token ``j`` is selected with ``index_select`` and copied back in place.
+* **Next inputs in place.** The round writes ``y`` (its bonus token), the extend ids and hiddens, ``j`` and
+  ``pos`` into the buffers the next replay reads. The host reads one small tensor per round, ``out = [d_1..d_k,
+  bonus, j]``, to emit tokens. That read is the round's only sync.
+
+The first round needs ``pos >= k + 1``: :func:`static_mtp_tokens` runs the NEXTN eagerly over the prompt except
+its last ``k + 1`` positions, then treats those as the previous round's "verify" with all drafts accepted
+(``j = k``).
+
+Graph capture (``StaticRound(..., capture=True)``, CUDA only) bakes in the sampling mode: it is used for greedy
+requests, and sampling requests run the same body eagerly (their RNG stays with the request's generator). On
+CPU the body always runs eagerly; the tests check it against plain greedy decoding token for token.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from bytebound.layers.kda import KDAState
+from bytebound.runner.graphs import _restore, _snapshot
+from bytebound.sampling import SamplingParams, sample
+from bytebound.speculative.accept import accept_chain_device
+
+
+class StaticRound:
+    """Static buffers + the round body for ``runner`` and ``drafter`` (steps ``k``).
+
+    Buffers (device): ``y [1]`` int64 last committed token, not yet run; ``ext_ids [k+1]`` / ``ext_hidden
+    [k+1, H]`` the NEXTN inputs for the previous verify's positions; ``j`` / ``pos`` 0-d int64 (accepted drafts of
+    the previous round, committed length); ``out [k+2]`` int64 ``[drafts.., bonus, j]`` of the last round.
+
+    Args:
+        runner: a ``ModelRunner``. drafter: an ``MTPDrafter`` of the same model. p / gen: the sampling
+        parameters and generator the round uses (captured graphs: greedy only). capture: record the body in
+        a CUDA graph (raises ``RuntimeError`` off CUDA).
+    """
+
+    def __init__(self, runner, drafter, p: SamplingParams, gen: torch.Generator | None = None,
+                 capture: bool = False):
+        self.r, self.dr, self.p, self.gen = runner, drafter, p, gen
+        k = self.k = drafter.steps
+        dev, cfg = runner.device, runner.model.cfg
+        self.y = torch.zeros(1, dtype=torch.long, device=dev)
+        self.ext_ids = torch.zeros(k + 1, dtype=torch.long, device=dev)
+        self.ext_hidden = torch.zeros(k + 1, cfg.hidden_size, dtype=runner.model.dtype, device=dev)
+        self.j = torch.zeros((), dtype=torch.long, device=dev)
+        self.pos = torch.full((), k + 1, dtype=torch.long, device=dev)     # any valid position for warm-up
+        self.out = torch.zeros(k + 2, dtype=torch.long, device=dev)
+        self.ar = torch.arange(k + 1, device=dev)
+        self.kv_len = runner.max_len if runner.static_kv else None
+        self.kda = [st for st in runner.state if isinstance(st, KDAState)]
+        self.graph = None
+        if capture:
+            self._capture()
+
+    def _body(self) -> None:
+        r, dr, k, ar = self.r, self.dr, self.k, self.ar
+        state, model = r.state, r.model
+        # 1. draft-extend over the previous verify's k+1 positions; continue from row j
+        eh = dr.hidden(self.ext_ids, self.ext_hidden, self.pos - self.j - 1 + ar, state, self.kv_len)
+        dh = eh.index_select(0, self.j.view(1))                                 # [1, H]
+        drafts = [dr.logits(dh).argmax(-1)]
+        # 2. k - 1 draft steps; draft i sits at pos + i - 1
+        for i in range(1, k):
+            dh = dr.hidden(drafts[-1], dh, (self.pos + (i - 1)).view(1), state, self.kv_len)
+            drafts.append(dr.logits(dh).argmax(-1))
+        d = torch.cat(drafts)                                                   # [k]
+        # 3. verify [y, d] at pos..pos+k, KDA state recorded after every token
+        for st in self.kda:
+            st.history = []
+        vh = model(torch.cat([self.y, d]).view(1, k + 1), self.pos + ar, state, self.kv_len)[0]
+        # 4. acceptance on the device
+        j, bonus = accept_chain_device(model.logits(vh), d, self.p, self.gen)
+        # 5. KDA rollback to the state after token j (MLA slots past the new pos are rewritten before use)
+        sel = j.view(1)
+        for st in self.kda:
+            st.conv.copy_(torch.stack([c for c, _ in st.history]).index_select(0, sel)[0])
+            st.rec.copy_(torch.stack([s for _, s in st.history]).index_select(0, sel)[0])
+            st.history = None
+        # 6. the next round's inputs: token after position pos+t is d[t] for t < j and the bonus at t = j
+        self.out.copy_(torch.cat([d, bonus.view(1), j.view(1)]))
+        self.ext_ids.copy_(torch.where(ar == j, bonus, torch.cat([d, bonus.view(1)])))
+        self.ext_hidden.copy_(vh)
+        self.y.copy_(bonus.view(1))
+        self.j.copy_(j)
+        self.pos.add_(j + 1)
+
+    def _capture(self) -> None:
+        if self.r.device.type != "cuda":
+            raise RuntimeError("capturing an MTP round needs a CUDA device")
+        if not self.p.greedy:
+            raise ValueError("a captured MTP round is greedy-only: sampling rounds run eagerly")
+        bufs = [self.y, self.ext_ids, self.ext_hidden, self.j, self.pos]
+        saved = [b.clone() for b in bufs]
+        snap = _snapshot(self.r.state)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.inference_mode():
+            for _ in range(2):                          # JIT / autotune outside the capture
+                self._body()
+                for b, v in zip(bufs, saved):
+                    b.copy_(v)
+        torch.cuda.current_stream().wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), torch.inference_mode():
+            self._body()
+        _restore(self.r.state, snap)
+        for b, v in zip(bufs, saved):
+            b.copy_(v)
+        self.captured_shapes = [{"op": "mtp_round", "draft_steps": self.k, "verify_tokens": self.k + 1,
+                                 "kv_slots": self.r.max_len}]
+
+    def start(self, prompt: torch.Tensor, hid: torch.Tensor, y: torch.Tensor) -> None:
+        """Set the buffers after a prefill of ``prompt [P]`` (``P >= k + 2``) with hiddens ``hid [P, H]`` and first
+        token ``y [1]``: the NEXTN runs eagerly over positions ``0 .. P-k-2``, the rest is the first replay's
+        extend."""
+        k, dev = self.k, self.r.device
+        p_len = prompt.shape[0]
+        n0 = p_len - k - 1
+        prompt = prompt.to(dev)
+        self.dr.hidden(prompt[1:n0 + 1], hid[:n0], torch.arange(n0, device=dev), self.r.state)
+        self.ext_ids.copy_(torch.cat([prompt[n0 + 1:], y.view(1)]))
+        self.ext_hidden.copy_(hid[n0:])
+        self.y.copy_(y.view(1))
+        self.j.fill_(k)
+        self.pos.fill_(p_len)
+
+    @torch.inference_mode()
+    def step(self) -> list[int]:
+        """Run one round (graph replay if captured); returns ``[d_1..d_k, bonus, j]`` (the one host sync) and
+        advances ``runner.pos`` by ``j + 1``."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._body()
+        out = self.out.tolist()
+        self.r.pos += out[-1] + 1
+        return out
+
+
+@torch.inference_mode()
+def static_mtp_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, gen, stats,
+                      round_: StaticRound | None = None):
+    """Like :func:`bytebound.speculative.mtp.mtp_tokens`, but each round is one :class:`StaticRound` step (a CUDA
+    graph replay when ``round_`` was captured). Yields ``(token, round)``. Prompts shorter than ``k + 2``
+    tokens use the eager rounds.
+
+    ``stats.verify_s`` receives the whole round's time (draft, verify and rollback are not separable inside one
+    replay; ``draft_s`` and ``rollback_s`` stay 0).
+    """
+    from bytebound.speculative.mtp import mtp_tokens
+    k = drafter.steps
+    if prompt.shape[0] < k + 2:
+        yield from mtp_tokens(runner, drafter, prompt, p, gen, stats)
+        return
+    rnd = round_ if round_ is not None else StaticRound(runner, drafter, p, gen)
+    dev = runner.device
+    hid = runner.prefill(prompt.to(dev))
+    y = sample(runner.logits(hid[-1:]), p, gen).view(1)
+    yield int(y), 0
+    rnd.start(prompt, hid, y)
+    n = 0
+    while True:
+        if runner.pos + k + 1 > runner.max_len:
+            raise ValueError(f"MTP round at position {runner.pos} needs {k + 1} cache slots past it "
+                             f"({runner.max_len} in all)")
+        n += 1
+        t0 = time.perf_counter()
+        out = rnd.step()
+        stats.verify_s += time.perf_counter() - t0
+        j, bonus = out[-1], out[-2]
+        stats.rounds += 1
+        for i in range(min(j + 1, k)):
+            stats.tried_at[i] += 1
+        for i in range(j):
+            stats.accepted_at[i] += 1
+        for tok in out[:j] + [bonus]:
+            stats.committed += 1
+            yield tok, n

@@ -1,0 +1,118 @@
+"""Static-shape MTP rounds (``bytebound.speculative.round``), run eagerly on CPU: the padded draft-extend, the
+on-device KDA rollback and the in-place next-round inputs must give exactly plain greedy decoding, for every
+accepted count j = 0..3, and the same rounds as the eager ``mtp_tokens``. On CUDA the same body is replayed
+from a graph (tests/gpu)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bytebound.engine.engine import Engine
+from bytebound.sampling import SamplingParams
+from bytebound.speculative.round import StaticRound
+from test_mtp_cpu import STEPS, OracleDrafter, prompts
+
+MAX_NEW = 40
+NANO = Path(__file__).resolve().parents[1] / "models" / "ling-nano"
+G = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engines(quant_ckpt):
+    plain = Engine(model=str(quant_ckpt), max_model_len=256)
+    spec = Engine(model=str(quant_ckpt), max_model_len=256, speculative_steps=STEPS, spec_static_round=True)
+    return plain, spec
+
+
+@pytest.fixture(scope="module")
+def reference(engines):
+    plain, _ = engines
+    return {tuple(p): plain.generate(p, G)[0].token_ids for p in prompts(plain.model.cfg.vocab_size)}
+
+
+class StaticOracle(OracleDrafter):
+    """The oracle of test_mtp_cpu, aware of the padded extend: its selected row sits at ``runner.pos - 1``."""
+
+    def __init__(self, runner, *a, **kw):
+        super().__init__(*a, **kw)
+        self.runner = runner
+
+    def hidden(self, ids, prev_hidden, positions, state, kv_len=None):
+        h = super().hidden(ids, prev_hidden, positions, state, kv_len)
+        if positions.numel() > 1:
+            self.q = self.runner.pos - 1
+        return h
+
+
+def test_static_rounds_equal_plain_greedy(engines, reference):
+    _, spec = engines
+    for p, want in reference.items():
+        out = spec.generate(list(p), G)[0]
+        assert out.token_ids == want, f"prompt of {len(p)} tokens diverged"
+        assert out.spec["committed"] == MAX_NEW - 1 and 1 <= out.spec["rounds"] <= MAX_NEW - 1
+
+
+@pytest.mark.parametrize("p_wrong", [0.0, 0.25])
+def test_static_rounds_commit_every_accepted_count(engines, reference, p_wrong, monkeypatch):
+    _, spec = engines
+    real = spec.drafter
+    vocab = spec.model.cfg.vocab_size
+    seen_j = [0] * (STEPS + 1)
+    step = StaticRound.step
+
+    def counting_step(self):
+        out = step(self)
+        seen_j[out[-1]] += 1
+        return out
+    monkeypatch.setattr(StaticRound, "step", counting_step)
+    try:
+        for n, (p, want) in enumerate(reference.items()):
+            spec.drafter = StaticOracle(spec.runner, real, list(p) + want, vocab, p_wrong, seed=n)
+            out = spec.generate(list(p), G)[0]
+            assert out.token_ids == want, f"prompt of {len(p)} tokens diverged"
+            if p_wrong == 0.0:
+                assert out.spec["accept_length"] > 3.0 or len(p) < STEPS + 2     # short prompts: eager rounds
+    finally:
+        spec.drafter = real
+    if p_wrong == 0.0:
+        assert seen_j[STEPS] > 0
+    else:
+        assert all(c > 0 for c in seen_j), seen_j
+
+
+@pytest.mark.skipif(not (NANO / "config.json").exists(), reason="bundled ling-nano not present")
+def test_static_rounds_match_eager_rounds_on_the_trained_model():
+    """With the trained NEXTN head drafts are often accepted: the static rounds must commit the same tokens in the
+    same rounds as the eager implementation, and equal plain greedy."""
+    from bytebound.data.gsm8k import load_split
+    qs = [r["question"] for r in load_split("test")[:3]]
+    p = SamplingParams(max_tokens=48)
+    plain = Engine()
+    eager = Engine(speculative_steps=STEPS)
+    static = Engine(speculative_steps=STEPS, spec_static_round=True)
+    for q in qs:
+        want = plain.generate(q, p, chat=True)[0].token_ids
+        a = eager.generate(q, p, chat=True)[0]
+        b = static.generate(q, p, chat=True)[0]
+        assert a.token_ids == want and b.token_ids == want
+        assert b.spec["rounds"] == a.spec["rounds"] and b.spec["per_position_accept"] == a.spec["per_position_accept"]
+        assert b.spec["accept_length"] > 1.2
+
+
+def test_static_round_sampling_runs_eagerly(engines):
+    _, spec = engines
+    out = spec.generate([5, 6, 7, 8, 9, 10, 11], SamplingParams(max_tokens=20, temperature=0.8, seed=3,
+                                                                 ignore_eos=True))[0]
+    assert len(out.token_ids) == 20
+    again = spec.generate([5, 6, 7, 8, 9, 10, 11], SamplingParams(max_tokens=20, temperature=0.8, seed=3,
+                                                                   ignore_eos=True))[0]
+    assert again.token_ids == out.token_ids                 # seeded: reproducible
+
+
+def test_capture_needs_cuda_and_greedy(engines):
+    _, spec = engines
+    with pytest.raises(RuntimeError, match="CUDA"):
+        StaticRound(spec.runner, spec.drafter, SamplingParams(), capture=True)
