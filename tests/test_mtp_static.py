@@ -116,3 +116,25 @@ def test_capture_needs_cuda_and_greedy(engines):
     _, spec = engines
     with pytest.raises(RuntimeError, match="CUDA"):
         StaticRound(spec.runner, spec.drafter, SamplingParams(), capture=True)
+
+
+def test_round_body_has_no_host_sync(quant_ckpt, monkeypatch):
+    """The round body must never read device data on the host (that is a sync on CUDA, and breaks graph capture):
+    run it with the model, state and buffers on the ``meta`` device, where any such read (``.item()``, ``int(t)``,
+    indexing with a 0-d tensor, data-dependent shapes) raises. With the CUDA runner's static attention span."""
+    import bytebound.kernels.torch_ref as torch_ref
+    from bytebound.runner.backends import BackendPlan, bind_model
+    from bytebound.runner.runner import ModelRunner
+    from bytebound.speculative.mtp import MTPDrafter
+    monkeypatch.setattr(torch_ref, "MATERIALIZE_MAX_BYTES", 0)      # no bind-time dequantisation (reads data)
+    model = Engine(model=str(quant_ckpt), max_model_len=128).model.to("meta")
+    bind_model(model, BackendPlan.default("cpu"), torch.device("meta"), "bf16")
+    for mod in model.modules():
+        if hasattr(mod, "_absorbed"):                             # MLA's cached absorbed weights
+            mod.prepare(model.dtype)
+    runner = ModelRunner(model, 128, "meta")
+    runner.static_kv = True                                       # as on CUDA: attend over all slots, masked
+    rnd = StaticRound(runner, MTPDrafter(model, STEPS), SamplingParams())
+    with torch.inference_mode():
+        rnd._body()                                               # raises on any host read
+    assert rnd.out.device.type == "meta"

@@ -24,16 +24,18 @@ def accept_chain_device(target_logits: torch.Tensor, drafts: torch.Tensor, p: Sa
     drawn from p_j with x_j removed (rejection) or from p_n (all accepted), by inverse CDF.
     """
     n = drafts.shape[0]
+    # Indexing with a 0-d tensor (``t[j]``) would turn ``j`` into a Python int: a host sync, which also breaks
+    # CUDA-graph capture. ``index_select`` with ``j.view(1)`` stays on the device.
     if p.greedy:
         tgt = target_logits.argmax(-1)                                    # [n+1]
         j = (drafts == tgt[:n]).long().cumprod(0).sum()
-        return j, tgt[j]
+        return j, tgt.index_select(0, j.view(1))[0]
     pr = probs(target_logits, p)                                          # [n+1, V]
     u = torch.rand(n, generator=gen, device=pr.device)
     px = pr[:n].gather(1, drafts.view(n, 1))[:, 0]
     j = (u < px).long().cumprod(0).sum()
-    row = pr[j]                                                           # p_j; for j < n remove the rejected x_j
-    x = torch.cat([drafts, drafts.new_full((1,), -1)])[j]
+    row = pr.index_select(0, j.view(1))[0]                                # p_j; for j < n remove the rejected x_j
+    x = torch.cat([drafts, drafts.new_full((1,), -1)]).index_select(0, j.view(1))[0]
     row = torch.where(torch.arange(row.numel(), device=row.device) == x, torch.zeros_like(row), row)
     return j, draw(row, gen)
 
