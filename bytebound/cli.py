@@ -24,6 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-algorithm", default=None, choices=["NEXTN"], help="NEXTN = MTP drafting (default off)")
     p.add_argument("--speculative-num-steps", type=int, default=3)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=4)
+    p.add_argument("--decode-kv-buckets", action="store_true",
+                   help="CUDA: attend over the smallest power-of-two span (>= 1024) that holds the sequence, one "
+                        "decode graph per span, instead of all --max-model-len slots (not yet measured: opt-in)")
     p.add_argument("--spec-static-round", action="store_true",
                    help="MTP rounds with static shapes: on CUDA each greedy round is one graph replay with acceptance "
                         "on the device (not yet measured on a GPU, so not the default)")
@@ -47,7 +50,7 @@ def engine_config(a):
                         lm_head="fp32" if a.enable_fp32_lm_head else a.lm_head, backends=backends,
                         allow_fallback=a.allow_fallback, speculative_steps=steps, max_model_len=a.max_model_len,
                         load_format=a.load_format, enforce_eager=a.enforce_eager,
-                        spec_static_round=a.spec_static_round)
+                        spec_static_round=a.spec_static_round, kv_buckets=a.decode_kv_buckets)
 
 
 def print_fallbacks(engine) -> None:

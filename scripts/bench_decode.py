@@ -30,7 +30,7 @@ from bytebound.checkpoint.synthetic import dummy_model  # noqa: E402
 from bytebound.config import LING3_FLASH_CONFIG, LingConfig  # noqa: E402
 from bytebound.runner.backends import BackendPlan, bind_model  # noqa: E402
 from bytebound.runner.graphs import capture_decode  # noqa: E402
-from bytebound.runner.runner import ModelRunner  # noqa: E402
+from bytebound.runner.runner import ModelRunner, pow2_buckets  # noqa: E402
 
 
 def time_graph(fn, reps: int = 50, warmup: int = 3) -> float:
@@ -105,7 +105,7 @@ def per_op(model, runner, ctx: int) -> list[dict]:
 
     rows = [
         ("KDA attention", len(kda), lambda: [l.attention(x, s) for l, s in kda], nbytes([l.attention for l, _ in kda])),
-        ("MLA attention", len(mla), lambda: [l.attention(x, pos, s, runner.max_len) for l, s in mla],
+        ("MLA attention", len(mla), lambda: [l.attention(x, pos, s, runner.kv_span(ctx + 1)) for l, s in mla],
          nbytes([l.attention for l, _ in mla]) + len(mla) * (ctx + 1) * cfg.mla_cache_dim * 2),
         ("MoE (router+routed+shared)", len(moe), lambda: [l.mlp(x) for l in moe], nbytes([l.mlp for l in moe])),
         ("dense MLP", len(dense), lambda: [l.mlp(x) for l in dense], nbytes([l.mlp for l in dense])),
@@ -135,14 +135,15 @@ def round_cost(model, runner, ctx: int, steps: int = 3) -> dict:
         for st in runner.state:
             if isinstance(st, KDAState):
                 st.history = []
-        h = model(toks, pos_k, runner.state, runner.max_len)
+        h = model(toks, pos_k, runner.state, runner.kv_span(ctx + k))
         return model.logits(h)
 
     def extend():
-        return model.logits(model.nextn_forward(toks, hid, pos_k, runner.state, runner.max_len))
+        return model.logits(model.nextn_forward(toks, hid, pos_k, runner.state, runner.kv_span(ctx + k)))
 
     def draft():
-        return model.logits(model.nextn_forward(toks[:, :1], hid[:, :1], pos_k[:1], runner.state, runner.max_len))
+        return model.logits(model.nextn_forward(toks[:, :1], hid[:, :1], pos_k[:1], runner.state,
+                                                runner.kv_span(ctx + k)))
 
     r = {"verify_ms": time_graph(verify), "extend_ms": time_graph(extend), "draft_ms": time_graph(draft)}
     for st in runner.state:
@@ -185,6 +186,8 @@ def main() -> int:
     ap.add_argument("--ttft-len", type=int, default=32768, help="0 skips the TTFT prefill")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests the script on a small config")
+    ap.add_argument("--kv-buckets", action="store_true",
+                    help="attention spans in powers of two from 1024 (runner.pow2_buckets) instead of all slots")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -205,7 +208,9 @@ def main() -> int:
     info["gpu_mem_GB"] = torch.cuda.memory_allocated() / 1e9 if dev.type == "cuda" else 0.0
     print(f"dummy weights: {info['weights_create_s']:.1f} s, {info['gpu_mem_GB']:.1f} GB", flush=True)
     ctxs = [int(c) for c in a.contexts.split(",")]
-    runner = ModelRunner(model, max(ctxs) + 128, dev)
+    max_len = max(ctxs) + 128
+    runner = ModelRunner(model, max_len, dev, pow2_buckets(max_len) if a.kv_buckets else None)
+    info["kv_spans"] = list(runner.kv_buckets)
     results, ops = [], {}
 
     def dump():  # after every measurement, so a run cut short by its time limit still leaves its numbers

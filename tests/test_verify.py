@@ -284,9 +284,10 @@ def test_stale_position_cuda_graph_fails_replay_canary(ckpt):
 
     class StaleDecodeGraph(DecodeGraph):
         def replay(self, token, pos):          # forgets self.pos.fill_(pos)
+            g, hidden = self.graphs[self.runner.kv_span(pos + 1)]
             self.tok.copy_(token.view(1), non_blocking=True)
-            self.graph.replay()
-            return self.hidden
+            g.replay()
+            return hidden
     eng = engine(ckpt, device="cuda", backends=CUDA_TORCH)
     assert eng.runner.graph is not None
     assert one(eng, C.canary_graph_replay).passed

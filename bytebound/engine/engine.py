@@ -18,7 +18,7 @@ import torch
 from bytebound.engine.tokenizer import Tokenizer
 from bytebound.errors import BackendError, CheckpointError, ConfigError, RequestError
 from bytebound.runner.backends import BackendPlan, bind_model
-from bytebound.runner.runner import ModelRunner
+from bytebound.runner.runner import ModelRunner, pow2_buckets
 from bytebound.sampling import SamplingParams, make_generator, sample
 from bytebound.speculative.mtp import MTPDrafter, SpecStats, mtp_tokens
 from bytebound.speculative.round import StaticRound, static_mtp_tokens
@@ -46,6 +46,8 @@ class EngineConfig:
     watchdog_window: int = 64         # rolling accept-length watchdog (MTP only): rounds in the window
     watchdog_threshold: float = 1.05  # ... alarm at or below this accept length
     enforce_eager: bool = False       # CUDA: skip graph capture of the decode step (and of the MTP round)
+    kv_buckets: bool = False          # CUDA: attention spans in powers of two from 1024 (one decode graph each)
+    #                                   instead of all max_model_len slots every step; opt-in until measured
     spec_static_round: bool = False   # MTP rounds with static shapes (speculative.round): on CUDA one graph replay
     #                                   per greedy round; not yet the default (not yet measured on a GPU)
     cpu_threads: int | None = 1       # batch-1 CPU steps are many tiny ops: one thread avoids sync overhead
@@ -128,7 +130,8 @@ class Engine:
         plan = BackendPlan.default(dev, **cfg.backends)
         plan.allow_fallback = cfg.allow_fallback
         self.plan = bind_model(self.model, plan, dev, cfg.lm_head)
-        self.runner = ModelRunner(self.model, cfg.max_model_len, dev)
+        self.runner = ModelRunner(self.model, cfg.max_model_len, dev,
+                                  pow2_buckets(cfg.max_model_len) if cfg.kv_buckets else None)
         if dev.type == "cuda" and not cfg.enforce_eager:
             from bytebound.runner.graphs import capture_decode
             capture_decode(self.runner)

@@ -2,7 +2,8 @@
 
 Static buffers: the input token and the position live in device tensors the graph reads; the runner writes
 them before each replay (``copy_``), so no host-computed position is baked into the graph. KDA states and MLA
-caches are updated in place by the captured kernels. Attention spans all ``max_len`` slots masked by
+caches are updated in place by the captured kernels. Attention spans a static number of slots (one graph per
+span in ``runner.kv_buckets``; by default one span, ``max_len``) masked by
 position, exactly as the eager CUDA path does, so replay equals eager bit for bit.
 """
 
@@ -27,7 +28,8 @@ def _restore(state, snap):
 
 
 class DecodeGraph:
-    """One captured decode step. ``replay(token [1], pos)`` -> final-normed hidden ``[1, H]`` (static buffer).
+    """The captured decode step, one graph per attention span in ``runner.kv_buckets``. ``replay(token [1], pos)``
+    -> final-normed hidden ``[1, H]`` (a static buffer of the bucket's graph).
 
     ``captured_shapes`` lists what was captured, for the start-up manifest.
     """
@@ -39,27 +41,31 @@ class DecodeGraph:
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         snap = _snapshot(runner.state)
         model = runner.model
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s), torch.inference_mode():
-            for _ in range(warmup):               # JIT/autotune outside the capture
-                self._body(model)
-        torch.cuda.current_stream().wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.inference_mode():
-            self.hidden = self._body(model)
-        _restore(runner.state, snap)
-        self.captured_shapes = [{"op": "decode", "tokens": 1, "kv_slots": runner.max_len}]
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        for span in runner.kv_buckets:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s), torch.inference_mode():
+                for _ in range(warmup):               # JIT/autotune outside the capture
+                    self._body(model, span)
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g), torch.inference_mode():
+                hidden = self._body(model, span)
+            self.graphs[span] = (g, hidden)
+            _restore(runner.state, snap)
+        self.captured_shapes = [{"op": "decode", "tokens": 1, "kv_slots": span} for span in self.graphs]
 
-    def _body(self, model):
-        h = model(self.tok.view(1, 1), self.pos, self.runner.state, self.runner.max_len)
+    def _body(self, model, span: int):
+        h = model(self.tok.view(1, 1), self.pos, self.runner.state, span)
         return h[0]
 
     def replay(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        g, hidden = self.graphs[self.runner.kv_span(pos + 1)]
         self.tok.copy_(token.view(1), non_blocking=True)
         self.pos.fill_(pos)
-        self.graph.replay()
-        return self.hidden
+        g.replay()
+        return hidden
 
 
 def capture_decode(runner) -> DecodeGraph:

@@ -13,6 +13,16 @@ from bytebound.layers.kda import KDAState
 PREFILL_CHUNK = 2048
 
 
+def pow2_buckets(max_len: int, smallest: int = 1024) -> tuple[int, ...]:
+    """Attention spans ``smallest, 2*smallest, ...`` below ``max_len``, then ``max_len``: a step reads at most
+    twice the slots it needs, for ``log2(max_len / smallest) + 1`` captured decode graphs."""
+    out, b = [], smallest
+    while b < max_len:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (max_len,)
+
+
 class ModelRunner:
     """Holds the model, one request's state and its committed length ``pos``.
 
@@ -20,14 +30,17 @@ class ModelRunner:
         model: a loaded ``BailingMoeV3ForCausalLM``. max_len: cache slots (prompt + output + draft room).
     """
 
-    def __init__(self, model, max_len: int, device=None):
+    def __init__(self, model, max_len: int, device=None, kv_buckets: tuple[int, ...] | None = None):
         self.model, self.max_len = model, max_len
         self.device = torch.device(device or model.lm_head.weight.device)
         self.state = model.new_state(max_len, device=self.device)
         self.pos = 0
-        # On CUDA every step attends over all ``max_len`` slots, masked by position: the same kernels as the
-        # captured graph (bit-identical replay) and no host sync for the cache length. On CPU, slice instead.
+        # On CUDA every step attends over a static span of cache slots, masked by position: the same kernels as
+        # the captured graph (bit-identical replay) and no host sync for the cache length. On CPU, slice instead.
+        # The span is the smallest of ``kv_buckets`` that holds the sequence (default: one bucket, ``max_len``),
+        # so a short sequence need not read all ``max_len`` slots; one decode graph is captured per bucket.
         self.static_kv = self.device.type == "cuda"
+        self.kv_buckets = tuple(sorted({b for b in (kv_buckets or ()) if b < max_len} | {max_len}))
         self.graph = None       # a DecodeGraph once captured (runner.graphs)
 
     def reset(self) -> None:
@@ -38,6 +51,10 @@ class ModelRunner:
                 st.rec.zero_()
                 st.history = None
         self.pos = 0
+
+    def kv_span(self, end: int) -> int:
+        """Static attention span (cache slots) for a sequence of ``end`` tokens: the smallest bucket >= ``end``."""
+        return next(b for b in self.kv_buckets if b >= end)
 
     def _check_room(self, n: int) -> None:
         if self.pos + n > self.max_len:
@@ -53,7 +70,7 @@ class ModelRunner:
             self.pos += 1
             return h
         positions = torch.arange(self.pos, self.pos + t, device=self.device)
-        kv_len = self.max_len if self.static_kv else None
+        kv_len = self.kv_span(self.pos + t) if self.static_kv else None
         h = self.model(ids.view(1, t).to(self.device), positions, self.state, kv_len)
         self.pos += t
         return h[0]

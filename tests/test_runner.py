@@ -1,0 +1,50 @@
+"""ModelRunner attention spans: the CUDA path attends over a static number of cache slots masked by position
+(graph-capturable, no host sync); with ``kv_buckets`` the span is the smallest bucket holding the sequence.
+Every span must give the logits of the sliced (exact-length) CPU path."""
+
+from __future__ import annotations
+
+import torch
+
+from bytebound.runner.runner import ModelRunner, pow2_buckets
+from conftest import make_model
+
+
+def test_pow2_buckets_and_span_choice():
+    assert pow2_buckets(4096) == (1024, 2048, 4096)
+    assert pow2_buckets(5000) == (1024, 2048, 4096, 5000)
+    assert pow2_buckets(512) == (512,)
+    model = make_model()
+    r = ModelRunner(model, 300, "cpu", kv_buckets=(64, 128, 1000))
+    assert r.kv_buckets == (64, 128, 300)                     # spans past max_len are dropped; max_len is kept
+    assert [r.kv_span(n) for n in (1, 64, 65, 128, 129, 300)] == [64, 64, 128, 128, 300, 300]
+
+
+@torch.inference_mode()
+def test_static_spans_match_sliced_attention_across_bucket_edges():
+    model = make_model()
+    prompt = torch.randint(4, model.cfg.vocab_size, (50,), generator=torch.Generator().manual_seed(0))
+
+    spans = set()
+
+    def run(static: bool, buckets):
+        r = ModelRunner(model, 200, "cpu", kv_buckets=buckets)
+        r.static_kv = static
+        span = r.kv_span
+        r.kv_span = lambda end: spans.add(span(end)) or span(end)
+        h = r.prefill(prompt)
+        tok = model.logits(h[-1:]).argmax(-1)
+        out = []
+        for _ in range(40):                                  # 50 + 40 tokens: crosses the 64 edge
+            lg = model.logits(r.forward(tok.view(1)))
+            out.append(lg)
+            tok = lg.argmax(-1)
+        return torch.cat(out)
+
+    sliced = run(False, None)
+    one_span = run(True, None)                               # all 200 slots every step (the CUDA default)
+    spans.clear()
+    buckets = run(True, (64, 128))                           # 64 slots, then 128 after the 64th token
+    assert spans == {64, 128}
+    torch.testing.assert_close(one_span, sliced, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(buckets, sliced, rtol=1e-5, atol=1e-5)
