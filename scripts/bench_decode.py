@@ -185,6 +185,7 @@ def main() -> int:
     ap.add_argument("--contexts", default="2048,32768")
     ap.add_argument("--ttft-len", type=int, default=32768, help="0 skips the TTFT prefill")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--name", default="bench_decode", help="output file name (NAME.json) in --out")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests the script on a small config")
     ap.add_argument("--kv-buckets", action="store_true",
                     help="attention spans in powers of two from 1024 (runner.pow2_buckets) instead of all slots")
@@ -214,7 +215,7 @@ def main() -> int:
     results, ops = [], {}
 
     def dump():  # after every measurement, so a run cut short by its time limit still leaves its numbers
-        (out / "bench_decode.json").write_text(json.dumps({"info": info, "results": results, "per_op": ops},
+        (out / f"{a.name}.json").write_text(json.dumps({"info": info, "results": results, "per_op": ops},
                                                           indent=2))
     for moe in a.moe_backends.split(","):
         for head in a.heads.split(","):
