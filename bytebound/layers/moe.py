@@ -105,7 +105,10 @@ class MoE(nn.Module):
         self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.norm, self.scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
         self.gate = nn.Module()
-        self.gate.weight = nn.Parameter(torch.empty(cfg.num_experts, h, dtype=dtype, device=device))
+        # router_dtype fp32 (the Ling checkpoints): the router weight stays float32 whatever the model dtype, as
+        # stored, so routing decisions are not made on BF16-rounded weights and no per-call up-cast is needed.
+        gdt = torch.float32 if str(cfg.router_dtype).lower() in ("fp32", "float32") else dtype
+        self.gate.weight = nn.Parameter(torch.empty(cfg.num_experts, h, dtype=gdt, device=device))
         self.gate.expert_bias = (nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32, device=device))
                                  if cfg.moe_router_enable_expert_bias else None)
         fmt = {"mxfp4": "mxfp4"}.get(cfg.quant.routed_experts, "plain")
@@ -117,7 +120,7 @@ class MoE(nn.Module):
 
     def router(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [M, H]`` -> ``(ids [M, k], weights [M, k])``; logits in float32."""
-        logits = F.linear(x.float(), self.gate.weight.float())
+        logits = F.linear(x.float(), self.gate.weight.float())      # .float(): no-op for an fp32 router
         return route(logits, self.gate.expert_bias, self.top_k, self.n_group, self.topk_group, self.norm, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
