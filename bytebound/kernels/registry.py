@@ -32,6 +32,7 @@ class Resolution:
     fallback_from: str | None = None
     reason: str | None = None
     prefill: str | None = None      # how M > the decode kernel's limit runs (e.g. "triton (4-token slices)")
+    router: str | None = None       # moe only: who computes the group-limited top-k for M <= 4 ("torch" | "triton")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -119,9 +119,13 @@ class MoE(nn.Module):
                                if cfg.num_shared_experts else None)
 
     def router(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [M, H]`` -> ``(ids [M, k], weights [M, k])``; logits in float32."""
+        """``x [M, H]`` -> ``(ids [M, k], weights [M, k])``; logits in float32. ``route_fn`` (bound at load, e.g.
+        ``kernels.triton_router.fused_route``) replaces :func:`route` for up to 4 rows."""
         logits = F.linear(x.float(), self.gate.weight.float())      # .float(): no-op for an fp32 router
-        return route(logits, self.gate.expert_bias, self.top_k, self.n_group, self.topk_group, self.norm, self.scale)
+        fn = self.route_fn if (self.route_fn is not None and logits.shape[0] <= 4) else route
+        return fn(logits, self.gate.expert_bias, self.top_k, self.n_group, self.topk_group, self.norm, self.scale)
+
+    route_fn = None         # class default: the torch ``route``; bind_model may set a fused kernel per instance
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

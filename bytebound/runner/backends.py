@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bytebound.errors import BackendError
 from bytebound.kernels.registry import Resolution, resolve
 from bytebound.layers.kda import KimiDeltaAttention
 from bytebound.layers.linear import QLinear
-from bytebound.layers.moe import RoutedExperts
+from bytebound.layers.moe import MoE, RoutedExperts
 
 DEFAULTS_CPU = {"moe": "torch", "linear": "torch", "lm_head": "torch", "kda": "torch", "mla": "torch",
                 "sampling": "torch"}
@@ -42,15 +43,23 @@ def token_slices(fn, n: int):
     return run
 
 
-def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> BackendPlan:
+def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fused_router: bool = False
+               ) -> BackendPlan:
     """Resolve each op once and bind every module of that op to it. Raises BackendError (named) when a
-    requested backend is unusable and ``plan.allow_fallback`` is False."""
+    requested backend is unusable and ``plan.allow_fallback`` is False. ``fused_router``: the MoE routing for
+    M <= 4 runs as one Triton kernel (``kernels.triton_router``; CUDA only, else BackendError)."""
     dtype = model.dtype
     impl = {}
     for op in ("moe", "linear", "lm_head", "kda", "mla"):
         impl[op], plan.resolutions[op] = resolve(op, plan.requested[op], device, plan.allow_fallback)
     plan.resolutions["sampling"] = Resolution("sampling", plan.requested.get("sampling", "torch"), "torch")
     model.lm_head.configure(lm_head_mode)
+    route_fn = None
+    if fused_router:
+        if torch.device(device).type != "cuda":
+            raise BackendError("--fused-router needs a CUDA device (a Triton kernel)")
+        from bytebound.kernels.triton_router import fused_route as route_fn
+    plan.resolutions["moe"].router = "triton" if route_fn is not None else "torch"
     for m in model.modules():
         if isinstance(m, QLinear):
             m.fn, m.backend = impl["linear"].bind(m, dtype), plan.resolutions["linear"].resolved
@@ -66,6 +75,8 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
                 plan.resolutions["moe"].prefill = f"{plan.resolutions['moe'].resolved} ({n}-token slices)"
         elif isinstance(m, KimiDeltaAttention):
             m.kda_fn = impl["kda"].bind(m, dtype)
+        elif isinstance(m, MoE):
+            m.route_fn = route_fn
     model.lm_head.fn = impl["lm_head"].bind(model.lm_head, dtype)
     model.lm_head.backend = plan.resolutions["lm_head"].resolved
     return plan

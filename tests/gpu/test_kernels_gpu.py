@@ -269,6 +269,25 @@ def test_fla_kda(t):
     assert rel(o0.float(), o_ref0) <= 5e-3
 
 
+# ---- fused router --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m", [1, 4])
+def test_fused_router_ling(m):
+    """kernels.triton_router vs layers.moe.route at the Ling router shape (512 experts, 8 groups, keep 4, top-8)."""
+    from bytebound.kernels.triton_router import fused_route
+    from bytebound.layers.moe import route
+    g = torch.Generator(device=DEV).manual_seed(m)
+    for _ in range(20):
+        logits = torch.randn(m, 512, generator=g, device=DEV) * 2
+        bias = torch.randn(512, generator=g, device=DEV) * 0.5
+        ids, w = fused_route(logits, bias, 8, 8, 4, True, 2.5)
+        rid, rw = route(logits, bias, 8, 8, 4, True, 2.5)
+        for r in range(m):
+            a = dict(zip(ids[r].tolist(), w[r].tolist()))
+            b = dict(zip(rid[r].tolist(), rw[r].tolist()))
+            assert a.keys() == b.keys()
+            assert all(abs(a[k] - b[k]) <= 1e-5 for k in a)
+
+
 # ---- humming (last: slowest to compile) --------------------------------------------------------------------
 @pytest.mark.parametrize("m,shared", [(1, 0), (4, 5), (64, 0)])
 def test_humming_moe(ling_experts, m, shared):

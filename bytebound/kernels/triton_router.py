@@ -1,0 +1,104 @@
+"""Group-limited sigmoid routing (``layers.moe.route``) as one Triton kernel for decode and verify (M <= 4 rows).
+
+``route`` in torch is about a dozen small launches per MoE layer (sigmoid, bias add, per-group top-2, group
+top-k, scatter, repeat, masked fill, top-k, gather, normalise, scale). At batch 1 each launch costs microseconds
+while moving a few KB. Here one program per token does it all in registers over the ``E`` router logits:
+
+    s = sigmoid(logits); sb = s + bias
+    group score = max + second max of sb in each of the G groups (the top-2 sum)
+    keep the TOPK_GROUP best groups (iterative argmax), mask the other groups' experts
+    ids = the K best remaining sb (iterative argmax); w = s[ids] / (sum + 1e-20) * scale
+
+Selection order: ``ids`` come out in decreasing ``sb``. The reference's ``topk(sorted=False)`` leaves the order
+open, and the routed sum does not depend on it. On exact ties argmax takes the lowest index. ``torch.topk``
+makes no promise there, and with float32 sigmoid scores a tie is a measure-zero event. The router GEMV
+(``F.linear`` in float32) stays outside: it is one launch already.
+
+Constraints: ``E`` a power of two divisible by ``G`` (Ling: 512 experts, 8 groups); float32 logits. Tested against
+``route`` in the Triton interpreter on CPU (tests/test_triton_router.py). It has not run on a GPU yet, so the
+engine enables it only with ``EngineConfig.fused_router`` / ``--fused-router``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bytebound.errors import BackendError
+
+MAX_M = 4
+
+try:
+    import triton
+    import triton.language as tl
+    _TRITON_ERR = None
+except Exception as exc:  # pragma: no cover - depends on the machine
+    triton = tl = None
+    _TRITON_ERR = f"triton is not importable: {exc}"
+
+
+if tl is not None:
+    @triton.jit
+    def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, E: tl.constexpr, G: tl.constexpr,
+                      TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      NORM: tl.constexpr):
+        m = tl.program_id(0)
+        EG: tl.constexpr = E // G
+        NEG: tl.constexpr = float("-inf")
+        offs = tl.arange(0, E)
+        s = tl.sigmoid(tl.load(logits_ptr + m * E + offs).to(tl.float32))
+        if HAS_BIAS:
+            sb = s + tl.load(bias_ptr + offs).to(tl.float32)
+        else:
+            sb = s
+        # per-group top-2 sum
+        sb2 = tl.reshape(sb, (G, EG))
+        col = tl.arange(0, EG)
+        a1 = tl.argmax(sb2, axis=1)
+        top1 = tl.max(sb2, axis=1)
+        top2 = tl.max(tl.where(col[None, :] == a1[:, None], NEG, sb2), axis=1)
+        gs = top1 + top2                                                      # [G]
+        # keep the TOPK_GROUP best groups
+        gidx = tl.arange(0, G)
+        keep = gidx < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            a = tl.argmax(gs, axis=0)
+            keep = keep | (gidx == a)
+            gs = tl.where(gidx == a, NEG, gs)
+        keep_e = tl.reshape(tl.broadcast_to(keep[:, None], (G, EG)), (E,))
+        sel = tl.where(keep_e, sb, NEG)
+        # the K best experts of the kept groups
+        kk = tl.arange(0, KP)
+        out_ids = tl.zeros([KP], tl.int64)
+        out_w = tl.zeros([KP], tl.float32)
+        for i in tl.static_range(K):
+            a = tl.argmax(sel, axis=0)
+            out_ids = tl.where(kk == i, a.to(tl.int64), out_ids)
+            out_w = tl.where(kk == i, tl.sum(tl.where(offs == a, s, 0.0), axis=0), out_w)
+            sel = tl.where(offs == a, NEG, sel)
+        if NORM:
+            out_w = out_w / (tl.sum(out_w, axis=0) + 1e-20)
+        tl.store(ids_ptr + m * K + kk, out_ids, mask=kk < K)
+        tl.store(w_ptr + m * K + kk, out_w * scale, mask=kk < K)
+
+
+def fused_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int, topk_group: int,
+                norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits [M, E]`` float32 (M <= 4) -> ``(ids [M, k] int64, weights [M, k] float32)``, as ``moe.route``.
+
+    Raises BackendError when Triton is missing, M > 4, or E is not a power of two divisible by ``n_group``.
+    """
+    if _TRITON_ERR:
+        raise BackendError(f"router[triton]: {_TRITON_ERR}")
+    m, e = logits.shape
+    g = max(n_group, 1)
+    if m > MAX_M or e & (e - 1) or e % g:
+        raise BackendError(f"router[triton]: needs M <= {MAX_M} and E a power of two divisible by n_group "
+                           f"(got M={m}, E={e}, n_group={n_group})")
+    logits = logits.float().contiguous()
+    ids = torch.empty(m, top_k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(m, top_k, dtype=torch.float32, device=logits.device)
+    b = bias if bias is not None else logits       # dummy pointer when there is no bias
+    _route_kernel[(m,)](logits, b, ids, w, float(scale), E=e, G=g, TOPK_GROUP=topk_group if g > 1 else 1,
+                        K=top_k, KP=triton.next_power_of_2(top_k), HAS_BIAS=bias is not None, NORM=bool(norm),
+                        num_warps=4)
+    return ids, w
