@@ -48,3 +48,33 @@ def test_static_spans_match_sliced_attention_across_bucket_edges():
     assert spans == {64, 128}
     torch.testing.assert_close(one_span, sliced, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(buckets, sliced, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_kda_projections_equal_separate_ones(quant_ckpt, tmp_path):
+    """bind_model fuses each KDA layer's q|k|v|f|g FP8 projections into one (linear.fuse_rows): outputs equal the
+    five separate projections, no memory is added (the parts become row views), and the state dict, hence a
+    re-written checkpoint, is unchanged."""
+    from bytebound.checkpoint.loader import load_model
+    from bytebound.checkpoint.writer import save_pretrained
+    from bytebound.layers.kda import KimiDeltaAttention
+    from bytebound.runner.backends import BackendPlan, bind_model
+    model = load_model(quant_ckpt, "cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bind_model(model, BackendPlan.default("cpu"), "cpu")
+    kdas = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
+    assert kdas and all(m.proj_fn is not None for m in kdas)
+    m0 = kdas[0]
+    assert m0.q_proj.weight.data_ptr() + m0.q_proj.weight.numel() * m0.q_proj.weight.element_size() \
+        == m0.k_proj.weight.data_ptr()                                          # rows of one tensor
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    ids = torch.randint(4, model.cfg.vocab_size, (1, 21), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        fused = model(ids)
+        for m in kdas:
+            m.proj_fn = None
+        separate = model(ids)
+    torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-5)
+    out = save_pretrained(model, tmp_path / "again", quant=model.cfg.quant, float_dtype=torch.float32)
+    again = load_model(out, "cpu")
+    assert all(torch.equal(again.state_dict()[k], before[k]) for k in before)

@@ -88,6 +88,7 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(self.dim, dtype=torch.float32, device=device))
         self.o_norm = RMSNormGated(d, cfg.rms_norm_eps)
         self.kda_fn = torch_kda
+        self.proj_fn = None          # fused q|k|v|f|g projection, set by runner.backends.bind_model
 
     def new_state(self, batch: int, device) -> KDAState:
         return KDAState(torch.zeros(batch, 3 * self.dim, self.kernel - 1, device=device),
@@ -129,10 +130,15 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, state: KDAState | None = None) -> torch.Tensor:
         """``x [B, T, hidden]`` (normed) -> ``[B, T, hidden]``; with ``state`` continues and updates it."""
         b, t, _ = x.shape
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        if self.proj_fn is not None:        # q|k|v|f|g in one GEMV/GEMM (bind_model: linear.fuse_rows)
+            y = self.proj_fn(x)
+            qkv, f, gate = y[..., :3 * self.dim], y[..., 3 * self.dim:4 * self.dim], y[..., 4 * self.dim:]
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+            f, gate = self.f_proj(x), self.g_proj(x)
         q, k, v = self.short_conv(qkv, state).split(self.dim, -1)
         shape = (b, t, self.heads, self.head_dim)
-        g = kda_gate(self.f_proj(x), self.A_log, self.dt_bias, self.lower_bound, self.head_dim)
+        g = kda_gate(f, self.A_log, self.dt_bias, self.lower_bound, self.head_dim)
         beta = torch.sigmoid(self.b_proj(x).float())
         q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
         if state is not None and state.history is not None:
@@ -141,5 +147,5 @@ class KimiDeltaAttention(nn.Module):
             o, new = self.kda_fn(q, k, v, g, beta, None if state is None else state.rec)
             if state is not None:
                 state.rec.copy_(new)
-        o = self.o_norm(o, self.g_proj(x).view(shape)).to(x.dtype)
+        o = self.o_norm(o, gate.reshape(shape)).to(x.dtype)
         return self.o_proj(o.reshape(b, t, self.dim))

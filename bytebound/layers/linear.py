@@ -54,3 +54,33 @@ class QLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features}->{self.out_features}, fmt={self.fmt}, backend={self.backend}"
+
+
+def fuse_rows(parts: list[QLinear]) -> QLinear | None:
+    """One QLinear whose output is the concatenation of ``parts``' outputs (same input, format and block), so
+    several projections of one input cost one launch. The parts' parameters become row views of the fused
+    tensors (no extra memory; checkpoint names and the state dict are unchanged). Returns None when the parts
+    cannot share one weight (different format, block or input size, or FP8 rows not on scale-block edges).
+    """
+    p0 = parts[0]
+    if any(p.fmt != p0.fmt or tuple(p.block) != tuple(p0.block) or p.in_features != p0.in_features
+           or p.weight.device != p0.weight.device for p in parts):
+        return None
+    if p0.fmt == "fp8" and any(p.out_features % p0.block[0] for p in parts):
+        return None
+    out = sum(p.out_features for p in parts)
+    fused = QLinear(p0.in_features, out, p0.fmt, p0.block, p0.weight.dtype, p0.weight.device)
+    with torch.no_grad():
+        fused.weight.data = torch.cat([p.weight.data for p in parts])
+        if p0.fmt == "fp8":
+            fused.weight_scale_inv.data = torch.cat([p.weight_scale_inv.data for p in parts])
+    r = s = 0
+    for p in parts:                                         # re-point the parts at their rows of the fused tensors
+        p.weight.data = fused.weight.data[r:r + p.out_features]
+        r += p.out_features
+        if p0.fmt == "fp8":
+            n = p.weight_scale_inv.shape[0]
+            p.weight_scale_inv.data = fused.weight_scale_inv.data[s:s + n]
+            s += n
+    return fused
+

@@ -9,7 +9,7 @@ import torch
 from bytebound.errors import BackendError
 from bytebound.kernels.registry import Resolution, resolve
 from bytebound.layers.kda import KimiDeltaAttention
-from bytebound.layers.linear import QLinear
+from bytebound.layers.linear import QLinear, fuse_rows
 from bytebound.layers.moe import MoE, RoutedExperts
 
 DEFAULTS_CPU = {"moe": "torch", "linear": "torch", "lm_head": "torch", "kda": "torch", "mla": "torch",
@@ -75,6 +75,9 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
                 plan.resolutions["moe"].prefill = f"{plan.resolutions['moe'].resolved} ({n}-token slices)"
         elif isinstance(m, KimiDeltaAttention):
             m.kda_fn = impl["kda"].bind(m, dtype)
+            # q|k|v|f|g read the same input: one launch instead of five, and no concat for the conv
+            fused = fuse_rows([m.q_proj, m.k_proj, m.v_proj, m.f_proj, m.g_proj])
+            m.proj_fn = impl["linear"].bind(fused, dtype) if fused is not None else None
         elif isinstance(m, MoE):
             m.route_fn = route_fn
     model.lm_head.fn = impl["lm_head"].bind(model.lm_head, dtype)
