@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-num-draft-tokens", type=int, default=4)
     p.add_argument("--fused-router", action="store_true",
                    help="CUDA: MoE routing for decode/verify as one Triton kernel (not yet measured: opt-in)")
+    p.add_argument("--fused-norm", action="store_true",
+                   help="CUDA: every RMSNorm as one Triton kernel (not yet measured: opt-in)")
     p.add_argument("--decode-kv-buckets", action="store_true",
                    help="CUDA: attend over the smallest power-of-two span (>= 1024) that holds the sequence, one "
                         "decode graph per span, instead of all --max-model-len slots (not yet measured: opt-in)")
@@ -53,7 +55,7 @@ def engine_config(a):
                         allow_fallback=a.allow_fallback, speculative_steps=steps, max_model_len=a.max_model_len,
                         load_format=a.load_format, enforce_eager=a.enforce_eager,
                         spec_static_round=a.spec_static_round, kv_buckets=a.decode_kv_buckets,
-                        fused_router=a.fused_router)
+                        fused_router=a.fused_router, fused_norm=a.fused_norm)
 
 
 def print_fallbacks(engine) -> None:

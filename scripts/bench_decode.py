@@ -188,6 +188,7 @@ def main() -> int:
     ap.add_argument("--name", default="bench_decode", help="output file name (NAME.json) in --out")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests the script on a small config")
     ap.add_argument("--fused-router", action="store_true", help="MoE routing as one Triton kernel (M <= 4)")
+    ap.add_argument("--fused-norm", action="store_true", help="RMSNorms as single Triton kernels")
     ap.add_argument("--kv-buckets", action="store_true",
                     help="attention spans in powers of two from 1024 (runner.pow2_buckets) instead of all slots")
     a = ap.parse_args()
@@ -213,7 +214,7 @@ def main() -> int:
     max_len = max(ctxs) + 128
     runner = ModelRunner(model, max_len, dev, pow2_buckets(max_len) if a.kv_buckets else None)
     info["kv_spans"] = list(runner.kv_buckets)
-    info["fused_router"] = a.fused_router
+    info["fused_router"], info["fused_norm"] = a.fused_router, a.fused_norm
     results, ops = [], {}
 
     def dump():  # after every measurement, so a run cut short by its time limit still leaves its numbers
@@ -224,7 +225,7 @@ def main() -> int:
             plan = BackendPlan.default(dev, moe=moe)
             try:
                 t = time.perf_counter()
-                bind_model(model, plan, dev, head, a.fused_router)
+                bind_model(model, plan, dev, head, a.fused_router, a.fused_norm)
                 bind_s = time.perf_counter() - t
             except Exception as e:  # BackendError, or out of memory (humming's repacked copy at full scale)
                 print(f"skip moe={moe} head={head}: {type(e).__name__}: {e}", flush=True)
@@ -277,7 +278,7 @@ def main() -> int:
     if a.ttft_len:
         try:
             plan = BackendPlan.default(dev, moe=a.moe_backends.split(",")[0])
-            bind_model(model, plan, dev, "fp8", a.fused_router)
+            bind_model(model, plan, dev, "fp8", a.fused_router, a.fused_norm)
             runner = ModelRunner(model, a.ttft_len + 64, dev)
             ids = torch.randint(0, cfg.vocab_size, (a.ttft_len,), device=dev)
             sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)

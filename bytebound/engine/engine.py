@@ -47,6 +47,7 @@ class EngineConfig:
     watchdog_threshold: float = 1.05  # ... alarm at or below this accept length
     enforce_eager: bool = False       # CUDA: skip graph capture of the decode step (and of the MTP round)
     fused_router: bool = False        # CUDA: MoE routing (M <= 4) as one Triton kernel; opt-in until measured
+    fused_norm: bool = False          # CUDA: every RMSNorm / gated RMSNorm as one Triton kernel; opt-in likewise
     kv_buckets: bool = False          # CUDA: attention spans in powers of two from 1024 (one decode graph each)
     #                                   instead of all max_model_len slots every step; opt-in until measured
     spec_static_round: bool = False   # MTP rounds with static shapes (speculative.round): on CUDA one graph replay
@@ -130,7 +131,7 @@ class Engine:
                               f"{self.model.cfg.max_position_embeddings}")
         plan = BackendPlan.default(dev, **cfg.backends)
         plan.allow_fallback = cfg.allow_fallback
-        self.plan = bind_model(self.model, plan, dev, cfg.lm_head, cfg.fused_router)
+        self.plan = bind_model(self.model, plan, dev, cfg.lm_head, cfg.fused_router, cfg.fused_norm)
         self.runner = ModelRunner(self.model, cfg.max_model_len, dev,
                                   pow2_buckets(cfg.max_model_len) if cfg.kv_buckets else None)
         if dev.type == "cuda" and not cfg.enforce_eager:

@@ -16,8 +16,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fn = None      # a fused kernel bound at load (kernels.triton_norm), same rounding
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fn is not None:
+            return self.fn(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         # The weight may be stored in another dtype (float32 norms in a bf16 model): the result keeps x's dtype.
@@ -34,8 +37,11 @@ class RMSNormGated(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fn = None      # a fused kernel bound at load (kernels.triton_norm), same rounding
 
     def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.fn is not None:
+            return self.fn(o, gate, self.weight, self.eps)
         of = o.float()
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
         return (of * torch.sigmoid(gate.float())).to(o.dtype)

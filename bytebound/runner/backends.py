@@ -11,6 +11,7 @@ from bytebound.kernels.registry import Resolution, resolve
 from bytebound.layers.kda import KimiDeltaAttention
 from bytebound.layers.linear import QLinear, fuse_rows
 from bytebound.layers.moe import MoE, RoutedExperts
+from bytebound.layers.norm import RMSNorm, RMSNormGated
 
 DEFAULTS_CPU = {"moe": "torch", "linear": "torch", "lm_head": "torch", "kda": "torch", "mla": "torch",
                 "sampling": "torch"}
@@ -43,11 +44,12 @@ def token_slices(fn, n: int):
     return run
 
 
-def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fused_router: bool = False
-               ) -> BackendPlan:
+def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fused_router: bool = False,
+               fused_norm: bool = False) -> BackendPlan:
     """Resolve each op once and bind every module of that op to it. Raises BackendError (named) when a
     requested backend is unusable and ``plan.allow_fallback`` is False. ``fused_router``: the MoE routing for
-    M <= 4 runs as one Triton kernel (``kernels.triton_router``; CUDA only, else BackendError)."""
+    M <= 4 runs as one Triton kernel (``kernels.triton_router``; CUDA only, else BackendError). ``fused_norm``: every
+    RMSNorm and gated RMSNorm is one Triton kernel (``kernels.triton_norm``; CUDA only)."""
     dtype = model.dtype
     impl = {}
     for op in ("moe", "linear", "lm_head", "kda", "mla"):
@@ -60,6 +62,13 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
             raise BackendError("--fused-router needs a CUDA device (a Triton kernel)")
         from bytebound.kernels.triton_router import fused_route as route_fn
     plan.resolutions["moe"].router = "triton" if route_fn is not None else "torch"
+    norm_fn = gated_fn = None
+    if fused_norm:
+        if torch.device(device).type != "cuda":
+            raise BackendError("--fused-norm needs a CUDA device (a Triton kernel)")
+        from bytebound.kernels.triton_norm import rmsnorm as norm_fn, rmsnorm_gated as gated_fn
+    plan.resolutions["norm"] = Resolution("norm", "triton" if fused_norm else "torch",
+                                          "triton" if fused_norm else "torch")
     for m in model.modules():
         if isinstance(m, QLinear):
             m.fn, m.backend = impl["linear"].bind(m, dtype), plan.resolutions["linear"].resolved
@@ -80,6 +89,10 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
             m.proj_fn = impl["linear"].bind(fused, dtype) if fused is not None else None
         elif isinstance(m, MoE):
             m.route_fn = route_fn
+        elif isinstance(m, RMSNormGated):
+            m.fn = gated_fn
+        elif isinstance(m, RMSNorm):
+            m.fn = norm_fn
     model.lm_head.fn = impl["lm_head"].bind(model.lm_head, dtype)
     model.lm_head.backend = plan.resolutions["lm_head"].resolved
     return plan

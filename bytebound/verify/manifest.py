@@ -196,7 +196,7 @@ def _graph_lever(engine) -> dict:
 
 def build_levers(engine) -> dict:
     levers = {"moe": _moe_lever(engine)}
-    for op in ("linear", "kda", "mla", "sampling"):
+    for op in ("linear", "kda", "mla", "norm", "sampling"):
         levers[op] = _resolution(engine.plan.resolutions.get(op))
     levers["lm_head"] = _lm_head_lever(engine)
     levers["mtp"] = _mtp_lever(engine)

@@ -1,0 +1,92 @@
+"""The fused RMSNorm kernels (``kernels.triton_norm``) against ``layers.norm``: same values, same rounding.
+On a CPU machine they run in Triton's interpreter (TRITON_INTERPRET=1) when Triton is installed; CI has no Triton
+and skips with that reason. On a GPU they compile for real (tests/gpu)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from bytebound.layers.norm import RMSNorm, RMSNormGated
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton not installed (the kernels are also tested on the GPU)")
+
+
+@pytest.fixture(scope="module")
+def norm():
+    old = os.environ.get("TRITON_INTERPRET")
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"        # read when the kernel is decorated: set before (re)import
+    patched = None
+    if not torch.cuda.is_available():
+        # The interpreter turns float32 into bfloat16 by truncating the mantissa; the GPU (cvt.rn.bf16.f32) and
+        # torch round to nearest even. Make the interpreter round like the hardware, or the comparison is moot.
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter as interp
+        patched = interp._convert_float
+
+        def convert(data, src, dst, rounding):
+            if src == tl.float32 and dst == tl.bfloat16:
+                t = torch.from_numpy(np.frombuffer(data.tobytes(), dtype=np.float32).copy())
+                return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(data.shape)
+            return patched(data, src, dst, rounding)
+        interp._convert_float = convert
+    import bytebound.kernels.triton_norm as mod
+    yield importlib.reload(mod)
+    if patched is not None:
+        interp._convert_float = patched
+    if old is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("d,rows,xdt,wdt", [(2560, 1, torch.bfloat16, torch.float32),
+                                            (2560, 4, torch.bfloat16, torch.bfloat16),
+                                            (512, 3, torch.float32, torch.float32), (1536, 2, torch.bfloat16,
+                                                                                      torch.float32)])
+def test_rmsnorm_matches_module(norm, d, rows, xdt, wdt):
+    g = torch.Generator().manual_seed(d + rows)
+    m = RMSNorm(d, 1e-6)
+    m.weight.data = (torch.rand(d, generator=g) + 0.5).to(wdt)
+    m = m.to(DEV)
+    x = (torch.randn(1, rows, d, generator=g) * 3).to(xdt).to(DEV)
+    want = m(x)
+    got = norm.rmsnorm(x, m.weight, m.eps)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if xdt == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        return
+    # Same rounding points (normalised value to bf16, then the weight). The float32 statistics may differ in their
+    # last bits (reduction order), which flips the first bf16 rounding of a few elements: each such element is
+    # then off by one bf16 step, at most two after the second rounding. Nothing else may differ.
+    ulp = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp(min=1e-30))) - 7)
+    assert ((got.float() - want.float()).abs() <= 2 * ulp).all()
+    assert (got != want).float().mean() < 0.01
+
+
+def test_rmsnorm_gated_matches_module(norm):
+    g = torch.Generator().manual_seed(0)
+    m = RMSNormGated(128, 1e-6)
+    m.weight.data = torch.rand(128, generator=g) + 0.5
+    m = m.to(DEV)
+    o = torch.randn(1, 2, 32, 128, generator=g).to(DEV)                    # KDA output: float32, per head
+    gate = torch.randn(1, 2, 32, 128, generator=g).to(torch.bfloat16).to(DEV)
+    torch.testing.assert_close(norm.rmsnorm_gated(o, gate, m.weight, m.eps), m(o, gate), rtol=1e-6, atol=1e-6)
+
+
+def test_bad_shapes_are_named_errors(norm):
+    from bytebound.errors import BackendError
+    with pytest.raises(BackendError, match="weight"):
+        norm.rmsnorm(torch.zeros(1, 64), torch.ones(32), 1e-6)
+    with pytest.raises(BackendError, match="gate shape"):
+        norm.rmsnorm_gated(torch.zeros(2, 64), torch.zeros(1, 64), torch.ones(64), 1e-6)
