@@ -49,6 +49,11 @@ def engine_config(a):
             raise ConfigError(f"--speculative-num-steps must be >= 1 with NEXTN, got {steps}")
         if a.speculative_num_draft_tokens != steps + 1:
             raise ConfigError("--speculative-num-draft-tokens must equal --speculative-num-steps + 1 (chain, top-k 1)")
+    if a.spec_static_round and a.speculative_algorithm != "NEXTN":
+        raise ConfigError("--spec-static-round needs --speculative-algorithm NEXTN")
+    if a.decode_kv_buckets and a.device != "cuda":
+        raise ConfigError("--decode-kv-buckets needs --device cuda (the CPU path attends over exactly the "
+                          "sequence already)")
     backends = {k: v for k, v in (("moe", a.moe_backend), ("linear", a.linear_backend), ("kda", a.kda_backend)) if v}
     return EngineConfig(model=a.model, device=a.device, dtype=a.dtype,
                         lm_head="fp32" if a.enable_fp32_lm_head else a.lm_head, backends=backends,
@@ -67,10 +72,11 @@ def print_fallbacks(engine) -> None:
 def cmd_generate(a) -> int:
     from bytebound.engine.engine import Engine
     from bytebound.sampling import SamplingParams
-    eng = Engine(engine_config(a))
-    print_fallbacks(eng)
+    # request values first: a bad one is reported before the model loads
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed, stop=tuple(a.stop or ()))
+    eng = Engine(engine_config(a))
+    print_fallbacks(eng)
     out = None
     for chunk in eng.stream(a.prompt, params, chat=a.chat):
         sys.stdout.write(chunk.text)

@@ -201,8 +201,9 @@ class Engine:
         if not ids:
             raise RequestError("empty prompt")
         if len(ids) + p.max_tokens + (self.config.speculative_steps + 1) > self.runner.max_len:
-            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds the model's "
-                               f"max length {self.runner.max_len}")
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens})"
+                               + (f" + {self.config.speculative_steps + 1} draft slots" if self.drafter else "")
+                               + f" exceeds the engine's max length {self.runner.max_len} (--max-model-len)")
         self.runner.reset()
         gen = make_generator(p, self.device)
         stats = SpecStats(self.config.speculative_steps) if self.drafter else None

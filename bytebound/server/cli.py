@@ -48,6 +48,9 @@ def cmd_serve(a) -> int:
     if a.max_queue < 1:
         print("[bytebound serve] --max-queue must be >= 1", file=sys.stderr)
         return 2
+    if not 0 <= a.port <= 65535:
+        print(f"[bytebound serve] --port must be in [0, 65535], got {a.port}", file=sys.stderr)
+        return 2
     cfg = engine_config(a)
     if a.verify and hasattr(cfg, "verify"):
         cfg = dataclasses.replace(cfg, verify=True, strict=a.strict)
