@@ -106,9 +106,9 @@ def _start(cfg):
     t = time.perf_counter()
     eng = Engine(cfg)
     print_fallbacks(eng)
-    print(f"[bench] engine started in {time.perf_counter() - t:.1f} s (lm_head={eng.model.lm_head.mode}, "
-          f"MTP steps={cfg.speculative_steps}, " + ", ".join(f"{op}={r.resolved}" for op, r in
-                                                            eng.plan.resolutions.items()) + ")", flush=True)
+    print(f"[bench] engine started in {time.perf_counter() - t:.1f} s (head path {eng.model.lm_head.mode}, "
+          f"MTP steps={cfg.speculative_steps}; kernels: " + ", ".join(f"{op}={r.resolved}" for op, r in
+                                                                     eng.plan.resolutions.items()) + ")", flush=True)
     return eng
 
 

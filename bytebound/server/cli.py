@@ -63,7 +63,7 @@ def cmd_serve(a) -> int:
     app = create_app(eng, a.served_model_name, a.max_queue)
     name = app.state.served_model_name
     res = ", ".join(f"{op}={r.resolved}" for op, r in eng.plan.resolutions.items())
-    print(f"[bytebound serve] model {name!r} on {eng.device} ({res}; lm_head={eng.model.lm_head.mode}, "
+    print(f"[bytebound serve] model {name!r} on {eng.device} (kernels: {res}; head path {eng.model.lm_head.mode}, "
           f"MTP steps={eng.config.speculative_steps}); http://{a.host}:{a.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
     return 0
