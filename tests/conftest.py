@@ -6,6 +6,9 @@ random models, so every test that loads one exercises the real loader.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -110,3 +113,36 @@ def tiny_random_ckpt(tmp_path_factory):
     save_pretrained(random_model(tiny_config(vocab_size=6144, eos_token_id=3, pad_token_id=0)), d,
                     tokenizer_dir=NANO_TOKENIZER)
     return d
+
+
+@contextlib.contextmanager
+def triton_kernels(module: str, bf16_round_nearest: bool = False):
+    """Import a Triton kernel module for a CPU test: under ``TRITON_INTERPRET=1`` when there is no GPU (the flag is
+    read when kernels are decorated, hence the reload), restored afterwards. ``bf16_round_nearest`` makes the
+    interpreter's float32 -> bfloat16 cast round to nearest even like the hardware (it truncates otherwise)."""
+    old = os.environ.get("TRITON_INTERPRET")
+    patched = interp = None
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+        if bf16_round_nearest:
+            import numpy as np
+            import triton.language as tl
+            from triton.runtime import interpreter as interp
+            patched = interp._convert_float
+
+            def convert(data, src, dst, rounding):
+                if src == tl.float32 and dst == tl.bfloat16:
+                    t = torch.from_numpy(np.frombuffer(data.tobytes(), dtype=np.float32).copy())
+                    return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(data.shape)
+                return patched(data, src, dst, rounding)
+            interp._convert_float = convert
+    try:
+        yield importlib.reload(importlib.import_module(module))
+    finally:
+        if patched is not None:
+            interp._convert_float = patched
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+

@@ -4,14 +4,14 @@ and skips with that reason. On a GPU they compile for real (tests/gpu)."""
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import os
 
 import pytest
 import torch
 
 from bytebound.layers.norm import RMSNorm, RMSNormGated
+from conftest import triton_kernels
+
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton not installed (the kernels are also tested on the GPU)")
@@ -19,32 +19,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 @pytest.fixture(scope="module")
 def norm():
-    old = os.environ.get("TRITON_INTERPRET")
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"        # read when the kernel is decorated: set before (re)import
-    patched = None
-    if not torch.cuda.is_available():
-        # The interpreter turns float32 into bfloat16 by truncating the mantissa; the GPU (cvt.rn.bf16.f32) and
-        # torch round to nearest even. Make the interpreter round like the hardware, or the comparison is moot.
-        import numpy as np
-        import triton.language as tl
-        from triton.runtime import interpreter as interp
-        patched = interp._convert_float
-
-        def convert(data, src, dst, rounding):
-            if src == tl.float32 and dst == tl.bfloat16:
-                t = torch.from_numpy(np.frombuffer(data.tobytes(), dtype=np.float32).copy())
-                return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(data.shape)
-            return patched(data, src, dst, rounding)
-        interp._convert_float = convert
-    import bytebound.kernels.triton_norm as mod
-    yield importlib.reload(mod)
-    if patched is not None:
-        interp._convert_float = patched
-    if old is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = old
+    with triton_kernels("bytebound.kernels.triton_norm", bf16_round_nearest=True) as mod:
+        yield mod
 
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

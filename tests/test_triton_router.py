@@ -4,14 +4,14 @@ and skips with that reason. On a GPU it compiles for real (tests/gpu)."""
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import os
 
 import pytest
 import torch
 
 from bytebound.layers.moe import route
+from conftest import triton_kernels
+
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton not installed (the kernel is also tested on the GPU)")
@@ -19,15 +19,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 @pytest.fixture(scope="module")
 def router():
-    old = os.environ.get("TRITON_INTERPRET")
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"        # read when the kernel is decorated: set before (re)import
-    import bytebound.kernels.triton_router as mod
-    yield importlib.reload(mod)
-    if old is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = old
+    with triton_kernels("bytebound.kernels.triton_router") as mod:
+        yield mod
 
 
 def as_sets(ids, w):

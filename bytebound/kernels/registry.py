@@ -130,3 +130,15 @@ def _load_optional() -> None:
         except ModuleNotFoundError as e:  # only our own optional modules may be absent
             if e.name != mod:
                 raise
+
+
+def optional_triton():
+    """``(triton, triton.language, None)``, or ``(None, None, reason)`` on machines without Triton (CPU CI): the
+    kernel modules import everywhere and say why they cannot run."""
+    try:
+        import triton
+        import triton.language as tl
+        return triton, tl, None
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        return None, None, f"triton is not importable: {exc}"
+

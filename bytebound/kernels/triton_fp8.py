@@ -35,17 +35,11 @@ import torch
 import torch.nn.functional as F
 
 from bytebound.errors import BackendError
-from bytebound.kernels.registry import cuda_only, register
+from bytebound.kernels.registry import cuda_only, optional_triton, register
 
 MAX_M = 4
 
-try:
-    import triton
-    import triton.language as tl
-    _TRITON_ERR = None
-except Exception as exc:  # pragma: no cover
-    triton = tl = None
-    _TRITON_ERR = f"triton is not importable: {exc}"
+triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machines without Triton
 
 
 def available(dev) -> str | None:

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from bytebound.errors import BackendError
-from bytebound.kernels.registry import cuda_only, register
+from bytebound.kernels.registry import cuda_only, optional_triton, register
 
 MAX_M = 4
 # Deterministic accumulation: partial sums enter the workspace as int64 fixed point (value * 2^28), and integer
@@ -61,13 +61,7 @@ CONFIG_PATH = Path(__file__).resolve().parent / "configs" / "triton_moe.json"
 DEFAULT_CONFIG = {"variant": "gluon", "BI": 64, "BK": 128, "BH": 256, "num_warps": 4}   # H200 sweep: best at M=1, 4
 TL_DEFAULT_CONFIG = {"variant": "tl", "BI": 32, "BK": 256, "BH": 128, "num_warps": 4, "num_stages": 3}
 
-try:  # Triton is optional on CPU machines; everything below the guard needs it.
-    import triton
-    import triton.language as tl
-    _TRITON_ERR = None
-except Exception as exc:  # pragma: no cover - depends on the machine
-    triton = tl = None
-    _TRITON_ERR = f"triton is not importable: {exc}"
+triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machines without Triton
 
 try:
     from triton.experimental import gluon

@@ -20,16 +20,11 @@ from __future__ import annotations
 import torch
 
 from bytebound.errors import BackendError
+from bytebound.kernels.registry import optional_triton
 
 MAX_D = 8192
 
-try:
-    import triton
-    import triton.language as tl
-    _TRITON_ERR = None
-except Exception as exc:  # pragma: no cover - depends on the machine
-    triton = tl = None
-    _TRITON_ERR = f"triton is not importable: {exc}"
+triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machines without Triton
 
 
 if tl is not None:
