@@ -60,12 +60,21 @@ def _e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     return idx.to(torch.uint8) | sign
 
 
-def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8 0..15, bit 3 = sign) -> float32 values in [-6, 6]."""
+    mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=codes.device)
+    v = mags[(codes & 7).long()]
+    return torch.where((codes & 8) > 0, -v, v)
+
+
+def quantize_mxfp4(w: torch.Tensor, scale_rule: str = "ocp") -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise ``w`` ``[N, K]`` (any float dtype, K % 32 == 0) to MXFP4.
 
-    Scale per 32-block: E8M0 ``2**(floor(log2(amax)) - 2)`` (OCP MX v1.0 section 6.3: the shared exponent is
-    the block's largest exponent minus E2M1's emax = 2), so the largest element lands in [4, 8) and saturates
-    to 6 at most.
+    Scale per 32-block, ``scale_rule="ocp"``: E8M0 ``2**(floor(log2(amax)) - 2)`` (OCP MX v1.0 section 6.3: the
+    shared exponent is the block's largest exponent minus E2M1's emax = 2), so the largest element lands in
+    [4, 8) and saturates to 6 at most. ``scale_rule="mse"``: per block, that exponent or the next one up
+    (largest element in [2, 4): no saturation, half the resolution), whichever gives the smaller squared error.
+    Either way the bytes are plain MXFP4; only the choice of the shared exponent differs.
 
     Returns:
         packed ``uint8 [N, K/2]`` (low nibble = even column) and scales ``uint8 [N, K/32]`` (E8M0 bytes).
@@ -85,6 +94,13 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _, e2 = torch.frexp(amax)                                # amax = m * 2^e2, m in [0.5, 1)
     exp = torch.where(amax > 0, (e2 - 1 - 2).to(torch.float32), torch.full_like(amax, -127))
     exp = exp.clamp(-127, 127)
+    if scale_rule == "mse":
+        up = (exp + 1).clamp(max=127)
+        err = [((_e2m1_decode(_e2m1_encode(blocks / torch.exp2(e)[..., None])) * torch.exp2(e)[..., None]
+                 - blocks) ** 2).sum(-1) for e in (exp, up)]
+        exp = torch.where(err[1] < err[0], up, exp)
+    elif scale_rule != "ocp":
+        raise QuantFormatError(f"MXFP4 scale_rule must be 'ocp' or 'mse', got {scale_rule!r}")
     scale = torch.exp2(exp)
     codes = _e2m1_encode(blocks / scale[..., None]).view(n, k)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)

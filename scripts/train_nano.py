@@ -155,9 +155,12 @@ class DenseExperts:
         return F.linear(a.reshape(m, e * i), w2)
 
 
+MXFP4_SCALE = "ocp"      # shared-exponent rule of QAT and export (--mxfp4-scale): the two must agree
+
+
 def fake_mxfp4(w: torch.Tensor) -> torch.Tensor:
     """``w [..., K]`` through the writer's MXFP4 quantiser (groups of 32 along K) and back, float32."""
-    packed, sc = quantize_mxfp4(w.detach().reshape(-1, w.shape[-1]))
+    packed, sc = quantize_mxfp4(w.detach().reshape(-1, w.shape[-1]), MXFP4_SCALE)
     return dequantize_mxfp4(packed, sc, torch.float32).view(w.shape)
 
 
@@ -423,6 +426,8 @@ def evaluate(model, ids, w, rows: int, device, amp) -> dict:
             acc[k] = acc.get(k, 0.0) + v.float()
     model.train()
     acc = {k: float(v) for k, v in acc.items()}
+    if not acc:                                   # no validation rows (tiny smoke runs)
+        return {"ce": float("nan"), "nextn_ce": float("nan"), "top1": float("nan"), "nextn_top1": float("nan")}
     return {"ce": acc["ce_sum"] / acc["w_sum"], "nextn_ce": acc["nce_sum"] / acc["w2_sum"],
             "top1": acc["hit"] / acc["w_sum"], "nextn_top1": acc["hit2"] / acc["w2_sum"]}
 
@@ -484,7 +489,11 @@ def main(argv=None) -> int:
     ap.add_argument("--val-every", type=int, default=100)
     ap.add_argument("--limit-train", type=int, default=0, help="use only this many train records (smoke tests)")
     ap.add_argument("--no-export", action="store_true")
+    ap.add_argument("--mxfp4-scale", default="ocp", choices=["ocp", "mse"],
+                    help="MXFP4 shared exponent: OCP rule, or per block the lower-error of it and the next one up")
     a = ap.parse_args(argv)
+    global MXFP4_SCALE
+    MXFP4_SCALE = a.mxfp4_scale
 
     t_start = time.time()
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
@@ -705,7 +714,8 @@ def main(argv=None) -> int:
         t0 = time.time()
         cpu_model = BailingMoeV3ForCausalLM(cfg, torch.float32)
         cpu_model.load_state_dict(state)
-        save_pretrained(cpu_model, a.export_dir, quant=EXPORT_QUANT, tokenizer_dir=a.tokenizer_dir)
+        save_pretrained(cpu_model, a.export_dir, quant=EXPORT_QUANT, tokenizer_dir=a.tokenizer_dir,
+                        mxfp4_scale=a.mxfp4_scale)
         size = sum(f.stat().st_size for f in Path(a.export_dir).iterdir() if f.is_file())
         log["export"] = {"dir": str(a.export_dir), "bytes": size, "seconds": time.time() - t0,
                          "quant": EXPORT_QUANT.to_json()}
@@ -716,7 +726,8 @@ def main(argv=None) -> int:
     print(f"[nano] wrote {logdir / 'loss.json'} and loss.png; total wall {log['total_wall_s']:.1f}s on {dev_name}",
           flush=True)
     print(f"[nano] reproduce: python scripts/train_nano.py --seed {a.seed} --steps {total_steps} "
-          f"--batch-rows {a.batch_rows} --seq-len {a.seq_len}", flush=True)
+          f"--batch-rows {a.batch_rows} --seq-len {a.seq_len} --qat-frac {a.qat_frac} --mxfp4-scale {a.mxfp4_scale}",
+          flush=True)
     return 0
 
 

@@ -326,3 +326,20 @@ def test_fp8_channel_matmul_reference():
     exact = x.double() @ w.double().t()                       # and it approximates x W^T (~3% of |x||w|)
     scale = x.double().norm(dim=-1)[:, None] * w.double().norm(dim=-1)[None, :]
     assert ((out.double() - exact).abs() <= 0.03 * scale).all()
+
+
+def test_mxfp4_mse_scale_rule_never_worse_per_block():
+    """scale_rule="mse" picks, per 32-block, the OCP exponent or the next one up, whichever has the smaller squared
+    error (float64 reference): never worse than OCP, and it does pick the other one for some blocks."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.cat([torch.randn(64, 256, generator=g) * 0.02, torch.randn(64, 256, generator=g).pow(3)])
+    q0, s0 = quantize_mxfp4(w)
+    q1, s1 = quantize_mxfp4(w, scale_rule="mse")
+    d0 = (mxfp4_dequant_ref(q0, s0) - w.double()).pow(2).view(128, 8, 32).sum(-1)
+    d1 = (mxfp4_dequant_ref(q1, s1) - w.double()).pow(2).view(128, 8, 32).sum(-1)
+    assert (d1 <= d0 + 1e-18).all()
+    up = s1.int() - s0.int()
+    assert set(up.unique().tolist()) <= {0, 1} and (up == 1).any()
+    assert d1.sum() < d0.sum()
+    with pytest.raises(QuantFormatError, match="scale_rule"):
+        quantize_mxfp4(w, scale_rule="max")

@@ -18,12 +18,13 @@ from bytebound.checkpoint.layout import expected_tensors
 from bytebound.config import QuantConfig
 from bytebound.quant import quantize_fp8_block, quantize_mxfp4
 
-FP32_NAMES = ("A_log", "dt_bias", "conv1d.weight", "expert_bias")
+FP32_NAMES = ("A_log", "dt_bias", "conv1d.weight", "expert_bias", "mlp.gate.weight")   # router_dtype fp32
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "added_tokens.json", "generation_config.json")
 
 
-def checkpoint_tensors(model, quant: QuantConfig | None = None, float_dtype=torch.bfloat16) -> tuple[dict, object]:
+def checkpoint_tensors(model, quant: QuantConfig | None = None, float_dtype=torch.bfloat16,
+                       mxfp4_scale: str = "ocp") -> tuple[dict, object]:
     """Map ``model``'s weights to ``{checkpoint name: tensor}`` under ``quant`` (default: the model's own).
 
     Returns ``(tensors, cfg_out)``. Plain float tensors are stored as ``float_dtype`` except the small fp32
@@ -58,7 +59,7 @@ def checkpoint_tensors(model, quant: QuantConfig | None = None, float_dtype=torc
                 out[spec.name] = stacked[e, r0:r1].view(torch.int8).clone()
                 out[f"{base}.weight_scale_inv"] = sd[spec.target + "_scale"][e, r0:r1].clone()
             else:
-                w, s = quantize_mxfp4(stacked[e, r0:r1])
+                w, s = quantize_mxfp4(stacked[e, r0:r1], mxfp4_scale)
                 out[spec.name], out[f"{base}.weight_scale_inv"] = w.view(torch.int8), s
         else:
             out[spec.name] = stacked[e, r0:r1].to(float_dtype).clone()
@@ -67,18 +68,19 @@ def checkpoint_tensors(model, quant: QuantConfig | None = None, float_dtype=torc
 
 def save_pretrained(model, out_dir, quant: QuantConfig | None = None, tokenizer_dir=None,
                     generation_config: dict | None = None, float_dtype=torch.bfloat16,
-                    max_shard_bytes: int | None = None) -> Path:
+                    max_shard_bytes: int | None = None, mxfp4_scale: str = "ocp") -> Path:
     """Write ``model`` to ``out_dir`` in the Ling checkpoint format.
 
     Args:
         quant: target quantisation (None keeps the model's). tokenizer_dir: copy tokenizer files from here.
         max_shard_bytes: split into ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``;
             None writes one ``model.safetensors``.
+        mxfp4_scale: shared-exponent rule for routed experts quantised here (``quant.quantize_mxfp4``).
     Returns the output directory.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors, cfg = checkpoint_tensors(model, quant, float_dtype)
+    tensors, cfg = checkpoint_tensors(model, quant, float_dtype, mxfp4_scale)
     d = cfg.to_dict()
     d["torch_dtype"] = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}[float_dtype]
     (out / "config.json").write_text(json.dumps(d, indent=2) + "\n")
