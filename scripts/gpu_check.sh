@@ -14,7 +14,8 @@
 # Environment: SECTION_TIMEOUT (seconds per step, default 300), TEST_TIMEOUT (seconds per pytest test, default 200), BYTEBOUND_COMMIT (recorded by benchmarks when
 # the checkout has no .git), PYTEST_K (a pytest -k expression, e.g. "not humming"), BENCH_MOE_ARGS
 # (extra bench_moe.py arguments, e.g. "--quick --layers 4"), BENCH_DECODE_ARGS (extra bench_decode.py
-# arguments, e.g. "--moe-backends triton,torch --ttft-len 0").
+# arguments, e.g. "--moe-backends triton,torch --ttft-len 0"), NANO_ARGS (extra train_nano.py arguments for the
+# on-demand section ``nano``, e.g. "--qat-frac 0.7 --mxfp4-scale mse").
 
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -84,18 +85,27 @@ section_verify() {       # start-up canaries on GPU, and their cost at full scal
         -k "gpu or cuda or full_scale"
 }
 
+section_nano() {         # retrain ling-nano (issue 3) and measure quantised vs float on the device, where the float
+    #                        weights are (they do not fit the 16 MiB return limit); the export comes back as .tar.xz
+    local d=/tmp/nano_run
+    run_step train python3 scripts/train_nano.py --out "$d" --export-dir "$d/export" --train-log-dir "$OUT" ${NANO_ARGS:-}
+    run_step eval python3 scripts/eval_nano.py --ckpt "$d/export" --float-weights "$d/nano_float.pt" --device cuda \
+        --greedy-n 200 --out "$OUT/ling-nano-eval.json"
+    run_step pack tar -cJf "$OUT/ling-nano-export.tar.xz" -C "$d" export
+}
+
 section_env() {          # what the machine has
     run_step env bash -c 'nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; python3 -m pip list 2>/dev/null | grep -i -E "fla|humming|triton|torch"'
 }
 
 main() {
-    if [ "${1:-}" = "--list" ]; then printf '%s\n' "${SECTIONS[@]}" env; return 0; fi
+    if [ "${1:-}" = "--list" ]; then printf '%s\n' "${SECTIONS[@]}" env nano; return 0; fi
     local todo=("$@")
     [ ${#todo[@]} -eq 0 ] && todo=("${SECTIONS[@]}")
     install_wheels || FAILED+=("install_wheels")
     for s in "${todo[@]}"; do
         if ! declare -F "section_$s" >/dev/null; then
-            echo "unknown section '$s' (have: ${SECTIONS[*]} env)"; FAILED+=("$s(unknown)"); continue
+            echo "unknown section '$s' (have: ${SECTIONS[*]} env nano)"; FAILED+=("$s(unknown)"); continue
         fi
         CURRENT="$s"; LOG="$OUT/$s.log"; : >"$LOG"
         "section_$s"
