@@ -10,6 +10,13 @@ from bytebound.runner.runner import ModelRunner, pow2_buckets
 from conftest import make_model
 
 
+def test_span_past_the_cache_is_a_named_error():
+    import pytest
+    r = ModelRunner(make_model(), 300, "cpu", kv_buckets=(64,))
+    with pytest.raises(ValueError, match="exceeds the cache"):
+        r.kv_span(301)
+
+
 def test_pow2_buckets_and_span_choice():
     assert pow2_buckets(4096) == (1024, 2048, 4096)
     assert pow2_buckets(5000) == (1024, 2048, 4096, 5000)
@@ -63,6 +70,9 @@ def test_fused_kda_projections_equal_separate_ones(quant_ckpt, tmp_path):
     bind_model(model, BackendPlan.default("cpu"), "cpu")
     kdas = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
     assert kdas and all(m.proj_fn is not None for m in kdas)
+    # the parts are not bound on their own (no second dequantised copy of their weights)
+    assert all(p.fn is None and p.backend.endswith("(fused)") for m in kdas
+               for p in (m.q_proj, m.k_proj, m.v_proj, m.f_proj, m.g_proj))
     m0 = kdas[0]
     assert m0.q_proj.weight.data_ptr() + m0.q_proj.weight.numel() * m0.q_proj.weight.element_size() \
         == m0.k_proj.weight.data_ptr()                                          # rows of one tensor

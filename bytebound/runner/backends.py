@@ -69,9 +69,13 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
         from bytebound.kernels.triton_norm import rmsnorm as norm_fn, rmsnorm_gated as gated_fn
     plan.resolutions["norm"] = Resolution("norm", "triton" if fused_norm else "torch",
                                           "triton" if fused_norm else "torch")
+    fused_parts = set()         # projections that run inside a fused QLinear: no binding (no dequantised copy)
     for m in model.modules():
         if isinstance(m, QLinear):
-            m.fn, m.backend = impl["linear"].bind(m, dtype), plan.resolutions["linear"].resolved
+            if id(m) in fused_parts:
+                m.fn, m.backend = None, f"{plan.resolutions['linear'].resolved} (fused)"
+            else:
+                m.fn, m.backend = impl["linear"].bind(m, dtype), plan.resolutions["linear"].resolved
         elif isinstance(m, RoutedExperts):
             m.fn, m.backend = impl["moe"].bind(m, dtype), plan.resolutions["moe"].resolved
             if getattr(m.fn, "prefill", False) is None:
@@ -85,8 +89,11 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
         elif isinstance(m, KimiDeltaAttention):
             m.kda_fn = impl["kda"].bind(m, dtype)
             # q|k|v|f|g read the same input: one launch instead of five, and no concat for the conv
-            fused = fuse_rows([m.q_proj, m.k_proj, m.v_proj, m.f_proj, m.g_proj])
+            parts = [m.q_proj, m.k_proj, m.v_proj, m.f_proj, m.g_proj]
+            fused = fuse_rows(parts)
             m.proj_fn = impl["linear"].bind(fused, dtype) if fused is not None else None
+            if fused is not None:       # modules() yields the layer before its projections
+                fused_parts.update(id(x) for x in parts)
         elif isinstance(m, MoE):
             m.route_fn = route_fn
         elif isinstance(m, RMSNormGated):

@@ -53,8 +53,12 @@ class ModelRunner:
         self.pos = 0
 
     def kv_span(self, end: int) -> int:
-        """Static attention span (cache slots) for a sequence of ``end`` tokens: the smallest bucket >= ``end``."""
-        return next(b for b in self.kv_buckets if b >= end)
+        """Static attention span (cache slots) for a sequence of ``end`` tokens: the smallest bucket >= ``end``.
+        Raises ValueError past ``max_len``."""
+        for b in self.kv_buckets:
+            if b >= end:
+                return b
+        raise ValueError(f"sequence of {end} tokens exceeds the cache ({self.max_len} slots)")
 
     def _check_room(self, n: int) -> None:
         if self.pos + n > self.max_len:

@@ -127,11 +127,13 @@ def mtp_tokens(runner, drafter: MTPDrafter, prompt: torch.Tensor, p: SamplingPar
         rnd += 1
         t0 = time.perf_counter()
         # Draft positions follow the committed length: the extend ends at pos - 1, draft i sits at pos + i - 1.
-        dh = drafter.hidden(ext_ids, ext_hidden, ext_pos, runner.state)[-1:]
+        # a static attention span (CUDA) also spares the MLA a host read of the last position
+        span = runner.kv_span(runner.pos + k) if runner.static_kv else None
+        dh = drafter.hidden(ext_ids, ext_hidden, ext_pos, runner.state, span)[-1:]
         drafts = [drafter.logits(dh).argmax(-1)]
         for i in range(1, k):
             dpos = torch.arange(runner.pos + i - 1, runner.pos + i, device=dev)
-            dh = drafter.hidden(drafts[-1], dh, dpos, runner.state)
+            dh = drafter.hidden(drafts[-1], dh, dpos, runner.state, span)
             drafts.append(drafter.logits(dh).argmax(-1))
         d = torch.cat(drafts)                                             # [k]
         t1 = time.perf_counter()

@@ -8,8 +8,9 @@ integer. Here both are made static:
 * **Padded draft-extend.** The NEXTN always runs over all ``k + 1`` positions of the previous verify
   (``pos - j - 1 .. pos - j - 1 + k``) and the draft continues from row ``j`` (``index_select`` with the device
   tensor ``j``). Rows past ``j`` pair rejected drafts with their hiddens. Causal attention keeps them out of
-  rows ``<= j``. Their NEXTN cache slots are ``>= pos`` and each one is rewritten by a draft step of this round
-  before any query reads it (draft ``i`` writes slot ``pos + i - 1`` and reads slots ``<= pos + i - 1``).
+  rows ``<= j``. Their NEXTN cache slots are ``>= pos`` and each is rewritten before any query reads it: draft
+  ``i`` writes slot ``pos + i - 1`` and reads slots ``<= pos + i - 1``, and the next round's extend rewrites
+  ``pos .. pos + k`` (so e.g. slot ``pos + k - 1`` after ``j = 0`` is never read while stale).
 * **On-device rollback.** The verify records the KDA state after every token (``KDAState.history``). The state
   after token ``j`` is selected with ``index_select`` and copied back in place.
 * **Next inputs in place.** The round writes ``y`` (its bonus token), the extend ids and hiddens, ``j`` and
@@ -33,6 +34,7 @@ import torch
 
 from bytebound.layers.kda import KDAState
 from bytebound.runner.graphs import _restore, _snapshot
+from bytebound.runner.runner import PREFILL_CHUNK
 from bytebound.sampling import SamplingParams, sample
 from bytebound.speculative.accept import accept_chain_device
 
@@ -133,7 +135,9 @@ class StaticRound:
         p_len = prompt.shape[0]
         n0 = p_len - k - 1
         prompt = prompt.to(dev)
-        self.dr.hidden(prompt[1:n0 + 1], hid[:n0], torch.arange(n0, device=dev), self.r.state)
+        for c in range(0, n0, PREFILL_CHUNK):          # chunks, as the target's prefill: bounded attention memory
+            e = min(c + PREFILL_CHUNK, n0)
+            self.dr.hidden(prompt[c + 1:e + 1], hid[c:e], torch.arange(c, e, device=dev), self.r.state)
         self.ext_ids.copy_(torch.cat([prompt[n0 + 1:], y.view(1)]))
         self.ext_hidden.copy_(hid[n0:])
         self.y.copy_(y.view(1))
