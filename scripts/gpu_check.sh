@@ -85,6 +85,13 @@ section_verify() {       # start-up canaries on GPU, and their cost at full scal
         -k "gpu or cuda or full_scale"
 }
 
+section_mtp() {          # issue 6 on the GPU: greedy parity over 50 GSM8K prompts (eager rounds, then captured
+    #                        rounds) and accept length, trained ling-nano
+    run_step eager python3 scripts/mtp_accept.py --device cuda --out "$OUT" --name mtp-accept-nano-h200
+    run_step graph python3 scripts/mtp_accept.py --device cuda --out "$OUT" --name mtp-accept-nano-h200-graph \
+        --spec-static-round
+}
+
 section_nano() {         # retrain ling-nano (issue 3) and measure quantised vs float on the device, where the float
     #                        weights are (they do not fit the 16 MiB return limit); the export comes back as .tar.xz
     local d=/tmp/nano_run
@@ -99,13 +106,13 @@ section_env() {          # what the machine has
 }
 
 main() {
-    if [ "${1:-}" = "--list" ]; then printf '%s\n' "${SECTIONS[@]}" env nano; return 0; fi
+    if [ "${1:-}" = "--list" ]; then printf '%s\n' "${SECTIONS[@]}" env nano mtp; return 0; fi
     local todo=("$@")
     [ ${#todo[@]} -eq 0 ] && todo=("${SECTIONS[@]}")
     install_wheels || FAILED+=("install_wheels")
     for s in "${todo[@]}"; do
         if ! declare -F "section_$s" >/dev/null; then
-            echo "unknown section '$s' (have: ${SECTIONS[*]} env nano)"; FAILED+=("$s(unknown)"); continue
+            echo "unknown section '$s' (have: ${SECTIONS[*]} env nano mtp)"; FAILED+=("$s(unknown)"); continue
         fi
         CURRENT="$s"; LOG="$OUT/$s.log"; : >"$LOG"
         "section_$s"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bytebound.bench.report import git_commit  # noqa: E402
 from bytebound.data.gsm8k import load_split  # noqa: E402
 from bytebound.engine.engine import Engine, EngineConfig  # noqa: E402
 from bytebound.sampling import SamplingParams  # noqa: E402
@@ -33,16 +33,23 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--lm-head", default="bf16")
     ap.add_argument("--out", default=str(ROOT / "docs" / "perf"))
+    ap.add_argument("--name", default="mtp-accept-nano", help="output file name (NAME.json)")
+    ap.add_argument("--spec-static-round", action="store_true",
+                    help="speculative engine with static-shape rounds (one CUDA-graph replay per greedy round)")
     a = ap.parse_args()
     qs = [r["question"] for r in load_split("test")[: a.limit]]
     base = Engine(EngineConfig(model=a.model, device=a.device, lm_head=a.lm_head))
-    spec = Engine(EngineConfig(model=a.model, device=a.device, lm_head=a.lm_head, speculative_steps=3))
+    spec = Engine(EngineConfig(model=a.model, device=a.device, lm_head=a.lm_head, speculative_steps=3,
+                               spec_static_round=a.spec_static_round))
     greedy = SamplingParams(max_tokens=a.max_tokens)
     mism, hit_eos, hit_len = [], 0, 0
+    tpot = {"plain": [], "spec": []}
     t0 = time.perf_counter()
     for i, q in enumerate(qs):
         x = base.generate(q, greedy, chat=True)[0]
         y = spec.generate(q, greedy, chat=True)[0]
+        tpot["plain"].append(x.tpot_s)
+        tpot["spec"].append(y.tpot_s)
         if x.token_ids != y.token_ids or x.finish_reason != y.finish_reason:
             k = next((j for j in range(min(len(x.token_ids), len(y.token_ids))) if x.token_ids[j] != y.token_ids[j]),
                      min(len(x.token_ids), len(y.token_ids)))
@@ -55,8 +62,10 @@ def main() -> int:
     for q in qs:
         spec.generate(q, sampled, chat=True)
     samp_stats = spec.spec_totals
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    res = {"date": dt.date.today().isoformat(), "commit": commit, "device": a.device, "model": a.model,
+    dev_name = __import__("torch").cuda.get_device_name() if a.device == "cuda" else a.device
+    res = {"date": dt.date.today().isoformat(), "commit": git_commit(), "device": dev_name, "model": a.model,
+           "spec_static_round": a.spec_static_round,
+           "mean_tpot_ms": {k: 1e3 * sum(v) / len(v) for k, v in tpot.items() if v},
            "weights": "trained (ling-nano)", "prompts": len(qs), "max_tokens": a.max_tokens, "lm_head": a.lm_head,
            "greedy_parity": {"identical": len(qs) - len(mism), "mismatches": mism, "finished_by_eos": hit_eos,
                              "finished_by_max_tokens": hit_len},
@@ -64,7 +73,7 @@ def main() -> int:
            "wall_s": time.perf_counter() - t0, "command": " ".join(sys.argv)}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "mtp-accept-nano.json").write_text(json.dumps(res, indent=2) + "\n")
+    (out / f"{a.name}.json").write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))
     return 1 if mism else 0
 
