@@ -138,3 +138,17 @@ def test_round_body_has_no_host_sync(quant_ckpt, monkeypatch):
     with torch.inference_mode():
         rnd._body()                                               # raises on any host read
     assert rnd.out.device.type == "meta"
+
+
+def test_long_prompt_draft_extend_in_chunks(engines, monkeypatch):
+    """Prompts longer than the prefill chunk: the NEXTN's first pass over the prompt runs in chunks (eager and
+    static rounds) and both still equal plain greedy. The chunk is shrunk to 16 tokens to exercise it."""
+    import bytebound.runner.runner as runner_mod
+    plain, spec = engines
+    eager = Engine(model=spec.config.model, max_model_len=256, speculative_steps=STEPS)
+    monkeypatch.setattr(runner_mod, "PREFILL_CHUNK", 16)
+    for n in (16, 17, 40, 97):
+        p = list(range(4, 4 + n))
+        want = plain.generate(p, G)[0].token_ids
+        assert eager.generate(p, G)[0].token_ids == want, f"eager rounds, prompt of {n}"
+        assert spec.generate(p, G)[0].token_ids == want, f"static rounds, prompt of {n}"

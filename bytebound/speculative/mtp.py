@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import bytebound.runner.runner as runner_mod
 from bytebound.sampling import SamplingParams, sample
 from bytebound.speculative.accept import accept_chain_device
 
@@ -121,6 +122,13 @@ def mtp_tokens(runner, drafter: MTPDrafter, prompt: torch.Tensor, p: SamplingPar
     yield int(y), 0
     ext_ids = torch.cat([prompt[1:].to(dev), y])
     ext_hidden, ext_pos = hid, torch.arange(0, prompt.shape[0], device=dev)
+    # The first draft-extend covers the whole prompt: run all but its last chunk now, in prefill-sized chunks
+    # (bounded attention memory for long prompts), and leave the last chunk to the first round.
+    step = runner_mod.PREFILL_CHUNK
+    cut = (ext_ids.shape[0] - 1) // step * step
+    for c in range(0, cut, step):
+        drafter.hidden(ext_ids[c:c + step], ext_hidden[c:c + step], ext_pos[c:c + step], runner.state)
+    ext_ids, ext_hidden, ext_pos = ext_ids[cut:], ext_hidden[cut:], ext_pos[cut:]
     k = drafter.steps
     rnd = 0
     while True:

@@ -34,7 +34,7 @@ import torch
 
 from bytebound.layers.kda import KDAState
 from bytebound.runner.graphs import _restore, _snapshot
-from bytebound.runner.runner import PREFILL_CHUNK
+import bytebound.runner.runner as runner_mod
 from bytebound.sampling import SamplingParams, sample
 from bytebound.speculative.accept import accept_chain_device
 
@@ -135,8 +135,9 @@ class StaticRound:
         p_len = prompt.shape[0]
         n0 = p_len - k - 1
         prompt = prompt.to(dev)
-        for c in range(0, n0, PREFILL_CHUNK):          # chunks, as the target's prefill: bounded attention memory
-            e = min(c + PREFILL_CHUNK, n0)
+        step = runner_mod.PREFILL_CHUNK
+        for c in range(0, n0, step):                   # chunks, as the target's prefill: bounded attention memory
+            e = min(c + step, n0)
             self.dr.hidden(prompt[c + 1:e + 1], hid[c:e], torch.arange(c, e, device=dev), self.r.state)
         self.ext_ids.copy_(torch.cat([prompt[n0 + 1:], y.view(1)]))
         self.ext_hidden.copy_(hid[n0:])
