@@ -60,13 +60,6 @@ def _e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     return idx.to(torch.uint8) | sign
 
 
-def _e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (uint8 0..15, bit 3 = sign) -> float32 values in [-6, 6]."""
-    mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=codes.device)
-    v = mags[(codes & 7).long()]
-    return torch.where((codes & 8) > 0, -v, v)
-
-
 def quantize_mxfp4(w: torch.Tensor, scale_rule: str = "ocp") -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise ``w`` ``[N, K]`` (any float dtype, K % 32 == 0) to MXFP4.
 
@@ -96,7 +89,8 @@ def quantize_mxfp4(w: torch.Tensor, scale_rule: str = "ocp") -> tuple[torch.Tens
     exp = exp.clamp(-127, 127)
     if scale_rule == "mse":
         up = (exp + 1).clamp(max=127)
-        err = [((_e2m1_decode(_e2m1_encode(blocks / torch.exp2(e)[..., None])) * torch.exp2(e)[..., None]
+        lut = e2m1_lut(blocks.device)
+        err = [((lut[_e2m1_encode(blocks / torch.exp2(e)[..., None]).long()] * torch.exp2(e)[..., None]
                  - blocks) ** 2).sum(-1) for e in (exp, up)]
         exp = torch.where(err[1] < err[0], up, exp)
     elif scale_rule != "ocp":

@@ -4,6 +4,7 @@ Every span must give the logits of the sliced (exact-length) CPU path."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bytebound.runner.runner import ModelRunner, pow2_buckets
@@ -11,7 +12,6 @@ from conftest import make_model
 
 
 def test_span_past_the_cache_is_a_named_error():
-    import pytest
     r = ModelRunner(make_model(), 300, "cpu", kv_buckets=(64,))
     with pytest.raises(ValueError, match="exceeds the cache"):
         r.kv_span(301)

@@ -141,4 +141,3 @@ def optional_triton():
         return triton, tl, None
     except Exception as exc:  # pragma: no cover - depends on the machine
         return None, None, f"triton is not importable: {exc}"
-

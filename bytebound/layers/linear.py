@@ -83,4 +83,3 @@ def fuse_rows(parts: list[QLinear]) -> QLinear | None:
             p.weight_scale_inv.data = fused.weight_scale_inv.data[s:s + n]
             s += n
     return fused
-

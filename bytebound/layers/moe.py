@@ -109,6 +109,7 @@ class MoE(nn.Module):
         # stored, so routing decisions are not made on BF16-rounded weights and no per-call up-cast is needed.
         gdt = torch.float32 if str(cfg.router_dtype).lower() in ("fp32", "float32") else dtype
         self.gate.weight = nn.Parameter(torch.empty(cfg.num_experts, h, dtype=gdt, device=device))
+        self.route_fn = None    # a fused routing kernel for M <= 4, set by runner.backends.bind_model
         self.gate.expert_bias = (nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32, device=device))
                                  if cfg.moe_router_enable_expert_bias else None)
         fmt = {"mxfp4": "mxfp4"}.get(cfg.quant.routed_experts, "plain")
@@ -124,8 +125,6 @@ class MoE(nn.Module):
         logits = F.linear(x.float(), self.gate.weight.float())      # .float(): no-op for an fp32 router
         fn = self.route_fn if (self.route_fn is not None and logits.shape[0] <= 4) else route
         return fn(logits, self.gate.expert_bias, self.top_k, self.n_group, self.topk_group, self.norm, self.scale)
-
-    route_fn = None         # class default: the torch ``route``; bind_model may set a fused kernel per instance
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -47,6 +47,15 @@ class SpecStats:
     def position_rates(self) -> list[float]:
         return [a / t if t else 0.0 for a, t in zip(self.accepted_at, self.tried_at)]
 
+    def add_round(self, j: int) -> None:
+        """Count one verify round that accepted ``j`` of the ``steps`` drafts (draft position j, if any, was tried
+        and rejected). Committed tokens are counted by the caller as they are emitted."""
+        self.rounds += 1
+        for i in range(min(j + 1, self.steps)):
+            self.tried_at[i] += 1
+        for i in range(j):
+            self.accepted_at[i] += 1
+
     def add(self, s: "SpecStats") -> None:
         """Accumulate another request's stats into these (engine-lifetime totals)."""
         self.rounds += s.rounds
@@ -108,6 +117,14 @@ class MTPDrafter:
         return h[0]
 
 
+def nextn_prefix(drafter, ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor, state) -> None:
+    """Fill the NEXTN cache over a prompt prefix (outputs unused), in chunks of ``runner.PREFILL_CHUNK`` tokens
+    like the target's prefill, so a long prompt's attention memory stays bounded."""
+    step = runner_mod.PREFILL_CHUNK
+    for c in range(0, ids.shape[0], step):
+        drafter.hidden(ids[c:c + step], prev_hidden[c:c + step], positions[c:c + step], state)
+
+
 @torch.inference_mode()
 def mtp_tokens(runner, drafter: MTPDrafter, prompt: torch.Tensor, p: SamplingParams, gen, stats: SpecStats):
     """Yield ``(token, round)`` pairs: round 0 is the prefill's token, then one round id per verify.
@@ -122,12 +139,10 @@ def mtp_tokens(runner, drafter: MTPDrafter, prompt: torch.Tensor, p: SamplingPar
     yield int(y), 0
     ext_ids = torch.cat([prompt[1:].to(dev), y])
     ext_hidden, ext_pos = hid, torch.arange(0, prompt.shape[0], device=dev)
-    # The first draft-extend covers the whole prompt: run all but its last chunk now, in prefill-sized chunks
-    # (bounded attention memory for long prompts), and leave the last chunk to the first round.
-    step = runner_mod.PREFILL_CHUNK
-    cut = (ext_ids.shape[0] - 1) // step * step
-    for c in range(0, cut, step):
-        drafter.hidden(ext_ids[c:c + step], ext_hidden[c:c + step], ext_pos[c:c + step], runner.state)
+    # The first draft-extend covers the whole prompt: run all but its last chunk now, and leave the last chunk
+    # to the first round.
+    cut = (ext_ids.shape[0] - 1) // runner_mod.PREFILL_CHUNK * runner_mod.PREFILL_CHUNK
+    nextn_prefix(drafter, ext_ids[:cut], ext_hidden[:cut], ext_pos[:cut], runner.state)
     ext_ids, ext_hidden, ext_pos = ext_ids[cut:], ext_hidden[cut:], ext_pos[cut:]
     k = drafter.steps
     rnd = 0
@@ -156,11 +171,7 @@ def mtp_tokens(runner, drafter: MTPDrafter, prompt: torch.Tensor, p: SamplingPar
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         stats.rollback_s += t3 - t2
-        stats.rounds += 1
-        for i in range(min(j + 1, k)):
-            stats.tried_at[i] += 1
-        for i in range(j):
-            stats.accepted_at[i] += 1
+        stats.add_round(j)
         emitted = out[:j] + [bonus]
         for tok in emitted:
             stats.committed += 1

@@ -34,9 +34,9 @@ import torch
 
 from bytebound.layers.kda import KDAState
 from bytebound.runner.graphs import _restore, _snapshot
-import bytebound.runner.runner as runner_mod
 from bytebound.sampling import SamplingParams, sample
 from bytebound.speculative.accept import accept_chain_device
+from bytebound.speculative.mtp import mtp_tokens, nextn_prefix
 
 
 class StaticRound:
@@ -135,10 +135,7 @@ class StaticRound:
         p_len = prompt.shape[0]
         n0 = p_len - k - 1
         prompt = prompt.to(dev)
-        step = runner_mod.PREFILL_CHUNK
-        for c in range(0, n0, step):                   # chunks, as the target's prefill: bounded attention memory
-            e = min(c + step, n0)
-            self.dr.hidden(prompt[c + 1:e + 1], hid[c:e], torch.arange(c, e, device=dev), self.r.state)
+        nextn_prefix(self.dr, prompt[1:n0 + 1], hid[:n0], torch.arange(n0, device=dev), self.r.state)
         self.ext_ids.copy_(torch.cat([prompt[n0 + 1:], y.view(1)]))
         self.ext_hidden.copy_(hid[n0:])
         self.y.copy_(y.view(1))
@@ -168,7 +165,6 @@ def static_mtp_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, 
     ``stats.verify_s`` receives the whole round's time (draft, verify and rollback are not separable inside one
     replay; ``draft_s`` and ``rollback_s`` stay 0).
     """
-    from bytebound.speculative.mtp import mtp_tokens
     k = drafter.steps
     if prompt.shape[0] < k + 2:
         yield from mtp_tokens(runner, drafter, prompt, p, gen, stats)
@@ -181,19 +177,13 @@ def static_mtp_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, 
     rnd.start(prompt, hid, y)
     n = 0
     while True:
-        if runner.pos + k + 1 > runner.max_len:
-            raise ValueError(f"MTP round at position {runner.pos} needs {k + 1} cache slots past it "
-                             f"({runner.max_len} in all)")
+        runner._check_room(k + 1)                      # the verify writes k + 1 slots past the committed length
         n += 1
         t0 = time.perf_counter()
         out = rnd.step()
         stats.verify_s += time.perf_counter() - t0
         j, bonus = out[-1], out[-2]
-        stats.rounds += 1
-        for i in range(min(j + 1, k)):
-            stats.tried_at[i] += 1
-        for i in range(j):
-            stats.accepted_at[i] += 1
+        stats.add_round(j)
         for tok in out[:j] + [bonus]:
             stats.committed += 1
             yield tok, n
