@@ -119,6 +119,23 @@ def per_op(model, runner, ctx: int) -> list[dict]:
     return out
 
 
+def head_saving(results: list[dict], bw_gbps: float) -> dict | None:
+    """The online FP8 head's measured saving against the byte prediction (issue 4): per MoE backend and context,
+    ``bf16 - fp8`` of the head alone (graph-timed, 200 replays) and of TPOT, and the predicted saving
+    ``(bf16 head bytes - fp8 head bytes) / measured streaming bandwidth``. None without both heads."""
+    by = {(r["moe"], r["head"], r["ctx"]): r for r in results if "tpot_ms" in r}
+    rows = []
+    for (moe, head, ctx), r in by.items():
+        f = by.get((moe, "fp8", ctx))
+        if head != "bf16" or f is None:
+            continue
+        d_gb = r["head_GB"] - f["head_GB"]
+        rows.append({"moe": moe, "ctx": ctx, "bf16_head_ms": r["head_ms"], "fp8_head_ms": f["head_ms"],
+                     "head_saving_ms": r["head_ms"] - f["head_ms"], "tpot_saving_ms": r["tpot_ms"] - f["tpot_ms"],
+                     "bytes_saved_GB": d_gb, "predicted_saving_ms": d_gb / bw_gbps * 1e3})
+    return {"rows": rows} if rows else None
+
+
 def round_cost(model, runner, ctx: int, steps: int = 3) -> dict:
     """Graph-timed pieces of one MTP round at context ``ctx``: target verify over steps+1 tokens (KDA state
     recorded per token), NEXTN draft-extend over steps+1 tokens, one NEXTN draft step (each + LM head).
@@ -235,6 +252,11 @@ def main() -> int:
                     torch.cuda.empty_cache()
                 continue
             led = build_ledger(cfg, head=head)
+            xh = torch.randn(1, cfg.hidden_size, device=dev, dtype=model.dtype)
+            head_ms = time_graph(lambda: model.logits(xh), reps=200)     # the head alone: its TPOT share
+            head_bytes = model.lm_head.bytes_per_call()
+            print(f"LM head {head}: {head_ms:.4f} ms, {head_bytes / 1e9:.3f} GB, "
+                  f"{head_bytes / head_ms / 1e6:.0f} GB/s", flush=True)
             for ctx in ctxs:
                 try:
                     ms, step_ms = decode_tpot(runner, ctx)
@@ -245,6 +267,7 @@ def main() -> int:
                 kv = led.kv_bytes_per_token() * ctx
                 b = led.bytes + kv + led.state_bytes()
                 r = {"moe": moe, "head": head, "ctx": ctx, "tpot_ms": ms, "step_ms_without_head": step_ms,
+                     "head_ms": head_ms, "head_GB": head_bytes / 1e9,
                      "tok_s": 1e3 / ms, "bind_s": bind_s,
                      "ledger_GB": b / 1e9, "floor_ms": b / (bw * 1e9) * 1e3,
                      "U": b / (ms * 1e-3) / (bw * 1e9),
@@ -293,6 +316,9 @@ def main() -> int:
         except Exception as e:
             info["ttft_s"] = {"prompt": a.ttft_len, "error": f"{type(e).__name__}: {e}"}
             print(f"TTFT failed: {e}", flush=True)
+    info["fp8_head_saving"] = head_saving(results, bw)
+    if info["fp8_head_saving"]:
+        print("FP8 head saving:", json.dumps(info["fp8_head_saving"]), flush=True)
     dump()
     print("\n| MoE | head | ctx | TPOT ms | tok/s | ledger GB | floor ms | U |\n|---|---|---|---|---|---|---|---|")
     for r in results:

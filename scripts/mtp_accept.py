@@ -25,6 +25,33 @@ from bytebound.sampling import SamplingParams  # noqa: E402
 from bytebound.speculative.mtp import SpecStats  # noqa: E402
 
 
+def plain_margin(engine: Engine, question: str, plain: list[int], spec: list[int], k: int) -> dict:
+    """Diagnosis of a greedy mismatch at token ``k``: replay the plain decode (prompt prefill, then one token at a
+    time, as ``generate`` does) and return the plain logits' margin between the plain and the speculative token at
+    ``k``, relative to the largest |logit|. A margin at the level of the activation dtype's rounding (BF16 keeps 8
+    significant bits: ~4e-3 relative) is a near-tie that the M = 4 verify forward, whose kernels round differently
+    from the M = 1 decode step, may break the other way; a large margin is a bug."""
+    import torch
+    if k >= min(len(plain), len(spec)):
+        return {"margin": None, "why": "one output is a prefix of the other (different stop)"}
+    r = engine.runner
+    r.reset()
+    try:
+        ids = torch.tensor(engine.encode_prompt(question, chat=True))
+        lg = r.logits(r.prefill(ids)[-1:])
+        for t in plain[:k]:
+            lg = r.logits(r.forward(torch.tensor([t], device=engine.device)))
+        lg = lg[0].float()
+        top2 = lg.topk(2)
+        margin = float(lg[plain[k]] - lg[spec[k]])
+        return {"plain_tok": plain[k], "spec_tok": spec[k], "replayed_argmax": int(top2.indices[0]),
+                "margin": margin, "max_abs_logit": float(lg.abs().max()),
+                "rel_margin": margin / float(lg.abs().max()), "top2_gap": float(top2.values[0] - top2.values[1]),
+                "spec_tok_rank": int((lg > lg[spec[k]]).sum())}
+    finally:
+        r.reset()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=str(ROOT / "models" / "ling-nano"))
@@ -36,6 +63,7 @@ def main() -> int:
     ap.add_argument("--name", default="mtp-accept-nano", help="output file name (NAME.json)")
     ap.add_argument("--spec-static-round", action="store_true",
                     help="speculative engine with static-shape rounds (one CUDA-graph replay per greedy round)")
+    ap.add_argument("--no-sampled", action="store_true", help="greedy parity and accept length only")
     a = ap.parse_args()
     qs = [r["question"] for r in load_split("test")[: a.limit]]
     base = Engine(EngineConfig(model=a.model, device=a.device, lm_head=a.lm_head))
@@ -53,15 +81,16 @@ def main() -> int:
         if x.token_ids != y.token_ids or x.finish_reason != y.finish_reason:
             k = next((j for j in range(min(len(x.token_ids), len(y.token_ids))) if x.token_ids[j] != y.token_ids[j]),
                      min(len(x.token_ids), len(y.token_ids)))
-            mism.append({"index": i, "first_diff": k, "plain_len": len(x.token_ids), "spec_len": len(y.token_ids)})
+            mism.append({"index": i, "first_diff": k, "plain_len": len(x.token_ids), "spec_len": len(y.token_ids),
+                         **plain_margin(base, q, x.token_ids, y.token_ids, k)})
         hit_eos += x.finish_reason == "stop"
         hit_len += x.finish_reason == "length"
     greedy_stats = spec.spec_totals
     spec.spec_totals = SpecStats(3)
     sampled = SamplingParams(max_tokens=a.max_tokens, temperature=0.6, top_p=0.95, top_k=29, seed=0)
-    for q in qs:
+    for q in ([] if a.no_sampled else qs):
         spec.generate(q, sampled, chat=True)
-    samp_stats = spec.spec_totals
+    samp_stats = None if a.no_sampled else spec.spec_totals
     dev_name = __import__("torch").cuda.get_device_name() if a.device == "cuda" else a.device
     res = {"date": dt.date.today().isoformat(), "commit": git_commit(), "device": dev_name, "model": a.model,
            "spec_static_round": a.spec_static_round,
@@ -69,7 +98,8 @@ def main() -> int:
            "weights": "trained (ling-nano)", "prompts": len(qs), "max_tokens": a.max_tokens, "lm_head": a.lm_head,
            "greedy_parity": {"identical": len(qs) - len(mism), "mismatches": mism, "finished_by_eos": hit_eos,
                              "finished_by_max_tokens": hit_len},
-           "greedy": greedy_stats.to_dict(), "sampled_T0.6_p0.95_k29": samp_stats.to_dict(),
+           "greedy": greedy_stats.to_dict(),
+           "sampled_T0.6_p0.95_k29": samp_stats.to_dict() if samp_stats else "not run (--no-sampled)",
            "wall_s": time.perf_counter() - t0, "command": " ".join(sys.argv)}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
