@@ -206,8 +206,16 @@ def _grid() -> list[dict]:
                                 (32, 256, 512, 8), (16, 512, 1024, 2), (16, 256, 256, 4), (64, 512, 1024, 8),
                                 (128, 128, 256, 8)]]
     fast = [dict(c, deterministic=False) for c in g[:3]]      # float32 atomics: what determinism costs
-    return g + fast + [dict(variant="tl", BI=32, BK=256, BH=128, num_warps=4, num_stages=3),
+    return g + fast + partials_grid() + [dict(variant="tl", BI=32, BK=256, BH=128, num_warps=4, num_stages=3),
                        dict(variant="tl", BI=64, BK=256, BH=128, num_warps=8, num_stages=3)]
+
+
+def partials_grid() -> list[dict]:
+    """The deterministic two-kernel mode (per-program partials + a fixed-order reduce, no atomics) on the
+    tilings that did best with atomics; BI sets the partials' size (I/BI x M*k x H x 4 bytes)."""
+    return [dict(variant="gluon", BI=bi, BK=bk, BH=bh, num_warps=nw, partials=True)
+            for bi, bk, bh, nw in [(64, 128, 256, 4), (32, 256, 512, 4), (16, 256, 512, 2), (64, 256, 512, 4),
+                                   (128, 128, 256, 8)]]
 
 
 TUNE_CANDIDATES = {1: _grid(), 4: _grid()}
@@ -247,6 +255,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--quick", action="store_true", help="tune only the default gluon config and the tl fallback")
+    ap.add_argument("--tune-partials", action="store_true",
+                    help="tune only the default config, its float-atomic twin and the partials-mode tilings")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -279,6 +289,10 @@ def main() -> int:
     if args.quick:
         for m in TUNE_CANDIDATES:
             TUNE_CANDIDATES[m] = [TUNE_CANDIDATES[m][0], TUNE_CANDIDATES[m][-2]]
+    elif args.tune_partials:
+        from bytebound.kernels.triton_moe import DEFAULT_CONFIG
+        for m in TUNE_CANDIDATES:
+            TUNE_CANDIDATES[m] = [dict(DEFAULT_CONFIG), dict(DEFAULT_CONFIG, deterministic=False)] + partials_grid()
     if args.tune and "triton" in backends:
         tuned = tune(layers, ms, args.reps, out_dir, log)
         result["tune"] = tuned

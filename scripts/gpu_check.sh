@@ -60,6 +60,7 @@ pytest_timeout() {
 section_kernels() {      # GPU kernel tests vs torch / float64 references
     # (the fused router / norm tests run on the GPU when CUDA is there, in the interpreter elsewhere)
     run_step pytest python3 -m pytest tests/gpu/test_kernels_gpu.py tests/test_triton_router.py tests/test_triton_norm.py \
+        tests/test_triton_moe_reduce.py \
         -v -p no:cacheprovider --durations=15 \
         -rfE --tb=short $(pytest_timeout) \
         --junitxml="$OUT/kernels_junit.xml" ${PYTEST_K:+-k "$PYTEST_K"}

@@ -25,6 +25,12 @@ ids.flat[s]``) and the intermediate slice ``[j*BI, (j+1)*BI)``:
 5. The last program to finish (an acq_rel ticket counter) converts the workspace to the BF16 output and zeroes
    the workspace and the counter for the next call, so one launch is the whole op and it is CUDA-graph safe.
 
+Config ``"partials": true`` replaces 4-5 by plain stores: each program writes its float32 partial ``[H, M]`` to
+its own slot of a shared scratch ``[I/BI, M*top_k, H, M]`` and a second kernel (``_moe_reduce_partials``) sums
+the slots in a fixed order. Also bit-identical run to run, without the int64 atomics (at M = 4 they cost +72 %
+over float atomics on the H200), at the price of writing and reading the partials (15.7 MB at M = 4 with BI 64,
+1 MB at M = 1) and a second launch.
+
 Two implementations of the same algorithm: ``gluon`` (Triton's explicit-layout dialect: the register layouts are
 chosen so the dequantisation needs no shuffles) and ``tl`` (plain Triton with ``tl.dot_scaled``; the
 compiler's generic MX up-cast, slower, kept as the fallback). Both are specialised per exact shape
@@ -156,10 +162,10 @@ mov.b32 {$6, $7}, o3;
 
     @gluon.jit
     def _moe_fused_gluon(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, w2_ptr, s2_ptr, ws_ptr, cnt_ptr, out_ptr,
-                         lut_ptr, limit,
+                         lut_ptr, part_ptr, limit,
                          H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
                          SP: gl.constexpr, BI: gl.constexpr, BK: gl.constexpr, BH: gl.constexpr,
-                         HAS_LIMIT: gl.constexpr, FIXED: gl.constexpr):
+                         HAS_LIMIT: gl.constexpr, FIXED: gl.constexpr, PARTIALS: gl.constexpr):
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         S: gl.constexpr = M * TOPK
@@ -291,9 +297,12 @@ mov.b32 {$6, $7}, o3;
                 if M == 1:
                     col = gl.arange(0, NPC, layout=gl.SliceLayout(0, MMA))
                     d1 = gl.convert_layout(gl.sum(gl.where(col[None, :] == 0, d, 0.0), axis=1), OL1)
-                    if FIXED:
-                        d1 = (d1 * FIXED_ONE).to(gl.int64)
-                    gl.atomic_add(ws_ptr + hb * BH + ho, d1, sem="relaxed", scope="gpu")
+                    if PARTIALS:
+                        gl.store(part_ptr + (j * S + s) * H + hb * BH + ho, d1)
+                    else:
+                        if FIXED:
+                            d1 = (d1 * FIXED_ONE).to(gl.int64)
+                        gl.atomic_add(ws_ptr + hb * BH + ho, d1, sem="relaxed", scope="gpu")
                 else:
                     if MV == NPC:
                         dd = gl.convert_layout(d, OL)
@@ -302,38 +311,44 @@ mov.b32 {$6, $7}, o3;
                         d8 = gl.convert_layout(d, RL8)
                         d3 = gl.permute(gl.reshape(d8, [BH, 2, MV]), [0, 2, 1])
                         dd = gl.convert_layout(gl.split(d3)[0], OL)
-                    if FIXED:
-                        dd = (dd * FIXED_ONE).to(gl.int64)
-                    gl.atomic_add(ws_ptr + (hb * BH + ho2[:, None]) * MV + no2[None, :], dd,
-                                  mask=no2[None, :] < M, sem="relaxed", scope="gpu")
+                    if PARTIALS:
+                        gl.store(part_ptr + ((j * S + s) * H + hb * BH + ho2[:, None]) * MV + no2[None, :], dd,
+                                 mask=no2[None, :] < M)
+                    else:
+                        if FIXED:
+                            dd = (dd * FIXED_ONE).to(gl.int64)
+                        gl.atomic_add(ws_ptr + (hb * BH + ho2[:, None]) * MV + no2[None, :], dd,
+                                      mask=no2[None, :] < M, sem="relaxed", scope="gpu")
                 w2_c = w2_n
                 s2_c = s2_n
                 w2_n = w2_f
                 s2_n = s2_f
 
-        # ---- completion ticket: the last program converts the workspace and re-arms it ----
-        FL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
-        fz = gl.arange(0, 32 * NW, layout=gl.SliceLayout(1, FL))
-        gl.inline_asm_elementwise(_ASM_FENCE, "=r,r", [fz], gl.int32, False, 1)   # every thread: fence
-        gl.thread_barrier()
-        ticket = gl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-        if ticket == NPROG - 1:
-            FV: gl.constexpr = 8 if H >= 8 * 32 * NW else 1
-            FB: gl.constexpr = FV * 32 * NW
-            FL2: gl.constexpr = gl.BlockedLayout([FV, MV], [32, 1], [NW, 1], [1, 0])
-            fh = gl.arange(0, FB, layout=gl.SliceLayout(1, FL2))
-            fn = gl.arange(0, MV, layout=gl.SliceLayout(0, FL2))
-            for f0 in range(0, H, FB):
-                fm = (f0 + fh[:, None]) < H
-                p = ws_ptr + (f0 + fh[:, None]) * MV + fn[None, :]
-                if FIXED:
-                    v = gl.load(p, mask=fm, other=0, cache_modifier=".cg").to(gl.float32) * (1.0 / FIXED_ONE)
-                    gl.store(p, gl.zeros([FB, MV], gl.int64, FL2), mask=fm)
-                else:
-                    v = gl.load(p, mask=fm, other=0.0, cache_modifier=".cg")
-                    gl.store(p, gl.zeros([FB, MV], gl.float32, FL2), mask=fm)
-                gl.store(out_ptr + fn[None, :] * H + f0 + fh[:, None], v.to(gl.bfloat16), mask=fm & (fn[None, :] < M))
-            gl.store(cnt_ptr, 0)
+        # (PARTIALS: no ticket; the second kernel, _moe_reduce_partials, sums the per-program partials)
+        if not PARTIALS:
+            # ---- completion ticket: the last program converts the workspace and re-arms it ----
+            FL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
+            fz = gl.arange(0, 32 * NW, layout=gl.SliceLayout(1, FL))
+            gl.inline_asm_elementwise(_ASM_FENCE, "=r,r", [fz], gl.int32, False, 1)   # every thread: fence
+            gl.thread_barrier()
+            ticket = gl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+            if ticket == NPROG - 1:
+                FV: gl.constexpr = 8 if H >= 8 * 32 * NW else 1
+                FB: gl.constexpr = FV * 32 * NW
+                FL2: gl.constexpr = gl.BlockedLayout([FV, MV], [32, 1], [NW, 1], [1, 0])
+                fh = gl.arange(0, FB, layout=gl.SliceLayout(1, FL2))
+                fn = gl.arange(0, MV, layout=gl.SliceLayout(0, FL2))
+                for f0 in range(0, H, FB):
+                    fm = (f0 + fh[:, None]) < H
+                    p = ws_ptr + (f0 + fh[:, None]) * MV + fn[None, :]
+                    if FIXED:
+                        v = gl.load(p, mask=fm, other=0, cache_modifier=".cg").to(gl.float32) * (1.0 / FIXED_ONE)
+                        gl.store(p, gl.zeros([FB, MV], gl.int64, FL2), mask=fm)
+                    else:
+                        v = gl.load(p, mask=fm, other=0.0, cache_modifier=".cg")
+                        gl.store(p, gl.zeros([FB, MV], gl.float32, FL2), mask=fm)
+                    gl.store(out_ptr + fn[None, :] * H + f0 + fh[:, None], v.to(gl.bfloat16), mask=fm & (fn[None, :] < M))
+                gl.store(cnt_ptr, 0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -342,11 +357,12 @@ mov.b32 {$6, $7}, o3;
 if tl is not None:
     @triton.jit
     def _moe_fused_tl(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, w2_ptr, s2_ptr, ws_ptr, cnt_ptr, out_ptr,
-                      limit,
+                      part_ptr, limit,
                       H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, M: tl.constexpr, SP: tl.constexpr,
                       BI: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                      FIXED: tl.constexpr, FENCE: tl.constexpr = True):
+                      FIXED: tl.constexpr, PARTIALS: tl.constexpr = False, FENCE: tl.constexpr = True):
         NPC: tl.constexpr = 16
+        MVP: tl.constexpr = 1 if M == 1 else 4       # partials' token stride (as the gluon kernel's MV)
         S: tl.constexpr = M * TOPK
         NPROG: tl.constexpr = (I // BI) * S
         j = tl.program_id(0)
@@ -389,34 +405,81 @@ if tl is not None:
             for hb in range(0, H // BH):
                 d = tl.dot_scaled(tl.load(w2p + hb * BH * (I // 2)), tl.load(s2p + hb * BH * (I // 32)), "e2m1",
                                   act, None, "bf16")
-                if FIXED:
-                    d = (d * FIXED_ONE).to(tl.int64)
-                tl.atomic_add(ws_ptr + (hb * BH + hr[:, None]) * 8 + mcol[None, :], d, mask=mcol[None, :] < M,
-                              sem="relaxed", scope="gpu")
-        if FENCE:   # (False only under TRITON_INTERPRET, which cannot run PTX)
-            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [tl.arange(0, 128)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-        if ticket == NPROG - 1:
-            fh = tl.arange(0, 256)
-            fn = tl.arange(0, 8)
-            for f0 in range(0, H, 256):
-                fm = (f0 + fh[:, None]) < H
-                p = ws_ptr + (f0 + fh[:, None]) * 8 + fn[None, :]
-                if FIXED:
-                    v = tl.load(p, mask=fm, other=0, cache_modifier=".cg").to(tl.float32) * (1.0 / FIXED_ONE)
-                    tl.store(p, tl.zeros([256, 8], tl.int64), mask=fm)
+                if PARTIALS:
+                    mvec = tl.arange(0, MVP)
+                    dv = tl.sum(tl.where(mcol[None, None, :] == mvec[None, :, None], d[:, None, :], 0.0), axis=2)
+                    tl.store(part_ptr + ((j * S + s) * H + hb * BH + hr[:, None]) * MVP + mvec[None, :], dv,
+                             mask=mvec[None, :] < M)
                 else:
-                    v = tl.load(p, mask=fm, other=0.0, cache_modifier=".cg")
-                    tl.store(p, tl.zeros([256, 8], tl.float32), mask=fm)
-                tl.store(out_ptr + fn[None, :] * H + f0 + fh[:, None], v.to(tl.bfloat16), mask=fm & (fn[None, :] < M))
-            tl.store(cnt_ptr, 0)
+                    if FIXED:
+                        d = (d * FIXED_ONE).to(tl.int64)
+                    tl.atomic_add(ws_ptr + (hb * BH + hr[:, None]) * 8 + mcol[None, :], d, mask=mcol[None, :] < M,
+                                  sem="relaxed", scope="gpu")
+        if not PARTIALS:        # (PARTIALS: the second kernel, _moe_reduce_partials, sums the partials)
+            if FENCE:   # (False only under TRITON_INTERPRET, which cannot run PTX)
+                tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [tl.arange(0, 128)],
+                                          dtype=tl.int32, is_pure=False, pack=1)
+            tl.debug_barrier()
+            ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+            if ticket == NPROG - 1:
+                fh = tl.arange(0, 256)
+                fn = tl.arange(0, 8)
+                for f0 in range(0, H, 256):
+                    fm = (f0 + fh[:, None]) < H
+                    p = ws_ptr + (f0 + fh[:, None]) * 8 + fn[None, :]
+                    if FIXED:
+                        v = tl.load(p, mask=fm, other=0, cache_modifier=".cg").to(tl.float32) * (1.0 / FIXED_ONE)
+                        tl.store(p, tl.zeros([256, 8], tl.int64), mask=fm)
+                    else:
+                        v = tl.load(p, mask=fm, other=0.0, cache_modifier=".cg")
+                        tl.store(p, tl.zeros([256, 8], tl.float32), mask=fm)
+                    tl.store(out_ptr + fn[None, :] * H + f0 + fh[:, None], v.to(tl.bfloat16), mask=fm & (fn[None, :] < M))
+                tl.store(cnt_ptr, 0)
+
+
+if tl is not None:
+    @triton.jit
+    def _moe_reduce_partials(part_ptr, ids_ptr, out_ptr, H: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
+                             NJ: tl.constexpr, M: tl.constexpr, MV: tl.constexpr, BHR: tl.constexpr):
+        """Second kernel of the ``partials`` mode: ``out[m, h] = sum over (j, s) of part[j, s, h, m]`` for the
+        slots ``s`` that own their expert (the first slot that chose it, the fused kernel's dedup rule), in one
+        fixed order: no atomics, so the result is bit-identical run to run. ``part float32 [NJ, S, H, MV]``;
+        grid ``(H // BHR,)``; slots that are duplicates were never written and are masked out."""
+        pid = tl.program_id(0)
+        t = tl.arange(0, SP)
+        ids = tl.load(ids_ptr + t, mask=t < S, other=-1)
+        dup = tl.sum(((ids[:, None] == ids[None, :]) & (t[None, :] < t[:, None])).to(tl.int32), axis=1)
+        valid = (dup == 0) & (t < S)                                                          # [SP]
+        h = pid * BHR + tl.arange(0, BHR)
+        mv = tl.arange(0, MV)
+        acc = tl.zeros([BHR, MV], tl.float32)
+        for jj in range(NJ):
+            p = part_ptr + ((jj * S + t[:, None, None]) * H + h[None, :, None]) * MV + mv[None, None, :]
+            v = tl.load(p, mask=valid[:, None, None] & (mv[None, None, :] < M), other=0.0)    # [SP, BHR, MV]
+            acc += tl.sum(v, axis=0)
+        tl.store(out_ptr + mv[None, :] * H + h[:, None], acc.to(tl.bfloat16), mask=mv[None, :] < M)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # configs
 # ---------------------------------------------------------------------------------------------------------
+REDUCE_BH = 32             # hidden rows per program of _moe_reduce_partials (80 programs at H = 2560)
+_PARTIALS: dict = {}       # device -> float32 buffers of the ``partials`` mode, shared by every binding
+
+
+def partials_buffer(device, numel: int) -> torch.Tensor:
+    """A float32 scratch of at least ``numel`` elements for the per-program partials ``[NJ, S, H, MV]``.
+
+    One buffer serves every MoE layer: the layers run one after another on one stream and each layer's reduce
+    kernel has read it before the next layer's fused kernel writes it (at full scale 15.7 MB instead of 0.6 GB
+    for 40 per-layer copies). Growing it keeps the older buffers alive, because a captured CUDA graph holds
+    their addresses."""
+    bufs = _PARTIALS.setdefault(str(torch.device(device)), [])
+    if not bufs or bufs[-1].numel() < numel:
+        bufs.append(torch.empty(numel, dtype=torch.float32, device=device))
+    return bufs[-1]
+
+
 def shape_key(e: int, h: int, i: int, k: int, m: int) -> str:
     return f"E{e}_H{h}_I{i}_k{k}_M{m}"
 
@@ -432,9 +495,11 @@ def load_configs(path: Path = CONFIG_PATH) -> dict:
         return {}
 
 
-def lookup_config(e, h, i, k, m, device=None, path: Path = CONFIG_PATH) -> dict:
-    """Tuned config for this GPU and shape (``configs/triton_moe.json``), else the default. The environment
-    variable ``BYTEBOUND_MOE_VARIANT`` (gluon|tl) forces the implementation."""
+def lookup_config(e, h, i, k, m, device=None, path: Path | None = None) -> dict:
+    """Tuned config for this GPU and shape (``configs/triton_moe.json``, or the file named by the environment
+    variable ``BYTEBOUND_MOE_CONFIG``, e.g. a fresh ``bench_moe.py --tune`` table), else the default. The
+    environment variable ``BYTEBOUND_MOE_VARIANT`` (gluon|tl) forces the implementation."""
+    path = path or Path(os.environ.get("BYTEBOUND_MOE_CONFIG") or CONFIG_PATH)
     cfg = dict(DEFAULT_CONFIG)
     table = load_configs(path).get(gpu_name(device), {})
     cfg.update(table.get(shape_key(e, h, i, k, m), {}))
@@ -530,20 +595,27 @@ class MoEKernel:
         sp = triton.next_power_of_2(max(m * k, 32))
         limit = float(self.limit) if self.limit is not None else 0.0
         fixed = bool(cfg.get("deterministic", True))
+        partials = bool(cfg.get("partials", False))
         ws = self.ws[fixed]
+        nj, mv = self.i // cfg["BI"], (1 if m == 1 else 4)
+        part = partials_buffer(x.device, nj * m * k * self.h * mv) if partials else ws
         common = dict(H=self.h, I=self.i, TOPK=k, M=m, SP=sp, BI=cfg["BI"], BK=cfg["BK"], BH=cfg["BH"],
-                      HAS_LIMIT=self.limit is not None, FIXED=fixed)
+                      HAS_LIMIT=self.limit is not None, FIXED=fixed, PARTIALS=partials)
         if cfg["variant"] == "gluon":
             if gluon is None:
                 raise BackendError(f"moe[triton] variant 'gluon': {_GLUON_ERR}")
             _moe_fused_gluon[grid](x, ids, w, self.w13w, self.s13, self.w2w, self.s2, ws, self.cnt, out,
-                                   self.lut, limit, num_warps=cfg["num_warps"], **common)
+                                   self.lut, part, limit, num_warps=cfg["num_warps"], **common)
         elif cfg["variant"] == "tl":
             _moe_fused_tl[grid](x, ids, w, self.ex.w13.data, self.s13, self.ex.w2.data, self.s2, ws,
-                                self.cnt, out, limit, num_warps=cfg["num_warps"],
+                                self.cnt, out, part, limit, num_warps=cfg["num_warps"],
                                 num_stages=cfg.get("num_stages", 3), **common)
         else:
             raise BackendError(f"moe[triton]: unknown variant {cfg['variant']!r}")
+        if partials:
+            bhr = REDUCE_BH if self.h % REDUCE_BH == 0 else _fit(REDUCE_BH, self.h, 1)
+            _moe_reduce_partials[(self.h // bhr,)](part, ids, out, H=self.h, S=m * k, SP=sp, NJ=nj, M=m, MV=mv,
+                                                   BHR=bhr, num_warps=4)
         return out
 
     def weight_bytes(self, n_experts: int) -> int:

@@ -75,10 +75,10 @@ def moe_ref64(ex, x, ids, w):
     return y
 
 
-def _bind(backend, ex, variant=None):
+def _bind(backend, ex, variant=None, partials=False):
     if backend == "triton":
         from bytebound.kernels.triton_moe import DEFAULT_CONFIG, TL_DEFAULT_CONFIG, MoEKernel
-        cfg = dict(DEFAULT_CONFIG if variant == "gluon" else TL_DEFAULT_CONFIG)
+        cfg = dict(DEFAULT_CONFIG if variant == "gluon" else TL_DEFAULT_CONFIG, partials=partials)
         return MoEKernel(ex, {m: cfg for m in range(1, 5)})
     from bytebound.kernels.humming_moe import HummingMoE
     return HummingMoE(ex)
@@ -95,14 +95,15 @@ def _poisoned_call(fn, x, ids, w):
     return fn(x, ids, w)
 
 
+@pytest.mark.parametrize("partials", [False, True], ids=["atomics", "partials"])
 @pytest.mark.parametrize("variant", ["gluon", "tl"])
 @pytest.mark.parametrize("m,shared", [(1, 0), (4, 0), (4, 5)])
 @pytest.mark.parametrize("limit", [None, 1.0])
-def test_triton_moe_ling(ling_experts, variant, m, shared, limit):
+def test_triton_moe_ling(ling_experts, variant, m, shared, limit, partials):
     ex = ling_experts
     ex.limit = limit
     try:
-        fn = _bind("triton", ex, variant)
+        fn = _bind("triton", ex, variant, partials)
         ids, w = make_routing(m, LING["e"], LING["k"], shared=shared, seed=m + shared)
         x = torch.randn(m, LING["h"], device=DEV).to(torch.bfloat16)
         out = _poisoned_call(fn, x, ids, w)
@@ -118,13 +119,14 @@ def test_triton_moe_ling(ling_experts, variant, m, shared, limit):
         ex.limit = None
 
 
+@pytest.mark.parametrize("partials", [False, True], ids=["atomics", "partials"])
 @pytest.mark.parametrize("variant", ["gluon", "tl"])
 @pytest.mark.parametrize("m", [1, 3, 4])
-def test_triton_moe_tiny(variant, m):
+def test_triton_moe_tiny(variant, m, partials):
     from bytebound.kernels.triton_moe import DEFAULT_CONFIG, TL_DEFAULT_CONFIG, MoEKernel, fit_config
     ex = make_experts(TINY["e"], TINY["h"], TINY["i"], limit=0.5, seed=3)
     fn = MoEKernel(ex)
-    base = DEFAULT_CONFIG if variant == "gluon" else TL_DEFAULT_CONFIG
+    base = dict(DEFAULT_CONFIG if variant == "gluon" else TL_DEFAULT_CONFIG, partials=partials)
     fn.configs = {mm: fit_config(base, TINY["h"], TINY["i"]) for mm in range(1, 5)}
     ids, w = make_routing(m, TINY["e"], TINY["k"], shared=2, seed=7)
     x = torch.randn(m, TINY["h"], device=DEV).to(torch.bfloat16)
@@ -132,9 +134,10 @@ def test_triton_moe_tiny(variant, m):
     assert rel(out, moe_ref64(ex, x, ids, w)) <= 1e-2
 
 
-def test_triton_moe_graph_replay(ling_experts):
+@pytest.mark.parametrize("partials", [False, True], ids=["atomics", "partials"])
+def test_triton_moe_graph_replay(ling_experts, partials):
     ex = ling_experts
-    fn = _bind("triton", ex, "gluon")
+    fn = _bind("triton", ex, "gluon", partials)
     ids, w = make_routing(4, LING["e"], LING["k"], shared=3, seed=11)
     x = torch.randn(4, LING["h"], device=DEV).to(torch.bfloat16)
     eager = fn(x, ids, w)
