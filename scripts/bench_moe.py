@@ -213,9 +213,10 @@ def _grid() -> list[dict]:
 def partials_grid() -> list[dict]:
     """The deterministic two-kernel mode (per-program partials + a fixed-order reduce, no atomics) on the
     tilings that did best with atomics; BI sets the partials' size (I/BI x M*k x H x 4 bytes)."""
-    return [dict(variant="gluon", BI=bi, BK=bk, BH=bh, num_warps=nw, partials=True)
-            for bi, bk, bh, nw in [(64, 128, 256, 4), (32, 256, 512, 4), (16, 256, 512, 2), (64, 256, 512, 4),
-                                   (128, 128, 256, 8)]]
+    g = [dict(variant="gluon", BI=bi, BK=bk, BH=bh, num_warps=nw, partials=True)
+         for bi, bk, bh, nw in [(64, 128, 256, 4), (64, 256, 512, 4), (128, 128, 256, 8)]]
+    # the reduce kernel's parallelism: H/reduce_bh programs, each summing I/BI x M*k partial rows
+    return g + [dict(g[0], reduce_bh=rb, reduce_warps=rw) for rb, rw in [(16, 2), (8, 1), (8, 2), (4, 1)]]
 
 
 TUNE_CANDIDATES = {1: _grid(), 4: _grid()}

@@ -15,7 +15,9 @@
 # the checkout has no .git), PYTEST_K (a pytest -k expression, e.g. "not humming"), BENCH_MOE_ARGS
 # (extra bench_moe.py arguments, e.g. "--quick --layers 4"), BENCH_DECODE_ARGS (extra bench_decode.py
 # arguments, e.g. "--moe-backends triton,torch --ttft-len 0"), NANO_ARGS (extra train_nano.py arguments for the
-# on-demand section ``nano``, e.g. "--qat-frac 0.7 --mxfp4-scale mse").
+# on-demand section ``nano``, e.g. "--qat-frac 0.7 --mxfp4-scale mse"), MTP_ARGS (extra mtp_accept.py arguments for the
+# on-demand section ``mtp``, e.g. "--no-sampled"), BYTEBOUND_MOE_CONFIG (a triton MoE config table, e.g. the one
+# bench_moe --tune just wrote to $OUT/triton_moe_configs.json, instead of the committed one).
 
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -88,9 +90,9 @@ section_verify() {       # start-up canaries on GPU, and their cost at full scal
 
 section_mtp() {          # issue 6 on the GPU: greedy parity over 50 GSM8K prompts (eager rounds, then captured
     #                        rounds) and accept length, trained ling-nano
-    run_step eager python3 scripts/mtp_accept.py --device cuda --out "$OUT" --name mtp-accept-nano-h200
+    run_step eager python3 scripts/mtp_accept.py --device cuda --out "$OUT" --name mtp-accept-nano-h200 ${MTP_ARGS:-}
     run_step graph python3 scripts/mtp_accept.py --device cuda --out "$OUT" --name mtp-accept-nano-h200-graph \
-        --spec-static-round
+        --spec-static-round ${MTP_ARGS:-}
 }
 
 section_nano() {         # retrain ling-nano (issue 3) and measure quantised vs float on the device, where the float

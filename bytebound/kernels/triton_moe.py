@@ -463,7 +463,8 @@ if tl is not None:
 # ---------------------------------------------------------------------------------------------------------
 # configs
 # ---------------------------------------------------------------------------------------------------------
-REDUCE_BH = 32             # hidden rows per program of _moe_reduce_partials (80 programs at H = 2560)
+REDUCE_BH = 32             # hidden rows per program of _moe_reduce_partials (80 programs at H = 2560); config
+#                            keys "reduce_bh" / "reduce_warps" override it
 _PARTIALS: dict = {}       # device -> float32 buffers of the ``partials`` mode, shared by every binding
 
 
@@ -613,9 +614,9 @@ class MoEKernel:
         else:
             raise BackendError(f"moe[triton]: unknown variant {cfg['variant']!r}")
         if partials:
-            bhr = REDUCE_BH if self.h % REDUCE_BH == 0 else _fit(REDUCE_BH, self.h, 1)
+            bhr = _fit(cfg.get("reduce_bh", REDUCE_BH), self.h, 1)
             _moe_reduce_partials[(self.h // bhr,)](part, ids, out, H=self.h, S=m * k, SP=sp, NJ=nj, M=m, MV=mv,
-                                                   BHR=bhr, num_warps=4)
+                                                   BHR=bhr, num_warps=cfg.get("reduce_warps", 4))
         return out
 
     def weight_bytes(self, n_experts: int) -> int:
