@@ -24,16 +24,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-algorithm", default=None, choices=["NEXTN"], help="NEXTN = MTP drafting (default off)")
     p.add_argument("--speculative-num-steps", type=int, default=3)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=4)
-    p.add_argument("--fused-router", action="store_true",
-                   help="CUDA: MoE routing for decode/verify as one Triton kernel (not yet measured: opt-in)")
-    p.add_argument("--fused-norm", action="store_true",
-                   help="CUDA: every RMSNorm as one Triton kernel (not yet measured: opt-in)")
-    p.add_argument("--decode-kv-buckets", action="store_true",
-                   help="CUDA: attend over the smallest power-of-two span (>= 1024) that holds the sequence, one "
-                        "decode graph per span, instead of all --max-model-len slots (not yet measured: opt-in)")
-    p.add_argument("--spec-static-round", action="store_true",
+    onoff = argparse.BooleanOptionalAction
+    p.add_argument("--fused-router", action=onoff, default=None,
+                   help="MoE routing for decode/verify as one Triton kernel (default: on with CUDA)")
+    p.add_argument("--fused-norm", action=onoff, default=None,
+                   help="every RMSNorm as one Triton kernel (default: on with CUDA)")
+    p.add_argument("--decode-kv-buckets", action=onoff, default=None,
+                   help="attend over the smallest power-of-two span (>= 1024) that holds the sequence, one decode "
+                        "graph per span, instead of all --max-model-len slots (default: on with CUDA)")
+    p.add_argument("--spec-static-round", action=onoff, default=None,
                    help="MTP rounds with static shapes: on CUDA each greedy round is one graph replay with acceptance "
-                        "on the device (not yet measured on a GPU, so not the default)")
+                        "on the device (default: on with CUDA)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture the decode step in a graph")
@@ -49,9 +50,9 @@ def engine_config(a):
             raise ConfigError(f"--speculative-num-steps must be >= 1 with NEXTN, got {steps}")
         if a.speculative_num_draft_tokens != steps + 1:
             raise ConfigError("--speculative-num-draft-tokens must equal --speculative-num-steps + 1 (chain, top-k 1)")
-    if a.spec_static_round and a.speculative_algorithm != "NEXTN":
+    if a.spec_static_round is True and a.speculative_algorithm != "NEXTN":
         raise ConfigError("--spec-static-round needs --speculative-algorithm NEXTN")
-    if a.decode_kv_buckets and a.device != "cuda":
+    if a.decode_kv_buckets is True and a.device != "cuda":
         raise ConfigError("--decode-kv-buckets needs --device cuda (the CPU path attends over exactly the "
                           "sequence already)")
     backends = {k: v for k, v in (("moe", a.moe_backend), ("linear", a.linear_backend), ("kda", a.kda_backend)) if v}

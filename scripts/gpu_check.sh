@@ -89,8 +89,9 @@ section_verify() {       # start-up canaries on GPU, and their cost at full scal
 }
 
 section_mtp() {          # issue 6 on the GPU: greedy parity over 50 GSM8K prompts (eager rounds, then captured
-    #                        rounds) and accept length, trained ling-nano
-    run_step eager python3 scripts/mtp_accept.py --device cuda --out "$OUT" --name mtp-accept-nano-h200 ${MTP_ARGS:-}
+    #                        rounds, the CUDA default) and accept length, trained ling-nano
+    run_step eager python3 scripts/mtp_accept.py --device cuda --out "$OUT" --name mtp-accept-nano-h200 \
+        --no-spec-static-round ${MTP_ARGS:-}
     run_step graph python3 scripts/mtp_accept.py --device cuda --out "$OUT" --name mtp-accept-nano-h200-graph \
         --spec-static-round ${MTP_ARGS:-}
 }

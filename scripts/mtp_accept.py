@@ -61,8 +61,9 @@ def main() -> int:
     ap.add_argument("--lm-head", default="bf16")
     ap.add_argument("--out", default=str(ROOT / "docs" / "perf"))
     ap.add_argument("--name", default="mtp-accept-nano", help="output file name (NAME.json)")
-    ap.add_argument("--spec-static-round", action="store_true",
-                    help="speculative engine with static-shape rounds (one CUDA-graph replay per greedy round)")
+    ap.add_argument("--spec-static-round", action=argparse.BooleanOptionalAction, default=None,
+                    help="speculative engine with static-shape rounds (one CUDA-graph replay per greedy round; "
+                         "default: the engine's, on with CUDA)")
     ap.add_argument("--no-sampled", action="store_true", help="greedy parity and accept length only")
     a = ap.parse_args()
     qs = [r["question"] for r in load_split("test")[: a.limit]]
@@ -93,7 +94,7 @@ def main() -> int:
     samp_stats = None if a.no_sampled else spec.spec_totals
     dev_name = __import__("torch").cuda.get_device_name() if a.device == "cuda" else a.device
     res = {"date": dt.date.today().isoformat(), "commit": git_commit(), "device": dev_name, "model": a.model,
-           "spec_static_round": a.spec_static_round,
+           "spec_static_round": spec.config.spec_static_round,
            "mean_tpot_ms": {k: 1e3 * sum(v) / len(v) for k, v in tpot.items() if v},
            "weights": "trained (ling-nano)", "prompts": len(qs), "max_tokens": a.max_tokens, "lm_head": a.lm_head,
            "greedy_parity": {"identical": len(qs) - len(mism), "mismatches": mism, "finished_by_eos": hit_eos,

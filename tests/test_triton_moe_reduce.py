@@ -22,8 +22,8 @@ def moe():
         yield mod
 
 
-@pytest.mark.parametrize("m,k,nj,h", [(1, 8, 3, 64), (4, 8, 2, 64), (3, 2, 4, 96)])
-def test_reduce_partials_sums_owner_slots(moe, m, k, nj, h):
+@pytest.mark.parametrize("m,k,nj,h,bhr", [(1, 8, 3, 64, 32), (4, 8, 2, 64, 4), (3, 2, 4, 96, 16), (4, 8, 3, 64, 8)])
+def test_reduce_partials_sums_owner_slots(moe, m, k, nj, h, bhr):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(m * 100 + k)
     s = m * k
@@ -37,7 +37,6 @@ def test_reduce_partials_sums_owner_slots(moe, m, k, nj, h):
     dups = [i for i in range(s) if i not in owner]
     poisoned[:, dups] = float("nan")            # the fused kernel never writes duplicate slots
     out = torch.empty(m, h, dtype=torch.bfloat16, device=dev)
-    bhr = 32 if h % 32 == 0 else 16
     moe._moe_reduce_partials[(h // bhr,)](poisoned.to(dev).contiguous(), ids.to(dev).contiguous(), out, H=h, S=s,
                                           SP=max(32, 1 << (s - 1).bit_length()), NJ=nj, M=m, MV=mv, BHR=bhr)
     ref = part.double()[:, owner, :, :m].sum(dim=(0, 1)).T                # [m, h]

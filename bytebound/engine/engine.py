@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -46,12 +46,15 @@ class EngineConfig:
     watchdog_window: int = 64         # rolling accept-length watchdog (MTP only): rounds in the window
     watchdog_threshold: float = 1.05  # ... alarm at or below this accept length
     enforce_eager: bool = False       # CUDA: skip graph capture of the decode step (and of the MTP round)
-    fused_router: bool = False        # CUDA: MoE routing (M <= 4) as one Triton kernel; opt-in until measured
-    fused_norm: bool = False          # CUDA: every RMSNorm / gated RMSNorm as one Triton kernel; opt-in likewise
-    kv_buckets: bool = False          # CUDA: attention spans in powers of two from 1024 (one decode graph each)
-    #                                   instead of all max_model_len slots every step; opt-in until measured
-    spec_static_round: bool = False   # MTP rounds with static shapes (speculative.round): on CUDA one graph replay
-    #                                   per greedy round; not yet the default (not yet measured on a GPU)
+    # GPU paths below: None = on for CUDA, off for CPU (docs/perf/decode-h200.md: on the H200 the first three took
+    # the full-scale decode step from 12.68 to 7.81 ms at 2K; eager MTP rounds could not finish 50 nano prompts in
+    # 190 s, the captured round takes 37 s). True/False force them (True on CPU is a BackendError/ConfigError).
+    fused_router: bool | None = None  # MoE routing (M <= 4) as one Triton kernel
+    fused_norm: bool | None = None    # every RMSNorm / gated RMSNorm as one Triton kernel
+    kv_buckets: bool | None = None    # attention spans in powers of two from 1024 (one decode graph each) instead
+    #                                   of all max_model_len slots every step
+    spec_static_round: bool | None = None  # MTP rounds with static shapes (speculative.round): on CUDA one graph
+    #                                        replay per greedy round
     cpu_threads: int | None = 1       # batch-1 CPU steps are many tiny ops: one thread avoids sync overhead
 
 
@@ -110,6 +113,12 @@ class Engine:
             raise ConfigError(f"--max-model-len must be >= 2, got {cfg.max_model_len}")
         if cfg.speculative_steps < 0:
             raise ConfigError(f"--speculative-num-steps must be >= 0, got {cfg.speculative_steps}")
+        cuda = dev.type == "cuda"
+        self.config = cfg = replace(cfg, **{k: cuda for k in ("fused_router", "fused_norm", "kv_buckets",
+                                                               "spec_static_round") if getattr(cfg, k) is None})
+        if cfg.kv_buckets and not cuda:
+            raise ConfigError("kv_buckets (--decode-kv-buckets) needs a CUDA device (the CPU path attends over "
+                              "exactly the sequence already)")
         if dev.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         dtype = _dtype(cfg.dtype, cfg.device)
