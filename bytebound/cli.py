@@ -25,13 +25,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-num-steps", type=int, default=3)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=4)
     onoff = argparse.BooleanOptionalAction
-    p.add_argument("--fused-router", action=onoff, default=None,
-                   help="MoE routing for decode/verify as one Triton kernel (default: on with CUDA)")
-    p.add_argument("--fused-norm", action=onoff, default=None,
-                   help="every RMSNorm as one Triton kernel (default: on with CUDA)")
-    p.add_argument("--decode-kv-buckets", action=onoff, default=None,
+    p.add_argument("--fused-router", action=onoff, default=False,
+                   help="CUDA: MoE routing for decode/verify as one Triton kernel (opt-in: see docs/perf/decode-h200.md)")
+    p.add_argument("--fused-norm", action=onoff, default=False,
+                   help="CUDA: every RMSNorm as one Triton kernel (opt-in: see docs/perf/decode-h200.md)")
+    p.add_argument("--decode-kv-buckets", action=onoff, default=False,
                    help="attend over the smallest power-of-two span (>= 1024) that holds the sequence, one decode "
-                        "graph per span, instead of all --max-model-len slots (default: on with CUDA)")
+                        "graph per span, instead of all --max-model-len slots (CUDA; opt-in: see docs/perf/decode-h200.md)")
     p.add_argument("--spec-static-round", action=onoff, default=None,
                    help="MTP rounds with static shapes: on CUDA each greedy round is one graph replay with acceptance "
                         "on the device (default: on with CUDA)")
