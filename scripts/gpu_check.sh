@@ -88,6 +88,32 @@ section_verify() {       # start-up canaries on GPU, and their cost at full scal
         -k "gpu or cuda or full_scale"
 }
 
+section_bisect() {       # the full-scale canaries once per GPU path, to find which one breaks spec_vs_plain (seen
+    #                        with all of them on at 49d251c): committed defaults, then each path alone
+    local t="tests/test_verify.py::test_full_scale_canary_cost"
+    run_step defaults env BYTEBOUND_FULLSCALE=1 python3 -m pytest "$t" -q -p no:cacheprovider -rfE --tb=line
+    run_step eager_rounds env BYTEBOUND_FULLSCALE=1 BYTEBOUND_FULLSCALE_ENGINE='{"spec_static_round": false}' \
+        python3 -m pytest "$t" -q -p no:cacheprovider -rfE --tb=line
+    local part="$OUT/moe_partials.json"
+    python3 - "$part" <<'PY'
+import json, sys
+from bytebound.kernels.triton_moe import load_configs
+t = load_configs()
+for gpu in t:
+    if isinstance(t[gpu], dict):
+        for key, cfg in t[gpu].items():
+            if key.endswith("_M4"):
+                cfg.update(partials=True, reduce_bh=4, reduce_warps=1)
+json.dump(t, open(sys.argv[1], "w"))
+PY
+    run_step partials env BYTEBOUND_FULLSCALE=1 BYTEBOUND_MOE_CONFIG="$part" \
+        python3 -m pytest "$t" -q -p no:cacheprovider -rfE --tb=line
+    for flag in fused_router fused_norm kv_buckets; do
+        run_step "$flag" env BYTEBOUND_FULLSCALE=1 BYTEBOUND_FULLSCALE_ENGINE="{\"$flag\": true}" \
+            python3 -m pytest "$t" -q -p no:cacheprovider -rfE --tb=line
+    done
+}
+
 section_mtp() {          # issue 6 on the GPU: greedy parity over 50 GSM8K prompts (eager rounds, then captured
     #                        rounds, the CUDA default) and accept length, trained ling-nano
     run_step eager python3 scripts/mtp_accept.py --device cuda --out "$OUT" --name mtp-accept-nano-h200 \
@@ -110,13 +136,13 @@ section_env() {          # what the machine has
 }
 
 main() {
-    if [ "${1:-}" = "--list" ]; then printf '%s\n' "${SECTIONS[@]}" env nano mtp; return 0; fi
+    if [ "${1:-}" = "--list" ]; then printf '%s\n' "${SECTIONS[@]}" env nano mtp bisect; return 0; fi
     local todo=("$@")
     [ ${#todo[@]} -eq 0 ] && todo=("${SECTIONS[@]}")
     install_wheels || FAILED+=("install_wheels")
     for s in "${todo[@]}"; do
         if ! declare -F "section_$s" >/dev/null; then
-            echo "unknown section '$s' (have: ${SECTIONS[*]} env nano mtp)"; FAILED+=("$s(unknown)"); continue
+            echo "unknown section '$s' (have: ${SECTIONS[*]} env nano mtp bisect)"; FAILED+=("$s(unknown)"); continue
         fi
         CURRENT="$s"; LOG="$OUT/$s.log"; : >"$LOG"
         "section_$s"

@@ -513,9 +513,11 @@ def test_full_scale_canary_cost(tmp_path):
         cfg_file = tmp_path / "config.json"
         cfg_file.write_text(json.dumps(d))
     t0 = time.perf_counter()
+    # BYTEBOUND_FULLSCALE_ENGINE: JSON EngineConfig overrides, e.g. {"fused_router": true} (gpu_check "bisect")
     eng = Engine(EngineConfig(model=str(cfg_file), load_format="dummy", device="cuda", lm_head="fp8",
                               speculative_steps=3, backends=json.loads(os.environ.get("BYTEBOUND_FULLSCALE_BACKENDS",
-                                                                                      "{}"))))
+                                                                                      "{}")),
+                              **json.loads(os.environ.get("BYTEBOUND_FULLSCALE_ENGINE", "{}"))))
     torch.cuda.synchronize()
     report = {"load_s": time.perf_counter() - t0, "backends": {k: v.resolved for k, v in
                                                                 eng.plan.resolutions.items()}, "device": torch.cuda.get_device_name(), "runs": [],

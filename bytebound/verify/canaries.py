@@ -578,14 +578,17 @@ def canary_spec_vs_plain(engine, ctx) -> CanaryResult:
     i = next(j for j in range(n) if spec[j] != plain[j])
     l = plain_logits[i]
     margin = float(l[plain[i]] - l[spec[i]])
-    # Diagnosis: the verify forward (M tokens at once, KDA states recorded per token) fed the *plain* tokens must
-    # give the plain decode's logits up to rounding; a large error points at the verify path, not the draft.
-    if 0 < i < 4:
+    # Diagnosis: the verify forward (M = steps + 1 tokens at once, as a round runs it, KDA states recorded per
+    # token) fed the *plain* tokens must give the plain decode's logits up to rounding, position by position; a
+    # large error points at the M > 1 path (verify), not the draft.
+    k = min(dr.steps + 1, n - 1)
+    if k > 0:
         try:
             r.logits(ctx.after_prefill()[-1:])
-            vl = r.logits(r.verify(torch.tensor(plain[:i], device=dev))).float()
-            pl = torch.stack(plain_logits[1:i + 1])
-            meas["verify_vs_decode_rel_err"] = [float((vl[j] - pl[j]).norm() / pl[j].norm()) for j in range(i)]
+            vl = r.logits(r.verify(torch.tensor(plain[:k], device=dev))).float()
+            pl = torch.stack(plain_logits[1:k + 1])
+            meas["verify_vs_decode_rel_err"] = [float((vl[j] - pl[j]).norm() / pl[j].norm()) for j in range(k)]
+            meas["verify_vs_decode_argmax_equal"] = [bool(vl[j].argmax() == pl[j].argmax()) for j in range(k)]
         except Exception as e:  # the diagnosis must never mask the verdict below
             meas["verify_vs_decode_error"] = f"{type(e).__name__}: {e}"
         finally:
