@@ -17,6 +17,12 @@ Figures (all on the checkpoint as ``bytebound.checkpoint.loader.load_model`` loa
   E[tokens per verify] = 1 + p + p^2 + p^3 (the bonus token plus the accepted prefix).
 * ``quant_vs_float`` (with ``--float-weights``): KL(P_float || P_quant) in nats per token and top-1 agreement,
   same held-out text, all positions, for the main head and the NEXTN head.
+* ``quant_ablation`` (with ``--float-weights`` and ``--quant-ablation N``): which quantisation moves the argmax.
+  Two hybrids of the float model, each taking one class of weights from the checkpoint, dequantised:
+  ``fp8_linears_only`` (every FP8 block linear), ``mxfp4_experts_only`` (every routed expert) and
+  ``bf16_storage_only`` (every other tensor as the checkpoint stores it), against the float model on the first N
+  chat test records: KL and top-1 agreement as above. ``all_from_checkpoint`` (all three) must reproduce
+  ``quant_vs_float``: a check that the hybrids are built right.
 * ``greedy``: ``--greedy-n`` test questions through the engine (``bytebound.engine.engine.Engine``, batch 1,
   temperature 0, stop at ``"\\n\\n"`` / ``"Question:"``), 5-shot prompt ``few_shot_prompt(question)`` (k=5,
   seed 0), answer ``extract_answer`` vs the reference; decode speed from the engine's per-token times.
@@ -61,6 +67,45 @@ def load_float(path, device) -> BailingMoeV3ForCausalLM:
     model = BailingMoeV3ForCausalLM(cfg, torch.float32)
     model.load_state_dict(blob["state_dict"])
     return model.to(device).finish_load()
+
+
+def hybrid(float_path, qmodel, parts: set, device) -> BailingMoeV3ForCausalLM:
+    """The float model with the weight classes in ``parts`` replaced by the checkpoint's values (``qmodel`` as
+    ``load_model`` loads it): ``fp8`` block linears and ``mxfp4`` routed experts dequantised, ``rest`` every other
+    parameter as stored (BF16 embeddings, norms, head...). Raises ValueError if a class matched nothing."""
+    from bytebound.layers.linear import QLinear
+    from bytebound.layers.moe import RoutedExperts
+    from bytebound.quant import dequantize_fp8_block, dequantize_mxfp4
+    h = load_float(float_path, device)
+    q = dict(qmodel.named_modules())
+    n = {"fp8": 0, "mxfp4": 0, "rest": 0}
+    done = set()
+    with torch.no_grad():
+        for name, m in h.named_modules():
+            src = q.get(name)
+            if "fp8" in parts and isinstance(src, QLinear) and src.fmt == "fp8":
+                m.weight.copy_(dequantize_fp8_block(src.weight, src.weight_scale_inv, src.block, torch.float32))
+                n["fp8"] += 1
+                done.add(f"{name}.weight")
+            elif "mxfp4" in parts and isinstance(src, RoutedExperts) and src.fmt == "mxfp4":
+                for w, sc in (("w13", "w13_scale"), ("w2", "w2_scale")):
+                    pk, scale = getattr(src, w), getattr(src, sc)
+                    deq = dequantize_mxfp4(pk.reshape(-1, pk.shape[-1]), scale.reshape(-1, scale.shape[-1]))
+                    getattr(m, w).copy_(deq.view(getattr(m, w).shape))
+                    done.add(f"{name}.{w}")
+                n["mxfp4"] += 1
+        if "rest" in parts:
+            qp = dict(qmodel.named_parameters())
+            for name, p in h.named_parameters():
+                src = qp.get(name)
+                if (name not in done and src is not None and src.shape == p.shape and src.is_floating_point()
+                        and src.element_size() >= 2):
+                    p.copy_(src.float())
+                    n["rest"] += 1
+    for k in parts:
+        if not n[k]:
+            raise ValueError(f"hybrid: no {k} weights found in the checkpoint model")
+    return h.finish_load()           # MLA's absorbed kv_b copies follow the new weights
 
 
 def docs_chat(tok, recs):
@@ -218,6 +263,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mtp", action="store_true", help="also run the greedy slice with NEXTN speculative decoding")
     ap.add_argument("--mtp-n", type=int, default=0, help="questions for the MTP run (0: same as --greedy-n)")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--quant-ablation", type=int, default=0,
+                    help="with --float-weights: chat test records for the per-weight-class quantisation ablation")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -265,6 +312,18 @@ def main(argv=None) -> int:
                         "nextn_top1_all_positions", "nextn_agree_target_top1_all_positions"):
                 imp[f"{k}.{key}"] = {"p": v[key], "accept_length": implied_accept(v[key])}
         report["implied_accept_length"] = imp
+        if a.quant_ablation and fmodel is not None:
+            abl = {}
+            recs = test[: a.quant_ablation]
+            for label, parts in (("fp8_linears_only", {"fp8"}), ("mxfp4_experts_only", {"mxfp4"}),
+                                 ("bf16_storage_only", {"rest"}), ("all_from_checkpoint", {"fp8", "mxfp4", "rest"})):
+                hm = hybrid(a.float_weights, model, parts, dev)
+                hacc = Acc()
+                teacher_forced(hm, fmodel, docs_chat(tok, recs), dev, a.batch, "h_", hacc)
+                abl[label] = tf_report(hacc, "h_", True)["quant_vs_float"]
+                print(f"[eval] quant ablation {label}: {json.dumps(abl[label])}", flush=True)
+                del hm
+            report["quant_ablation"] = {"records": len(recs), **abl}
         del model, fmodel
         report["teacher_forced_s"] = time.time() - t0
 

@@ -127,7 +127,7 @@ section_nano() {         # retrain ling-nano (issue 3) and measure quantised vs 
     local d=/tmp/nano_run
     run_step train python3 scripts/train_nano.py --out "$d" --export-dir "$d/export" --train-log-dir "$OUT" ${NANO_ARGS:-}
     run_step eval python3 scripts/eval_nano.py --ckpt "$d/export" --float-weights "$d/nano_float.pt" --device cuda \
-        --greedy-n 200 --out "$OUT/ling-nano-eval.json"
+        --greedy-n 200 --quant-ablation 200 --out "$OUT/ling-nano-eval.json"
     run_step pack tar -cJf "$OUT/ling-nano-export.tar.xz" -C "$d" export
 }
 
