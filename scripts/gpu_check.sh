@@ -16,7 +16,8 @@
 # (extra bench_moe.py arguments, e.g. "--quick --layers 4"), BENCH_DECODE_ARGS (extra bench_decode.py
 # arguments, e.g. "--moe-backends triton,torch --ttft-len 0"), NANO_ARGS (extra train_nano.py arguments for the
 # on-demand section ``nano``, e.g. "--qat-frac 0.7 --mxfp4-scale mse"), MTP_ARGS (extra mtp_accept.py arguments for the
-# on-demand section ``mtp``, e.g. "--no-sampled"), BYTEBOUND_MOE_CONFIG (a triton MoE config table, e.g. the one
+# on-demand section ``mtp``, e.g. "--no-sampled"), MTP_MODES ("eager graph", the default, or one of them),
+# BYTEBOUND_MOE_CONFIG (a triton MoE config table, e.g. the one
 # bench_moe --tune just wrote to $OUT/triton_moe_configs.json, instead of the committed one).
 
 set -uo pipefail
@@ -116,10 +117,15 @@ PY
 
 section_mtp() {          # issue 6 on the GPU: greedy parity over 50 GSM8K prompts (eager rounds, then captured
     #                        rounds, the CUDA default) and accept length, trained ling-nano
-    run_step eager python3 scripts/mtp_accept.py --device cuda --out "$OUT" --name mtp-accept-nano-h200 \
-        --no-spec-static-round ${MTP_ARGS:-}
-    run_step graph python3 scripts/mtp_accept.py --device cuda --out "$OUT" --name mtp-accept-nano-h200-graph \
-        --spec-static-round ${MTP_ARGS:-}
+    # MTP_MODES: "eager graph" by default; eager rounds are slow on the GPU (over 190 s for the 50 prompts)
+    if [[ " ${MTP_MODES:-eager graph} " == *" eager "* ]]; then
+        run_step eager python3 scripts/mtp_accept.py --device cuda --out "$OUT" --name mtp-accept-nano-h200 \
+            --no-spec-static-round ${MTP_ARGS:-}
+    fi
+    if [[ " ${MTP_MODES:-eager graph} " == *" graph "* ]]; then
+        run_step graph python3 scripts/mtp_accept.py --device cuda --out "$OUT" --name mtp-accept-nano-h200-graph \
+            --spec-static-round ${MTP_ARGS:-}
+    fi
 }
 
 section_nano() {         # retrain ling-nano (issue 3) and measure quantised vs float on the device, where the float
