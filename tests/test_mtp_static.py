@@ -136,7 +136,7 @@ def test_round_body_has_no_host_sync(quant_ckpt, monkeypatch):
     runner.static_kv = True                                       # as on CUDA: attend over all slots, masked
     rnd = StaticRound(runner, MTPDrafter(model, STEPS), SamplingParams())
     with torch.inference_mode():
-        rnd._body()                                               # raises on any host read
+        rnd._body(rnd.span())                                     # raises on any host read
     assert rnd.out.device.type == "meta"
 
 
@@ -152,3 +152,32 @@ def test_long_prompt_draft_extend_in_chunks(engines, monkeypatch):
         want = plain.generate(p, G)[0].token_ids
         assert eager.generate(p, G)[0].token_ids == want, f"eager rounds, prompt of {n}"
         assert spec.generate(p, G)[0].token_ids == want, f"static rounds, prompt of {n}"
+
+
+
+@pytest.mark.skipif(not (NANO / "model.safetensors").exists(), reason="trained ling-nano weights not present")
+def test_static_rounds_with_per_span_attention(monkeypatch):
+    """The CUDA path's static attention spans (runner.kv_buckets; one captured round per span on the GPU), run
+    eagerly on CPU with the trained model: every round attends over the smallest bucket that holds its verify's
+    last slot, and the output is plain greedy, also for rounds that cross a bucket boundary."""
+    from bytebound.data.gsm8k import load_split
+    from bytebound.runner.runner import ModelRunner
+    plain = Engine(model=str(NANO), max_model_len=256)
+    spec = Engine(model=str(NANO), max_model_len=256, speculative_steps=STEPS, spec_static_round=True)
+    runner = ModelRunner(spec.model, 256, "cpu", kv_buckets=(64, 128))
+    runner.static_kv = True
+    seen = []
+    span = StaticRound.span
+
+    def checked(self):
+        s = span(self)
+        assert s >= self.r.pos + self.k + 1, f"span {s} misses the verify's last slot {self.r.pos + self.k}"
+        seen.append(s)
+        return s
+    monkeypatch.setattr(StaticRound, "span", checked)
+    monkeypatch.setattr(spec, "runner", runner)
+    p = SamplingParams(max_tokens=60, ignore_eos=True)
+    for r in load_split("test")[:3]:
+        want = plain.generate(r["question"], p, chat=True)[0].token_ids
+        assert spec.generate(r["question"], p, chat=True)[0].token_ids == want
+    assert {64, 128} <= set(seen), f"spans used: {sorted(set(seen))}"

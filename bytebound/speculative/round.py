@@ -64,28 +64,38 @@ class StaticRound:
         self.pos = torch.full((), k + 1, dtype=torch.long, device=dev)     # any valid position for warm-up
         self.out = torch.zeros(k + 2, dtype=torch.long, device=dev)
         self.ar = torch.arange(k + 1, device=dev)
-        self.kv_len = runner.max_len if runner.static_kv else None
         self.kda = [st for st in runner.state if isinstance(st, KDAState)]
-        self.graph = None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}       # attention span -> captured round
         if capture:
             self._capture()
 
-    def _body(self) -> None:
+    @property
+    def graph(self):
+        """The captured round for the largest span (None when not captured)."""
+        return self.graphs[max(self.graphs)] if self.graphs else None
+
+    def span(self) -> int | None:
+        """Attention span for the next round: the smallest of ``runner.kv_buckets`` that holds the verify's last
+        slot ``pos + k`` (the CUDA path's static span, as the decode graphs pick theirs); None on the dynamic CPU
+        path."""
+        return self.r.kv_span(self.r.pos + self.k + 1) if self.r.static_kv else None
+
+    def _body(self, kv_len: int | None = None) -> None:
         r, dr, k, ar = self.r, self.dr, self.k, self.ar
         state, model = r.state, r.model
         # 1. draft-extend over the previous verify's k+1 positions; continue from row j
-        eh = dr.hidden(self.ext_ids, self.ext_hidden, self.pos - self.j - 1 + ar, state, self.kv_len)
+        eh = dr.hidden(self.ext_ids, self.ext_hidden, self.pos - self.j - 1 + ar, state, kv_len)
         dh = eh.index_select(0, self.j.view(1))                                 # [1, H]
         drafts = [dr.logits(dh).argmax(-1)]
         # 2. k - 1 draft steps; draft i sits at pos + i - 1
         for i in range(1, k):
-            dh = dr.hidden(drafts[-1], dh, (self.pos + (i - 1)).view(1), state, self.kv_len)
+            dh = dr.hidden(drafts[-1], dh, (self.pos + (i - 1)).view(1), state, kv_len)
             drafts.append(dr.logits(dh).argmax(-1))
         d = torch.cat(drafts)                                                   # [k]
         # 3. verify [y, d] at pos..pos+k, KDA state recorded after every token
         for st in self.kda:
             st.history = []
-        vh = model(torch.cat([self.y, d]).view(1, k + 1), self.pos + ar, state, self.kv_len)[0]
+        vh = model(torch.cat([self.y, d]).view(1, k + 1), self.pos + ar, state, kv_len)[0]
         # 4. acceptance on the device
         j, bonus = accept_chain_device(model.logits(vh), d, self.p, self.gen)
         # 5. KDA rollback to the state after token j (MLA slots past the new pos are rewritten before use)
@@ -110,22 +120,26 @@ class StaticRound:
         bufs = [self.y, self.ext_ids, self.ext_hidden, self.j, self.pos]
         saved = [b.clone() for b in bufs]
         snap = _snapshot(self.r.state)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s), torch.inference_mode():
-            for _ in range(2):                          # JIT / autotune outside the capture
-                self._body()
-                for b, v in zip(bufs, saved):
-                    b.copy_(v)
-        torch.cuda.current_stream().wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.inference_mode():
-            self._body()
-        _restore(self.r.state, snap)
-        for b, v in zip(bufs, saved):
-            b.copy_(v)
+        # One graph per attention span (runner.kv_buckets; one span, max_len, unless buckets are on), so the
+        # round attends over what the sequence needs, like the decode graphs. Each replays only its own span.
+        for span in self.r.kv_buckets:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s), torch.inference_mode():
+                for _ in range(2):                          # JIT / autotune outside the capture
+                    self._body(span)
+                    for b, v in zip(bufs, saved):
+                        b.copy_(v)
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g), torch.inference_mode():
+                self._body(span)
+            self.graphs[span] = g
+            _restore(self.r.state, snap)
+            for b, v in zip(bufs, saved):
+                b.copy_(v)
         self.captured_shapes = [{"op": "mtp_round", "draft_steps": self.k, "verify_tokens": self.k + 1,
-                                 "kv_slots": self.r.max_len}]
+                                 "kv_slots": span} for span in self.graphs]
 
     def start(self, prompt: torch.Tensor, hid: torch.Tensor, y: torch.Tensor) -> None:
         """Set the buffers after a prefill of ``prompt [P]`` (``P >= k + 2``) with hiddens ``hid [P, H]`` and first
@@ -146,10 +160,12 @@ class StaticRound:
     def step(self) -> list[int]:
         """Run one round (graph replay if captured); returns ``[d_1..d_k, bonus, j]`` (the one host sync) and
         advances ``runner.pos`` by ``j + 1``."""
-        if self.graph is not None:
-            self.graph.replay()
+        span = self.span()
+        g = self.graphs.get(span)
+        if g is not None:
+            g.replay()
         else:
-            self._body()
+            self._body(span)
         out = self.out.tolist()
         self.r.pos += out[-1] + 1
         return out
