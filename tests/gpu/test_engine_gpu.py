@@ -172,3 +172,41 @@ def test_graph_replay_equals_eager_across_kv_buckets():
 
     for i, (a, b) in enumerate(zip(run(False), run(True))):
         assert torch.equal(a, b), f"step {i}: graph replay differs from eager"
+
+
+@pytest.mark.parametrize("path", ["defaults", "partials", "fused_router", "fused_norm", "kv_buckets"])
+@torch.inference_mode()
+def test_verify_equals_sequential_decode_full_width(full_width_model, path):
+    """The MTP verify forward (4 tokens, KDA states recorded) gives the logits of 4 sequential decode steps, at
+    Ling-3.0-flash widths, with each GPU path on by itself. The full-scale spec_vs_plain canary failed with all of
+    them on at once (docs/perf/gpu-tests-h200.md); this names the path that breaks the M = 4 forward, if one does.
+    BF16, so the bar is the same argmax and a small relative error, not bit equality."""
+    from bytebound.layers.moe import RoutedExperts
+    from bytebound.runner.backends import BackendPlan, bind_model
+    from bytebound.runner.runner import ModelRunner
+    from bytebound.verify.canaries import restore_state, snapshot_state
+    model = full_width_model
+    bind_model(model, BackendPlan.default("cuda"), "cuda", "fp8", fused_router=path == "fused_router",
+               fused_norm=path == "fused_norm")
+    if path == "partials":       # the H200 M = 4 entry measured fastest (moe-kernels-h200.md), off by default
+        for m in model.modules():
+            if isinstance(m, RoutedExperts):
+                m.fn.configs[4] = dict(variant="gluon", BI=64, BK=128, BH=256, num_warps=4, partials=True,
+                                       reduce_bh=4, reduce_warps=1)
+    r = ModelRunner(model, 256, kv_buckets=(64, 128) if path == "kv_buckets" else None)
+    try:
+        h = r.prefill(torch.randint(0, model.cfg.vocab_size, (61,), device="cuda"))   # verify crosses slot 64
+        toks = [model.logits(h[-1:]).argmax(-1).view(1)]
+        snap = snapshot_state(r)
+        seq = []
+        for _ in range(4):
+            lg = model.logits(r.forward(toks[-1])).float()
+            seq.append(lg[0])
+            toks.append(lg.argmax(-1).view(1))
+        restore_state(r, snap)
+        ver = model.logits(r.verify(torch.cat(toks[:4]))).float()
+        errs = [float((seq[i] - ver[i]).norm() / seq[i].norm()) for i in range(4)]
+        same = [int(seq[i].argmax()) == int(ver[i].argmax()) for i in range(4)]
+        assert all(same) and max(errs) <= 2e-2, f"path {path}: verify vs decode rel err {errs}, argmax equal {same}"
+    finally:
+        bind_model(model, BackendPlan.default("cuda"), "cuda", "bf16")     # the fixture is shared: reset
