@@ -52,9 +52,6 @@ def engine_config(a):
             raise ConfigError("--speculative-num-draft-tokens must equal --speculative-num-steps + 1 (chain, top-k 1)")
     if a.spec_static_round is True and a.speculative_algorithm != "NEXTN":
         raise ConfigError("--spec-static-round needs --speculative-algorithm NEXTN")
-    if a.decode_kv_buckets is True and a.device != "cuda":
-        raise ConfigError("--decode-kv-buckets needs --device cuda (the CPU path attends over exactly the "
-                          "sequence already)")
     backends = {k: v for k, v in (("moe", a.moe_backend), ("linear", a.linear_backend), ("kda", a.kda_backend)) if v}
     return EngineConfig(model=a.model, device=a.device, dtype=a.dtype,
                         lm_head="fp32" if a.enable_fp32_lm_head else a.lm_head, backends=backends,

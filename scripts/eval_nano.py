@@ -18,11 +18,12 @@ Figures (all on the checkpoint as ``bytebound.checkpoint.loader.load_model`` loa
 * ``quant_vs_float`` (with ``--float-weights``): KL(P_float || P_quant) in nats per token and top-1 agreement,
   same held-out text, all positions, for the main head and the NEXTN head.
 * ``quant_ablation`` (with ``--float-weights`` and ``--quant-ablation N``): which quantisation moves the argmax.
-  Two hybrids of the float model, each taking one class of weights from the checkpoint, dequantised:
+  Hybrids of the float model, each taking one class of weights from the checkpoint, dequantised:
   ``fp8_linears_only`` (every FP8 block linear), ``mxfp4_experts_only`` (every routed expert) and
   ``bf16_storage_only`` (every other tensor as the checkpoint stores it), against the float model on the first N
   chat test records: KL and top-1 agreement as above. ``all_from_checkpoint`` (all three) must reproduce
-  ``quant_vs_float``: a check that the hybrids are built right.
+  ``checkpoint``, the quantised model itself against the float model on the same N records: a check that the
+  hybrids are built right.
 * ``greedy``: ``--greedy-n`` test questions through the engine (``bytebound.engine.engine.Engine``, batch 1,
   temperature 0, stop at ``"\\n\\n"`` / ``"Question:"``), 5-shot prompt ``few_shot_prompt(question)`` (k=5,
   seed 0), answer ``extract_answer`` vs the reference; decode speed from the engine's per-token times.
@@ -266,6 +267,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quant-ablation", type=int, default=0,
                     help="with --float-weights: chat test records for the per-weight-class quantisation ablation")
     a = ap.parse_args(argv)
+    if a.quant_ablation < 0 or (a.quant_ablation and not a.float_weights):
+        ap.error("--quant-ablation N needs N >= 0 and --float-weights")
+    if a.quant_ablation and a.tf_n < 0 and a.tf5_n <= 0:
+        ap.error("--quant-ablation runs with the teacher-forced pass: do not disable it (--tf-n >= 0)")
     if a.threads:
         torch.set_num_threads(a.threads)
     dev = torch.device(a.device)
@@ -313,8 +318,10 @@ def main(argv=None) -> int:
                 imp[f"{k}.{key}"] = {"p": v[key], "accept_length": implied_accept(v[key])}
         report["implied_accept_length"] = imp
         if a.quant_ablation and fmodel is not None:
-            abl = {}
             recs = test[: a.quant_ablation]
+            cacc = Acc()
+            teacher_forced(model, fmodel, docs_chat(tok, recs), dev, a.batch, "c_", cacc)
+            abl = {"checkpoint": tf_report(cacc, "c_", True)["quant_vs_float"]}
             for label, parts in (("fp8_linears_only", {"fp8"}), ("mxfp4_experts_only", {"mxfp4"}),
                                  ("bf16_storage_only", {"rest"}), ("all_from_checkpoint", {"fp8", "mxfp4", "rest"})):
                 hm = hybrid(a.float_weights, model, parts, dev)

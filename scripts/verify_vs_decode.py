@@ -1,8 +1,9 @@
 """Does a 4-token verify forward give the logits of 4 sequential decode steps? (CPU diagnostic, full widths.)
 
-Builds the Ling-3.0-flash config with ``--layers`` decoder layers (full widths: 512 experts, H 2560; dummy
-weights, float32, CPU), prefills 24 random tokens, decodes 4 tokens one at a time, restores the state and runs
-the same 4 tokens as one verify forward (the MTP round's M = 4 path). Prints the relative error and argmax per
+Builds the Ling-3.0-flash config with ``--layers`` decoder layers (>= 6, so that MoE, KDA and one MLA layer are
+all there; full widths: 512 experts, H 2560; dummy weights, float32, CPU), prefills 30 random tokens, decodes 4
+tokens one at a time (positions 30-33: across the 32-slot bucket edge with ``buckets``), restores the state and
+runs the same 4 tokens as one verify forward (the MTP round's M = 4 path). Prints the relative error and argmax per
 position. ``--paths`` switches on GPU paths that can run here: ``router`` / ``norm`` (the Triton kernels, in
 Triton's interpreter: needs ``triton`` installed and ``TRITON_INTERPRET=1`` set before start), ``static`` (the
 CUDA path's fixed attention span over the cache) and ``buckets`` (per-span attention, with ``static``).
@@ -34,12 +35,19 @@ from bytebound.runner.runner import ModelRunner  # noqa: E402
 from bytebound.verify.canaries import restore_state, snapshot_state  # noqa: E402
 
 
+KNOWN = {"router", "norm", "static", "buckets"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--paths", default="", help="comma list of router, norm, static, buckets")
     a = ap.parse_args()
     paths = set(filter(None, a.paths.split(",")))
+    if paths - KNOWN:
+        ap.error(f"unknown --paths {sorted(paths - KNOWN)} (known: {sorted(KNOWN)})")
+    if a.layers < 6:
+        ap.error("--layers must be >= 6: the first MLA layer is layer 5 (and layers 0-1 are dense)")
     torch.manual_seed(0)
     d = json.loads(Path(LING3_FLASH_CONFIG).read_text())
     d["num_hidden_layers"] = a.layers
@@ -57,11 +65,11 @@ def main() -> int:
                 m.fn = nm.rmsnorm_gated
             elif nm is not None and isinstance(m, RMSNorm):
                 m.fn = nm.rmsnorm
-    r = ModelRunner(model, 256, "cpu", (64, 128) if "buckets" in paths else None)
+    r = ModelRunner(model, 256, "cpu", (16, 32) if "buckets" in paths else None)
     r.static_kv = bool(paths & {"static", "buckets"})
     bad = False
     with stack, torch.inference_mode():
-        h = r.prefill(torch.randint(0, cfg.vocab_size, (24,)))
+        h = r.prefill(torch.randint(0, cfg.vocab_size, (30,)))
         toks = [model.logits(h[-1:]).argmax(-1).view(1)]
         snap = snapshot_state(r)
         seq = []

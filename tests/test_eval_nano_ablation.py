@@ -21,9 +21,10 @@ def test_all_from_checkpoint_hybrid_reproduces_quant_vs_float(tmp_path):
         "--seq-len", "256", "--limit-train", "64", "--val-examples", "8", "--calib-steps", "1")
     out = tmp_path / "eval.json"
     run("scripts/eval_nano.py", "--ckpt", str(tmp_path / "export"), "--float-weights", str(tmp_path / "nano_float.pt"),
-        "--tf-n", "3", "--tf5-n", "0", "--greedy-n", "0", "--quant-ablation", "3", "--out", str(out))
+        "--tf-n", "5", "--tf5-n", "0", "--greedy-n", "0", "--quant-ablation", "3", "--out", str(out))
     rep = json.loads(out.read_text())
-    qf, abl = rep["teacher_forced"]["chat"]["quant_vs_float"], rep["quant_ablation"]
+    qf, abl = rep["quant_ablation"]["checkpoint"], rep["quant_ablation"]     # same 3 records
+    assert qf["positions"] < rep["teacher_forced"]["chat"]["quant_vs_float"]["positions"]     # not the 5
     allq = abl["all_from_checkpoint"]
     assert allq["top1_agreement_main"] == qf["top1_agreement_main"]
     assert allq["top1_agreement_nextn"] == qf["top1_agreement_nextn"]

@@ -47,10 +47,10 @@ class EngineConfig:
     watchdog_threshold: float = 1.05  # ... alarm at or below this accept length
     enforce_eager: bool = False       # CUDA: skip graph capture of the decode step (and of the MTP round)
     # GPU paths. Measured on the H200 (docs/perf/decode-h200.md): the first three take the full-scale decode step
-    # from 12.68 to 7.67 ms at 2K, but the full-scale spec_vs_plain canary failed in the one run that had them on
-    # together with the partials MoE mode, and no device time was left to isolate the cause: opt-in until it is.
-    # The captured round is on with CUDA (None = on for CUDA, off for CPU): eager MTP rounds could not finish 50
-    # nano prompts in 190 s on the H200, the captured round did them in 37 s with 50/50 greedy parity.
+    # from 12.68 to 7.81 ms at 2K (7.67 with the partials MoE entry too), but the full-scale spec_vs_plain canary
+    # failed in the one run that had all four on, and no device time was left to isolate the cause: opt-in until
+    # it is. The captured round is on with CUDA (None = on for CUDA, off for CPU): eager MTP rounds did not finish
+    # 50 nano prompts within 140 s on the H200 (docs/perf/mtp-accept-nano-h200.md), captured rounds take 16 s.
     fused_router: bool = False        # MoE routing (M <= 4) as one Triton kernel (CUDA)
     fused_norm: bool = False          # every RMSNorm / gated RMSNorm as one Triton kernel (CUDA)
     kv_buckets: bool = False          # attention spans in powers of two from 1024 (one decode graph each) instead
@@ -119,7 +119,7 @@ class Engine:
         if cfg.spec_static_round is None:
             self.config = cfg = replace(cfg, spec_static_round=cuda)
         if cfg.kv_buckets and not cuda:
-            raise ConfigError("kv_buckets (--decode-kv-buckets) needs a CUDA device (the CPU path attends over "
+            raise ConfigError("--decode-kv-buckets (kv_buckets) needs a CUDA device (the CPU path attends over "
                               "exactly the sequence already)")
         if dev.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
