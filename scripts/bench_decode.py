@@ -29,7 +29,7 @@ from bytebound.bench.report import git_commit  # noqa: E402
 from bytebound.checkpoint.synthetic import dummy_model  # noqa: E402
 from bytebound.config import LING3_FLASH_CONFIG, LingConfig  # noqa: E402
 from bytebound.runner.backends import BackendPlan, bind_model  # noqa: E402
-from bytebound.runner.graphs import capture_decode  # noqa: E402
+from bytebound.runner.graphs import capture_decode, capture_graph  # noqa: E402
 from bytebound.runner.runner import ModelRunner, pow2_buckets  # noqa: E402
 
 
@@ -45,15 +45,7 @@ def time_graph(fn, reps: int = 50, warmup: int = 3) -> float:
                 fn()
                 ts.append((time.perf_counter() - t) * 1e3)
         return sorted(ts)[2]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.inference_mode():
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g), torch.inference_mode():
-        fn()
+    g, _ = capture_graph(fn, warmup)
     ts = sorted(t * 1e3 for t in cuda_event_times(g.replay, reps, warmup=1))
     return ts[len(ts) // 2]
 

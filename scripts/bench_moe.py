@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bytebound.bench.report import git_commit  # noqa: E402
+from bytebound.runner.graphs import capture_graph  # noqa: E402
 
 E, H, I, K = 512, 2560, 768, 8
 EXPERT_BYTES = 2 * I * H // 2 + 2 * I * H // 32 + H * I // 2 + H * I // 32      # 3,133,440
@@ -160,14 +161,7 @@ def run_case(backend, fns, layers, m, kind, reps, graph=True) -> dict:
             fns[li](xs[li], *routes[li])
 
     if graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            all_layers()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            all_layers()
+        g, _ = capture_graph(all_layers, warmup=1)
         times = cuda_time(g.replay, reps)
         res["timing"] = "cuda-graph replay"
     else:

@@ -27,6 +27,25 @@ def _restore(state, snap):
             s.kv.copy_(v)
 
 
+def capture_graph(fn, warmup: int = 2, between=None):
+    """Capture one call of ``fn()`` in a CUDA graph. ``warmup`` calls run first on a side stream (Triton JIT and
+    autotuning must not happen inside a capture), each followed by ``between()`` when given (e.g. restoring the
+    buffers ``fn`` advances). Returns ``(graph, output of the captured call)``; the output is the graph's static
+    buffer, rewritten by each ``graph.replay()``."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.inference_mode():
+        for _ in range(warmup):
+            fn()
+            if between is not None:
+                between()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g), torch.inference_mode():
+        out = fn()
+    return g, out
+
+
 class DecodeGraph:
     """The captured decode step, one graph per attention span in ``runner.kv_buckets``. ``replay(token [1], pos)``
     -> final-normed hidden ``[1, H]`` (a static buffer of the bucket's graph).
@@ -43,16 +62,7 @@ class DecodeGraph:
         model = runner.model
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         for span in runner.kv_buckets:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s), torch.inference_mode():
-                for _ in range(warmup):               # JIT/autotune outside the capture
-                    self._body(model, span)
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g), torch.inference_mode():
-                hidden = self._body(model, span)
-            self.graphs[span] = (g, hidden)
+            self.graphs[span] = capture_graph(lambda: self._body(model, span), warmup)
             _restore(runner.state, snap)
         self.captured_shapes = [{"op": "decode", "tokens": 1, "kv_slots": span} for span in self.graphs]
 

@@ -33,7 +33,7 @@ import time
 import torch
 
 from bytebound.layers.kda import KDAState
-from bytebound.runner.graphs import _restore, _snapshot
+from bytebound.runner.graphs import _restore, _snapshot, capture_graph
 from bytebound.sampling import SamplingParams, sample
 from bytebound.speculative.accept import accept_chain_device
 from bytebound.speculative.mtp import mtp_tokens, nextn_prefix
@@ -120,24 +120,16 @@ class StaticRound:
         bufs = [self.y, self.ext_ids, self.ext_hidden, self.j, self.pos]
         saved = [b.clone() for b in bufs]
         snap = _snapshot(self.r.state)
+
+        def reset_bufs():
+            for b, v in zip(bufs, saved):
+                b.copy_(v)
         # One graph per attention span (runner.kv_buckets; one span, max_len, unless buckets are on), so the
         # round attends over what the sequence needs, like the decode graphs. Each replays only its own span.
         for span in self.r.kv_buckets:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s), torch.inference_mode():
-                for _ in range(2):                          # JIT / autotune outside the capture
-                    self._body(span)
-                    for b, v in zip(bufs, saved):
-                        b.copy_(v)
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g), torch.inference_mode():
-                self._body(span)
-            self.graphs[span] = g
+            self.graphs[span], _ = capture_graph(lambda: self._body(span), 2, reset_bufs)
             _restore(self.r.state, snap)
-            for b, v in zip(bufs, saved):
-                b.copy_(v)
+            reset_bufs()
         self.captured_shapes = [{"op": "mtp_round", "draft_steps": self.k, "verify_tokens": self.k + 1,
                                  "kv_slots": span} for span in self.graphs]
 
