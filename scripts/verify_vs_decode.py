@@ -32,7 +32,7 @@ from bytebound.config import LING3_FLASH_CONFIG, LingConfig  # noqa: E402
 from bytebound.layers.moe import MoE  # noqa: E402
 from bytebound.layers.norm import RMSNorm, RMSNormGated  # noqa: E402
 from bytebound.runner.runner import ModelRunner  # noqa: E402
-from bytebound.verify.canaries import restore_state, snapshot_state  # noqa: E402
+from bytebound.verify.canaries import decode_vs_verify  # noqa: E402
 
 
 KNOWN = {"router", "norm", "static", "buckets"}
@@ -70,15 +70,7 @@ def main() -> int:
     bad = False
     with stack, torch.inference_mode():
         h = r.prefill(torch.randint(0, cfg.vocab_size, (30,)))
-        toks = [model.logits(h[-1:]).argmax(-1).view(1)]
-        snap = snapshot_state(r)
-        seq = []
-        for _ in range(4):
-            lg = model.logits(r.forward(toks[-1]))
-            seq.append(lg[0])
-            toks.append(lg.argmax(-1).view(1))
-        restore_state(r, snap)
-        ver = model.logits(r.verify(torch.cat(toks[:4])))
+        seq, ver = decode_vs_verify(r, model.logits(h[-1:]).argmax(-1), 4)
         for i in range(4):
             err = float((seq[i] - ver[i]).norm() / seq[i].norm())
             same = int(seq[i].argmax()) == int(ver[i].argmax())

@@ -88,3 +88,22 @@ def test_fused_kda_projections_equal_separate_ones(quant_ckpt, tmp_path):
     out = save_pretrained(model, tmp_path / "again", quant=model.cfg.quant, float_dtype=torch.float32)
     again = load_model(out, "cpu")
     assert all(torch.equal(again.state_dict()[k], before[k]) for k in before)
+
+
+@torch.inference_mode()
+def test_decode_vs_verify_agree_and_leave_the_state():
+    """``verify.canaries.decode_vs_verify`` (the GPU test and scripts/verify_vs_decode.py use it): on the CPU
+    float32 path a 4-token verify gives the logits of 4 decode steps, and the runner's state is restored."""
+    from bytebound.verify.canaries import decode_vs_verify
+    model = make_model()
+    r = ModelRunner(model, 200, "cpu")
+    h = r.prefill(torch.randint(4, model.cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(1)))
+    tok = model.logits(h[-1:]).argmax(-1)
+    pos, rec = r.pos, [s.rec.clone() for s in r.state if hasattr(s, "rec")]
+    seq, ver = decode_vs_verify(r, tok, 4)
+    assert seq.shape == ver.shape == (4, model.cfg.vocab_size)
+    assert torch.equal(seq.argmax(-1), ver.argmax(-1))
+    torch.testing.assert_close(ver, seq, rtol=1e-4, atol=1e-4)
+    assert r.pos == pos
+    assert all(torch.equal(a, s.rec) for a, s in zip(rec, [s for s in r.state if hasattr(s, "rec")]))
+    assert int(seq[0].argmax()) == int(model.logits(r.forward(tok.view(1))).argmax())   # first step == a fresh step

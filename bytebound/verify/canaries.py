@@ -485,6 +485,24 @@ def restore_state(runner, snap) -> None:
     runner.pos = pos
 
 
+@torch.inference_mode()
+def decode_vs_verify(runner, tok: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MTP verify's correctness property, from the runner's current state: ``n`` greedy decode steps from
+    ``tok [1]``, then the same ``n`` tokens (``tok`` and the first ``n - 1`` decoded ones) as one verify forward
+    from the same state. Returns float32 logits ``(decode [n, V], verify [n, V])``, which must agree up to the
+    dtype's rounding; the state is restored afterwards."""
+    model, snap = runner.model, snapshot_state(runner)
+    toks, seq = [tok.view(1)], []
+    for _ in range(n):
+        lg = model.logits(runner.forward(toks[-1])).float()
+        seq.append(lg[0])
+        toks.append(lg.argmax(-1).view(1))
+    restore_state(runner, snap)
+    ver = model.logits(runner.verify(torch.cat(toks[:n]))).float()
+    restore_state(runner, snap)
+    return torch.stack(seq), ver
+
+
 def graph_step_fns(runner, g):
     """``(replay, eager)``: one decode step ``token -> logits [1, V]`` through the captured graph and eagerly.
 

@@ -184,7 +184,7 @@ def test_verify_equals_sequential_decode_full_width(full_width_model, path):
     from bytebound.layers.moe import RoutedExperts
     from bytebound.runner.backends import BackendPlan, bind_model
     from bytebound.runner.runner import ModelRunner
-    from bytebound.verify.canaries import restore_state, snapshot_state
+    from bytebound.verify.canaries import decode_vs_verify
     model = full_width_model
     bind_model(model, BackendPlan.default("cuda"), "cuda", "fp8", fused_router=path == "fused_router",
                fused_norm=path == "fused_norm")
@@ -196,15 +196,7 @@ def test_verify_equals_sequential_decode_full_width(full_width_model, path):
     r = ModelRunner(model, 256, kv_buckets=(64, 128) if path == "kv_buckets" else None)
     try:
         h = r.prefill(torch.randint(0, model.cfg.vocab_size, (61,), device="cuda"))   # verify crosses slot 64
-        toks = [model.logits(h[-1:]).argmax(-1).view(1)]
-        snap = snapshot_state(r)
-        seq = []
-        for _ in range(4):
-            lg = model.logits(r.forward(toks[-1])).float()
-            seq.append(lg[0])
-            toks.append(lg.argmax(-1).view(1))
-        restore_state(r, snap)
-        ver = model.logits(r.verify(torch.cat(toks[:4]))).float()
+        seq, ver = decode_vs_verify(r, model.logits(h[-1:]).argmax(-1), 4)
         errs = [float((seq[i] - ver[i]).norm() / seq[i].norm()) for i in range(4)]
         same = [int(seq[i].argmax()) == int(ver[i].argmax()) for i in range(4)]
         assert all(same) and max(errs) <= 2e-2, f"path {path}: verify vs decode rel err {errs}, argmax equal {same}"
