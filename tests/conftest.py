@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -146,3 +147,17 @@ def triton_kernels(module: str, bf16_round_nearest: bool = False):
         else:
             os.environ["TRITON_INTERPRET"] = old
 
+
+
+# Kernel tests that run on the GPU, or in Triton's interpreter on a CPU machine with Triton installed (CI has none).
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton not installed (the kernel is also tested on the GPU)")
+
+
+def triton_module_fixture(name: str, module: str, **kw):
+    """A module-scoped fixture ``name`` yielding ``module`` imported through :func:`triton_kernels`."""
+    @pytest.fixture(scope="module", name=name)
+    def fixture():
+        with triton_kernels(module, **kw) as mod:
+            yield mod
+    return fixture

@@ -5,21 +5,13 @@ is installed; CI has no Triton and skips with that reason. The fused kernel that
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
-from conftest import triton_kernels
+from conftest import needs_triton, triton_module_fixture
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="triton not installed (the kernel is also tested on the GPU)")
-
-
-@pytest.fixture(scope="module")
-def moe():
-    with triton_kernels("bytebound.kernels.triton_moe") as mod:
-        yield mod
+pytestmark = needs_triton
+moe = triton_module_fixture("moe", "bytebound.kernels.triton_moe")
 
 
 @pytest.mark.parametrize("m,k,nj,h,bhr", [(1, 8, 3, 64, 32), (4, 8, 2, 64, 4), (3, 2, 4, 96, 16), (4, 8, 3, 64, 8)])

@@ -4,23 +4,14 @@ and skips with that reason. On a GPU they compile for real (tests/gpu)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from bytebound.layers.norm import RMSNorm, RMSNormGated
-from conftest import triton_kernels
+from conftest import needs_triton, triton_module_fixture
 
-
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="triton not installed (the kernels are also tested on the GPU)")
-
-
-@pytest.fixture(scope="module")
-def norm():
-    with triton_kernels("bytebound.kernels.triton_norm", bf16_round_nearest=True) as mod:
-        yield mod
+pytestmark = needs_triton
+norm = triton_module_fixture("norm", "bytebound.kernels.triton_norm", bf16_round_nearest=True)
 
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -4,23 +4,14 @@ and skips with that reason. On a GPU it compiles for real (tests/gpu)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from bytebound.layers.moe import route
-from conftest import triton_kernels
+from conftest import needs_triton, triton_module_fixture
 
-
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="triton not installed (the kernel is also tested on the GPU)")
-
-
-@pytest.fixture(scope="module")
-def router():
-    with triton_kernels("bytebound.kernels.triton_router") as mod:
-        yield mod
+pytestmark = needs_triton
+router = triton_module_fixture("router", "bytebound.kernels.triton_router")
 
 
 def as_sets(ids, w):
