@@ -91,10 +91,12 @@ section_verify() {       # start-up canaries on GPU, and their cost at full scal
 
 section_bisect() {       # the full-scale canaries once per GPU path, to find which one breaks spec_vs_plain (seen
     #                        with all of them on at 49d251c): committed defaults, then each path alone
-    local t="tests/test_verify.py::test_full_scale_canary_cost"
-    run_step defaults env BYTEBOUND_FULLSCALE=1 python3 -m pytest "$t" -q -p no:cacheprovider -rfE --tb=line
-    run_step eager_rounds env BYTEBOUND_FULLSCALE=1 BYTEBOUND_FULLSCALE_ENGINE='{"spec_static_round": false}' \
-        python3 -m pytest "$t" -q -p no:cacheprovider -rfE --tb=line
+    canaries() {         # canaries LABEL [VAR=VALUE ...]: the full-scale canary test with those variables set
+        run_step "$1" env BYTEBOUND_FULLSCALE=1 "${@:2}" python3 -m pytest \
+            tests/test_verify.py::test_full_scale_canary_cost -q -p no:cacheprovider -rfE --tb=line
+    }
+    canaries defaults
+    canaries eager_rounds BYTEBOUND_FULLSCALE_ENGINE='{"spec_static_round": false}'
     # the committed table with every M = 4 entry switched to the partials mode measured fastest
     local part="$OUT/moe_partials.json"
     run_step partials_table python3 -c 'import json, sys
@@ -109,12 +111,14 @@ for gpu, table in t.items():
 assert n, "no M4 entry in the committed table"
 json.dump(t, open(sys.argv[1], "w"))
 print(f"{n} M4 entries -> partials: {sys.argv[1]}")' "$part"
-    [ -s "$part" ] || { echo "no partials table: skipping the partials step" | tee -a "$LOG"; FAILED+=("bisect/partials"); }
-    [ -s "$part" ] && run_step partials env BYTEBOUND_FULLSCALE=1 BYTEBOUND_MOE_CONFIG="$part" \
-        python3 -m pytest "$t" -q -p no:cacheprovider -rfE --tb=line
+    if [ -s "$part" ]; then
+        canaries partials BYTEBOUND_MOE_CONFIG="$part"
+    else
+        echo "no partials table: skipping the partials step" | tee -a "$LOG"; FAILED+=("bisect/partials")
+    fi
+    local flag
     for flag in fused_router fused_norm kv_buckets; do
-        run_step "$flag" env BYTEBOUND_FULLSCALE=1 BYTEBOUND_FULLSCALE_ENGINE="{\"$flag\": true}" \
-            python3 -m pytest "$t" -q -p no:cacheprovider -rfE --tb=line
+        canaries "$flag" BYTEBOUND_FULLSCALE_ENGINE="{\"$flag\": true}"
     done
 }
 

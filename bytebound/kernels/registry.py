@@ -97,9 +97,7 @@ def resolve(op: str, requested: str, device: torch.device, allow_fallback: bool 
     entry = table.get(requested)
     if entry is None:     # a typo is never "unusable here": it fails even with allow_fallback
         raise BackendError(f"op {op!r}: no backend named {requested!r} (have {sorted(table)})")
-    reason = None if entry else f"backend {requested!r} is not registered for op {op!r} (have {sorted(table)})"
-    if entry and reason is None:
-        reason = entry.available(torch.device(device))
+    reason = entry.available(torch.device(device))
     if reason is None:
         return entry.factory(**kw), Resolution(op, requested, requested)
     if not allow_fallback:
