@@ -16,7 +16,7 @@
 # (extra bench_moe.py arguments, e.g. "--quick --layers 4"), BENCH_DECODE_ARGS (extra bench_decode.py
 # arguments, e.g. "--moe-backends triton,torch --ttft-len 0"), NANO_ARGS (extra train_nano.py arguments for the
 # on-demand section ``nano``, e.g. "--qat-frac 0.7 --mxfp4-scale mse"), MTP_ARGS (extra mtp_accept.py arguments for the
-# on-demand section ``mtp``, e.g. "--no-sampled"), MTP_MODES ("eager graph", the default, or one of them),
+# on-demand section ``mtp``, e.g. "--no-sampled"), MTP_MODES ("eager graph", the default, or any of eager, graph, fp32),
 # BYTEBOUND_MOE_CONFIG (a triton MoE config table, e.g. the one
 # bench_moe --tune just wrote to $OUT/triton_moe_configs.json, instead of the committed one).
 
@@ -127,7 +127,7 @@ section_mtp() {          # issue 6 on the GPU: greedy parity over 50 GSM8K promp
     # MTP_MODES: "eager graph" by default; eager rounds are slow on the GPU (over 140 s for the 50 prompts)
     local m
     for m in ${MTP_MODES:-eager graph}; do
-        case "$m" in eager|graph) ;; *) echo "MTP_MODES: unknown mode '$m' (eager, graph)" | tee -a "$LOG"
+        case "$m" in eager|graph|fp32) ;; *) echo "MTP_MODES: unknown mode '$m' (eager, graph, fp32)" | tee -a "$LOG"
                                        FAILED+=("mtp/MTP_MODES=$m") ;; esac
     done
     if [[ " ${MTP_MODES:-eager graph} " == *" eager "* ]]; then
@@ -138,6 +138,19 @@ section_mtp() {          # issue 6 on the GPU: greedy parity over 50 GSM8K promp
         run_step graph python3 scripts/mtp_accept.py --device cuda --out "$OUT" --name mtp-accept-nano-h200-graph \
             --spec-static-round ${MTP_ARGS:-}
     fi
+    if [[ " ${MTP_MODES:-eager graph} " == *" fp32 "* ]]; then   # float32 activations, torch GEMMs: parity without
+        #                                                           BF16 near-ties (captured rounds)
+        run_step fp32 python3 scripts/mtp_accept.py --device cuda --out "$OUT" --name mtp-accept-nano-h200-fp32 \
+            --spec-static-round --dtype fp32 --lm-head fp32 --backends moe=torch,linear=torch,lm_head=torch,kda=torch ${MTP_ARGS:-}
+    fi
+}
+
+section_numerics() {     # verify (M = 4) vs decode (M = 1) per layer at full widths, dummy weights: BF16 with the
+    #                        default backends and a torch-backend yardstick (6 and 42 layers), then float32, 42 layers
+    run_step bf16 python3 scripts/verify_vs_decode.py --device cuda --layers 6,42 --baseline moe=torch,linear=torch \
+        --json "$OUT/verify-vs-decode-bf16.json"
+    run_step fp32 python3 scripts/verify_vs_decode.py --device cuda --dtype fp32 --layers 42 \
+        --backends moe=torch,linear=torch,lm_head=torch,kda=torch --json "$OUT/verify-vs-decode-fp32.json"
 }
 
 section_nano() {         # retrain ling-nano (issue 3) and measure quantised vs float on the device, where the float
@@ -154,13 +167,13 @@ section_env() {          # what the machine has
 }
 
 main() {
-    if [ "${1:-}" = "--list" ]; then printf '%s\n' "${SECTIONS[@]}" env nano mtp bisect; return 0; fi
+    if [ "${1:-}" = "--list" ]; then printf '%s\n' "${SECTIONS[@]}" env nano mtp bisect numerics; return 0; fi
     local todo=("$@")
     [ ${#todo[@]} -eq 0 ] && todo=("${SECTIONS[@]}")
     install_wheels || FAILED+=("install_wheels")
     for s in "${todo[@]}"; do
         if ! declare -F "section_$s" >/dev/null; then
-            echo "unknown section '$s' (have: ${SECTIONS[*]} env nano mtp bisect)"; FAILED+=("$s(unknown)"); continue
+            echo "unknown section '$s' (have: ${SECTIONS[*]} env nano mtp bisect numerics)"; FAILED+=("$s(unknown)"); continue
         fi
         CURRENT="$s"; LOG="$OUT/$s.log"; : >"$LOG"
         "section_$s"

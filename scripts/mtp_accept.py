@@ -60,6 +60,10 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=50)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--lm-head", default="bf16")
+    ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
+                    help="activation dtype (default: bf16 on CUDA, fp32 on CPU). fp32 on CUDA needs --backends torch "
+                         "for moe/linear/lm_head (their Triton kernels take BF16)")
+    ap.add_argument("--backends", default="", help="op=backend overrides, e.g. moe=torch,linear=torch,lm_head=torch")
     ap.add_argument("--out", default=str(ROOT / "out" / "mtp_accept"))
     ap.add_argument("--name", default="mtp-accept-nano", help="output file name (NAME.json)")
     ap.add_argument("--spec-static-round", action=argparse.BooleanOptionalAction, default=None,
@@ -68,9 +72,10 @@ def main() -> int:
     ap.add_argument("--no-sampled", action="store_true", help="greedy parity and accept length only")
     a = ap.parse_args()
     qs = [r["question"] for r in load_split("test")[: a.limit]]
-    base = Engine(EngineConfig(model=a.model, device=a.device, lm_head=a.lm_head))
-    spec = Engine(EngineConfig(model=a.model, device=a.device, lm_head=a.lm_head, speculative_steps=3,
-                               spec_static_round=a.spec_static_round))
+    backends = dict(kv.split("=", 1) for kv in filter(None, a.backends.split(",")))
+    common = dict(model=a.model, device=a.device, lm_head=a.lm_head, dtype=a.dtype, backends=backends)
+    base = Engine(EngineConfig(**common))
+    spec = Engine(EngineConfig(**common, speculative_steps=3, spec_static_round=a.spec_static_round))
     greedy = SamplingParams(max_tokens=a.max_tokens)
     mism, hit_eos, hit_len = [], 0, 0
     tpot = {"plain": [], "spec": []}
@@ -97,7 +102,8 @@ def main() -> int:
     res = {"date": dt.date.today().isoformat(), "commit": git_commit(), "device": dev_name, "model": a.model,
            "spec_static_round": spec.config.spec_static_round,
            "mean_tpot_ms": {k: 1e3 * sum(v) / len(v) for k, v in tpot.items() if v},
-           "weights": "trained (ling-nano)", "prompts": len(qs), "max_tokens": a.max_tokens, "lm_head": a.lm_head,
+           "weights": "trained (ling-nano)", "dtype": str(base.model.dtype).removeprefix("torch."),
+           "backends": {k: v.resolved for k, v in base.plan.resolutions.items()}, "prompts": len(qs), "max_tokens": a.max_tokens, "lm_head": a.lm_head,
            "greedy_parity": {"identical": len(qs) - len(mism), "mismatches": mism, "finished_by_eos": hit_eos,
                              "finished_by_max_tokens": hit_len},
            "greedy": greedy_stats.to_dict(),

@@ -1,16 +1,26 @@
-"""Does a 4-token verify forward give the logits of 4 sequential decode steps? (CPU diagnostic, full widths.)
+"""Does a 4-token verify forward give the logits of 4 sequential decode steps? (diagnostic, full widths)
 
-Builds the Ling-3.0-flash config with ``--layers`` decoder layers (>= 6, so that MoE, KDA and one MLA layer are
-all there; full widths: 512 experts, H 2560; dummy weights, float32, CPU), prefills 30 random tokens, decodes 4
-tokens one at a time (positions 30-33: across the 32-slot bucket edge with ``buckets``), restores the state and
-runs the same 4 tokens as one verify forward (the MTP round's M = 4 path). Prints the relative error and argmax per
-position. ``--paths`` switches on GPU paths that can run here: ``router`` / ``norm`` (the Triton kernels, in
-Triton's interpreter: needs ``triton`` installed and ``TRITON_INTERPRET=1`` set before start), ``static`` (the
-CUDA path's fixed attention span over the cache) and ``buckets`` (per-span attention, with ``static``).
-Used to clear those paths when the full-scale spec_vs_plain canary failed on the H200 (docs/perf/gpu-tests-h200.md).
-Exit status 1 if any position's argmax differs or the relative error exceeds 1e-4.
+Builds the Ling-3.0-flash config with ``--layers`` decoder layers (each >= 6, so that MoE, KDA and one MLA layer
+are all there; full widths: 512 experts, H 2560; dummy weights), prefills 30 random tokens, decodes 4 tokens one
+at a time (positions 30-33: across the 32-slot bucket edge with ``buckets``), restores the state and runs the same
+4 tokens as one verify forward (the MTP round's M = 4 path). Prints the relative error and argmax per position,
+and for position 0 (same state, same token: only M differs) the relative error **after every decoder layer**, so
+a divergence that starts at one layer (a bug) can be told from one that grows layer by layer from rounding (random
+weights amplify any difference).
 
-    TRITON_INTERPRET=1 python scripts/verify_vs_decode.py --paths router      # ~1 min, ~9 GB RAM
+``--baseline moe=torch,linear=torch`` (CUDA) adds the yardstick: the same decode step with other, equally correct
+backends, per layer. If verify-vs-decode is no larger than backend-vs-backend, the verify path is as exact as the
+arithmetic allows.
+
+``--paths`` (CPU) switches on GPU paths that can run here: ``router`` / ``norm`` (the Triton kernels, in Triton's
+interpreter: needs ``triton`` installed and ``TRITON_INTERPRET=1`` set before start), ``static`` (the CUDA path's
+fixed attention span over the cache) and ``buckets`` (per-span attention, with ``static``).
+Used on the full-scale spec_vs_plain canary failures (docs/perf/gpu-tests-h200.md). Exit status 1 if any
+position's argmax differs or the relative error exceeds ``--tol`` (default 1e-4 for float32, 3e-2 for bf16).
+
+    TRITON_INTERPRET=1 python scripts/verify_vs_decode.py --paths router       # CPU, ~1 min, ~9 GB RAM
+    python scripts/verify_vs_decode.py --device cuda --layers 6,12,24,42 --baseline moe=torch,linear=torch \\
+        --json out.json                                                          # H200, bf16, default backends
 """
 
 from __future__ import annotations
@@ -31,29 +41,49 @@ from bytebound.checkpoint.synthetic import dummy_model  # noqa: E402
 from bytebound.config import LING3_FLASH_CONFIG, LingConfig  # noqa: E402
 from bytebound.layers.moe import MoE  # noqa: E402
 from bytebound.layers.norm import RMSNorm, RMSNormGated  # noqa: E402
+from bytebound.runner.backends import BackendPlan, bind_model  # noqa: E402
 from bytebound.runner.runner import ModelRunner  # noqa: E402
-from bytebound.verify.canaries import decode_vs_verify  # noqa: E402
+from bytebound.verify.canaries import decode_vs_verify, restore_state, snapshot_state  # noqa: E402
 
 
 KNOWN = {"router", "norm", "static", "buckets"}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--paths", default="", help="comma list of router, norm, static, buckets")
-    a = ap.parse_args()
-    paths = set(filter(None, a.paths.split(",")))
-    if paths - KNOWN:
-        ap.error(f"unknown --paths {sorted(paths - KNOWN)} (known: {sorted(KNOWN)})")
-    if a.layers < 6:
-        ap.error("--layers must be >= 6: the first MLA layer is layer 5 (and layers 0-1 are dense)")
-    torch.manual_seed(0)
-    d = json.loads(Path(LING3_FLASH_CONFIG).read_text())
-    d["num_hidden_layers"] = a.layers
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+@contextlib.contextmanager
+def layer_outputs(model):
+    """Collect every decoder layer's output (float32 ``[T, H]``) in call order."""
+    outs: list[torch.Tensor] = []
+    hooks = [layer.register_forward_hook(lambda m, i, o: outs.append(o[0].float().clone()))
+             for layer in model.decoder_layers]
+    try:
+        yield outs
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _backends(spec: str) -> dict[str, str]:
+    out = dict(kv.split("=", 1) for kv in filter(None, spec.split(",")))
+    bad = set(out) - {"moe", "linear", "lm_head", "kda", "mla"}
+    if bad:
+        raise SystemExit(f"unknown op(s) {sorted(bad)} in {spec!r} (ops: moe, linear, lm_head, kda, mla)")
+    return out
+
+
+def run_depth(cfg_dict: dict, layers: int, a, paths: set[str], stack) -> dict:
+    d = dict(cfg_dict, num_hidden_layers=layers)
     cfg = LingConfig.from_dict(d)
-    model = dummy_model(cfg, "cpu", torch.float32)
-    stack = contextlib.ExitStack()
+    dev, dtype = torch.device(a.device), DTYPES[a.dtype]
+    model = dummy_model(cfg, dev, dtype)
+    head = "fp8" if dev.type == "cuda" and a.dtype == "bf16" else "bf16"
+    plan = None
+    if dev.type == "cuda":
+        plan = bind_model(model, BackendPlan.default("cuda", **_backends(a.backends)), dev, head)
     if paths & {"router", "norm"}:
         from conftest import triton_kernels
         rt = stack.enter_context(triton_kernels("bytebound.kernels.triton_router")) if "router" in paths else None
@@ -65,18 +95,83 @@ def main() -> int:
                 m.fn = nm.rmsnorm_gated
             elif nm is not None and isinstance(m, RMSNorm):
                 m.fn = nm.rmsnorm
-    r = ModelRunner(model, 256, "cpu", (16, 32) if "buckets" in paths else None)
-    r.static_kv = bool(paths & {"static", "buckets"})
-    bad = False
-    with stack, torch.inference_mode():
-        h = r.prefill(torch.randint(0, cfg.vocab_size, (30,)))
-        seq, ver = decode_vs_verify(r, model.logits(h[-1:]).argmax(-1), 4)
-        for i in range(4):
-            err = float((seq[i] - ver[i]).norm() / seq[i].norm())
-            same = int(seq[i].argmax()) == int(ver[i].argmax())
-            bad |= err > 1e-4 or not same
-            print(f"paths={sorted(paths) or 'none'} position {i}: rel err {err:.2e}, argmax decode "
-                  f"{int(seq[i].argmax())} verify {int(ver[i].argmax())}")
+    r = ModelRunner(model, 256, dev, (16, 32) if "buckets" in paths else None)
+    if dev.type == "cpu":
+        r.static_kv = bool(paths & {"static", "buckets"})
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        h = r.prefill(torch.randint(0, cfg.vocab_size, (30,), generator=g))
+        tok = model.logits(h[-1:]).argmax(-1)
+        seq, ver = decode_vs_verify(r, tok, 4)
+        snap = snapshot_state(r)
+        with layer_outputs(model) as outs:            # position 0 per layer: one decode step, then the verify
+            r.forward(tok.view(1))
+            n = len(outs)
+            restore_state(r, snap)
+            r.verify(torch.cat([tok.view(1), seq[:3].argmax(-1)]))
+            restore_state(r, snap)
+        res = {"layers": layers, "dtype": a.dtype, "lm_head": head,
+               "backends": {k: v.resolved for k, v in plan.resolutions.items()} if plan else "torch (CPU)",
+               "rel_err": [_rel(ver[i], seq[i]) for i in range(4)],
+               "argmax_equal": [int(seq[i].argmax()) == int(ver[i].argmax()) for i in range(4)],
+               "layer_rel_err_pos0": [_rel(outs[n + k][0], outs[k][0]) for k in range(n)],
+               "layer_norm_pos0": [float(outs[k][0].norm()) for k in range(n)]}
+        if a.baseline:
+            bind_model(model, BackendPlan.default(dev, **{**_backends(a.backends), **_backends(a.baseline)}),
+                       dev, head)
+            with layer_outputs(model) as outs2:
+                lb = model.logits(r.forward(tok.view(1))).float()[0]
+            restore_state(r, snap)
+            res["baseline"] = a.baseline
+            res["baseline_rel_err_pos0"] = _rel(lb, seq[0])
+            res["baseline_layer_rel_err_pos0"] = [_rel(outs2[k][0], outs[k][0]) for k in range(n)]
+    del model, r
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", default="6", help="decoder layer counts, comma-separated (each >= 6)")
+    ap.add_argument("--paths", default="", help="CPU only: comma list of router, norm, static, buckets")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
+    ap.add_argument("--backends", default="", help="CUDA: op=backend overrides of the defaults, e.g. moe=torch")
+    ap.add_argument("--baseline", default="", help="CUDA: op=backend set for the backend-vs-backend yardstick")
+    ap.add_argument("--tol", type=float, default=None)
+    ap.add_argument("--json", default=None, help="write the results here")
+    a = ap.parse_args()
+    a.dtype = a.dtype or ("bf16" if a.device == "cuda" else "fp32")
+    paths = set(filter(None, a.paths.split(",")))
+    if paths - KNOWN:
+        ap.error(f"unknown --paths {sorted(paths - KNOWN)} (known: {sorted(KNOWN)})")
+    if paths and a.device != "cpu":
+        ap.error("--paths emulates GPU paths on the CPU; on CUDA they are EngineConfig flags")
+    if (a.backends or a.baseline) and a.device != "cuda":
+        ap.error("--backends / --baseline choose CUDA backends")
+    depths = [int(x) for x in a.layers.split(",")]
+    if min(depths) < 6:
+        ap.error("--layers must be >= 6: the first MLA layer is layer 5 (and layers 0-1 are dense)")
+    tol = a.tol if a.tol is not None else (1e-4 if a.dtype == "fp32" else 3e-2)
+    torch.manual_seed(0)
+    base = json.loads(Path(LING3_FLASH_CONFIG).read_text())
+    bad, results = False, []
+    for layers in depths:
+        with contextlib.ExitStack() as stack:
+            res = run_depth(base, layers, a, paths, stack)
+        results.append(res)
+        bad |= max(res["rel_err"]) > tol or not all(res["argmax_equal"])
+        le = res["layer_rel_err_pos0"]
+        print(f"{layers} layers, {a.dtype}, paths={sorted(paths) or 'none'}: verify vs decode rel err "
+              f"{[f'{e:.2e}' for e in res['rel_err']]}, argmax equal {res['argmax_equal']}")
+        print("  position 0, per layer (verify vs decode): " + " ".join(f"{e:.1e}" for e in le))
+        print("  position 0, per layer (hidden norm):      " + " ".join(f"{x:.0f}" for x in res["layer_norm_pos0"]))
+        if "baseline" in res:
+            print(f"  yardstick {res['baseline']}: logits rel err {res['baseline_rel_err_pos0']:.2e}; per layer "
+                  + " ".join(f"{e:.1e}" for e in res["baseline_layer_rel_err_pos0"]))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"device": a.device, "tol": tol, "results": results}, indent=1))
     return 1 if bad else 0
 
 

@@ -316,6 +316,69 @@ def test_broken_rollback_fails_spec_vs_plain(ckpt):
     assert errs is not None and max(errs) < 1e-4, r.measured
 
 
+def _swap_one_expert_when_verifying(eng, layer_pos: int = -1):
+    """In one MoE layer, verify-sized calls (2 <= M <= 4 tokens; not the prefill) replace each row's last selected
+    expert by the next one up: a route flip with identical router inputs, as a routing near-tie broken differently
+    by M = 4 rounding is."""
+    from bytebound.layers.moe import MoE
+    moe = [layer.mlp for layer in eng.model.decoder_layers if isinstance(layer.mlp, MoE)][layer_pos]
+    orig = moe.router
+
+    def router(x):
+        ids, w = orig(x)
+        if 1 < x.shape[0] <= 4:
+            ids = ids.clone()
+            ids[:, -1] = (ids[:, -1] + 1) % moe.experts.n
+        return ids, w
+    moe.router = router
+    return moe
+
+
+def test_routing_near_tie_explains_spec_divergence(ckpt):
+    """A divergence that starts where identical router inputs picked different experts passes as a routing near-tie;
+    the canary names the position and layer."""
+    eng = engine(ckpt)
+    _swap_one_expert_when_verifying(eng)
+    r = one(eng, C.canary_spec_vs_plain)
+    assert r.measured["spec"] != r.measured["plain"], "the injected flip must change the output for this test"
+    assert r.passed is True and "routing near-tie" in r.message, r.message
+    flip = r.measured["route_flip"]
+    assert flip["input_rel_err"] == 0.0 and flip["experts_a"] != flip["experts_b"]
+
+
+def test_route_flip_after_a_real_difference_fails(ckpt):
+    """The same flip, but the verify path also changes the hidden state beyond rounding (one layer's attention
+    output x1.5 for verify-sized calls): the divergence is not explained, the canary fails and says why."""
+    eng = engine(ckpt)
+    _swap_one_expert_when_verifying(eng)
+    layer = eng.model.decoder_layers[0]
+    orig = layer.attention.forward
+
+    def attention(x, *a, **k):
+        y = orig(x, *a, **k)
+        return y * 1.5 if 1 < x.shape[1] <= 4 else y
+    layer.attention.forward = attention
+    try:
+        r = one(eng, C.canary_spec_vs_plain)
+    finally:
+        del layer.attention.forward
+    assert r.passed is False and "diverges from plain greedy" in r.message, r.message
+    flip = r.measured["route_flip"]
+    assert flip is not None and flip["input_rel_err"] > r.measured["route_input_tolerance"], flip
+    assert "saw router inputs" in r.message
+
+
+def test_first_route_flip_orders_positions_then_layers():
+    from bytebound.verify.routing import first_route_flip
+    x = torch.ones(4)
+    a = {5: {1: (x, torch.tensor([1, 2])), 3: (x, torch.tensor([1, 2]))}, 6: {1: (x, torch.tensor([0, 1]))}}
+    b = {5: {1: (x, torch.tensor([1, 2])), 3: (x * 1.01, torch.tensor([1, 3]))}, 6: {1: (x, torch.tensor([0, 2]))}}
+    f = first_route_flip(a, b, range(5, 7))
+    assert (f["position"], f["layer"], f["experts_b"]) == (5, 3, [1, 3]) and abs(f["input_rel_err"] - 0.01) < 1e-6
+    assert first_route_flip(a, b, [6])["position"] == 6
+    assert first_route_flip(a, a, range(5, 7)) is None and first_route_flip(a, b, [7]) is None
+
+
 def test_unresolved_backend_lever(ckpt):
     eng = engine(ckpt, backends={"moe": "humming"}, allow_fallback=True)
     r = one(eng, C.canary_levers)
