@@ -15,7 +15,8 @@
 # the checkout has no .git), PYTEST_K (a pytest -k expression, e.g. "not humming"), BENCH_MOE_ARGS
 # (extra bench_moe.py arguments, e.g. "--quick --layers 4"), BENCH_DECODE_ARGS (extra bench_decode.py
 # arguments, e.g. "--moe-backends triton,torch --ttft-len 0"), NANO_ARGS (extra train_nano.py arguments for the
-# on-demand section ``nano``, e.g. "--qat-frac 0.7 --mxfp4-scale mse"), MTP_ARGS (extra mtp_accept.py arguments for the
+# on-demand section ``nano``, e.g. "--qat-frac 0.7 --mxfp4-scale mse"), NANO_EVAL_ARGS (its eval_nano.py arguments,
+# default "--greedy-n 200 --quant-ablation 200"), MTP_ARGS (extra mtp_accept.py arguments for the
 # on-demand section ``mtp``, e.g. "--no-sampled"), MTP_MODES ("eager graph", the default, or any of eager, graph, fp32),
 # BYTEBOUND_MOE_CONFIG (a triton MoE config table, e.g. the one
 # bench_moe --tune just wrote to $OUT/triton_moe_configs.json, instead of the committed one).
@@ -158,7 +159,7 @@ section_nano() {         # retrain ling-nano (issue 3) and measure quantised vs 
     local d=/tmp/nano_run
     run_step train python3 scripts/train_nano.py --out "$d" --export-dir "$d/export" --train-log-dir "$OUT" ${NANO_ARGS:-}
     run_step eval python3 scripts/eval_nano.py --ckpt "$d/export" --float-weights "$d/nano_float.pt" --device cuda \
-        --greedy-n 200 --quant-ablation 200 --out "$OUT/ling-nano-eval.json"
+        ${NANO_EVAL_ARGS:---greedy-n 200 --quant-ablation 200} --out "$OUT/ling-nano-eval.json"
     run_step pack tar -cJf "$OUT/ling-nano-export.tar.xz" -C "$d" export
 }
 
