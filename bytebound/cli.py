@@ -25,13 +25,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-num-steps", type=int, default=3)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=4)
     onoff = argparse.BooleanOptionalAction
-    p.add_argument("--fused-router", action=onoff, default=False,
-                   help="CUDA: MoE routing for decode/verify as one Triton kernel (opt-in: see docs/perf/decode-h200.md)")
-    p.add_argument("--fused-norm", action=onoff, default=False,
-                   help="CUDA: every RMSNorm as one Triton kernel (opt-in: see docs/perf/decode-h200.md)")
-    p.add_argument("--decode-kv-buckets", action=onoff, default=False,
+    p.add_argument("--fused-router", action=onoff, default=None,
+                   help="CUDA: MoE routing for decode/verify as one Triton kernel (default: on with CUDA; "
+                        "docs/perf/decode-h200.md)")
+    p.add_argument("--fused-norm", action=onoff, default=None,
+                   help="CUDA: every RMSNorm as one Triton kernel (default: on with CUDA; docs/perf/decode-h200.md)")
+    p.add_argument("--decode-kv-buckets", action=onoff, default=None,
                    help="attend over the smallest power-of-two span (>= 1024) that holds the sequence, one decode "
-                        "graph per span, instead of all --max-model-len slots (CUDA; opt-in: see docs/perf/decode-h200.md)")
+                        "graph per span, instead of all --max-model-len slots (CUDA; default: on with CUDA; "
+                        "docs/perf/decode-h200.md)")
     p.add_argument("--spec-static-round", action=onoff, default=None,
                    help="MTP rounds with static shapes: on CUDA each greedy round is one graph replay with acceptance "
                         "on the device (default: on with CUDA)")

@@ -196,11 +196,18 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--name", default="bench_decode", help="output file name (NAME.json) in --out")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests the script on a small config")
-    ap.add_argument("--fused-router", action="store_true", help="MoE routing as one Triton kernel (M <= 4)")
-    ap.add_argument("--fused-norm", action="store_true", help="RMSNorms as single Triton kernels")
-    ap.add_argument("--kv-buckets", action="store_true",
-                    help="attention spans in powers of two from 1024 (runner.pow2_buckets) instead of all slots")
+    onoff = argparse.BooleanOptionalAction
+    ap.add_argument("--fused-router", action=onoff, default=None,
+                    help="MoE routing as one Triton kernel (M <= 4); default: as the engine (on with CUDA)")
+    ap.add_argument("--fused-norm", action=onoff, default=None,
+                    help="RMSNorms as single Triton kernels; default: as the engine (on with CUDA)")
+    ap.add_argument("--kv-buckets", action=onoff, default=None,
+                    help="attention spans in powers of two from 1024 (runner.pow2_buckets) instead of all slots; "
+                         "default: as the engine (on with CUDA)")
     a = ap.parse_args()
+    for k in ("fused_router", "fused_norm", "kv_buckets"):        # the engine's defaults (EngineConfig: None = CUDA)
+        if getattr(a, k) is None:
+            setattr(a, k, a.device == "cuda")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(a.device)

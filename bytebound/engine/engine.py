@@ -46,14 +46,15 @@ class EngineConfig:
     watchdog_window: int = 64         # rolling accept-length watchdog (MTP only): rounds in the window
     watchdog_threshold: float = 1.05  # ... alarm at or below this accept length
     enforce_eager: bool = False       # CUDA: skip graph capture of the decode step (and of the MTP round)
-    # GPU paths. Measured on the H200 (docs/perf/decode-h200.md): the first three take the full-scale decode step
-    # from 12.68 to 7.81 ms at 2K (7.67 with the partials MoE entry too), but the full-scale spec_vs_plain canary
-    # failed in the one run that had all four on, and no device time was left to isolate the cause: opt-in until
-    # it is. The captured round is on with CUDA (None = on for CUDA, off for CPU): eager MTP rounds did not finish
-    # 50 nano prompts within 140 s on the H200 (docs/perf/mtp-accept-nano-h200.md), captured rounds take 16 s.
-    fused_router: bool = False        # MoE routing (M <= 4) as one Triton kernel (CUDA)
-    fused_norm: bool = False          # every RMSNorm / gated RMSNorm as one Triton kernel (CUDA)
-    kv_buckets: bool = False          # attention spans in powers of two from 1024 (one decode graph each) instead
+    # GPU paths (None = on with CUDA, off on CPU). Measured on the H200 (docs/perf/decode-h200.md): the first three
+    # take the full-scale decode step from 12.68 to 7.81 ms at 2K (7.67 with the partials MoE entry, now the committed
+    # M = 4 entry). They were opt-in while the full-scale spec_vs_plain canary failed with them on; the bisect of
+    # 2026-11-29 showed the same failure with each path alone and with none, traced to a routing near-tie
+    # (docs/perf/gpu-tests-h200.md). The captured round: eager MTP rounds did not finish 50 nano prompts within
+    # 140 s on the H200 (docs/perf/mtp-accept-nano-h200.md), captured rounds take 16-20 s.
+    fused_router: bool | None = None  # MoE routing (M <= 4) as one Triton kernel (CUDA)
+    fused_norm: bool | None = None    # every RMSNorm / gated RMSNorm as one Triton kernel (CUDA)
+    kv_buckets: bool | None = None    # attention spans in powers of two from 1024 (one decode graph each) instead
     #                                   of all max_model_len slots every step (CUDA)
     spec_static_round: bool | None = None  # MTP rounds with static shapes (speculative.round): on CUDA one graph
     #                                        replay per greedy round
@@ -116,8 +117,9 @@ class Engine:
         if cfg.speculative_steps < 0:
             raise ConfigError(f"--speculative-num-steps must be >= 0, got {cfg.speculative_steps}")
         cuda = dev.type == "cuda"
-        if cfg.spec_static_round is None:
-            self.config = cfg = replace(cfg, spec_static_round=cuda)
+        # None = the device's default: on with CUDA, off on CPU (where the Triton kernels and graphs do not run)
+        self.config = cfg = replace(cfg, **{k: cuda for k in ("spec_static_round", "fused_router", "fused_norm",
+                                                              "kv_buckets") if getattr(cfg, k) is None})
         if cfg.kv_buckets and not cuda:
             raise ConfigError("--decode-kv-buckets (kv_buckets) needs a CUDA device (the CPU path attends over "
                               "exactly the sequence already)")

@@ -12,9 +12,9 @@ launch per norm and round exactly where ``layers.norm`` rounds:
 
 Statistics are float32. Rows are the flattened leading dims; D <= 8192. Tested against ``layers.norm`` in the
 Triton interpreter on CPU and on the H200 (tests/test_triton_norm.py). At full scale the 42 input norms went from
-0.65 to 0.075 ms per token (docs/perf/decode-h200.md). The engine enables it only with ``EngineConfig.fused_norm``
-/ ``--fused-norm``: the one full-scale canary run with it on (together with other paths) failed spec_vs_plain,
-and the cause is not yet isolated.
+0.65 to 0.075 ms per token (docs/perf/decode-h200.md). On with CUDA by default (``EngineConfig.fused_norm`` /
+``--no-fused-norm``); the full-scale spec_vs_plain failure once blamed on the fast paths was a routing near-tie
+that the committed defaults hit too (docs/perf/gpu-tests-h200.md).
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ makes no promise there, and with float32 sigmoid scores a tie is a measure-zero 
 
 Constraints: ``E`` a power of two divisible by ``G`` (Ling: 512 experts, 8 groups); float32 logits. Tested against
 ``route`` in the Triton interpreter on CPU and on the H200 (tests/test_triton_router.py, and at Ling's routing in
-tests/gpu). It cut the full-scale MoE block from 4.75 to 3.17 ms per token (docs/perf/decode-h200.md). The
-engine enables it only with ``EngineConfig.fused_router`` / ``--fused-router``: the one full-scale canary run with
-it on (together with other paths) failed spec_vs_plain, and the cause is not yet isolated.
+tests/gpu). It cut the full-scale MoE block from 4.75 to 3.17 ms per token (docs/perf/decode-h200.md). On with
+CUDA by default (``EngineConfig.fused_router`` / ``--no-fused-router``); the full-scale spec_vs_plain failure once
+blamed on the fast paths was a routing near-tie that the committed defaults hit too (docs/perf/gpu-tests-h200.md).
 """
 
 from __future__ import annotations
