@@ -49,16 +49,21 @@ def position_routes(runner):
         start[0] = runner.pos
         return orig_forward(ids)
 
+    # Wrappers are instance attributes; whatever instance attribute was there before (another wrapper) comes back
+    # afterwards, else deleting ours re-exposes the class's method.
+    saved = [(obj, name, obj.__dict__.get(name)) for obj, name in [(runner, "forward")] + [(m, "router") for _, m in moes]]
     graph, runner.graph = runner.graph, None
     runner.forward = forward
     for i, m in moes:
-        m.router = wrap_router(i, m)     # instance attributes shadow the methods; deleting them restores those
+        m.router = wrap_router(i, m)
     try:
         yield routes
     finally:
-        for _, m in moes:
-            del m.router
-        del runner.forward
+        for obj, name, prev in saved:
+            if prev is None:
+                del obj.__dict__[name]
+            else:
+                setattr(obj, name, prev)
         runner.graph = graph
 
 
