@@ -130,15 +130,16 @@ class DenseExperts:
     weights (zero for experts not chosen), so values and gradients equal the sparse sum. Counts tokens per
     expert into ``load`` for the bias update."""
 
-    def __init__(self, ex: RoutedExperts):
-        self.ex = ex
+    def __init__(self, ex: RoutedExperts, mxfp4_scale: str = "ocp"):
+        self.ex, self.mxfp4_scale = ex, mxfp4_scale     # QAT's shared-exponent rule: the export's (--mxfp4-scale)
         self.load = torch.zeros(ex.n, device=ex.w13.device)
         self.delta = None             # QAT: (MXFP4(w13) - w13, MXFP4(w2) - w2), refreshed every step
 
     def refresh_qat(self) -> None:
         ex = self.ex
         with torch.no_grad():
-            self.delta = (fake_mxfp4(ex.w13) - ex.w13, fake_mxfp4(ex.w2) - ex.w2)
+            rule = self.mxfp4_scale
+            self.delta = (fake_mxfp4(ex.w13, rule) - ex.w13, fake_mxfp4(ex.w2, rule) - ex.w2)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ex = self.ex
@@ -155,12 +156,10 @@ class DenseExperts:
         return F.linear(a.reshape(m, e * i), w2)
 
 
-MXFP4_SCALE = "ocp"      # shared-exponent rule of QAT and export (--mxfp4-scale): the two must agree
-
-
-def fake_mxfp4(w: torch.Tensor) -> torch.Tensor:
-    """``w [..., K]`` through the writer's MXFP4 quantiser (groups of 32 along K) and back, float32."""
-    packed, sc = quantize_mxfp4(w.detach().reshape(-1, w.shape[-1]), MXFP4_SCALE)
+def fake_mxfp4(w: torch.Tensor, rule: str = "ocp") -> torch.Tensor:
+    """``w [..., K]`` through the writer's MXFP4 quantiser (groups of 32 along K, shared-exponent ``rule`` "ocp" or
+    "mse": the export's, so QAT and export agree) and back, float32."""
+    packed, sc = quantize_mxfp4(w.detach().reshape(-1, w.shape[-1]), rule)
     return dequantize_mxfp4(packed, sc, torch.float32).view(w.shape)
 
 
@@ -265,11 +264,12 @@ def router_fp32(moe: MoE, x: torch.Tensor):
         return MoE.router(moe, x)
 
 
-def prepare_for_training(model: BailingMoeV3ForCausalLM, kda_chunk: int) -> list[tuple[MoE, DenseExperts]]:
+def prepare_for_training(model: BailingMoeV3ForCausalLM, kda_chunk: int,
+                         mxfp4_scale: str = "ocp") -> list[tuple[MoE, DenseExperts]]:
     moes = []
     for mod in model.modules():
         if isinstance(mod, MoE):
-            de = DenseExperts(mod.experts)
+            de = DenseExperts(mod.experts, mxfp4_scale)
             mod.experts.fn = de
             mod.router = functools.partial(router_fp32, mod)
             if mod.gate.expert_bias is not None:
@@ -492,8 +492,6 @@ def main(argv=None) -> int:
     ap.add_argument("--mxfp4-scale", default="ocp", choices=["ocp", "mse"],
                     help="MXFP4 shared exponent: OCP rule, or per block the lower-error of it and the next one up")
     a = ap.parse_args(argv)
-    global MXFP4_SCALE
-    MXFP4_SCALE = a.mxfp4_scale
 
     t_start = time.time()
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
@@ -524,7 +522,7 @@ def main(argv=None) -> int:
     model.to(dev)
     counts = param_counts(model)
     print(f"[nano] params {json.dumps(counts)}", flush=True)
-    moes = prepare_for_training(model, a.kda_chunk)
+    moes = prepare_for_training(model, a.kda_chunk, a.mxfp4_scale)
     qat = QAT(model, moes, EXPORT_QUANT)
     model.train()
 
