@@ -90,36 +90,36 @@ section_verify() {       # start-up canaries on GPU, and their cost at full scal
         -k "gpu or cuda or full_scale"
 }
 
-section_bisect() {       # the full-scale canaries once per GPU path, to find which one breaks spec_vs_plain (seen
-    #                        with all of them on at 49d251c): committed defaults, then each path alone
+section_bisect() {       # the full-scale canaries once per GPU path: engine defaults (fast paths on), eager MTP rounds,
+    #                        the int64-atomic M = 4 MoE entry instead of partials, and each fast path off by itself
     canaries() {         # canaries LABEL [VAR=VALUE ...]: the full-scale canary test with those variables set
         run_step "$1" env BYTEBOUND_FULLSCALE=1 "${@:2}" python3 -m pytest \
             tests/test_verify.py::test_full_scale_canary_cost -q -p no:cacheprovider -rfE --tb=line
     }
     canaries defaults
     canaries eager_rounds BYTEBOUND_FULLSCALE_ENGINE='{"spec_static_round": false}'
-    # the committed table with every M = 4 entry switched to the partials mode measured fastest
-    local part="$OUT/moe_partials.json"
-    run_step partials_table python3 -c 'import json, sys
+    local tab="$OUT/moe_atomics.json"
+    run_step atomics_table python3 -c 'import json, sys
 from bytebound.kernels.triton_moe import load_configs
 t = load_configs()
 n = 0
 for gpu, table in t.items():
     for key, cfg in (table.items() if isinstance(table, dict) else ()):
         if key.endswith("_M4"):
-            cfg.update(partials=True, reduce_bh=4, reduce_warps=1)
+            for k in ("partials", "reduce_bh", "reduce_warps"):
+                cfg.pop(k, None)
             n += 1
 assert n, "no M4 entry in the committed table"
 json.dump(t, open(sys.argv[1], "w"))
-print(f"{n} M4 entries -> partials: {sys.argv[1]}")' "$part"
-    if [ -s "$part" ]; then
-        canaries partials BYTEBOUND_MOE_CONFIG="$part"
+print(f"{n} M4 entries -> int64 atomics: {sys.argv[1]}")' "$tab"
+    if [ -s "$tab" ]; then
+        canaries atomics BYTEBOUND_MOE_CONFIG="$tab"
     else
-        echo "no partials table: skipping the partials step" | tee -a "$LOG"; FAILED+=("bisect/partials")
+        echo "no atomics table: skipping the atomics step" | tee -a "$LOG"; FAILED+=("bisect/atomics")
     fi
     local flag
     for flag in fused_router fused_norm kv_buckets; do
-        canaries "$flag" BYTEBOUND_FULLSCALE_ENGINE="{\"$flag\": true}"
+        canaries "no_$flag" BYTEBOUND_FULLSCALE_ENGINE="{\"$flag\": false}"
     done
 }
 
