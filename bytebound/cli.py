@@ -71,18 +71,29 @@ def print_fallbacks(engine) -> None:
 
 def cmd_generate(a) -> int:
     from bytebound.engine.engine import Engine
+    from bytebound.errors import RequestError
     from bytebound.sampling import SamplingParams
     # request values first: a bad one is reported before the model loads
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed, stop=tuple(a.stop or ()))
+    prompt = a.prompt
+    if a.prompt_ids is not None:
+        try:
+            prompt = [int(t) for t in a.prompt_ids.replace(",", " ").split()]
+        except ValueError:
+            raise RequestError(f"--prompt-ids must be integers separated by commas or spaces, got {a.prompt_ids!r}")
+        if not prompt:
+            raise RequestError("--prompt-ids is empty")
     eng = Engine(engine_config(a))
     print_fallbacks(eng)
     out = None
-    for chunk in eng.stream(a.prompt, params, chat=a.chat):
+    for chunk in eng.stream(prompt, params, chat=a.chat):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         out = chunk.output or out
     print()
+    if eng.tokenizer is None:          # dummy weights: no text to show, so the ids
+        print("token ids:", " ".join(map(str, out.token_ids)))
     msg = (f"[{out.completion_tokens} tokens, finish={out.finish_reason}, TTFT {out.ttft_s * 1e3:.1f} ms, "
            f"TPOT {out.tpot_s * 1e3:.2f} ms, decode {out.decode_tok_s:.1f} tok/s")
     if out.spec:
@@ -128,7 +139,10 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate text for one prompt")
     add_engine_args(g)
-    g.add_argument("--prompt", required=True)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="prompt as token ids, e.g. '1,2,3' (needed with --load-format dummy: "
+                                          "random weights come without a tokenizer)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)

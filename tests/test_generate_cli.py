@@ -102,3 +102,23 @@ def test_bad_checkpoint_fails_cleanly(tmp_path):
     r = subprocess.run([sys.executable, "-m", "bytebound.cli", "generate", "--model", str(tmp_path), "--prompt", "x"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode != 0 and "config.json" in r.stderr
+
+
+def test_prompt_ids_with_dummy_weights(nano_ckpt):
+    """Random (dummy) weights have no tokenizer: ``--prompt-ids`` feeds token ids, the ids come back on stdout and
+    equal the engine's; bad ids are a named error (exit 2)."""
+    from bytebound.engine.engine import Engine
+    env = dict(os.environ, PYTHONIOENCODING="utf-8", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    base = [sys.executable, "-m", "bytebound.cli", "generate", "--model", str(nano_ckpt), "--load-format", "dummy",
+            "--max-tokens", "4"]
+    r = subprocess.run(base + ["--prompt-ids", "5, 6 7"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 0, r.stderr
+    ids = [int(t) for t in r.stdout.split("token ids:")[1].split()]
+    want = Engine(model=str(nano_ckpt), load_format="dummy").generate([5, 6, 7], SamplingParams(max_tokens=4))[0]
+    assert ids == want.token_ids and len(ids) == 4
+    bad = subprocess.run(base + ["--prompt-ids", "5,x"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert bad.returncode == 2 and "--prompt-ids must be integers" in bad.stderr
+    no_ids = subprocess.run(base + ["--prompt", "hello"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=240)
+    assert no_ids.returncode == 2 and "--prompt-ids" in no_ids.stderr

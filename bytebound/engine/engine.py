@@ -169,7 +169,8 @@ class Engine:
         if isinstance(prompt, list):
             return prompt
         if self.tokenizer is None:
-            raise RequestError("this engine has no tokenizer (dummy weights): pass token ids")
+            raise RequestError("this engine has no tokenizer (dummy weights): pass token ids (generate "
+                               "--prompt-ids 1,2,3; the server takes a token-id list as the prompt)")
         try:
             if chat:
                 prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
