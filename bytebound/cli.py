@@ -173,6 +173,9 @@ def main(argv=None) -> int:
     except ByteboundError as e:          # a named, expected failure: one clear line, no traceback
         print(f"bytebound: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    except OSError as e:                 # a path the user gave that cannot be read or written (names the path)
+        print(f"bytebound: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

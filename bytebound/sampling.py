@@ -76,6 +76,9 @@ def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sp, idx = pr.sort(-1, descending=True)
         cum = sp.cumsum(-1)
         keep = (cum - sp) < p.top_p                      # keep tokens until the mass before them reaches top_p
+        # ... and always the most likely one: a top_p below float32's smallest value (1e-300) compares as 0 < 0,
+        # which would keep nothing and turn the distribution into 0/0 = NaN
+        keep[..., 0] = True
         sp = torch.where(keep, sp, torch.zeros_like(sp))
         pr = torch.zeros_like(pr).scatter_(-1, idx, sp)
         pr = pr / pr.sum(-1, keepdim=True)

@@ -165,3 +165,14 @@ def test_engine_token_id_prompt(engine):
     a = engine.generate(ids, SamplingParams(max_tokens=5))[0]
     b = engine.generate(PROMPT, SamplingParams(max_tokens=5))[0]
     assert a.token_ids == b.token_ids
+
+
+def test_tiny_top_p_keeps_the_most_likely_token():
+    """top_p below float32's range (1e-300 rounds to 0) still keeps the top-1 token instead of a NaN distribution."""
+    from bytebound.sampling import probs, sample
+    logits = torch.tensor([[0.5, 3.0, 1.0, -2.0]])
+    for tp in (1e-300, 5e-324, 1e-46, 1e-3):
+        p = SamplingParams(temperature=1.0, top_p=tp)
+        pr = probs(logits, p)
+        assert torch.isfinite(pr).all() and pr[0, 1] == 1.0, (tp, pr)
+        assert int(sample(logits, p, torch.Generator().manual_seed(0))[0]) == 1
