@@ -8,17 +8,21 @@ checkpoint, so a lost, truncated or mixed-up response shows up as a mismatch.
 from __future__ import annotations
 
 import json
+import logging
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from bytebound.engine.engine import Engine
 from bytebound.sampling import SamplingParams
-from bytebound.server.app import create_app
+from bytebound.server.app import create_app, make_server
 
 NAME = "tiny-random"
 
@@ -35,12 +39,12 @@ def ref(ckpt):
 
 
 class Server:
-    """uvicorn in a background thread on a free port (port 0), stopped at teardown."""
+    """uvicorn (the server ``bytebound serve`` runs) in a background thread on a free port (port 0), stopped at
+    teardown."""
 
     def __init__(self, app):
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    lifespan="on"))
+        self.server = make_server(app, "127.0.0.1", 0, log_level="warning", lifespan="on")
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         for _ in range(300):                      # bounded: 30 s
@@ -347,3 +351,164 @@ def test_untokenizable_prompt_and_huge_seed_are_400(srv):
                                             "seed": 99999999999999999999999})
         assert r.status_code == 400, r.text
         assert c.get("/health").status_code == 200
+
+
+# ---- tester's findings: each bad request gets a 4xx OpenAI-style error naming the problem ------------------
+def _err(r, status, param="-", code="-"):
+    assert r.status_code == status, (r.status_code, r.text)
+    e = r.json()["error"]
+    assert set(e) == {"message", "type", "param", "code"} and e["message"], e
+    assert param == "-" or e["param"] == param, e
+    assert code == "-" or e["code"] == code, e
+    return e
+
+
+def test_deeply_nested_or_huge_json_is_400(srv):
+    deep = b'{"model":"%s","prompt":"hi","x":' % NAME.encode() + b"[" * 1200 + b"]" * 1200 + b"}"
+    assert "malformed JSON" in _err(_post(srv.url, "/v1/completions", deep), 400)["message"]
+    # an integer over Python's digit limit (ValueError, not JSONDecodeError) and one too big for a float
+    _err(_post(srv.url, "/v1/completions", b'{"prompt": "hi", "seed": 1%s}' % (b"0" * 5000)), 400)
+    _err(_post(srv.url, "/v1/completions", {"prompt": "hi", "temperature": 10 ** 400}), 400, "temperature")
+    # nested just below the parser's limit: the error message's repr of it must not recurse either
+    body = b'{"model":"%s","prompt":"hi","logit_bias":' % NAME.encode() + b"[" * 700 + b"1" + b"]" * 700 + b"}"
+    assert _post(srv.url, "/v1/completions", body).status_code == 400
+    assert httpx.get(f"{srv.url}/health").status_code == 200
+
+
+def test_overlong_chat_prompt_without_max_tokens_is_context_length_exceeded(srv):
+    long = "hello " * 5000
+    e = _err(_post(srv.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": long}]}), 400,
+             "messages", "context_length_exceeded")
+    assert "max_tokens" not in e["message"]           # the client sent none
+    _err(_post(srv.url, "/v1/completions", {"prompt": long}), 400, "prompt", "context_length_exceeded")
+    # a prompt that fits with a limit that does not: the limit is the culprit
+    _err(_post(srv.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                 "max_completion_tokens": 5000}),
+         400, "max_completion_tokens", "context_length_exceeded")
+
+
+@pytest.mark.parametrize("ids", [[-1], [99999999], [6144], [0, -5], "3", 3, [1.5], [True], ["1"]])
+def test_stop_token_ids_are_checked(srv, ids):
+    e = _err(_post(srv.url, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop_token_ids": ids}), 400,
+             "stop_token_ids")
+    if isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        assert "[0, 6144)" in e["message"]
+
+
+def test_stop_token_ids_in_range_are_accepted(srv):
+    r = _post(srv.url, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop_token_ids": [0, 6143]})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("opts", [{"include_usage": "no"}, {"include_usage": 0}, {"include_usage": [True]},
+                                  "yes", [{"include_usage": True}]])
+def test_stream_options_are_type_checked(srv, opts):
+    r = _post(srv.url, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True, "stream_options": opts})
+    _err(r, 400, "stream_options")
+
+
+def test_include_usage_false_sends_no_usage_chunk(srv):
+    c = srv.client()
+    chunks = list(c.completions.create(model=NAME, prompt="hi", max_tokens=2, temperature=0, stream=True,
+                                       stream_options={"include_usage": False}))
+    assert chunks and all(ch.choices and ch.usage is None for ch in chunks)
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("temperature", -0.5, "temperature"), ("temperature", 1000, "temperature"), ("top_p", 0, "top_p"),
+    ("top_p", 1.5, "top_p"), ("top_k", -2, "top_k"), ("seed", -1, "seed"), ("seed", 2 ** 64, "seed"),
+    ("stop", [""], "stop"), ("stop", [f"s{i}" for i in range(17)], "stop"), ("max_tokens", 0, "max_tokens"),
+    ("max_completion_tokens", -3, "max_completion_tokens")])
+def test_sampling_errors_name_their_param(srv, field, value, param):
+    chat = field == "max_completion_tokens"
+    body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi", "max_tokens": 2}
+    r = _post(srv.url, "/v1/chat/completions" if chat else "/v1/completions", {**body, field: value})
+    _err(r, 400, param)
+
+
+def test_unknown_path_and_wrong_method_use_the_error_shape(srv):
+    e = _err(httpx.get(f"{srv.url}/v1/completions"), 405, None, "method_not_allowed")
+    assert "GET /v1/completions" in e["message"]
+    assert "POST" in httpx.get(f"{srv.url}/v1/chat/completions").headers.get("allow", "")
+    e = _err(httpx.post(f"{srv.url}/v1/no-such-thing", json={}), 404, None, "not_found")
+    assert "/v1/no-such-thing" in e["message"]
+    assert httpx.get(f"{srv.url}/health").status_code == 200
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_client_leaving_mid_body_logs_one_line(srv):
+    seen = _Records()
+    loggers = [logging.getLogger(n) for n in ("uvicorn.error", "bytebound.server")]
+    for lg in loggers:
+        lg.addHandler(seen)
+    try:
+        port = int(srv.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"model\": ")
+            time.sleep(0.3)                            # the handler is reading the body when we leave
+        assert _wait(lambda: seen.records, 10)
+        time.sleep(0.3)                                # anything more (a traceback) would come right after
+        got = [(r.levelname, r.getMessage(), bool(r.exc_info)) for r in seen.records]
+        assert len(got) == 1 and got[0][0] == "WARNING" and not got[0][2], got
+        assert "left while sending the request body" in got[0][1]
+    finally:
+        for lg in loggers:
+            lg.removeHandler(seen)
+    assert httpx.get(f"{srv.url}/health").status_code == 200
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _up(url) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_sigterm_cancels_requests_in_flight(ckpt, tmp_path):
+    """``bytebound serve`` on SIGTERM: the running stream ends with a ``cancelled`` event and [DONE], the queued
+    request gets 503, the process exits at once (plain uvicorn waited for the whole generation)."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "bytebound.cli", "serve", "--model", str(ckpt), "--port",
+                                 str(port), "--served-model-name", NAME, "--timeout-graceful-shutdown", "0",
+                                 "--log-level", "warning"], stdout=f, stderr=subprocess.STDOUT)
+    try:
+        assert _wait(lambda: proc.poll() is None and _up(url), 60), log.read_text()
+        long = {"prompt": "long one", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+        box = {}
+        tb = threading.Thread(target=lambda: box.setdefault("b", _post(url, "/v1/completions", long)))
+        with httpx.stream("POST", f"{url}/v1/completions", json={"model": NAME, **long, "stream": True},
+                          timeout=60) as ra:
+            lines = ra.iter_lines()
+            assert next(ln for ln in lines if ln.startswith("data: "))
+            tb.start()
+            assert _wait(lambda: httpx.get(f"{url}/server_info").json()["queued"] == 1)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            rest = [ln for ln in lines if ln.startswith("data: ")]
+        assert proc.wait(timeout=30) is not None and time.monotonic() - t0 < 15, log.read_text()
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["error"]["code"] == "cancelled"
+        assert len(rest) < 4000
+        tb.join(timeout=30)
+        _err(box["b"], 503, code="cancelled")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

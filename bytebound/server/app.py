@@ -5,6 +5,8 @@ Concurrency model: one worker thread owns the engine (a single-thread executor);
 answers 429 (``Retry-After: 1``); a closing or broken worker answers 503. The worker checks the request's
 cancel flag between streamed tokens, so a client that disconnects (streaming: the SSE generator is cancelled;
 non-streaming: a watcher polls ``request.is_disconnected()``) stops its generation at the next token.
+Shutdown (:func:`make_server`, SIGINT/SIGTERM) gives the requests in flight a grace period, then cancels them:
+streams end with a ``cancelled`` error event, others get 503.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming SSE and not, with the final
 usage chunk when ``stream_options.include_usage``), ``GET /v1/models``, ``/health``, ``/metrics``
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -33,9 +36,11 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from bytebound.errors import RequestError
-from bytebound.sampling import SamplingParams
+from bytebound.sampling import MAX_TOKENS_LIMIT, SamplingParams
 
 log = logging.getLogger("bytebound.server")
 MAX_BODY = 16 << 20
@@ -215,16 +220,27 @@ class EngineWorker:
                 m.accept.observe(out.spec["accept_length"])
                 m.accept_avg.set(eng.spec_totals.accept_length)
 
-    async def stop(self) -> None:
-        """Refuse new work, cancel queued and running jobs, wait for the worker thread (bounded: it stops at
-        the next token)."""
+    def close(self, grace: float) -> None:
+        """Shutdown has begun (on the loop, before uvicorn waits for connections): refuse new work and give the
+        jobs in flight ``grace`` seconds, then cancel them, so their streams end with a ``cancelled`` event
+        instead of holding the shutdown for a whole generation."""
         self.closing = True
+        asyncio.get_running_loop().call_later(grace, self.cancel_all)
+
+    def cancel_all(self) -> None:
+        """Cancel the queued jobs and the running one (it stops at the next token). Any thread."""
         while self.queue is not None and not self.queue.empty():
             job = self.queue.get_nowait()
             job.cancel.set()
             job.post("cancelled")
         if self.current is not None:
             self.current.cancel.set()
+
+    async def stop(self) -> None:
+        """Refuse new work, cancel queued and running jobs, wait for the worker thread (bounded: it stops at
+        the next token)."""
+        self.closing = True
+        self.cancel_all()
         if self.task is not None:
             self.task.cancel()
             try:
@@ -270,13 +286,30 @@ def _reject_unsupported(body: dict, chat: bool) -> None:
             raise APIError(400, f"'{key}'={v!r} is not supported by this server", param=key)
 
 
+def _float(body: dict, key: str, default: float) -> float:
+    try:
+        return float(_get(body, key, "number", default))
+    except OverflowError:                            # a JSON integer too big for a float
+        raise APIError(400, f"'{key}' is out of range", param=key) from None
+
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
+
+def _field_of(message: str) -> str | None:
+    """The request field a ``SamplingParams.validate`` message names (the first one it mentions), else None."""
+    hits = [(m.start(), f) for f in SAMPLING_FIELDS if (m := re.search(rf"\b{f}\b", message))]
+    return min(hits)[1] if hits else None
+
+
 def _sampling(body: dict, chat: bool, prompt_len: int, engine) -> SamplingParams:
     _reject_unsupported(body, chat)
     room = engine.runner.max_len - prompt_len - engine.config.speculative_steps - 1
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    given = body.get(key) is not None
     mt = _get(body, key, "int", None if chat else 16)
-    if mt is None:                                   # chat without a limit: whatever fits
-        mt = room
+    if mt is None:          # chat without a limit: whatever fits; a prompt that leaves no room is reported below
+        mt = min(max(room, 1), MAX_TOKENS_LIMIT)
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -285,18 +318,23 @@ def _sampling(body: dict, chat: bool, prompt_len: int, engine) -> SamplingParams
     ids = _get(body, "stop_token_ids", "list", [])
     if not all(_is_int(i) for i in ids):
         raise APIError(400, "'stop_token_ids' must be a list of ints", param="stop_token_ids")
+    vocab = engine.model.cfg.vocab_size
+    if any(not 0 <= i < vocab for i in ids):         # the engine would never sample them: silently ignored
+        raise APIError(400, f"stop token ids must be in [0, {vocab})", param="stop_token_ids")
     try:
-        p = SamplingParams(max_tokens=mt, temperature=float(_get(body, "temperature", "number", 1.0)),
-                           top_p=float(_get(body, "top_p", "number", 1.0)), top_k=_get(body, "top_k", "int", 0),
+        p = SamplingParams(max_tokens=mt, temperature=_float(body, "temperature", 1.0),
+                           top_p=_float(body, "top_p", 1.0), top_k=_get(body, "top_k", "int", 0),
                            seed=_get(body, "seed", "int", None), stop=tuple(stop or ()),
                            stop_token_ids=tuple(ids), ignore_eos=_get(body, "ignore_eos", "bool", False))
     except RequestError as e:
-        raise APIError(400, str(e), param=key if "max_tokens" in str(e) else None) from None
-    if mt > room:
+        f = _field_of(str(e))
+        raise APIError(400, str(e), param=key if f == "max_tokens" else f) from None
+    if mt > room:           # the prompt alone overflows (its fault) or with max_tokens (the limit's fault)
+        limit = f" and {key} is {mt}{'' if given else ' (the default)'}" if given or not chat else ""
         raise APIError(400, f"this model's maximum context length is {engine.runner.max_len} tokens; the prompt "
-                       f"has {prompt_len} tokens and max_tokens is {mt} (room for at most {max(room, 0)} new "
-                       f"tokens{' with MTP draft slots' if engine.config.speculative_steps else ''})", param=key,
-                       code="context_length_exceeded")
+                       f"has {prompt_len} tokens{limit} (room for at most {max(room, 0)} new "
+                       f"tokens{' with MTP draft slots' if engine.config.speculative_steps else ''})",
+                       param=key if room >= 1 else "messages" if chat else "prompt", code="context_length_exceeded")
     return p
 
 
@@ -367,16 +405,30 @@ def _encode(engine, text: str, param: str) -> list[int]:
 
 
 async def _read_json(request: Request) -> dict:
-    raw = await request.body()
+    """The JSON object body; APIError 400 when malformed (bad UTF-8, syntax, nesting too deep, an integer too
+    long), 413 when too big, 400 ``client_disconnected`` when the client leaves mid-body (nobody reads it)."""
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        log.warning("client %s left while sending the request body of %s", _peer(request), request.url.path)
+        raise APIError(400, "the client disconnected while sending the request body",
+                       code="client_disconnected") from None
     if len(raw) > MAX_BODY:
         raise APIError(413, f"request body over {MAX_BODY} bytes")
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:              # JSONDecodeError, UnicodeDecodeError, int over the digit limit
         raise APIError(400, f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise APIError(400, "malformed JSON body: nested too deeply") from None
     if not isinstance(body, dict):
         raise APIError(400, "the JSON body must be an object")
     return body
+
+
+def _peer(request: Request) -> str:
+    c = request.client
+    return f"{c.host}:{c.port}" if c else "?"
 
 
 # ---- responses --------------------------------------------------------------------------------------------
@@ -410,8 +462,9 @@ async def _collect(job: Job, request: Request):
             if kind == "cancelled":
                 raise APIError(503, "request cancelled (client disconnected or server shutting down)",
                                "server_error", code="cancelled")
-    finally:
+    finally:                          # also when the handler is cancelled (shutdown past its grace period)
         watcher.cancel()
+        job.cancel.set()
 
 
 def create_app(engine, served_model_name: str | None = None, max_queue: int = 64, manifest: dict | None = None
@@ -440,6 +493,13 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException):
+        """Routing errors (unknown path 404, wrong method 405) in the same error shape as the rest."""
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", code=code,
+                        headers=exc.headers).response()
 
     @app.get("/health")
     async def health():
@@ -484,7 +544,11 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
         opts = _get(body, "stream_options", "dict", None)
         if opts is not None and not stream:
             raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
-        include_usage = bool((opts or {}).get("include_usage", False))
+        usage = (opts or {}).get("include_usage")
+        if usage is not None and not isinstance(usage, bool):     # "no" must not mean yes
+            raise APIError(400, f"'stream_options.include_usage' must be a bool, got {type(usage).__name__}",
+                           param="stream_options")
+        include_usage = usage is True
         want_ids = _get(body, "return_token_ids", "bool", False)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         job = Job(rid, ids, params, asyncio.get_running_loop())
@@ -552,3 +616,21 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
         return await handle(request, chat=True)
 
     return app
+
+
+def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, timeout_graceful_shutdown: float = 5.0,
+                **config):
+    """A ``uvicorn.Server`` for ``app`` whose shutdown is prompt: when it begins, the worker refuses new work
+    and cancels what is still running ``timeout_graceful_shutdown`` seconds later (plain uvicorn would wait
+    for every stream to run to its end). ``config``: more ``uvicorn.Config`` arguments."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            app.state.worker.close(timeout_graceful_shutdown)
+            await super().shutdown(sockets)
+
+    # uvicorn's own timeout is the backstop (it cuts the connections that still have not closed, e.g. a
+    # client that stopped reading); the margin lets cancelled streams end cleanly first.
+    return Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=timeout_graceful_shutdown + 2,
+                                 **config))

@@ -3,11 +3,13 @@
 Usage::
 
     bytebound serve [engine flags] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
-        [--max-queue 64] [--verify [--strict]] [--log-level info]
+        [--max-queue 64] [--timeout-graceful-shutdown 5] [--verify [--strict]] [--log-level info]
 
 Endpoints: /v1/completions, /v1/chat/completions (SSE streaming or not), /v1/models, /health, /metrics,
 /server_info (see :mod:`bytebound.server.app`). The model name is the checkpoint dir's basename unless
-``--served-model-name`` is given. FastAPI and uvicorn are imported only by this command.
+``--served-model-name`` is given. On SIGINT/SIGTERM, requests in flight get ``--timeout-graceful-shutdown``
+seconds to finish; then they are cancelled (the engine stops at the next token) and the server exits.
+FastAPI and uvicorn are imported only by this command.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: checkpoint basename)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for the engine before new ones get 429 (default 64)")
+    p.add_argument("--timeout-graceful-shutdown", type=float, default=5.0, metavar="SECONDS",
+                   help="on SIGINT/SIGTERM, how long requests in flight may run on before they are cancelled "
+                        "(default 5; without a bound a long generation would hold the shutdown for minutes)")
     p.add_argument("--verify", action="store_true", help="run the start-up canaries (bytebound.verify) first")
     p.add_argument("--strict", action="store_true", help="with --verify: refuse to start when a canary fails")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -39,9 +44,9 @@ def cmd_serve(a) -> int:
     from bytebound.engine.engine import Engine
     from bytebound.errors import ByteboundError
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  (checked here to name it in the error)
 
-        from bytebound.server.app import create_app
+        from bytebound.server.app import create_app, make_server
     except ImportError as e:
         print(f"[bytebound serve] needs fastapi and uvicorn: {e}", file=sys.stderr)
         return 2
@@ -50,6 +55,9 @@ def cmd_serve(a) -> int:
         return 2
     if not 0 <= a.port <= 65535:
         print(f"[bytebound serve] --port must be in [0, 65535], got {a.port}", file=sys.stderr)
+        return 2
+    if not a.timeout_graceful_shutdown >= 0:
+        print("[bytebound serve] --timeout-graceful-shutdown must be >= 0", file=sys.stderr)
         return 2
     cfg = engine_config(a)
     if a.verify and hasattr(cfg, "verify"):
@@ -65,5 +73,11 @@ def cmd_serve(a) -> int:
     res = ", ".join(f"{op}={r.resolved}" for op, r in eng.plan.resolutions.items())
     print(f"[bytebound serve] model {name!r} on {eng.device} (kernels: {res}; head path {eng.model.lm_head.mode}, "
           f"MTP steps={eng.config.speculative_steps}); http://{a.host}:{a.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
-    return 0
+    server = make_server(app, a.host, a.port, a.timeout_graceful_shutdown, log_level=a.log_level)
+    try:
+        server.run()
+    except KeyboardInterrupt:   # uvicorn re-raises the SIGINT it has handled, as uvicorn.run expects
+        pass
+    finally:                    # a forced exit (second Ctrl-C) skips the app's shutdown: stop the engine thread
+        app.state.worker.cancel_all()
+    return 0 if server.started else 1
