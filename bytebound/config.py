@@ -26,6 +26,28 @@ REQUIRED = (
     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "layer_group_size",
 )
 
+# Integer fields and their smallest valid value. Widths and counts the model is built from must be >= 1: a 0
+# builds empty weights that either fail later inside torch (hidden_size, heads, head_dim, conv kernel) or turn a
+# layer into a silent no-op (kv_lora_rank, v_head_dim). 0 is valid where it means "none": num_experts (a dense-only
+# model, see is_moe) with num_experts_per_tok 0, first_k_dense_replace, num_shared_experts, and one of the two MLA
+# q/k parts (validate checks their sum). The two MLP widths must be >= 1 only where a layer uses them (validate).
+INT_FIELDS = {
+    "vocab_size": 1, "hidden_size": 1, "num_hidden_layers": 1, "num_attention_heads": 1, "head_dim": 1,
+    "kv_lora_rank": 1, "v_head_dim": 1, "short_conv_kernel_size": 1,
+    "intermediate_size": 0, "moe_intermediate_size": 0, "num_experts": 0, "num_experts_per_tok": 0,
+    "qk_nope_head_dim": 0, "qk_rope_head_dim": 0, "first_k_dense_replace": 0, "num_shared_experts": 0,
+}
+# Sanity ceilings, far above any real model (Ling-3.0-flash: 42 layers, largest dim vocab 157184): they catch a
+# typo before the ledger or the model constructor loops over a billion layers or asks torch for an impossible
+# tensor. 2**31 - 1 is the int32 index range of the kernels.
+MAX_LAYERS = 10_000
+MAX_DIM = 2**31 - 1
+
+
+def _is_int(v) -> bool:
+    """A JSON integer: ``True`` and ``64.0`` are not sizes."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
 
 @dataclass(frozen=True)
 class QuantConfig:
@@ -69,6 +91,10 @@ class QuantConfig:
 
     @classmethod
     def from_json(cls, d: dict[str, Any] | None) -> "QuantConfig":
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise ConfigError(f"quantization_config={d!r} must be an object (or null), got {type(d).__name__}")
         if not d:
             return cls()
         method = d.get("quant_method", "none")
@@ -76,19 +102,25 @@ class QuantConfig:
             raise ConfigError(f"quantization_config.quant_method={method!r} is not supported (expected 'fp8')")
         if d.get("fmt", "e4m3") != "e4m3":
             raise ConfigError(f"quantization_config.fmt={d.get('fmt')!r} is not supported (expected 'e4m3')")
-        wbs = tuple(d.get("weight_block_size") or (128, 128))
-        if len(wbs) != 2 or any(int(b) <= 0 for b in wbs):
-            raise ConfigError(f"quantization_config.weight_block_size={list(wbs)} must be two positive ints")
+        wbs = d.get("weight_block_size") or (128, 128)
+        if not isinstance(wbs, (list, tuple)) or len(wbs) != 2 or not all(_is_int(b) and b > 0 for b in wbs):
+            raise ConfigError(f"quantization_config.weight_block_size={wbs!r} must be two positive ints")
         routed = d.get("routed_experts_quant_method", method)
         if routed not in ("mxfp4", "none"):
             raise ConfigError(f"quantization_config.routed_experts_quant_method={routed!r} is not supported "
                               "(routed experts must be 'mxfp4', as in Ling-3.0-flash-fp4, or unquantised)")
-        gs = int(d.get("routed_experts_group_size", 32))
+        gs = d.get("routed_experts_group_size", 32)
+        if not _is_int(gs):
+            raise ConfigError(f"quantization_config.routed_experts_group_size={gs!r} must be an int")
         if routed == "mxfp4" and gs != 32:
             raise ConfigError(f"quantization_config.routed_experts_group_size={gs}: MXFP4 needs 32")
+        skip = d.get("modules_to_not_convert") or ("lm_head",)
+        # a bare string would become a tuple of characters and silently quantise lm_head
+        if not isinstance(skip, (list, tuple)) or not all(isinstance(m, str) for m in skip):
+            raise ConfigError(f"quantization_config.modules_to_not_convert={skip!r} must be a list of names")
         return cls(method=method, weight_block_size=(int(wbs[0]), int(wbs[1])),
                    scale_fmt=d.get("scale_fmt", "ue8m0"),
-                   modules_to_not_convert=tuple(d.get("modules_to_not_convert") or ("lm_head",)),
+                   modules_to_not_convert=tuple(skip),
                    routed_experts=routed, routed_group_size=gs)
 
 
@@ -216,6 +248,8 @@ class LingConfig:
             ConfigError: wrong ``model_type``, a missing required field, a wrong type, or a contradiction
                 (e.g. ``n_group`` not dividing ``num_experts``, ``layer_group_size`` list of the wrong length).
         """
+        if not isinstance(d, dict):
+            raise ConfigError(f"config.json must be a JSON object {{...}}, got {json.dumps(d, default=repr)[:40]}")
         mt = d.get("model_type")
         if mt not in MODEL_TYPES:
             raise ConfigError(f"model_type={mt!r} is not supported (expected one of {MODEL_TYPES})")
@@ -238,11 +272,6 @@ class LingConfig:
                 if isinstance(v, list):
                     v = tuple(v)
                 kw[k] = v
-        for k in REQUIRED:
-            if k == "layer_group_size":
-                continue
-            if not isinstance(kw[k], int) or isinstance(kw[k], bool) or kw[k] < 0:
-                raise ConfigError(f"config field {k}={kw[k]!r} must be a non-negative int")
         kw["quant"] = QuantConfig.from_json(d.get("quantization_config"))
         kw["extra"] = {k: v for k, v in d.items() if k not in names and k not in ("quantization_config", "model_type")}
         cfg = cls(**kw)
@@ -259,14 +288,31 @@ class LingConfig:
             d = json.loads(p.read_text())
         except FileNotFoundError as e:
             raise ConfigError(f"no config.json at {p}") from e
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{p}: invalid JSON ({e})") from e
+        if not isinstance(d, dict):
+            raise ConfigError(f"{p}: must be a JSON object {{...}}, got {json.dumps(d, default=repr)[:40]}")
         return cls.from_dict(d)
 
     def validate(self) -> None:
         """Check contradictions between fields; raise ConfigError naming them."""
         def bad(msg: str) -> None:
             raise ConfigError(msg)
+        for name, low in INT_FIELDS.items():
+            v = getattr(self, name)
+            if not _is_int(v) or v < low:
+                bad(f"config field {name}={v!r} must be " + ("a positive int" if low else "a non-negative int"))
+            if v > MAX_DIM:
+                bad(f"config field {name}={v} is larger than {MAX_DIM} (a typo?)")
+        if self.num_hidden_layers > MAX_LAYERS:
+            bad(f"config field num_hidden_layers={self.num_hidden_layers} is larger than {MAX_LAYERS} (a typo?)")
+        if self.qk_nope_head_dim + self.qk_rope_head_dim < 1:
+            bad("qk_nope_head_dim + qk_rope_head_dim must be >= 1 (MLA query/key width)")
+        if (self.first_k_dense_replace > 0 or not self.num_experts) and self.intermediate_size < 1:
+            bad(f"intermediate_size={self.intermediate_size} must be >= 1: the model has dense MLP layers "
+                f"(first_k_dense_replace={self.first_k_dense_replace}, num_experts={self.num_experts})")
+        if self.num_experts and self.moe_intermediate_size < 1:
+            bad(f"moe_intermediate_size={self.moe_intermediate_size} must be >= 1 when num_experts > 0")
         g = self.layer_group_size
         if isinstance(g, tuple):
             if len(g) != self.num_hidden_layers:
@@ -317,6 +363,8 @@ class LingConfig:
             bad("tie_word_embeddings=true: Ling-3.0 has an untied LM head")
         if self.num_nextn_predict_layers not in (0, 1):
             bad(f"num_nextn_predict_layers={self.num_nextn_predict_layers}: only 0 or 1 supported")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            bad(f"rope_scaling={self.rope_scaling!r} must be an object (or null)")
         if self.rope_scaling:
             rt = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if rt not in ("yarn", "default"):

@@ -291,3 +291,60 @@ def test_measure_read_bandwidth_cpu():
     if not torch.cuda.is_available():
         with pytest.raises(BackendError):
             measure_read_bandwidth("cuda")
+
+
+# ---- bad --checkpoint / --bandwidth / --device: named errors, no traceback -----------------------------------
+def _bad_checkpoints(root: Path) -> dict[str, Path]:
+    """One checkpoint folder per way a model.safetensors can be broken."""
+    out = {}
+    for kind in ("random", "empty", "directory", "header_not_json", "header_list", "entry_no_shape"):
+        d = root / kind
+        d.mkdir()
+        f = d / "model.safetensors"
+        if kind == "random":
+            f.write_bytes(bytes(range(200, 256)) * 20)      # the first 8 bytes read as a length far past the end
+        elif kind == "empty":
+            f.write_bytes(b"")
+        elif kind == "directory":
+            f.mkdir()
+        else:
+            raw = {"header_not_json": b"{not json", "header_list": b"[1, 2]",
+                   "entry_no_shape": json.dumps({"lm_head.weight": {"dtype": "BF16"}}).encode()}[kind]
+            f.write_bytes(struct.pack("<Q", len(raw)) + raw)
+        out[kind] = d
+    return out
+
+
+def test_specs_from_safetensors_bad_files_name_the_file(tmp_path):
+    from bytebound.errors import CheckpointError
+    with pytest.raises(CheckpointError, match="nonexistent"):
+        specs_from_safetensors(tmp_path / "nonexistent")
+    (tmp_path / "no-files").mkdir()
+    with pytest.raises(CheckpointError, match="no .safetensors files"):
+        specs_from_safetensors(tmp_path / "no-files")
+    for kind, d in _bad_checkpoints(tmp_path).items():
+        with pytest.raises(CheckpointError, match="model.safetensors") as e:
+            specs_from_safetensors(d)
+        assert str(d) in str(e.value), kind
+
+
+def test_cli_bad_checkpoint_is_a_named_error(tmp_path, capsys, config_path):
+    for d in [tmp_path / "nonexistent", *_bad_checkpoints(tmp_path).values()]:
+        assert main(["--config", str(config_path), "--checkpoint", str(d)]) == 2, d
+        err = capsys.readouterr().err
+        assert "CheckpointError" in err and str(d) in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--bandwidth", "measure", "--device", "bogus"], "--device"),
+    (["--bandwidth", "measure", "--device", "meta"], "--device"),
+    (["--bandwidth", "abc"], "--bandwidth"),
+    (["--bandwidth", "-1"], "--bandwidth"),
+    (["--bandwidth", "inf"], "--bandwidth"),
+    (["--bandwidth", "nan"], "--bandwidth"),
+    (["--context", "inf"], "--context"),
+])
+def test_cli_bad_bandwidth_device_context(args, flag, capsys):
+    assert main(["--config", "none", *args]) == 2
+    err = capsys.readouterr().err
+    assert "ConfigError" in err and flag in err

@@ -188,3 +188,60 @@ def test_ablation_inactive_lever_stays_off_for_later_steps(monkeypatch):
     made.clear()
     r = ab.run_ablation(EngineConfig(), lambda eng: (_fake_outputs(5.0), {}), allow_fallback=False, **kw)
     assert r["status"] == "stopped" and r["stop"]["step"] == "+kernel" and len(made) == 1
+
+
+# ---- bad arguments: rejected before the engine loads, nothing written outside --out ------------------------------
+@pytest.mark.parametrize("cmd, args, flag", [
+    ("synthetic", ["--bandwidth", "abc"], "--bandwidth"),
+    ("synthetic", ["--bandwidth", "-1"], "--bandwidth"),
+    ("synthetic", ["--bandwidth", "0"], "--bandwidth"),
+    ("synthetic", ["--bandwidth", "nan"], "--bandwidth"),
+    ("synthetic", ["--name", "../escaped"], "--name"),
+    ("synthetic", ["--name", "a/b"], "--name"),
+    ("synthetic", ["--name", ""], "--name"),
+    ("synthetic", ["--watchdog-window", "0"], "--watchdog-window"),
+    ("synthetic", ["--watchdog-threshold", "nan"], "--watchdog-threshold"),
+    ("gsm8k", ["--shots", "99"], "--shots"),
+    ("ablation", ["--tpot-tolerance", "-1"], "--tpot-tolerance"),
+    ("ablation", ["--tpot-tolerance", "nan"], "--tpot-tolerance"),
+])
+def test_bad_arguments_rejected_before_the_engine(ckpt, tmp_path, monkeypatch, capsys, cmd, args, flag):
+    from bytebound.bench import cli as bench_cli
+
+    def no_engine(cfg):
+        raise AssertionError("the engine was started before the arguments were checked")
+    monkeypatch.setattr(bench_cli, "_start", no_engine)
+    out = tmp_path / "out"
+    rc = main(["bench", cmd, "--model", str(ckpt), "--out", str(out), "--no-progress", *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and "ConfigError" in err and flag in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) in ([], ["out"])       # nothing escaped --out
+    assert not out.exists() or not any(out.iterdir())
+
+
+def _prompt_lengths(ckpt, n, shots):
+    from bytebound.bench.gsm8k import gsm8k_requests
+    eng = Engine(model=str(ckpt))
+    return [len(eng.encode_prompt(r["prompt"])) for r in gsm8k_requests(n, shots)]
+
+
+def test_gsm8k_every_question_skipped_is_an_error(ckpt, tmp_path, capsys):
+    rc = main(["bench", "gsm8k", "--model", str(ckpt), "--limit", "1", "--max-tokens", "2", "--max-model-len", "64",
+               "--out", str(tmp_path), "--no-progress", "--no-canaries"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "RequestError" in err and "skipped" in err and "max_model_len" in err
+
+
+def test_gsm8k_skipped_questions_are_not_in_the_accuracy(ckpt, tmp_path, capsys):
+    lens = _prompt_lengths(ckpt, 2, 0)
+    assert lens[0] > lens[1] + 1, lens                     # zero-shot GSM8K test[0] is longer than test[1]
+    # room for test[1] and one output token (max_len - 1 - prompt >= 1), not for test[0]
+    rc = main(["bench", "gsm8k", "--model", str(ckpt), "--limit", "2", "--shots", "0", "--max-tokens", "2",
+               "--max-model-len", str(lens[1] + 2), "--out", str(tmp_path), "--no-progress", "--no-canaries"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    data, md = _files(tmp_path, "gsm8k")
+    assert data["n"] == 1 and data["skipped"] == 1 and data["accuracy"] == data["correct"]
+    assert data["questions"][0]["skipped"] and not data["questions"][1].get("skipped")
+    assert f"accuracy {data['correct']}/1 " in out and "1 skipped: prompt does not fit max_model_len" in out
+    assert f"**{data['correct']}/1 = " in md and "1 skipped: prompt does not fit max_model_len" in md

@@ -148,3 +148,67 @@ def test_replace_validates():
         tiny_config().replace(n_group=5)
     with pytest.raises(ConfigError, match="layer_group_size"):
         tiny_config(layer_group_size=[1, 0])
+
+
+# ---- config.json of the wrong JSON type, zero and absurd sizes ------------------------------------------------
+@pytest.mark.parametrize("text", ["[]", "null", "5", '"x"'])
+def test_config_json_not_an_object(tmp_path, text):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError, match=r"config.json: must be a JSON object"):
+        LingConfig.from_file(tmp_path)
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        LingConfig.from_dict(json.loads(text))
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(quantization_config="fp8"), "quantization_config"),
+    (dict(quantization_config=["fp8"]), "quantization_config"),
+    (dict(rope_scaling="yarn"), "rope_scaling"),
+    (dict(rope_scaling=["yarn"]), "rope_scaling"),
+    (dict(quantization_config={"quant_method": "fp8", "weight_block_size": ["a", 128]}), "weight_block_size"),
+    (dict(quantization_config={"quant_method": "fp8", "weight_block_size": 128}), "weight_block_size"),
+    (dict(quantization_config={"quant_method": "fp8", "routed_experts_quant_method": "mxfp4",
+                               "routed_experts_group_size": "32"}), "routed_experts_group_size"),
+    (dict(quantization_config={"quant_method": "fp8", "routed_experts_quant_method": "none",
+                               "modules_to_not_convert": "lm_head"}), "modules_to_not_convert"),
+])
+def test_nested_objects_of_the_wrong_type(kw, field):
+    with pytest.raises(ConfigError, match=field):
+        LingConfig.from_dict(base_dict(**kw))
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                                   "kv_lora_rank", "v_head_dim", "short_conv_kernel_size"])
+def test_zero_sized_dimension_rejected(field):
+    with pytest.raises(ConfigError, match=f"{field}=0 must be a positive int"):
+        LingConfig.from_dict(base_dict(**{field: 0}))
+    with pytest.raises(ConfigError, match=field):              # the same rule on every construction path
+        tiny_config().replace(**{field: 0})
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(intermediate_size=0), "intermediate_size"),                          # layer 0 is a dense MLP
+    (dict(num_experts=0, num_experts_per_tok=0, intermediate_size=0, first_k_dense_replace=0), "intermediate_size"),
+    (dict(moe_intermediate_size=0), "moe_intermediate_size"),
+    (dict(qk_nope_head_dim=0, qk_rope_head_dim=0), "qk_nope_head_dim"),
+    (dict(short_conv_kernel_size="4"), "short_conv_kernel_size"),
+    (dict(first_k_dense_replace=-1), "first_k_dense_replace"),
+    (dict(num_shared_experts=-1), "num_shared_experts"),
+    (dict(hidden_size=10**12), "hidden_size"),
+    (dict(num_hidden_layers=10**9, first_k_dense_replace=0), "num_hidden_layers"),
+])
+def test_sizes_zero_where_used_or_absurd_rejected(kw, field):
+    with pytest.raises(ConfigError, match=field):
+        LingConfig.from_dict(base_dict(**kw))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(num_experts=0, num_experts_per_tok=0),                  # dense-only model: is_moe is False everywhere
+    dict(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, num_shared_experts=0),
+    dict(num_shared_experts=0), dict(first_k_dense_replace=0), dict(num_nextn_predict_layers=0),
+    dict(first_k_dense_replace=0, intermediate_size=0),          # every layer MoE: the dense width is unused
+    dict(qk_nope_head_dim=0), dict(qk_rope_head_dim=0),
+])
+def test_zero_where_it_means_none_still_allowed(kw):
+    cfg = LingConfig.from_dict(base_dict(**kw))
+    assert all(getattr(cfg, k) == v for k, v in kw.items())

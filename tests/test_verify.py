@@ -598,3 +598,35 @@ def test_full_scale_canary_cost(tmp_path):
         Path(os.environ["BYTEBOUND_TIMING_OUT"]).write_text(text)
     assert r.passed
     assert not report["runs"][-1]["failed"], report["runs"][-1]["failed"]
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--watchdog-window", "0"], "--watchdog-window"),
+    (["--watchdog-window", "-3"], "--watchdog-window"),
+    (["--watchdog-threshold", "nan"], "--watchdog-threshold"),
+    (["--watchdog-threshold", "-1"], "--watchdog-threshold"),
+    (["--watch-tokens", "-1"], "--watch-tokens"),
+    (["--watch-tokens", "5000"], "--watch-tokens"),          # more than --max-model-len 4096 holds
+])
+def test_cli_bad_watchdog_flags_rejected_before_the_engine(ckpt, monkeypatch, capsys, args, flag):
+    from bytebound.cli import main
+    import bytebound.engine.engine as engine_mod
+
+    def no_engine(*a, **kw):
+        raise AssertionError("the engine was started before the flags were checked")
+    monkeypatch.setattr(engine_mod, "Engine", no_engine)
+    rc = main(["verify", "--model", ckpt, "--speculative-algorithm", "NEXTN", "--no-canaries", *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and "ConfigError" in err and flag in err, err
+
+
+def test_cli_refused_watch_run_exits_2(ckpt, tmp_path, capsys):
+    """--watch-tokens that passes the flag check but does not fit with the prompt: the engine's RequestError is
+    printed and the exit status says so (it used to be 0); the manifest JSON is still written."""
+    from bytebound.cli import main
+    out = tmp_path / "m.json"
+    rc = main(["verify", "--model", ckpt, "--speculative-algorithm", "NEXTN", "--no-canaries", "--max-model-len", "64",
+               "--watch-tokens", "60", "--json", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "RequestError" in err and "--watch-tokens 60" in err, err
+    assert json.loads(out.read_text())["status"]

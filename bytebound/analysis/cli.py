@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -23,7 +24,7 @@ from pathlib import Path
 from bytebound.analysis import seed as sd
 from bytebound.analysis.ledger import Ledger, build_ledger, expected_distinct_experts, ledger_from_specs, \
     specs_from_safetensors
-from bytebound.errors import ByteboundError, ConfigError
+from bytebound.errors import BackendError, ByteboundError, ConfigError
 
 GB = 1e9
 
@@ -37,7 +38,7 @@ def parse_context(text: str) -> tuple[int, ...]:
             if t.endswith(suf):
                 try:
                     out.append(int(float(t[: len(t) - len(suf)] if suf else t) * mul))
-                except ValueError:
+                except (ValueError, OverflowError):      # "abc", "inf"
                     raise ConfigError(f"--context: cannot parse {tok!r} (examples: 2K, 32Ki, 131072)") from None
                 break
     return tuple(out)
@@ -70,19 +71,34 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def parse_bandwidth(text, words: str = "'measure'") -> float:
+    """A ``--bandwidth`` number in GB/s: finite and positive (``bench`` reuses it for its own flag).
+    ``words`` names the non-numeric values the caller accepts, for the message."""
+    try:
+        bw = float(text)
+    except ValueError:
+        raise ConfigError(f"--bandwidth must be a number of GB/s or {words}, got {text!r}") from None
+    if not 0 < bw < math.inf:           # also rejects nan: every floor divides by it
+        raise ConfigError(f"--bandwidth must be a positive number of GB/s, got {text!r}")
+    return bw
+
+
 def _bandwidth(args) -> tuple[float, str]:
     if str(args.bandwidth).lower() != "measure":
-        try:
-            bw = float(args.bandwidth)
-        except ValueError:
-            raise ConfigError(f"--bandwidth must be a number of GB/s or 'measure', got {args.bandwidth!r}") from None
-        if not bw > 0:
-            raise ConfigError(f"--bandwidth must be positive, got {bw}")
-        return bw, "given"
+        return parse_bandwidth(args.bandwidth), "given"
     import torch
     from bytebound.analysis.bandwidth import measure_read_bandwidth
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return measure_read_bandwidth(dev), f"measured (streaming read on {dev})"
+    try:
+        kind = torch.device(dev).type
+    except RuntimeError:
+        raise ConfigError(f"--device {dev!r} is not a torch device (examples: cpu, cuda, cuda:1)") from None
+    if kind not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {dev!r}: --bandwidth measure runs on cpu or cuda only")
+    try:
+        return measure_read_bandwidth(dev), f"measured (streaming read on {dev})"
+    except RuntimeError as e:            # e.g. cuda:7 on a one-GPU host, or out of memory for the 1 GiB buffer
+        raise BackendError(f"--bandwidth measure on --device {dev}: {type(e).__name__}: {e}") from None
 
 
 def exact_values(led: Ledger, s: sd.SeedInputs, draft_steps: int) -> dict[str, float]:

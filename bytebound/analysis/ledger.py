@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bytebound.config import LingConfig
-from bytebound.errors import ConfigError
+from bytebound.errors import CheckpointError, ConfigError
 
 FORMATS = ("bf16", "fp32", "fp8_block", "fp8_channel", "mxfp4", "int4_g32")
 GROUPS = (  # display order of the ledger groups
@@ -388,16 +388,45 @@ def ledger_from_specs(cfg: LingConfig, specs: dict[str, tuple[tuple[int, ...], s
 def specs_from_safetensors(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """``{name: (shape, dtype)}`` from the headers of every ``*.safetensors`` file in ``path`` (no data read)."""
     p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"no checkpoint at {p} (expected a folder of .safetensors files or one file)")
     files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
     if not files:
-        raise ConfigError(f"no .safetensors files at {p}")
+        raise CheckpointError(f"no .safetensors files at {p}")
     out = {}
     for f in files:
-        with open(f, "rb") as fh:
-            n = struct.unpack("<Q", fh.read(8))[0]
-            header = json.loads(fh.read(n))
-        out.update({k: (tuple(v["shape"]), v["dtype"]) for k, v in header.items() if k != "__metadata__"})
+        header = _safetensors_header(f)
+        for k, v in header.items():
+            if k == "__metadata__":
+                continue
+            try:
+                out[k] = (tuple(int(x) for x in v["shape"]), str(v["dtype"]))
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{f}: header entry {k!r} has no valid shape/dtype: {v!r:.80}") from None
     return out
+
+
+def _safetensors_header(f: Path) -> dict:
+    """The JSON header of one safetensors file: 8 bytes little-endian length, then that many bytes of JSON.
+    Anything else (a directory, an empty or foreign file, a header longer than the file) is a CheckpointError."""
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{f}: not a safetensors file ({size} bytes, no 8-byte header length)")
+            n = struct.unpack("<Q", head)[0]
+            # checked before reading: random bytes give lengths up to 2**64 (OverflowError / a huge allocation)
+            if n > size - 8:
+                raise CheckpointError(f"{f}: not a safetensors file or truncated (header length {n}, file {size} B)")
+            header = json.loads(fh.read(n))
+    except OSError as e:                 # a directory called *.safetensors, no permission...
+        raise CheckpointError(f"{f}: cannot read ({type(e).__name__}: {e.strerror or e})") from e
+    except ValueError as e:              # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{f}: safetensors header is not valid JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{f}: safetensors header is not a JSON object")
+    return header
 
 
 def specs_from_module(module) -> dict[str, tuple[tuple[int, ...], str]]:

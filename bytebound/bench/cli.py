@@ -18,12 +18,17 @@ Exit codes: 0 done; 2 the engine could not start or a bad argument; 3 the ablati
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from dataclasses import replace
 
 from bytebound.bench import report as rp
 from bytebound.errors import ByteboundError
+
+# --shots ceiling: twice the usual GSM8K protocols (5 or 8 exemplars). An exemplar is ~200 tokens (bundled
+# tokenizer), so 16 shots (~3000 tokens) still fit the default --max-model-len 4096; more would skip every question.
+MAX_SHOTS = 16
 
 
 def _common(p: argparse.ArgumentParser, name: str) -> None:
@@ -48,7 +53,7 @@ def _synthetic_args(p, input_len: int = 32768, output_len: int = 2048) -> None:
 
 def _gsm8k_args(p) -> None:
     p.add_argument("--limit", type=int, default=None, help="first N test questions (default: all 1319)")
-    p.add_argument("--shots", type=int, default=5)
+    p.add_argument("--shots", type=int, default=5, help=f"exemplars per prompt, 0-{MAX_SHOTS} (default 5)")
     p.add_argument("--max-tokens", type=int, default=512, help="per question, clamped to the room in max_model_len")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--top-p", type=float, default=0.95)
@@ -129,6 +134,18 @@ def _validate(a) -> None:
         low = 1 if name in ("limit", "input_len", "output_len", "num_requests", "max_tokens") else 0
         if v is not None and v < low:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {v}")
+    if getattr(a, "shots", None) is not None and a.shots > MAX_SHOTS:
+        raise ConfigError(f"--shots must be <= {MAX_SHOTS}, got {a.shots} (an exemplar is ~200 tokens; "
+                          "GSM8K protocols use 5 or 8)")
+    if getattr(a, "bandwidth", None) is not None and a.bandwidth not in ("auto", "none"):
+        from bytebound.analysis.cli import parse_bandwidth
+        parse_bandwidth(a.bandwidth, "'auto' or 'none'")         # the same rule as analyze, before the engine loads
+    tol = getattr(a, "tpot_tolerance", None)
+    if tol is not None and not 0 <= tol < math.inf:
+        raise ConfigError(f"--tpot-tolerance must be a fraction >= 0 (0.01 = 1 %), got {tol}")
+    # the report files are OUT/NAME.json, .md and NAME_*.png: a separator would write outside --out
+    if not a.name.strip() or "/" in a.name or "\\" in a.name:
+        raise ConfigError(f"--name must be a plain file stem (no path separators, not empty), got {a.name!r}")
     Path(a.out).mkdir(parents=True, exist_ok=True)
 
 
@@ -193,16 +210,19 @@ def gsm8k_markdown(res: dict, s: dict, meta: dict, title: str) -> list[str]:
     n, k = res["n"], res["correct"]
     lo, hi = rp.wilson(k, n)
     sp = res["sampling"]
+    skip = f"{_skipped(res)} (not in the accuracy). " if res.get("skipped") else ""
     md = [f"# {title}", ""] + rp.meta_section(meta) + ["", "## Accuracy", "",
-          f"**{k}/{n} = {100 * k / max(n, 1):.1f}%** (95% Wilson interval {100 * lo:.1f}-{100 * hi:.1f}%). "
+          f"**{k}/{n} = {100 * k / max(n, 1):.1f}%** (95% Wilson interval {100 * lo:.1f}-{100 * hi:.1f}%). {skip}"
           f"{sp['shots']}-shot prompts (exemplars from train, seed {sp['seed']}), temperature {sp['temperature']}, "
           f"top-p {sp['top_p']}, top-k {sp['top_k']}, max_tokens {sp['max_tokens']}, stop {sp['stop']!r}; "
           "answer = first number after `####` (commas stripped).", "", "## Latency", ""]
     md += rp.latency_table(s)
-    skipped = sum(1 for r in res["rows"] if r.get("skipped"))
-    if skipped:
-        md += ["", f"{skipped} question(s) skipped: prompt does not fit max_model_len (counted wrong)."]
     return md
+
+
+def _skipped(res: dict) -> str:
+    """``"N skipped: prompt does not fit max_model_len"`` (not in the accuracy), or ``""``."""
+    return f"{res['skipped']} skipped: prompt does not fit max_model_len" if res.get("skipped") else ""
 
 
 @_guard
@@ -213,15 +233,17 @@ def cmd_gsm8k(a) -> int:
     res = run_gsm8k(eng, a.limit, a.shots, a.seed, a.max_tokens, a.temperature, a.top_p, a.top_k, not a.no_progress)
     s = rp.summarize(res["outputs"])
     n, k = res["n"], res["correct"]
-    title = f"GSM8K benchmark: {n} test questions, batch 1"
+    title = f"GSM8K benchmark: {len(res['rows'])} test questions, batch 1"
     data = {"benchmark": "gsm8k", "meta": meta, "sampling": res["sampling"],
-            "accuracy": k / n if n else 0.0, "correct": k, "n": n, "ci95": list(rp.wilson(k, n)),
-            "summary": s, "questions": res["rows"]}
+            "accuracy": k / n if n else 0.0, "correct": k, "n": n, "skipped": res["skipped"],
+            "ci95": list(rp.wilson(k, n)), "summary": s, "questions": res["rows"]}
     md = gsm8k_markdown(res, s, meta, title)
     paths = rp.write_report(a.out, a.name, data, md, {"latency": rp.draw_latency(res["outputs"], title)})
     acc = s.get("accept_length", {}).get("aggregate")
-    print(f"[bench] gsm8k: accuracy {k}/{n} = {100 * k / max(n, 1):.1f}%, TPOT {rp.fmt(s['tpot_ms']['mean'], 3)} ms, "
-          f"decode {rp.fmt(s['decode_tok_s']['aggregate'], 1)} tok/s, TTFT {rp.fmt(s['ttft_ms']['mean'], 1)} ms, "
+    skip = f" ({_skipped(res)})" if res["skipped"] else ""       # skipped questions are not in k/n
+    print(f"[bench] gsm8k: accuracy {k}/{n} = {100 * k / max(n, 1):.1f}%{skip}, "
+          f"TPOT {rp.fmt(s['tpot_ms']['mean'], 3)} ms, decode {rp.fmt(s['decode_tok_s']['aggregate'], 1)} tok/s, "
+          f"TTFT {rp.fmt(s['ttft_ms']['mean'], 1)} ms, "
           f"e2e mean {rp.fmt(s['e2e_ms']['mean'], 0)} ms" + (f", accept length {acc:.2f}" if acc else ""))
     _print(paths)
     return 0

@@ -2,8 +2,9 @@
 
 Exit status: 0 healthy; 1 a canary failed or a requested lever did not resolve (stderr names the lever and the
 measured values); 2 the engine could not start (bad checkpoint / unusable backend / VerificationError with
-``--strict``). ``--draft-share weight-only`` is a test-only reproduction of the seed's silent fallback (the
-draft shares only the LM head's weight tensor); verification must refuse it.
+``--strict``), a bad flag, or the ``--watch-tokens`` generation was refused. ``--draft-share weight-only`` is a
+test-only reproduction of the seed's silent fallback (the draft shares only the LM head's weight tensor);
+verification must refuse it.
 
 Other commands (bench, serve) reuse :func:`add_verify_args` / :func:`apply_verify_args` for ``--strict`` and the
 watchdog flags.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -31,8 +33,25 @@ def add_verify_args(p: argparse.ArgumentParser, strict_default: bool = False) ->
                    help="accept-length watchdog: alarm at or below this rolling accept length")
 
 
+def check_verify_args(a) -> None:
+    """Reject bad watchdog flags before the engine loads (the watchdog itself only exists with MTP, so a bad
+    value would otherwise pass silently without it, or fail as a bare ValueError inside Engine with it)."""
+    from bytebound.errors import ConfigError
+    if a.watchdog_window < 1:
+        raise ConfigError(f"--watchdog-window must be >= 1 verify rounds, got {a.watchdog_window}")
+    if not 0 <= a.watchdog_threshold < math.inf:
+        raise ConfigError(f"--watchdog-threshold must be a finite accept length >= 0, got {a.watchdog_threshold}")
+    if getattr(a, "watch_tokens", 0) < 0:
+        raise ConfigError(f"--watch-tokens must be >= 0, got {a.watch_tokens}")
+
+
 def apply_verify_args(cfg, a):
-    """EngineConfig with the verify flags of ``a`` applied (canaries run inside Engine.__init__)."""
+    """EngineConfig with the verify flags of ``a`` applied (canaries run inside Engine.__init__).
+
+    Raises:
+        ConfigError: a bad watchdog flag (:func:`check_verify_args`).
+    """
+    check_verify_args(a)
     return dataclasses.replace(cfg, verify=not a.no_canaries, strict=a.strict, watchdog_window=a.watchdog_window,
                                watchdog_threshold=a.watchdog_threshold)
 
@@ -56,9 +75,13 @@ def add_parser(sub) -> None:
 def cmd_verify(a) -> int:
     from bytebound.cli import engine_config
     from bytebound.engine.engine import Engine
-    from bytebound.errors import ByteboundError
+    from bytebound.errors import ByteboundError, ConfigError
     from bytebound.verify.canaries import CANARY_PROMPT, failure_message, run_canaries
     from bytebound.verify.manifest import build_manifest, print_manifest
+    from bytebound.verify.watchdog import AcceptLengthAlarm
+    check_verify_args(a)
+    if a.watch_tokens >= a.max_model_len:   # cannot fit with any prompt: say so before loading the model
+        raise ConfigError(f"--watch-tokens {a.watch_tokens} does not fit --max-model-len {a.max_model_len}")
     cfg = dataclasses.replace(engine_config(a), draft_share=a.draft_share, verify=False, strict=a.strict,
                               watchdog_window=a.watchdog_window, watchdog_threshold=a.watchdog_threshold)
     t0 = time.perf_counter()
@@ -81,8 +104,12 @@ def cmd_verify(a) -> int:
         prompt = CANARY_PROMPT if eng.tokenizer is not None else list(range(1, 33))
         try:
             eng.generate(prompt, SamplingParams(max_tokens=a.watch_tokens, ignore_eos=True))
-        except ByteboundError as e:
+        except AcceptLengthAlarm as e:   # --strict watchdog: the manifest below reports it (degraded, exit 1)
             print(f"[bytebound verify] {type(e).__name__}: {e}", file=sys.stderr)
+        except ByteboundError as e:      # the watch run itself is invalid (e.g. does not fit --max-model-len)
+            print(f"[bytebound verify] --watch-tokens {a.watch_tokens}: {type(e).__name__}: {e}", file=sys.stderr)
+            _dump(a.json, build_manifest(eng), load_s)
+            return 2
     man = build_manifest(eng)
     man["load_seconds"] = round(load_s, 3)
     print_manifest(man)
