@@ -27,4 +27,9 @@ class VerificationError(ByteboundError):
 
 
 class RequestError(ByteboundError, ValueError):
-    """A generation request has invalid parameters (maps to HTTP 400)."""
+    """A generation request has invalid parameters (maps to HTTP 400). ``param``: the request field at fault, when
+    one is (the server reports it as the error's ``param``)."""
+
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param

@@ -47,20 +47,21 @@ class SamplingParams:
         """Raise :class:`RequestError` naming the first out-of-range field."""
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or \
                 not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
-            raise RequestError(f"max_tokens must be an int in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens!r}")
+            raise RequestError(f"max_tokens must be an int in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens!r}",
+                               "max_tokens")
         if not (0.0 <= float(self.temperature) <= 100.0):
-            raise RequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
+            raise RequestError(f"temperature must be in [0, 100], got {self.temperature!r}", "temperature")
         if not (0.0 < float(self.top_p) <= 1.0):
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise RequestError(f"top_k must be an int >= -1 (0 or -1 = off), got {self.top_k!r}")
+            raise RequestError(f"top_k must be an int >= -1 (0 or -1 = off), got {self.top_k!r}", "top_k")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2 ** 63):
-            raise RequestError(f"seed must be an int in [0, 2^63), got {self.seed!r}")
+            raise RequestError(f"seed must be an int in [0, 2^63), got {self.seed!r}", "seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise RequestError("stop strings must be non-empty strings")
+            raise RequestError("stop strings must be non-empty strings", "stop")
         if len(self.stop) > 16:
-            raise RequestError("at most 16 stop strings")
+            raise RequestError("at most 16 stop strings", "stop")
 
 
 def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

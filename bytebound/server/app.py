@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import threading
 import time
 import uuid
@@ -293,15 +292,6 @@ def _float(body: dict, key: str, default: float) -> float:
         raise APIError(400, f"'{key}' is out of range", param=key) from None
 
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
-
-
-def _field_of(message: str) -> str | None:
-    """The request field a ``SamplingParams.validate`` message names (the first one it mentions), else None."""
-    hits = [(m.start(), f) for f in SAMPLING_FIELDS if (m := re.search(rf"\b{f}\b", message))]
-    return min(hits)[1] if hits else None
-
-
 def _sampling(body: dict, chat: bool, prompt_len: int, engine) -> SamplingParams:
     _reject_unsupported(body, chat)
     room = engine.runner.max_len - prompt_len - engine.config.speculative_steps - 1
@@ -327,8 +317,8 @@ def _sampling(body: dict, chat: bool, prompt_len: int, engine) -> SamplingParams
                            seed=_get(body, "seed", "int", None), stop=tuple(stop or ()),
                            stop_token_ids=tuple(ids), ignore_eos=_get(body, "ignore_eos", "bool", False))
     except RequestError as e:
-        f = _field_of(str(e))
-        raise APIError(400, str(e), param=key if f == "max_tokens" else f) from None
+        # validate names the field; max_tokens is reported under the key the client used
+        raise APIError(400, str(e), param=key if e.param == "max_tokens" else e.param) from None
     if mt > room:           # the prompt alone overflows (its fault) or with max_tokens (the limit's fault)
         limit = f" and {key} is {mt}{'' if given else ' (the default)'}" if given or not chat else ""
         raise APIError(400, f"this model's maximum context length is {engine.runner.max_len} tokens; the prompt "
