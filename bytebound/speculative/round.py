@@ -69,11 +69,6 @@ class StaticRound:
         if capture:
             self._capture()
 
-    @property
-    def graph(self):
-        """The captured round for the largest span (None when not captured)."""
-        return self.graphs[max(self.graphs)] if self.graphs else None
-
     def span(self) -> int | None:
         """Attention span for the next round: the smallest of ``runner.kv_buckets`` that holds the verify's last
         slot ``pos + k`` (the CUDA path's static span, as the decode graphs pick theirs); None on the dynamic CPU

@@ -182,7 +182,7 @@ def _graph_lever(engine) -> dict:
     g = getattr(engine.runner, "graph", None)
     shapes = list(getattr(g, "captured_shapes", [])) if g is not None else []
     rnd = getattr(engine, "spec_round", None)
-    if rnd is not None and rnd.graph is not None:           # the MTP round (--spec-static-round)
+    if rnd is not None and rnd.graphs:                     # the MTP round (--spec-static-round)
         shapes += rnd.captured_shapes
     got = "captured" if g is not None else "eager"
     if engine.device.type != "cuda":
