@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 from bytebound.bench.report import git_commit  # noqa: E402
 from bytebound.data.gsm8k import load_split  # noqa: E402
 from bytebound.engine.engine import Engine, EngineConfig  # noqa: E402
+from bytebound.runner.backends import parse_overrides  # noqa: E402
 from bytebound.sampling import SamplingParams  # noqa: E402
 from bytebound.speculative.mtp import SpecStats  # noqa: E402
 
@@ -72,7 +73,7 @@ def main() -> int:
     ap.add_argument("--no-sampled", action="store_true", help="greedy parity and accept length only")
     a = ap.parse_args()
     qs = [r["question"] for r in load_split("test")[: a.limit]]
-    backends = dict(kv.split("=", 1) for kv in filter(None, a.backends.split(",")))
+    backends = parse_overrides(a.backends)
     common = dict(model=a.model, device=a.device, lm_head=a.lm_head, dtype=a.dtype, backends=backends)
     base = Engine(EngineConfig(**common))
     spec = Engine(EngineConfig(**common, speculative_steps=3, spec_static_round=a.spec_static_round))
@@ -103,7 +104,8 @@ def main() -> int:
            "spec_static_round": spec.config.spec_static_round,
            "mean_tpot_ms": {k: 1e3 * sum(v) / len(v) for k, v in tpot.items() if v},
            "weights": "trained (ling-nano)", "dtype": str(base.model.dtype).removeprefix("torch."),
-           "backends": {k: v.resolved for k, v in base.plan.resolutions.items()}, "prompts": len(qs), "max_tokens": a.max_tokens, "lm_head": a.lm_head,
+           "backends": {k: v.resolved for k, v in base.plan.resolutions.items()},
+           "prompts": len(qs), "max_tokens": a.max_tokens, "lm_head": a.lm_head,
            "greedy_parity": {"identical": len(qs) - len(mism), "mismatches": mism, "finished_by_eos": hit_eos,
                              "finished_by_max_tokens": hit_len},
            "greedy": greedy_stats.to_dict(),

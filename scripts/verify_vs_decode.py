@@ -43,7 +43,7 @@ from bytebound.checkpoint.synthetic import dummy_model  # noqa: E402
 from bytebound.config import LING3_FLASH_CONFIG, LingConfig  # noqa: E402
 from bytebound.layers.moe import MoE  # noqa: E402
 from bytebound.layers.norm import RMSNorm, RMSNormGated  # noqa: E402
-from bytebound.runner.backends import BackendPlan, bind_model  # noqa: E402
+from bytebound.runner.backends import BackendPlan, bind_model, parse_overrides  # noqa: E402
 from bytebound.runner.runner import ModelRunner  # noqa: E402
 from bytebound.verify.canaries import decode_vs_verify, restore_state, snapshot_state  # noqa: E402
 from bytebound.verify.routing import first_route_flip, position_routes  # noqa: E402
@@ -70,14 +70,6 @@ def layer_outputs(model):
             h.remove()
 
 
-def _backends(spec: str) -> dict[str, str]:
-    out = dict(kv.split("=", 1) for kv in filter(None, spec.split(",")))
-    bad = set(out) - {"moe", "linear", "lm_head", "kda", "mla"}
-    if bad:
-        raise SystemExit(f"unknown op(s) {sorted(bad)} in {spec!r} (ops: moe, linear, lm_head, kda, mla)")
-    return out
-
-
 def run_depth(cfg_dict: dict, layers: int, a, paths: set[str], stack) -> dict:
     d = dict(cfg_dict, num_hidden_layers=layers)
     cfg = LingConfig.from_dict(d)
@@ -86,7 +78,7 @@ def run_depth(cfg_dict: dict, layers: int, a, paths: set[str], stack) -> dict:
     head = "fp8" if dev.type == "cuda" and a.dtype == "bf16" else "bf16"
     plan = None
     if dev.type == "cuda":
-        plan = bind_model(model, BackendPlan.default("cuda", **_backends(a.backends)), dev, head)
+        plan = bind_model(model, BackendPlan.default("cuda", **parse_overrides(a.backends)), dev, head)
     if paths & {"router", "norm"}:
         from conftest import triton_kernels
         rt = stack.enter_context(triton_kernels("bytebound.kernels.triton_router")) if "router" in paths else None
@@ -126,8 +118,8 @@ def run_depth(cfg_dict: dict, layers: int, a, paths: set[str], stack) -> dict:
                "route_flip": flip,
                "layer_norm_pos0": [float(outs[k][0].norm()) for k in range(n)]}
         if a.baseline:
-            bind_model(model, BackendPlan.default(dev, **{**_backends(a.backends), **_backends(a.baseline)}),
-                       dev, head)
+            both = {**parse_overrides(a.backends), **parse_overrides(a.baseline)}
+            bind_model(model, BackendPlan.default(dev, **both), dev, head)
             with layer_outputs(model) as outs2:
                 lb = model.logits(r.forward(tok.view(1))).float()[0]
             restore_state(r, snap)

@@ -107,3 +107,15 @@ def test_decode_vs_verify_agree_and_leave_the_state():
     assert r.pos == pos
     assert all(torch.equal(a, s.rec) for a, s in zip(rec, [s for s in r.state if hasattr(s, "rec")]))
     assert int(seq[0].argmax()) == int(model.logits(r.forward(tok.view(1))).argmax())   # first step == a fresh step
+
+
+def test_parse_overrides():
+    """The scripts' ``--backends op=name,...``: parsed into a dict; a malformed item or unknown op is named."""
+    import pytest
+    from bytebound.errors import ConfigError
+    from bytebound.runner.backends import parse_overrides
+    assert parse_overrides("moe=torch,linear=triton") == {"moe": "torch", "linear": "triton"}
+    assert parse_overrides("") == {}
+    for bad in ("moe", "router=torch", "moe=torch,foo=bar"):
+        with pytest.raises(ConfigError, match="expected op=backend"):
+            parse_overrides(bad)

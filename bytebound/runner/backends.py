@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bytebound.errors import BackendError
+from bytebound.errors import BackendError, ConfigError
 from bytebound.kernels.registry import Resolution, resolve
 from bytebound.layers.kda import KimiDeltaAttention
 from bytebound.layers.linear import QLinear, fuse_rows
@@ -34,6 +34,19 @@ class BackendPlan:
 
     def fallbacks(self) -> list[Resolution]:
         return [r for r in self.resolutions.values() if r.fallback_from]
+
+
+def parse_overrides(spec: str) -> dict[str, str]:
+    """``"moe=torch,linear=torch"`` -> ``{"moe": "torch", "linear": "torch"}`` (the scripts' ``--backends``).
+    Raises ConfigError for an item without ``=`` or an op other than moe, linear, lm_head, kda, mla."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        op, sep, name = item.partition("=")
+        if not sep or op not in ("moe", "linear", "lm_head", "kda", "mla"):
+            raise ConfigError(f"backend override {item!r} in {spec!r}: expected op=backend with op one of moe, "
+                              "linear, lm_head, kda, mla")
+        out[op] = name
+    return out
 
 
 def token_slices(fn, n: int):
