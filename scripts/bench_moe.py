@@ -213,6 +213,18 @@ def partials_grid() -> list[dict]:
     return g + [dict(g[0], reduce_bh=rb, reduce_warps=rw) for rb, rw in [(16, 2), (8, 1), (8, 2), (4, 1)]]
 
 
+def split_grid() -> list[dict]:
+    """The two-kernel ``split`` variant (triton_moe_split.py): kernel-A tilings (BI, BK, KP, warps) with the default
+    kernel B, then kernel-B tilings (BH, BK2, warps) with the default kernel A."""
+    from bytebound.kernels.triton_moe_split import SPLIT_DEFAULT
+    a = [dict(SPLIT_DEFAULT, BI=bi, BK=bk, KP=kp, num_warps=nw)
+         for bi, bk, kp, nw in [(16, 256, 2, 2), (16, 128, 4, 2), (16, 256, 1, 2), (16, 256, 4, 2), (32, 256, 2, 4),
+                                (32, 128, 4, 4), (8, 256, 2, 1), (8, 128, 4, 1)]]
+    b = [dict(SPLIT_DEFAULT, BH=bh, BK2=bk2, down_warps=dw)
+         for bh, bk2, dw in [(32, 256, 2), (16, 256, 1), (64, 128, 4), (128, 256, 4), (32, 128, 2)]]
+    return a + b
+
+
 TUNE_CANDIDATES = {1: _grid(), 4: _grid()}
 
 
@@ -252,6 +264,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="tune only the default gluon config and the tl fallback")
     ap.add_argument("--tune-partials", action="store_true",
                     help="tune only the default config, its float-atomic twin and the partials-mode tilings")
+    ap.add_argument("--tune-split", action="store_true",
+                    help="tune only the committed config of each M and the 'split' variant's tilings")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -288,6 +302,10 @@ def main() -> int:
         from bytebound.kernels.triton_moe import DEFAULT_CONFIG
         for m in TUNE_CANDIDATES:
             TUNE_CANDIDATES[m] = [dict(DEFAULT_CONFIG), dict(DEFAULT_CONFIG, deterministic=False)] + partials_grid()
+    elif args.tune_split:
+        from bytebound.kernels.triton_moe import lookup_config
+        for m in TUNE_CANDIDATES:
+            TUNE_CANDIDATES[m] = [lookup_config(E, H, I, K, m)] + split_grid()
     if args.tune and "triton" in backends:
         tuned = tune(layers, ms, args.reps, out_dir, log)
         result["tune"] = tuned

@@ -34,7 +34,9 @@ int64 atomics, docs/perf/moe-kernels-h200.md).
 
 Two implementations of the same algorithm: ``gluon`` (Triton's explicit-layout dialect: the register layouts are
 chosen so the dequantisation needs no shuffles) and ``tl`` (plain Triton with ``tl.dot_scaled``; the
-compiler's generic MX up-cast, slower, kept as the fallback). Both are specialised per exact shape
+compiler's generic MX up-cast, slower, kept as the fallback). A third variant, ``split``
+(``triton_moe_split.py``), is a different algorithm: two kernels (gate/up, then down) whose hundreds of small
+programs issue all their weight bytes up front, against this kernel's latency-bound serial chain. All are specialised per exact shape
 ``(E, H, I, top_k, M)`` as constexprs and cached by Triton's JIT. Launch configs (variant, BI, BK, BH, warps)
 come from ``configs/triton_moe.json`` keyed by GPU name and shape, written by ``scripts/bench_moe.py --tune``;
 unknown shapes use :data:`DEFAULT_CONFIG`.
@@ -506,7 +508,10 @@ def lookup_config(e, h, i, k, m, device=None, path: Path | None = None) -> dict:
     table = load_configs(path).get(gpu_name(device), {})
     cfg.update(table.get(shape_key(e, h, i, k, m), {}))
     forced = os.environ.get("BYTEBOUND_MOE_VARIANT")
-    if forced:
+    if forced == "split":
+        from bytebound.kernels.triton_moe_split import SPLIT_DEFAULT
+        cfg = dict(SPLIT_DEFAULT, **(cfg if cfg.get("variant") == "split" else {}))
+    elif forced:
         cfg = dict(TL_DEFAULT_CONFIG if forced == "tl" else DEFAULT_CONFIG, **{kk: v for kk, v in cfg.items()
                                                                            if kk not in ("variant",)})
         cfg["variant"] = forced
@@ -525,6 +530,9 @@ def _fit(block: int, n: int, lo: int) -> int:
 
 def fit_config(cfg: dict, h: int, i: int) -> dict:
     """Shrink BI/BK/BH to divide this model's I/H (tiny test models); raises BackendError if impossible."""
+    if cfg.get("variant") == "split":
+        from bytebound.kernels.triton_moe_split import fit_split_config
+        return fit_split_config(cfg, h, i)
     cfg = dict(cfg)
     lo_bi = 16 if cfg["variant"] == "gluon" else 32
     cfg["BI"] = _fit(cfg["BI"], i, lo_bi)
@@ -577,6 +585,9 @@ class MoEKernel:
         if m not in self.configs:
             self.configs[m] = fit_config(lookup_config(self.e, self.h, self.i, k, m, self.cnt.device), self.h,
                                          self.i)
+        elif self.configs[m].get("variant") == "split":     # caller-given split configs: fit them too
+            from bytebound.kernels.triton_moe_split import fit_split_config
+            self.configs[m] = fit_split_config(self.configs[m], self.h, self.i)
         return self.configs[m]
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -593,6 +604,10 @@ class MoEKernel:
         ids = ids.contiguous()
         w = w.to(torch.float32).contiguous()
         out = torch.empty(m, self.h, dtype=torch.bfloat16, device=x.device)
+        if cfg["variant"] == "split":
+            from bytebound.kernels.triton_moe_split import launch_split
+            launch_split(self, x, ids, w, out, cfg)
+            return out
         grid = (self.i // cfg["BI"], m * k)
         sp = triton.next_power_of_2(max(m * k, 32))
         limit = float(self.limit) if self.limit is not None else 0.0

@@ -75,12 +75,26 @@ def moe_ref64(ex, x, ids, w):
     return y
 
 
+# triton MoE configurations under test: (variant, partials); "split" is the two-kernel variant
+MOE_MODES = [("gluon", False), ("gluon", True), ("tl", False), ("tl", True), ("split", False)]
+MOE_IDS = ["gluon-atomics", "gluon-partials", "tl-atomics", "tl-partials", "split"]
+
+
+def _moe_config(variant, partials):
+    from bytebound.kernels.triton_moe import DEFAULT_CONFIG, TL_DEFAULT_CONFIG
+    if variant == "split":
+        from bytebound.kernels.triton_moe_split import SPLIT_DEFAULT
+        return dict(SPLIT_DEFAULT)
+    cfg = dict(DEFAULT_CONFIG if variant == "gluon" else TL_DEFAULT_CONFIG, partials=partials)
+    if partials:        # the reduce tiling of the committed H200 M=4 entry
+        cfg.update(reduce_bh=4, reduce_warps=1)
+    return cfg
+
+
 def _bind(backend, ex, variant=None, partials=False):
     if backend == "triton":
-        from bytebound.kernels.triton_moe import DEFAULT_CONFIG, TL_DEFAULT_CONFIG, MoEKernel
-        cfg = dict(DEFAULT_CONFIG if variant == "gluon" else TL_DEFAULT_CONFIG, partials=partials)
-        if partials:        # the reduce tiling of the committed H200 M=4 entry
-            cfg.update(reduce_bh=4, reduce_warps=1)
+        from bytebound.kernels.triton_moe import MoEKernel
+        cfg = _moe_config(variant, partials)
         return MoEKernel(ex, {m: cfg for m in range(1, 5)})
     from bytebound.kernels.humming_moe import HummingMoE
     return HummingMoE(ex)
@@ -97,9 +111,8 @@ def _poisoned_call(fn, x, ids, w):
     return fn(x, ids, w)
 
 
-@pytest.mark.parametrize("partials", [False, True], ids=["atomics", "partials"])
-@pytest.mark.parametrize("variant", ["gluon", "tl"])
-@pytest.mark.parametrize("m,shared", [(1, 0), (4, 0), (4, 5)])
+@pytest.mark.parametrize("variant,partials", MOE_MODES, ids=MOE_IDS)
+@pytest.mark.parametrize("m,shared", [(1, 0), (2, 3), (4, 0), (4, 5)])
 @pytest.mark.parametrize("limit", [None, 1.0])
 def test_triton_moe_ling(ling_experts, variant, m, shared, limit, partials):
     ex = ling_experts
@@ -121,25 +134,24 @@ def test_triton_moe_ling(ling_experts, variant, m, shared, limit, partials):
         ex.limit = None
 
 
-@pytest.mark.parametrize("partials", [False, True], ids=["atomics", "partials"])
-@pytest.mark.parametrize("variant", ["gluon", "tl"])
+@pytest.mark.parametrize("variant,partials", MOE_MODES, ids=MOE_IDS)
 @pytest.mark.parametrize("m", [1, 3, 4])
 def test_triton_moe_tiny(variant, m, partials):
-    from bytebound.kernels.triton_moe import DEFAULT_CONFIG, TL_DEFAULT_CONFIG, MoEKernel, fit_config
+    from bytebound.kernels.triton_moe import MoEKernel, fit_config
     ex = make_experts(TINY["e"], TINY["h"], TINY["i"], limit=0.5, seed=3)
     fn = MoEKernel(ex)
-    base = dict(DEFAULT_CONFIG if variant == "gluon" else TL_DEFAULT_CONFIG, partials=partials)
-    fn.configs = {mm: fit_config(base, TINY["h"], TINY["i"]) for mm in range(1, 5)}
+    fn.configs = {mm: fit_config(_moe_config(variant, partials), TINY["h"], TINY["i"]) for mm in range(1, 5)}
     ids, w = make_routing(m, TINY["e"], TINY["k"], shared=2, seed=7)
     x = torch.randn(m, TINY["h"], device=DEV).to(torch.bfloat16)
     out = _poisoned_call(fn, x, ids, w)
     assert rel(out, moe_ref64(ex, x, ids, w)) <= 1e-2
 
 
-@pytest.mark.parametrize("partials", [False, True], ids=["atomics", "partials"])
-def test_triton_moe_graph_replay(ling_experts, partials):
+@pytest.mark.parametrize("variant,partials", [("gluon", False), ("gluon", True), ("split", False)],
+                         ids=["atomics", "partials", "split"])
+def test_triton_moe_graph_replay(ling_experts, variant, partials):
     ex = ling_experts
-    fn = _bind("triton", ex, "gluon", partials)
+    fn = _bind("triton", ex, variant, partials)
     ids, w = make_routing(4, LING["e"], LING["k"], shared=3, seed=11)
     x = torch.randn(4, LING["h"], device=DEV).to(torch.bfloat16)
     eager = fn(x, ids, w)

@@ -1,0 +1,345 @@
+"""Variant ``split`` of backend ``triton``, op ``moe``: the routed MoE as two kernels that stream everything at once.
+
+Why a second variant: the fused kernel (``triton_moe.py``) is latency-bound. Each of its ~96 programs keeps two
+weight tiles in flight and runs gate/up, SwiGLU and down in series; the H200 sweep put it at 13 % of the read
+bandwidth at M = 1, nearly independent of the tiling (docs/perf/moe-kernels-h200.md). By Little's law a 4.3 TB/s
+part with ~1 us load latency needs ~4 MB in flight, ~33 KB per SM, from the first microsecond. Here each program
+issues *all* of its weight bytes as ``cp.async`` copies into shared memory before it computes anything, then
+consumes them in arrival order, and the work is cut into hundreds of small programs so several sit on each SM.
+
+Kernel A, gate/up, grid ``(I/BI, M*top_k, KP)``: program ``(j, s, p)`` multiplies rows ``gate[j-slice] |
+up[j-slice]`` of expert ``e = ids.flat[s]`` by ``x`` over the ``p``-th of ``KP`` slices of H (tensor cores, E2M1
+decoded in registers as in the fused kernel). With ``KP = 1`` it applies SwiGLU (optional clamp) and the per-token
+routing weight itself; with ``KP > 1`` it stores a float32 partial and the last of the ``KP`` programs (an acq_rel
+ticket) sums the partials in the fixed order ``p = 0..KP-1`` and applies the epilogue. Output: ``act bf16 [S, M,
+I]``, ``act[s, m] = w_tok[m] * SwiGLU(gate_e x_m, up_e x_m)`` with ``w_tok[m]`` the weight token ``m`` gave ``e``
+(0 if it did not pick it).
+
+Kernel B, down, grid ``(H/BH, M*top_k)``: program ``(b, s)`` computes ``W2[e, b-rows, :] @ act[s]^T`` (float32
+``[BH, M]``) and stores it in its own slot; the last of the ``S`` programs of row block ``b`` sums the slots in the
+fixed order ``s = 0..S-1`` and writes the BF16 output.
+
+Dedup (M > 1): a slot whose expert an earlier slot already chose does no work (kernel A) and stores a zero
+partial (kernel B), so each distinct expert's bytes are read once per call. Determinism: no float atomics; every
+sum runs in an order fixed by the launch shape, so outputs are bit-identical run to run and graph == eager. The
+tickets are reset by their last program, so each launch is self-contained and CUDA-graph safe.
+
+Scratch (``act``, the two partial buffers and the tickets) is shared by every binding on a device: the MoE layers
+run one after another on one stream, and each launch has consumed its scratch before the next one starts.
+
+Config keys (``configs/triton_moe.json``, variant ``"split"``): ``BI`` (intermediate rows per kernel-A program, 2*BI
+rows read), ``BK`` (H columns per k step), ``KP`` (H slices), ``num_warps`` (kernel A), ``BH`` (hidden rows per
+kernel-B program), ``BK2`` (I columns per k step), ``down_warps``. Constraints: BK, BK2 >= 128 (cp.async of the
+E8M0 bytes needs >= 4 bytes per thread), ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (one mma row tile
+per warp); :func:`fit_split_config` shrinks a config to a small model's shape or raises BackendError.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bytebound.errors import BackendError
+from bytebound.kernels.triton_moe import _GLUON_ERR, _fit, gl, gluon
+
+if gluon is not None:
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+    from bytebound.kernels.triton_moe import _ASM_FENCE, _g_dequant
+
+SPLIT_DEFAULT = {"variant": "split", "BI": 16, "BK": 256, "KP": 2, "num_warps": 2, "BH": 64, "BK2": 256,
+                 "down_warps": 4}
+
+if gluon is not None:
+    @gluon.jit
+    def _fence_all(NW: gl.constexpr):
+        """Every thread: ``fence.acq_rel.gpu`` (its partial stores are visible before the CTA takes a ticket)."""
+        FL: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        fz = gl.arange(0, 32 * NW, layout=FL)
+        gl.inline_asm_elementwise(_ASM_FENCE, "=r,r", [fz], gl.int32, False, 1)
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _moe_gateup_split(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
+                          H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
+                          SP: gl.constexpr, BI: gl.constexpr, BK: gl.constexpr, KP: gl.constexpr,
+                          HAS_LIMIT: gl.constexpr):
+        NW: gl.constexpr = gl.num_warps()
+        NPC: gl.constexpr = 8
+        S: gl.constexpr = M * TOPK
+        NJ: gl.constexpr = I // BI
+        R1: gl.constexpr = 2 * BI
+        HK: gl.constexpr = H // KP          # H columns per program
+        NK: gl.constexpr = HK // BK         # k steps per program
+        NB1: gl.constexpr = BK // 32        # E8M0 blocks per k step
+        MV: gl.constexpr = 1 if M == 1 else 4
+        HW: gl.constexpr = H // 8           # int32 words per w13 row
+        HS: gl.constexpr = H // 32          # scale bytes per w13 row
+
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
+        WL: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32 // NB1, NB1, 1], [NW, 1, 1], [2, 1, 0])
+        SL: gl.constexpr = gl.SliceLayout(2, WL)
+        SCL: gl.constexpr = gl.BlockedLayout([1, NB1], [32, 1], [NW, 1], [1, 0])
+        XL: gl.constexpr = gl.BlockedLayout([1, 8], [NPC, 32 // NPC], [1, NW], [1, 0])
+        EL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
+        ASL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        W4S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+        S3S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        HSL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+
+        j = gl.program_id(0)
+        s = gl.program_id(1)
+        p = gl.program_id(2)
+
+        t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
+        ids = gl.load(ids_ptr + t, mask=t < S, other=-1)
+        e = gl.load(ids_ptr + s)
+        ndup = gl.sum(gl.where((ids == e) & (t < s), 1, 0), axis=0)
+        if ndup == 0:
+            # ---- issue every weight byte of this program first (one cp.async group per k step) ----
+            wsm = gl.allocate_shared_memory(gl.int32, [NK, R1, NB1, 4], W4S)
+            ssm = gl.allocate_shared_memory(gl.uint8, [NK, R1, NB1], S3S)
+            xs = gl.allocate_shared_memory(gl.bfloat16, [NK, NPC, BK], ASL)
+            r = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL)))
+            row = gl.where(r < BI, j * BI + r, I + j * BI + (r - BI))
+            b = gl.arange(0, NB1, layout=gl.SliceLayout(0, gl.SliceLayout(2, WL)))
+            q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, WL)))
+            wp = w13_ptr + e * (2 * I * HW) + p * (HK // 8) + (row[:, None, None] * HW + b[None, :, None] * 4
+                                                               + q[None, None, :])
+            rs = gl.arange(0, R1, layout=gl.SliceLayout(1, SCL))
+            rows = gl.where(rs < BI, j * BI + rs, I + j * BI + (rs - BI))
+            bs = gl.arange(0, NB1, layout=gl.SliceLayout(0, SCL))
+            sp = s13_ptr + e * (2 * I * HS) + p * (HK // 32) + (rows[:, None] * HS + bs[None, :])
+            xn = gl.arange(0, NPC, layout=gl.SliceLayout(1, XL))
+            xk = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
+            xp = x_ptr + p * HK + xn[:, None] * H + xk[None, :]
+            # x first (L2-resident, arrives first) in the group of k step 0
+            for kk in gl.static_range(NK):
+                async_copy.async_copy_global_to_shared(xs.index(kk), xp + kk * BK, mask=xn[:, None] < M)
+            for kk in gl.static_range(NK):
+                async_copy.async_copy_global_to_shared(wsm.index(kk), wp + kk * (BK // 8))
+                async_copy.async_copy_global_to_shared(ssm.index(kk), sp + kk * NB1)
+                async_copy.commit_group()
+
+            tw = gl.load(tw_ptr + t, mask=t < S, other=0.0)
+            mcol = gl.arange(0, NPC, layout=gl.SliceLayout(1, RL))
+            sel = (ids[None, :] == e) & ((t // TOPK)[None, :] == mcol[:, None])
+            wtok = gl.sum(gl.where(sel, tw[None, :], 0.0), axis=1)                  # [NPC]
+            c0 = gl.load(lut_ptr)
+            c1 = gl.load(lut_ptr + 1)
+            c2 = gl.load(lut_ptr + 2)
+            c3 = gl.load(lut_ptr + 3)
+            c4 = gl.load(lut_ptr + 4)
+
+            # ---- consume the k steps in arrival order ----
+            a_s = gl.allocate_shared_memory(gl.bfloat16, [R1, BK], ASL)
+            acc = gl.zeros([R1, NPC], gl.float32, MMA)
+            for kk in gl.static_range(NK):
+                async_copy.wait_group(NK - 1 - kk)
+                gl.thread_barrier()
+                a_s.store(_g_dequant(wsm.index(kk).load(WL), ssm.index(kk).load(SL), c0, c1, c2, c3, c4))
+                acc = mma_v2(a_s.load(DA), xs.index(kk).permute([1, 0]).load(DB), acc)
+
+            gr = gl.arange(0, BI, layout=gl.SliceLayout(1, EL))
+            gc = gl.arange(0, NPC, layout=gl.SliceLayout(0, EL))
+            if KP == 1:
+                h_s = gl.allocate_shared_memory(gl.float32, [R1, NPC], HSL)
+                h_s.store(acc)
+                _swiglu_store(h_s.slice(0, BI, 0).load(EL), h_s.slice(BI, BI, 0).load(EL), wtok, act_ptr, s, j,
+                              limit, I, M, BI, HAS_LIMIT, EL)
+            else:
+                # partial [R1, MV] -> own slot; the last of the KP programs sums them in order p = 0..KP-1
+                base = part_ptr + (s * NJ + j) * (KP * R1 * MV)
+                pr = gl.arange(0, R1, layout=gl.SliceLayout(1, EL))
+                pm = (gl.zeros([R1, NPC], gl.int32, EL) + gc[None, :]) < MV
+                gl.store(base + p * (R1 * MV) + pr[:, None] * MV + gc[None, :], gl.convert_layout(acc, EL),
+                         mask=pm)
+                _fence_all(NW)
+                ticket = gl.atomic_add(cnt_ptr + s * NJ + j, 1, sem="acq_rel", scope="gpu")
+                if ticket == KP - 1:
+                    gm = (gl.zeros([BI, NPC], gl.int32, EL) + gc[None, :]) < MV
+                    g = gl.zeros([BI, NPC], gl.float32, EL)
+                    u = gl.zeros([BI, NPC], gl.float32, EL)
+                    for pp in gl.static_range(KP):
+                        g += gl.load(base + pp * (R1 * MV) + gr[:, None] * MV + gc[None, :], mask=gm, other=0.0,
+                                     cache_modifier=".cg")
+                        u += gl.load(base + pp * (R1 * MV) + (BI + gr[:, None]) * MV + gc[None, :], mask=gm,
+                                     other=0.0, cache_modifier=".cg")
+                    _swiglu_store(g, u, wtok, act_ptr, s, j, limit, I, M, BI, HAS_LIMIT, EL)
+                    gl.store(cnt_ptr + s * NJ + j, 0)
+
+    @gluon.jit
+    def _swiglu_store(g, u, wtok, act_ptr, s, j, limit, I: gl.constexpr, M: gl.constexpr, BI: gl.constexpr,
+                      HAS_LIMIT: gl.constexpr, EL: gl.constexpr):
+        """``act[s, m, j*BI + i] = w_tok[m] * silu(g[i, m]) * u[i, m]`` (clamped as the checkpoint's
+        ``swiglu_limit`` asks) in BF16, for tokens ``m < M``; ``g``, ``u`` float32 ``[BI, 8]``."""
+        a = g / (1.0 + gl.exp(-g))
+        if HAS_LIMIT:
+            a = gl.minimum(a, limit)
+            u = gl.minimum(gl.maximum(u, -limit), limit)
+        wt = gl.convert_layout(wtok, gl.SliceLayout(0, EL))
+        v = (a * u * wt[None, :]).to(gl.bfloat16)
+        gr = gl.arange(0, BI, layout=gl.SliceLayout(1, EL))
+        gc = gl.arange(0, 8, layout=gl.SliceLayout(0, EL))
+        gl.store(act_ptr + (s * M + gc[None, :]) * I + j * BI + gr[:, None], v,
+                 mask=(gl.zeros([BI, 8], gl.int32, EL) + gc[None, :]) < M)
+
+    @gluon.jit
+    def _moe_down_split(act_ptr, ids_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, cnt_ptr, lut_ptr,
+                        H: gl.constexpr, I: gl.constexpr, M: gl.constexpr, S: gl.constexpr, SP: gl.constexpr,
+                        BH: gl.constexpr, BK2: gl.constexpr):
+        NW: gl.constexpr = gl.num_warps()
+        NPC: gl.constexpr = 8
+        NC: gl.constexpr = I // BK2
+        NB2: gl.constexpr = BK2 // 32
+        MV: gl.constexpr = 1 if M == 1 else 4
+        IW: gl.constexpr = I // 8
+        IS: gl.constexpr = I // 32
+
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
+        WL: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32 // NB2, NB2, 1], [NW, 1, 1], [2, 1, 0])
+        SL: gl.constexpr = gl.SliceLayout(2, WL)
+        SCL: gl.constexpr = gl.BlockedLayout([1, NB2], [32, 1], [NW, 1], [1, 0])
+        XL: gl.constexpr = gl.BlockedLayout([1, 8], [NPC, 32 // NPC], [1, NW], [1, 0])
+        OL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
+        ASL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        W4S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+        S3S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+
+        hb = gl.program_id(0)
+        s = gl.program_id(1)
+        orow = gl.arange(0, BH, layout=gl.SliceLayout(1, OL))
+        ocol = gl.arange(0, NPC, layout=gl.SliceLayout(0, OL))
+        omask = (gl.zeros([BH, NPC], gl.int32, OL) + ocol[None, :]) < MV
+        slot = part_ptr + (hb * S + s) * (BH * MV) + orow[:, None] * MV + ocol[None, :]
+
+        t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
+        ids = gl.load(ids_ptr + t, mask=t < S, other=-1)
+        e = gl.load(ids_ptr + s)
+        ndup = gl.sum(gl.where((ids == e) & (t < s), 1, 0), axis=0)
+        if ndup == 0:
+            wsm = gl.allocate_shared_memory(gl.int32, [NC, BH, NB2, 4], W4S)
+            ssm = gl.allocate_shared_memory(gl.uint8, [NC, BH, NB2], S3S)
+            xs = gl.allocate_shared_memory(gl.bfloat16, [NC, NPC, BK2], ASL)
+            h = gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL)))
+            b = gl.arange(0, NB2, layout=gl.SliceLayout(0, gl.SliceLayout(2, WL)))
+            q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, WL)))
+            wp = w2_ptr + e * (H * IW) + ((hb * BH + h[:, None, None]) * IW + b[None, :, None] * 4 + q[None, None, :])
+            hs = gl.arange(0, BH, layout=gl.SliceLayout(1, SCL))
+            bs = gl.arange(0, NB2, layout=gl.SliceLayout(0, SCL))
+            sp = s2_ptr + e * (H * IS) + ((hb * BH + hs[:, None]) * IS + bs[None, :])
+            xn = gl.arange(0, NPC, layout=gl.SliceLayout(1, XL))
+            xk = gl.arange(0, BK2, layout=gl.SliceLayout(0, XL))
+            xp = act_ptr + (s * M + xn[:, None]) * I + xk[None, :]
+            for c in gl.static_range(NC):
+                async_copy.async_copy_global_to_shared(wsm.index(c), wp + c * (BK2 // 8))
+                async_copy.async_copy_global_to_shared(ssm.index(c), sp + c * NB2)
+                async_copy.async_copy_global_to_shared(xs.index(c), xp + c * BK2, mask=xn[:, None] < M)
+                async_copy.commit_group()
+            c0 = gl.load(lut_ptr)
+            c1 = gl.load(lut_ptr + 1)
+            c2 = gl.load(lut_ptr + 2)
+            c3 = gl.load(lut_ptr + 3)
+            c4 = gl.load(lut_ptr + 4)
+            a_s = gl.allocate_shared_memory(gl.bfloat16, [BH, BK2], ASL)
+            acc = gl.zeros([BH, NPC], gl.float32, MMA)
+            for c in gl.static_range(NC):
+                async_copy.wait_group(NC - 1 - c)
+                gl.thread_barrier()
+                a_s.store(_g_dequant(wsm.index(c).load(WL), ssm.index(c).load(SL), c0, c1, c2, c3, c4))
+                acc = mma_v2(a_s.load(DA), xs.index(c).permute([1, 0]).load(DB), acc)
+            gl.store(slot, gl.convert_layout(acc, OL), mask=omask)
+        else:       # a duplicate slot: its expert's share is in the owner's partial
+            gl.store(slot, gl.zeros([BH, NPC], gl.float32, OL), mask=omask)
+
+        _fence_all(NW)
+        ticket = gl.atomic_add(cnt_ptr + hb, 1, sem="acq_rel", scope="gpu")
+        if ticket == S - 1:
+            # sum the S slots in order s = 0..S-1, 8 at a time (in-thread along the slot axis)
+            L3: gl.constexpr = gl.BlockedLayout([8, 1, MV], [1, 32, 1], [1, NW, 1], [2, 1, 0])
+            s8 = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+            h3 = gl.arange(0, BH, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+            n3 = gl.arange(0, MV, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+            tot = gl.zeros([BH, MV], gl.float32, gl.SliceLayout(0, L3))
+            for s0 in gl.static_range(0, S, 8):
+                ss = s0 + s8
+                ptr = part_ptr + (hb * S + ss[:, None, None]) * (BH * MV) + h3[None, :, None] * MV + n3[None, None, :]
+                v = gl.load(ptr, mask=(ss[:, None, None] < S) & (h3[None, :, None] >= 0) & (n3[None, None, :] >= 0),
+                            other=0.0, cache_modifier=".cg")
+                tot += gl.sum(v, axis=0)
+            h2 = gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(0, L3)))
+            n2 = gl.arange(0, MV, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3)))
+            gl.store(out_ptr + n2[None, :] * H + hb * BH + h2[:, None], tot.to(gl.bfloat16),
+                     mask=(n2[None, :] < M) & (h2[:, None] >= 0))
+            gl.store(cnt_ptr + hb, 0)
+
+
+def fit_split_config(cfg: dict, h: int, i: int) -> dict:
+    """Shrink a ``split`` config to divide this model's H and I (and keep each warp on its own mma row tile).
+
+    Raises:
+        BackendError: H or I is not a multiple of 128 (the E8M0 byte copies need >= 4 bytes per thread)."""
+    cfg = dict(SPLIT_DEFAULT, **cfg)
+    if h % 128 or i % 128:
+        raise BackendError(f"moe[triton] variant 'split' needs H and I multiples of 128, got H={h}, I={i}; use "
+                           "variant 'gluon'")
+    cfg["BI"] = _fit(cfg["BI"], i, 8)
+    cfg["BK2"] = _fit(cfg["BK2"], i, 128)
+    cfg["BH"] = _fit(cfg["BH"], h, 16)
+    kp = cfg["KP"]
+    while kp > 1 and (h % kp or (h // kp) % 128):
+        kp //= 2
+    cfg["KP"] = kp
+    cfg["BK"] = _fit(cfg["BK"], h // kp, 128)
+    cfg["num_warps"] = max(1, min(cfg["num_warps"], 2 * cfg["BI"] // 16))
+    cfg["down_warps"] = max(1, min(cfg["down_warps"], cfg["BH"] // 16))
+    if not (cfg["BI"] and cfg["BK"] and cfg["BK2"] and cfg["BH"]) or cfg["BK"] > 1024 or cfg["BK2"] > 1024:
+        raise BackendError(f"moe[triton]: no 'split' tiling of H={h}, I={i} for config {cfg}")
+    return cfg
+
+
+_SCRATCH: dict = {}
+
+
+def _scratch(device, name: str, numel: int, dtype) -> torch.Tensor:
+    """A per-device buffer of at least ``numel`` elements, shared by every binding (layers run in series on one
+    stream). Growing it keeps the older buffers alive: a captured CUDA graph holds their addresses. Ticket
+    buffers are created zeroed (each launch leaves them zero again)."""
+    bufs = _SCRATCH.setdefault((str(torch.device(device)), name), [])
+    if not bufs or bufs[-1].numel() < numel:
+        bufs.append(torch.zeros(numel, dtype=dtype, device=device))
+    return bufs[-1]
+
+
+def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict) -> None:
+    """Run the two kernels for one call of :class:`~bytebound.kernels.triton_moe.MoEKernel` ``kern``.
+
+    ``x bf16 [M, H]``, ``ids int32/int64 [M, k]``, ``w float32 [M, k]`` (contiguous), ``out bf16 [M, H]``.
+
+    Raises:
+        BackendError: Gluon is not importable."""
+    if gluon is None:
+        raise BackendError(f"moe[triton] variant 'split': {_GLUON_ERR}")
+    m, k = ids.shape
+    s = m * k
+    h, i = kern.h, kern.i
+    bi, kp, bh = cfg["BI"], cfg["KP"], cfg["BH"]
+    nj, mv = i // bi, (1 if m == 1 else 4)
+    dev = x.device
+    sp = max(32, 1 << (s - 1).bit_length())
+    act = _scratch(dev, "act", s * m * i, torch.bfloat16)
+    part_a = _scratch(dev, "part_a", s * nj * kp * 2 * bi * mv, torch.float32) if kp > 1 else act
+    part_b = _scratch(dev, "part_b", (h // bh) * s * bh * mv, torch.float32)
+    cnt_a = _scratch(dev, "cnt_a", s * nj, torch.int32)
+    cnt_b = _scratch(dev, "cnt_b", h // bh, torch.int32)
+    limit = float(kern.limit) if kern.limit is not None else 0.0
+    _moe_gateup_split[(nj, s, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
+                                   H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, BK=cfg["BK"], KP=kp,
+                                   HAS_LIMIT=kern.limit is not None, num_warps=cfg["num_warps"])
+    _moe_down_split[(h // bh, s)](act, ids, kern.w2w, kern.s2, out, part_b, cnt_b, kern.lut,
+                                  H=h, I=i, M=m, S=s, SP=sp, BH=bh, BK2=cfg["BK2"], num_warps=cfg["down_warps"])

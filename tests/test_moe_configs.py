@@ -1,0 +1,48 @@
+"""Launch-config plumbing of the triton MoE backend (pure Python: runs on CPU without Triton).
+
+The kernels themselves are tested on the GPU (tests/gpu/test_kernels_gpu.py); here: the committed table parses,
+the ``split`` variant's tiling is shrunk to small models' shapes or refused with a named error, and the
+``BYTEBOUND_MOE_VARIANT`` override picks the variant's defaults."""
+
+import pytest
+
+from bytebound.errors import BackendError
+from bytebound.kernels import triton_moe as tm
+from bytebound.kernels import triton_moe_split as ts
+
+
+def test_committed_table_entries_fit_ling_shapes():
+    table = tm.load_configs()
+    assert table, "configs/triton_moe.json is missing or empty"
+    for gpu, entries in table.items():
+        if gpu.startswith("_"):
+            continue
+        for key, cfg in entries.items():
+            fitted = tm.fit_config(cfg, 2560, 768)
+            # a committed entry is used as written at the shape it was tuned for: fitting must not change it
+            assert {k: fitted[k] for k in cfg} == cfg, f"{gpu} {key}: {cfg} -> {fitted}"
+
+
+@pytest.mark.parametrize("h,i", [(256, 128), (2560, 768), (512, 384)])
+@pytest.mark.parametrize("cfg", [{}, {"KP": 4, "BK": 512}, {"BI": 32, "num_warps": 4, "BH": 16}])
+def test_split_fit_divides_the_shape(h, i, cfg):
+    c = ts.fit_split_config(cfg, h, i)
+    assert c["variant"] == "split"
+    assert i % c["BI"] == 0 and i % c["BK2"] == 0 and h % c["BH"] == 0
+    assert h % c["KP"] == 0 and (h // c["KP"]) % c["BK"] == 0 and c["BK"] >= 128 and c["BK2"] >= 128
+    assert 2 * c["BI"] >= 16 * c["num_warps"] and c["BH"] >= 16 * c["down_warps"]
+
+
+def test_split_refuses_shapes_it_cannot_tile():
+    with pytest.raises(BackendError, match="multiples of 128"):
+        ts.fit_split_config({}, 96, 128)
+    with pytest.raises(BackendError, match="multiples of 128"):
+        tm.fit_config({"variant": "split"}, 256, 96)
+
+
+def test_variant_override(monkeypatch):
+    monkeypatch.setenv("BYTEBOUND_MOE_VARIANT", "split")
+    cfg = tm.lookup_config(32, 256, 128, 4, 1)
+    assert cfg == ts.SPLIT_DEFAULT
+    monkeypatch.setenv("BYTEBOUND_MOE_VARIANT", "tl")
+    assert tm.lookup_config(32, 256, 128, 4, 1)["variant"] == "tl"
