@@ -253,6 +253,70 @@ def tune(layers, ms, reps, out_dir: Path, log) -> dict:
     return {"candidates": rows, "best": {m: best[m]["config"] for m in best}, "table": table}
 
 
+PROBES = ("gateup_only", "down_only", "load_only", "compute_only")
+
+
+def kernel_breakdown(fns, xs_routes, reps: int = 10) -> dict:
+    """Mean device time per kernel name (torch.profiler / CUPTI) over ``reps`` replays of one captured pass."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def all_layers():
+        for fn, (x, ids, w) in zip(fns, xs_routes):
+            fn(x, ids, w)
+
+    g, _ = capture_graph(all_layers, warmup=1)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        total = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if ev.count and total:
+            out[ev.key[:80]] = {"count": ev.count, "mean_us": total / ev.count}
+    return out
+
+
+def probe(layers, ms, cfgs: dict, reps: int, log) -> list[dict]:
+    """Attribute the split variant's time (``--probe``): each kernel alone, memory without compute (no
+    dequantisation/mma), compute without the weight copies, a profiler breakdown per kernel, and the cost of
+    launching 2 empty kernels per layer from a graph (the floor any two-kernel design pays)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _noop(p):
+        pass
+
+    rows = []
+    dummy = torch.zeros(1, device="cuda")
+
+    def empties():
+        for _ in range(2 * len(layers)):
+            _noop[(1,)](dummy)
+
+    g, _ = capture_graph(empties, warmup=1)
+    t = statistics.median(cuda_time(g.replay, reps)) / len(layers) * 1e6
+    rows.append({"probe": "2 empty kernels per layer", "time_us_median": t})
+    log(f"probe: 2 empty kernels per layer {t:.1f} us")
+    for m in ms:
+        cfg = cfgs.get(m)
+        if not cfg or cfg.get("variant") != "split":
+            continue
+        for pr in (None,) + PROBES:
+            c = dict(cfg, probe=pr) if pr else cfg
+            fns = [bind("triton", ex, c) for ex in layers]
+            r = run_case("triton", fns, layers, m, "random", reps)
+            r.update(probe=pr or "full", config=cfg)
+            if pr is None:
+                xr = [(torch.randn(m, H, device="cuda").to(torch.bfloat16), *make_routing(m, "random", 7 + li))
+                      for li in range(len(layers))]
+                r["kernels"] = kernel_breakdown(fns, xr)
+            rows.append(r)
+            log(f"probe M={m} {pr or 'full':13s} {r['time_us_median']:7.1f} us  {r.get('kernels', '')}")
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "out" / "bench_moe")))
@@ -266,6 +330,8 @@ def main() -> int:
                     help="tune only the default config, its float-atomic twin and the partials-mode tilings")
     ap.add_argument("--tune-split", action="store_true",
                     help="tune only the committed config of each M and the 'split' variant's tilings")
+    ap.add_argument("--probe", action="store_true",
+                    help="attribute the split variant's time (each kernel alone, load-only, compute-only, profiler)")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -309,6 +375,13 @@ def main() -> int:
     if args.tune and "triton" in backends:
         tuned = tune(layers, ms, args.reps, out_dir, log)
         result["tune"] = tuned
+
+    if args.probe:
+        from bytebound.kernels.triton_moe import lookup_config
+        best = dict(tuned["best"]) if tuned else {}
+        cfgs = {m: best.get(m) or lookup_config(E, H, I, K, m) for m in ms}
+        result["probe"] = probe(layers, ms, cfgs, args.reps, log)
+        (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
 
     for backend in backends:
         cfg = dict(tuned["best"]) if (tuned and backend == "triton" and tuned["best"]) else None

@@ -91,31 +91,30 @@ section_verify() {       # start-up canaries on GPU, and their cost at full scal
 }
 
 section_bisect() {       # the full-scale canaries once per GPU path: engine defaults (fast paths on), eager MTP rounds,
-    #                        the int64-atomic M = 4 MoE entry instead of partials, and each fast path off by itself
+    #                        the one-launch fused MoE kernel (int64 atomics) instead of the committed table's entries,
+    #                        and each fast path off by itself
     canaries() {         # canaries LABEL [VAR=VALUE ...]: the full-scale canary test with those variables set
         run_step "$1" env BYTEBOUND_FULLSCALE=1 "${@:2}" python3 -m pytest \
             tests/test_verify.py::test_full_scale_canary_cost -q -p no:cacheprovider -rfE --tb=line
     }
     canaries defaults
     canaries eager_rounds BYTEBOUND_FULLSCALE_ENGINE='{"spec_static_round": false}'
-    local tab="$OUT/moe_atomics.json"
-    run_step atomics_table python3 -c 'import json, sys
-from bytebound.kernels.triton_moe import load_configs
+    local tab="$OUT/moe_fused.json"
+    run_step fused_moe_table python3 -c 'import json, sys
+from bytebound.kernels.triton_moe import DEFAULT_CONFIG, load_configs
 t = load_configs()
 n = 0
 for gpu, table in t.items():
-    for key, cfg in (table.items() if isinstance(table, dict) else ()):
-        if key.endswith("_M4"):
-            for k in ("partials", "reduce_bh", "reduce_warps"):
-                cfg.pop(k, None)
-            n += 1
-assert n, "no M4 entry in the committed table"
+    for key in (list(table) if isinstance(table, dict) else ()):
+        table[key] = dict(DEFAULT_CONFIG)
+        n += 1
+assert n, "no entry in the committed table"
 json.dump(t, open(sys.argv[1], "w"))
-print(f"{n} M4 entries -> int64 atomics: {sys.argv[1]}")' "$tab"
+print(f"{n} entries -> the fused kernel, int64 atomics: {sys.argv[1]}")' "$tab"
     if [ -s "$tab" ]; then
-        canaries atomics BYTEBOUND_MOE_CONFIG="$tab"
+        canaries fused_moe BYTEBOUND_MOE_CONFIG="$tab"
     else
-        echo "no atomics table: skipping the atomics step" | tee -a "$LOG"; FAILED+=("bisect/atomics")
+        echo "no fused-MoE table: skipping that step" | tee -a "$LOG"; FAILED+=("bisect/fused_moe")
     fi
     local flag
     for flag in fused_router fused_norm kv_buckets; do

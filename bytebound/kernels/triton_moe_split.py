@@ -31,7 +31,10 @@ Config keys (``configs/triton_moe.json``, variant ``"split"``): ``BI`` (intermed
 rows read), ``BK`` (H columns per k step), ``KP`` (H slices), ``num_warps`` (kernel A), ``BH`` (hidden rows per
 kernel-B program), ``BK2`` (I columns per k step), ``down_warps``. Constraints: BK, BK2 >= 128 (cp.async of the
 E8M0 bytes needs >= 4 bytes per thread), ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (one mma row tile
-per warp); :func:`fit_split_config` shrinks a config to a small model's shape or raises BackendError.
+per warp); :func:`fit_split_config` shrinks a config to a small model's shape or raises BackendError. The key
+``probe`` is benchmark instrumentation (``scripts/bench_moe.py --probe``), never in a committed table: ``gateup_only``
+/ ``down_only`` launch one kernel, ``load_only`` skips the dequantisation and mma (memory + overheads),
+``compute_only`` skips the weight copies (compute + overheads); the outputs are then wrong.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ if gluon is not None:
     def _moe_gateup_split(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
                           H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
                           SP: gl.constexpr, BI: gl.constexpr, BK: gl.constexpr, KP: gl.constexpr,
-                          HAS_LIMIT: gl.constexpr):
+                          HAS_LIMIT: gl.constexpr, PROBE: gl.constexpr = 0):
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         S: gl.constexpr = M * TOPK
@@ -119,8 +122,9 @@ if gluon is not None:
             for kk in gl.static_range(NK):
                 async_copy.async_copy_global_to_shared(xs.index(kk), xp + kk * BK, mask=xn[:, None] < M)
             for kk in gl.static_range(NK):
-                async_copy.async_copy_global_to_shared(wsm.index(kk), wp + kk * (BK // 8))
-                async_copy.async_copy_global_to_shared(ssm.index(kk), sp + kk * NB1)
+                if PROBE != 2:
+                    async_copy.async_copy_global_to_shared(wsm.index(kk), wp + kk * (BK // 8))
+                    async_copy.async_copy_global_to_shared(ssm.index(kk), sp + kk * NB1)
                 async_copy.commit_group()
 
             tw = gl.load(tw_ptr + t, mask=t < S, other=0.0)
@@ -139,8 +143,9 @@ if gluon is not None:
             for kk in gl.static_range(NK):
                 async_copy.wait_group(NK - 1 - kk)
                 gl.thread_barrier()
-                a_s.store(_g_dequant(wsm.index(kk).load(WL), ssm.index(kk).load(SL), c0, c1, c2, c3, c4))
-                acc = mma_v2(a_s.load(DA), xs.index(kk).permute([1, 0]).load(DB), acc)
+                if PROBE != 1:
+                    a_s.store(_g_dequant(wsm.index(kk).load(WL), ssm.index(kk).load(SL), c0, c1, c2, c3, c4))
+                    acc = mma_v2(a_s.load(DA), xs.index(kk).permute([1, 0]).load(DB), acc)
 
             gr = gl.arange(0, BI, layout=gl.SliceLayout(1, EL))
             gc = gl.arange(0, NPC, layout=gl.SliceLayout(0, EL))
@@ -189,7 +194,7 @@ if gluon is not None:
     @gluon.jit
     def _moe_down_split(act_ptr, ids_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, cnt_ptr, lut_ptr,
                         H: gl.constexpr, I: gl.constexpr, M: gl.constexpr, S: gl.constexpr, SP: gl.constexpr,
-                        BH: gl.constexpr, BK2: gl.constexpr):
+                        BH: gl.constexpr, BK2: gl.constexpr, PROBE: gl.constexpr = 0):
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         NC: gl.constexpr = I // BK2
@@ -237,8 +242,9 @@ if gluon is not None:
             xk = gl.arange(0, BK2, layout=gl.SliceLayout(0, XL))
             xp = act_ptr + (s * M + xn[:, None]) * I + xk[None, :]
             for c in gl.static_range(NC):
-                async_copy.async_copy_global_to_shared(wsm.index(c), wp + c * (BK2 // 8))
-                async_copy.async_copy_global_to_shared(ssm.index(c), sp + c * NB2)
+                if PROBE != 2:
+                    async_copy.async_copy_global_to_shared(wsm.index(c), wp + c * (BK2 // 8))
+                    async_copy.async_copy_global_to_shared(ssm.index(c), sp + c * NB2)
                 async_copy.async_copy_global_to_shared(xs.index(c), xp + c * BK2, mask=xn[:, None] < M)
                 async_copy.commit_group()
             c0 = gl.load(lut_ptr)
@@ -251,8 +257,9 @@ if gluon is not None:
             for c in gl.static_range(NC):
                 async_copy.wait_group(NC - 1 - c)
                 gl.thread_barrier()
-                a_s.store(_g_dequant(wsm.index(c).load(WL), ssm.index(c).load(SL), c0, c1, c2, c3, c4))
-                acc = mma_v2(a_s.load(DA), xs.index(c).permute([1, 0]).load(DB), acc)
+                if PROBE != 1:
+                    a_s.store(_g_dequant(wsm.index(c).load(WL), ssm.index(c).load(SL), c0, c1, c2, c3, c4))
+                    acc = mma_v2(a_s.load(DA), xs.index(c).permute([1, 0]).load(DB), acc)
             gl.store(slot, gl.convert_layout(acc, OL), mask=omask)
         else:       # a duplicate slot: its expert's share is in the owner's partial
             gl.store(slot, gl.zeros([BH, NPC], gl.float32, OL), mask=omask)
@@ -338,8 +345,13 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
     cnt_a = _scratch(dev, "cnt_a", s * nj, torch.int32)
     cnt_b = _scratch(dev, "cnt_b", h // bh, torch.int32)
     limit = float(kern.limit) if kern.limit is not None else 0.0
-    _moe_gateup_split[(nj, s, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
-                                   H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, BK=cfg["BK"], KP=kp,
-                                   HAS_LIMIT=kern.limit is not None, num_warps=cfg["num_warps"])
-    _moe_down_split[(h // bh, s)](act, ids, kern.w2w, kern.s2, out, part_b, cnt_b, kern.lut,
-                                  H=h, I=i, M=m, S=s, SP=sp, BH=bh, BK2=cfg["BK2"], num_warps=cfg["down_warps"])
+    probe = cfg.get("probe")      # benchmark instrumentation only (bench_moe.py --probe); outputs are then wrong
+    pk = {"load_only": 1, "compute_only": 2}.get(probe, 0)
+    if probe != "down_only":
+        _moe_gateup_split[(nj, s, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
+                                       H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, BK=cfg["BK"], KP=kp,
+                                       HAS_LIMIT=kern.limit is not None, PROBE=pk, num_warps=cfg["num_warps"])
+    if probe != "gateup_only":
+        _moe_down_split[(h // bh, s)](act, ids, kern.w2w, kern.s2, out, part_b, cnt_b, kern.lut,
+                                      H=h, I=i, M=m, S=s, SP=sp, BH=bh, BK2=cfg["BK2"], PROBE=pk,
+                                      num_warps=cfg["down_warps"])

@@ -174,13 +174,13 @@ def test_graph_replay_equals_eager_across_kv_buckets():
         assert torch.equal(a, b), f"step {i}: graph replay differs from eager"
 
 
-@pytest.mark.parametrize("path", ["engine_defaults", "no_fused", "atomics", "fused_router", "fused_norm", "kv_buckets"])
+@pytest.mark.parametrize("path", ["engine_defaults", "no_fused", "fused_moe", "fused_router", "fused_norm", "kv_buckets"])
 @torch.inference_mode()
 def test_verify_equals_sequential_decode_full_width(full_width_model, path):
     """The MTP verify forward (4 tokens, KDA states recorded) gives the logits of 4 sequential decode steps, at
     Ling-3.0-flash widths: with the engine's CUDA defaults (fused router and RMSNorm, kv buckets, the committed MoE
-    table, whose H200 M = 4 entry is the partials mode), with none of the fused paths, with the int64-atomic M = 4
-    entry instead, and with each fused path alone.
+    table, whose H200 entries are the two-kernel ``split`` variant), with none of the fused paths, with the
+    one-launch fused MoE kernel (int64 atomics) at M = 1 and 4 instead, and with each fused path alone.
 
     BF16, so not bit equality. The bar is the same argmax and an error no larger than the yardstick measured in
     the same test: the same 4 decode steps (same state, same tokens) with the torch MoE and torch linears, two
@@ -194,11 +194,12 @@ def test_verify_equals_sequential_decode_full_width(full_width_model, path):
                  fused_norm=path in ("engine_defaults", "fused_norm"))
     bind_model(model, BackendPlan.default("cuda"), "cuda", "fp8", **fused)
     saved = {}
-    if path == "atomics":        # the M = 4 entry before the partials mode: int64 fixed-point atomics
+    if path == "fused_moe":      # the one-launch fused kernel (int64 fixed-point atomics) instead of 'split'
+        from bytebound.kernels.triton_moe import DEFAULT_CONFIG
         for m in model.modules():
             if isinstance(m, RoutedExperts):
-                saved[id(m.fn)] = (m.fn, m.fn.configs.get(4))       # (None: filled from the table on first use)
-                m.fn.configs[4] = dict(variant="gluon", BI=64, BK=128, BH=256, num_warps=4)
+                saved[id(m.fn)] = (m.fn, {mm: m.fn.configs.get(mm) for mm in (1, 4)})   # None: from the table
+                m.fn.configs.update({1: dict(DEFAULT_CONFIG), 4: dict(DEFAULT_CONFIG)})
     buckets = (64, 128) if path in ("engine_defaults", "kv_buckets") else None
     r = ModelRunner(model, 256, kv_buckets=buckets)
     try:
@@ -218,9 +219,10 @@ def test_verify_equals_sequential_decode_full_width(full_width_model, path):
         assert all(same) and max(errs) <= bar, (f"path {path}: verify vs decode rel err {errs} (yardstick {bar:.3g}), "
                                                 f"argmax equal {same}")
     finally:
-        for fn, cfg in saved.values():
-            if cfg is None:
-                fn.configs.pop(4, None)
-            else:
-                fn.configs[4] = cfg
+        for fn, cfgs in saved.values():
+            for mm, cfg in cfgs.items():
+                if cfg is None:
+                    fn.configs.pop(mm, None)
+                else:
+                    fn.configs[mm] = cfg
         bind_model(model, BackendPlan.default("cuda"), "cuda", "bf16")     # the fixture is shared: reset
