@@ -218,10 +218,11 @@ def split_grid() -> list[dict]:
     kernel B, then kernel-B tilings (BH, BK2, warps) with the default kernel A."""
     from bytebound.kernels.triton_moe_split import SPLIT_DEFAULT
     a = [dict(SPLIT_DEFAULT, BI=bi, BK=bk, KP=kp, num_warps=nw)
-         for bi, bk, kp, nw in [(16, 256, 2, 2), (16, 128, 4, 2), (16, 256, 1, 2), (16, 256, 4, 2), (32, 256, 2, 4),
-                                (32, 128, 4, 4), (8, 256, 2, 1), (8, 128, 4, 1)]]
+         for bi, bk, kp, nw in [(32, 128, 4, 4), (16, 128, 4, 2), (32, 128, 2, 4), (64, 128, 4, 4), (32, 256, 2, 4),
+                                (16, 128, 2, 2), (32, 128, 5, 4), (32, 128, 10, 4), (64, 128, 10, 4), (16, 128, 10, 2),
+                                (32, 128, 20, 4), (64, 256, 5, 4)]]
     b = [dict(SPLIT_DEFAULT, BH=bh, BK2=bk2, down_warps=dw)
-         for bh, bk2, dw in [(32, 256, 2), (16, 256, 1), (64, 128, 4), (128, 256, 4), (32, 128, 2)]]
+         for bh, bk2, dw in [(32, 128, 2), (64, 128, 4), (128, 128, 4), (16, 128, 1), (32, 256, 2), (128, 256, 8)]]
     return a + b
 
 

@@ -39,6 +39,8 @@ per warp); :func:`fit_split_config` shrinks a config to a small model's shape or
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from bytebound.errors import BackendError
@@ -47,9 +49,9 @@ from bytebound.kernels.triton_moe import _GLUON_ERR, _fit, gl, gluon
 if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-    from bytebound.kernels.triton_moe import _ASM_FENCE, _g_dequant
+    from bytebound.kernels.triton_moe import _ASM_DEQ8, _ASM_FENCE
 
-SPLIT_DEFAULT = {"variant": "split", "BI": 16, "BK": 256, "KP": 2, "num_warps": 2, "BH": 64, "BK2": 256,
+SPLIT_DEFAULT = {"variant": "split", "BI": 32, "BK": 128, "KP": 4, "num_warps": 4, "BH": 64, "BK2": 256,
                  "down_warps": 4}
 
 if gluon is not None:
@@ -62,10 +64,45 @@ if gluon is not None:
         gl.thread_barrier()
 
     @gluon.jit
+    def _frag_dequant(w, s, c0, c1, c2, c3, c4, DA: gl.constexpr):
+        """E2M1 words straight into mma A fragments, with no shared-memory round trip.
+
+        ``w`` int32 ``[R, NS, 4, 4]`` in :func:`word_layout` (row, 128-column super-block, scale block t, word
+        tau of that block) and ``s`` uint8 ``[R, NS, 4]`` (its E8M0 bytes) -> BF16 ``[R, 128*NS]`` in the mma A
+        layout ``DA`` *in logical k order*: logical ``kappa = 128s + 32tau + 16p + 8h + 2t + j`` holds the value at
+        physical column ``128s + 32t + 8tau + 4p + 2h + j``. The B operand must be permuted the same way
+        (:func:`_stage_b`); a dot product does not care in which order it sums. The permutation is chosen so that
+        each thread's 16-byte vector of 4 words is exactly the 32 values its A fragments need over 8 k tiles, so
+        the layout conversion below is free (asserted at compile time)."""
+        R: gl.constexpr = w.shape[0]
+        NS: gl.constexpr = w.shape[1]
+        s16 = s.to(gl.int32) << 7
+        s2 = gl.broadcast(gl.expand_dims(s16 | (s16 << 16), 3), w)[0]
+        v = gl.inline_asm_elementwise(_ASM_DEQ8, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r",
+                                      [w, s2, c0, c1, c2, c3, c4], (gl.bfloat16,) * 8, True, 1)
+        # v[i] is the value at offset i = 4p + 2h + j of the word; joins append dims j, h, p
+        a = gl.join(gl.join(gl.join(v[0], v[1]), gl.join(v[2], v[3])),
+                    gl.join(gl.join(v[4], v[5]), gl.join(v[6], v[7])))
+        a = gl.permute(a, [0, 1, 3, 6, 5, 2, 4])          # [R, NS, t, tau, j, h, p] -> [R, NS, tau, p, h, t, j]
+        return gl.convert_layout(gl.reshape(a, [R, NS * 128]), DA, assert_trivial=True)
+
+    @gluon.jit
+    def _load_b(src_ptr, row_stride, k0, M: gl.constexpr, BK: gl.constexpr, DB: gl.constexpr):
+        """B operand ``[BK, 8]`` BF16 (tokens padded to 8 columns, 0 for ``n >= M``) straight into the mma
+        B-fragment layout ``DB``, in the logical k order of :func:`_frag_dequant`: ``B[kappa, n] = src[n *
+        row_stride + k0 + phys(kappa)]``. ``src`` is x or act (L2-resident)."""
+        k = gl.arange(0, BK, layout=gl.SliceLayout(1, DB))
+        n = gl.arange(0, 8, layout=gl.SliceLayout(0, DB))
+        phys = ((k & ~127) | (((k >> 1) & 3) << 5) | (((k >> 5) & 3) << 3) | (((k >> 4) & 1) << 2)
+                | (((k >> 3) & 1) << 1) | (k & 1))
+        msk = (n[None, :] < M) & (phys[:, None] >= 0)
+        return gl.load(src_ptr + n[None, :] * row_stride + k0 + phys[:, None], mask=msk, other=0.0)
+
+    @gluon.jit
     def _moe_gateup_split(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
                           H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
                           SP: gl.constexpr, BI: gl.constexpr, BK: gl.constexpr, KP: gl.constexpr,
-                          HAS_LIMIT: gl.constexpr, PROBE: gl.constexpr = 0):
+                          HAS_LIMIT: gl.constexpr, WD: gl.constexpr, PROBE: gl.constexpr = 0):
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         S: gl.constexpr = M * TOPK
@@ -73,6 +110,7 @@ if gluon is not None:
         R1: gl.constexpr = 2 * BI
         HK: gl.constexpr = H // KP          # H columns per program
         NK: gl.constexpr = HK // BK         # k steps per program
+        NS: gl.constexpr = BK // 128        # 128-column super-blocks per k step
         NB1: gl.constexpr = BK // 32        # E8M0 blocks per k step
         MV: gl.constexpr = 1 if M == 1 else 4
         HW: gl.constexpr = H // 8           # int32 words per w13 row
@@ -82,13 +120,10 @@ if gluon is not None:
         DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
-        WL: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32 // NB1, NB1, 1], [NW, 1, 1], [2, 1, 0])
-        SL: gl.constexpr = gl.SliceLayout(2, WL)
+        SD: gl.constexpr = gl.SliceLayout(3, WD)
         SCL: gl.constexpr = gl.BlockedLayout([1, NB1], [32, 1], [NW, 1], [1, 0])
-        XL: gl.constexpr = gl.BlockedLayout([1, 8], [NPC, 32 // NPC], [1, NW], [1, 0])
         EL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
-        ASL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        W4S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+        W5S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
         S3S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         HSL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
@@ -101,32 +136,30 @@ if gluon is not None:
         e = gl.load(ids_ptr + s)
         ndup = gl.sum(gl.where((ids == e) & (t < s), 1, 0), axis=0)
         if ndup == 0:
-            # ---- issue every weight byte of this program first (one cp.async group per k step) ----
-            wsm = gl.allocate_shared_memory(gl.int32, [NK, R1, NB1, 4], W4S)
+            # ---- issue every weight byte of this program first: scales in one group, then one group per k step ----
+            wsm = gl.allocate_shared_memory(gl.int32, [NK, R1, NS, 4, 4], W5S)
             ssm = gl.allocate_shared_memory(gl.uint8, [NK, R1, NB1], S3S)
-            xs = gl.allocate_shared_memory(gl.bfloat16, [NK, NPC, BK], ASL)
-            r = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL)))
-            row = gl.where(r < BI, j * BI + r, I + j * BI + (r - BI))
-            b = gl.arange(0, NB1, layout=gl.SliceLayout(0, gl.SliceLayout(2, WL)))
-            q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, WL)))
-            wp = w13_ptr + e * (2 * I * HW) + p * (HK // 8) + (row[:, None, None] * HW + b[None, :, None] * 4
-                                                               + q[None, None, :])
             rs = gl.arange(0, R1, layout=gl.SliceLayout(1, SCL))
             rows = gl.where(rs < BI, j * BI + rs, I + j * BI + (rs - BI))
             bs = gl.arange(0, NB1, layout=gl.SliceLayout(0, SCL))
             sp = s13_ptr + e * (2 * I * HS) + p * (HK // 32) + (rows[:, None] * HS + bs[None, :])
-            xn = gl.arange(0, NPC, layout=gl.SliceLayout(1, XL))
-            xk = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
-            xp = x_ptr + p * HK + xn[:, None] * H + xk[None, :]
-            # x first (L2-resident, arrives first) in the group of k step 0
             for kk in gl.static_range(NK):
-                async_copy.async_copy_global_to_shared(xs.index(kk), xp + kk * BK, mask=xn[:, None] < M)
+                if PROBE != 2:
+                    async_copy.async_copy_global_to_shared(ssm.index(kk), sp + kk * NB1)
+            async_copy.commit_group()
+            r = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD)))
+            row = gl.where(r < BI, j * BI + r, I + j * BI + (r - BI))
+            sb = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD)))
+            tb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SD)))
+            q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WD))))
+            w3 = row[:, None, None] * HW + sb[None, :, None] * 16 + tb[None, None, :] * 4
+            wp = w13_ptr + e * (2 * I * HW) + p * (HK // 8) + (w3[:, :, :, None] + q[None, None, None, :])
             for kk in gl.static_range(NK):
                 if PROBE != 2:
                     async_copy.async_copy_global_to_shared(wsm.index(kk), wp + kk * (BK // 8))
-                    async_copy.async_copy_global_to_shared(ssm.index(kk), sp + kk * NB1)
                 async_copy.commit_group()
 
+            b_cur = _load_b(x_ptr + p * HK, H, 0, M, BK, DB)
             tw = gl.load(tw_ptr + t, mask=t < S, other=0.0)
             mcol = gl.arange(0, NPC, layout=gl.SliceLayout(1, RL))
             sel = (ids[None, :] == e) & ((t // TOPK)[None, :] == mcol[:, None])
@@ -136,16 +169,21 @@ if gluon is not None:
             c2 = gl.load(lut_ptr + 2)
             c3 = gl.load(lut_ptr + 3)
             c4 = gl.load(lut_ptr + 4)
+            async_copy.wait_group(NK)       # the scales
+            gl.thread_barrier()
 
-            # ---- consume the k steps in arrival order ----
-            a_s = gl.allocate_shared_memory(gl.bfloat16, [R1, BK], ASL)
+            # ---- consume the k steps in arrival order: words -> registers -> mma fragments ----
             acc = gl.zeros([R1, NPC], gl.float32, MMA)
             for kk in gl.static_range(NK):
+                if kk + 1 < NK:         # the next step's B one step ahead (an L2 round trip)
+                    b_nxt = _load_b(x_ptr + p * HK, H, (kk + 1) * BK, M, BK, DB)
                 async_copy.wait_group(NK - 1 - kk)
-                gl.thread_barrier()
                 if PROBE != 1:
-                    a_s.store(_g_dequant(wsm.index(kk).load(WL), ssm.index(kk).load(SL), c0, c1, c2, c3, c4))
-                    acc = mma_v2(a_s.load(DA), xs.index(kk).permute([1, 0]).load(DB), acc)
+                    wv = wsm.index(kk).load(WD)
+                    sv = ssm.index(kk).reshape([R1, NS, 4]).load(SD)
+                    acc = mma_v2(_frag_dequant(wv, sv, c0, c1, c2, c3, c4, DA), b_cur, acc)
+                if kk + 1 < NK:
+                    b_cur = b_nxt
 
             gr = gl.arange(0, BI, layout=gl.SliceLayout(1, EL))
             gc = gl.arange(0, NPC, layout=gl.SliceLayout(0, EL))
@@ -194,10 +232,11 @@ if gluon is not None:
     @gluon.jit
     def _moe_down_split(act_ptr, ids_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, cnt_ptr, lut_ptr,
                         H: gl.constexpr, I: gl.constexpr, M: gl.constexpr, S: gl.constexpr, SP: gl.constexpr,
-                        BH: gl.constexpr, BK2: gl.constexpr, PROBE: gl.constexpr = 0):
+                        BH: gl.constexpr, BK2: gl.constexpr, WD: gl.constexpr, PROBE: gl.constexpr = 0):
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         NC: gl.constexpr = I // BK2
+        NS: gl.constexpr = BK2 // 128
         NB2: gl.constexpr = BK2 // 32
         MV: gl.constexpr = 1 if M == 1 else 4
         IW: gl.constexpr = I // 8
@@ -207,13 +246,10 @@ if gluon is not None:
         DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
-        WL: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32 // NB2, NB2, 1], [NW, 1, 1], [2, 1, 0])
-        SL: gl.constexpr = gl.SliceLayout(2, WL)
+        SD: gl.constexpr = gl.SliceLayout(3, WD)
         SCL: gl.constexpr = gl.BlockedLayout([1, NB2], [32, 1], [NW, 1], [1, 0])
-        XL: gl.constexpr = gl.BlockedLayout([1, 8], [NPC, 32 // NPC], [1, NW], [1, 0])
         OL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
-        ASL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        W4S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+        W5S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
         S3S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
         hb = gl.program_id(0)
@@ -228,38 +264,44 @@ if gluon is not None:
         e = gl.load(ids_ptr + s)
         ndup = gl.sum(gl.where((ids == e) & (t < s), 1, 0), axis=0)
         if ndup == 0:
-            wsm = gl.allocate_shared_memory(gl.int32, [NC, BH, NB2, 4], W4S)
+            wsm = gl.allocate_shared_memory(gl.int32, [NC, BH, NS, 4, 4], W5S)
             ssm = gl.allocate_shared_memory(gl.uint8, [NC, BH, NB2], S3S)
-            xs = gl.allocate_shared_memory(gl.bfloat16, [NC, NPC, BK2], ASL)
-            h = gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL)))
-            b = gl.arange(0, NB2, layout=gl.SliceLayout(0, gl.SliceLayout(2, WL)))
-            q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, WL)))
-            wp = w2_ptr + e * (H * IW) + ((hb * BH + h[:, None, None]) * IW + b[None, :, None] * 4 + q[None, None, :])
             hs = gl.arange(0, BH, layout=gl.SliceLayout(1, SCL))
             bs = gl.arange(0, NB2, layout=gl.SliceLayout(0, SCL))
             sp = s2_ptr + e * (H * IS) + ((hb * BH + hs[:, None]) * IS + bs[None, :])
-            xn = gl.arange(0, NPC, layout=gl.SliceLayout(1, XL))
-            xk = gl.arange(0, BK2, layout=gl.SliceLayout(0, XL))
-            xp = act_ptr + (s * M + xn[:, None]) * I + xk[None, :]
+            for c in gl.static_range(NC):
+                if PROBE != 2:
+                    async_copy.async_copy_global_to_shared(ssm.index(c), sp + c * NB2)
+            async_copy.commit_group()
+            h = gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD)))
+            sb = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD)))
+            tb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SD)))
+            q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WD))))
+            w3 = (hb * BH + h[:, None, None]) * IW + sb[None, :, None] * 16 + tb[None, None, :] * 4
+            wp = w2_ptr + e * (H * IW) + (w3[:, :, :, None] + q[None, None, None, :])
             for c in gl.static_range(NC):
                 if PROBE != 2:
                     async_copy.async_copy_global_to_shared(wsm.index(c), wp + c * (BK2 // 8))
-                    async_copy.async_copy_global_to_shared(ssm.index(c), sp + c * NB2)
-                async_copy.async_copy_global_to_shared(xs.index(c), xp + c * BK2, mask=xn[:, None] < M)
                 async_copy.commit_group()
+            b_cur = _load_b(act_ptr + s * M * I, I, 0, M, BK2, DB)
             c0 = gl.load(lut_ptr)
             c1 = gl.load(lut_ptr + 1)
             c2 = gl.load(lut_ptr + 2)
             c3 = gl.load(lut_ptr + 3)
             c4 = gl.load(lut_ptr + 4)
-            a_s = gl.allocate_shared_memory(gl.bfloat16, [BH, BK2], ASL)
+            async_copy.wait_group(NC)
+            gl.thread_barrier()
             acc = gl.zeros([BH, NPC], gl.float32, MMA)
             for c in gl.static_range(NC):
+                if c + 1 < NC:
+                    b_nxt = _load_b(act_ptr + s * M * I, I, (c + 1) * BK2, M, BK2, DB)
                 async_copy.wait_group(NC - 1 - c)
-                gl.thread_barrier()
                 if PROBE != 1:
-                    a_s.store(_g_dequant(wsm.index(c).load(WL), ssm.index(c).load(SL), c0, c1, c2, c3, c4))
-                    acc = mma_v2(a_s.load(DA), xs.index(c).permute([1, 0]).load(DB), acc)
+                    wv = wsm.index(c).load(WD)
+                    sv = ssm.index(c).reshape([BH, NS, 4]).load(SD)
+                    acc = mma_v2(_frag_dequant(wv, sv, c0, c1, c2, c3, c4, DA), b_cur, acc)
+                if c + 1 < NC:
+                    b_cur = b_nxt
             gl.store(slot, gl.convert_layout(acc, OL), mask=omask)
         else:       # a duplicate slot: its expert's share is in the owner's partial
             gl.store(slot, gl.zeros([BH, NPC], gl.float32, OL), mask=omask)
@@ -284,6 +326,24 @@ if gluon is not None:
             gl.store(out_ptr + n2[None, :] * H + hb * BH + h2[:, None], tot.to(gl.bfloat16),
                      mask=(n2[None, :] < M) & (h2[:, None] >= 0))
             gl.store(cnt_ptr + hb, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def word_layout(rows: int, ns: int, num_warps: int):
+    """The register layout of the E2M1 words for :func:`_frag_dequant`: tensor ``[rows, ns, 4, 4]`` (row,
+    128-column super-block, scale block t, word tau). Lane ``4g + t`` of warp ``w`` holds rows ``16w + g`` and
+    ``16w + g + 8`` (+ ``16 * num_warps`` per further row tile), all ``ns`` super-blocks and the 4 words tau as one
+    16-byte vector: exactly the mma.m16n8k16 A-fragment rows of that lane. Needs ``rows`` a multiple of
+    ``16 * num_warps`` (powers of two)."""
+    reg = [[0, 0, 0, 1], [0, 0, 0, 2], [8, 0, 0, 0]]
+    reg += [[0, 1 << b, 0, 0] for b in range(ns.bit_length() - 1)]
+    r = 16 * num_warps
+    while r < rows:
+        reg.append([r, 0, 0, 0])
+        r *= 2
+    lane = [[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]]
+    warp = [[16 << b, 0, 0, 0] for b in range(num_warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, ns, 4, 4])
 
 
 def fit_split_config(cfg: dict, h: int, i: int) -> dict:
@@ -350,8 +410,11 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
     if probe != "down_only":
         _moe_gateup_split[(nj, s, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
                                        H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, BK=cfg["BK"], KP=kp,
-                                       HAS_LIMIT=kern.limit is not None, PROBE=pk, num_warps=cfg["num_warps"])
+                                       HAS_LIMIT=kern.limit is not None,
+                                       WD=word_layout(2 * bi, cfg["BK"] // 128, cfg["num_warps"]), PROBE=pk,
+                                       num_warps=cfg["num_warps"])
     if probe != "gateup_only":
         _moe_down_split[(h // bh, s)](act, ids, kern.w2w, kern.s2, out, part_b, cnt_b, kern.lut,
-                                      H=h, I=i, M=m, S=s, SP=sp, BH=bh, BK2=cfg["BK2"], PROBE=pk,
+                                      H=h, I=i, M=m, S=s, SP=sp, BH=bh, BK2=cfg["BK2"],
+                                      WD=word_layout(bh, cfg["BK2"] // 128, cfg["down_warps"]), PROBE=pk,
                                       num_warps=cfg["down_warps"])
