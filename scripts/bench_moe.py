@@ -217,12 +217,12 @@ def split_grid() -> list[dict]:
     """The two-kernel ``split`` variant (triton_moe_split.py): kernel-A tilings (BI, BK, KP, warps) with the default
     kernel B, then kernel-B tilings (BH, BK2, warps) with the default kernel A."""
     from bytebound.kernels.triton_moe_split import SPLIT_DEFAULT
-    a = [dict(SPLIT_DEFAULT, BI=bi, BK=bk, KP=kp, num_warps=nw)
-         for bi, bk, kp, nw in [(32, 128, 4, 4), (16, 128, 4, 2), (32, 128, 2, 4), (64, 128, 4, 4), (32, 256, 2, 4),
-                                (16, 128, 2, 2), (32, 128, 5, 4), (32, 128, 10, 4), (64, 128, 10, 4), (16, 128, 10, 2),
-                                (32, 128, 20, 4), (64, 256, 5, 4)]]
-    b = [dict(SPLIT_DEFAULT, BH=bh, BK2=bk2, down_warps=dw)
-         for bh, bk2, dw in [(32, 128, 2), (64, 128, 4), (128, 128, 4), (16, 128, 1), (32, 256, 2), (128, 256, 8)]]
+    a = [dict(SPLIT_DEFAULT, BI=bi, KP=kp, num_warps=nw)
+         for bi, kp, nw in [(32, 10, 4), (32, 5, 4), (64, 10, 4), (16, 10, 2), (32, 20, 4), (64, 20, 8),
+                            (64, 5, 8), (16, 20, 2), (128, 20, 8)]]
+    b = [dict(SPLIT_DEFAULT, BH=bh, KP2=kp2, down_warps=dw)
+         for bh, kp2, dw in [(32, 3, 2), (64, 6, 4), (128, 3, 8), (16, 6, 1), (32, 6, 2), (128, 6, 8)]]
+    b.append(dict(SPLIT_DEFAULT, pdl=False))      # what programmatic dependent launch buys
     return a + b
 
 

@@ -24,20 +24,31 @@ def test_committed_table_entries_fit_ling_shapes():
 
 
 @pytest.mark.parametrize("h,i", [(256, 128), (2560, 768), (512, 384)])
-@pytest.mark.parametrize("cfg", [{}, {"KP": 4, "BK": 512}, {"BI": 32, "num_warps": 4, "BH": 16}])
+@pytest.mark.parametrize("cfg", [{}, {"KP": 4, "KP2": 2}, {"BI": 32, "num_warps": 8, "BH": 16}, {"KP": 40}])
 def test_split_fit_divides_the_shape(h, i, cfg):
     c = ts.fit_split_config(cfg, h, i)
     assert c["variant"] == "split"
-    assert i % c["BI"] == 0 and i % c["BK2"] == 0 and h % c["BH"] == 0
-    assert h % c["KP"] == 0 and (h // c["KP"]) % c["BK"] == 0 and c["BK"] >= 128 and c["BK2"] >= 128
+    assert i % c["BI"] == 0 and h % c["BH"] == 0
+    for n, kp in ((h, c["KP"]), (i, c["KP2"])):
+        assert n % kp == 0 and (n // kp) % 128 == 0
+        ns = n // kp // 128
+        assert ns & (ns - 1) == 0, f"{n}/{kp}: {ns} super-blocks is not a power of two"
     assert 2 * c["BI"] >= 16 * c["num_warps"] and c["BH"] >= 16 * c["down_warps"]
 
 
+def test_split_fit_picks_the_nearest_slice_count():
+    assert ts.fit_split_config({"KP": 4, "KP2": 3}, 2560, 768)["KP"] == 5       # 2560/4 = 640 is not 128 x 2^n
+    assert ts.fit_split_config({"KP": 10, "KP2": 3}, 2560, 768)["KP2"] == 3
+    assert ts.fit_split_config({"KP": 10}, 256, 128)["KP"] == 2                  # the largest that fits
+
+
 def test_split_refuses_shapes_it_cannot_tile():
-    with pytest.raises(BackendError, match="multiples of 128"):
+    with pytest.raises(BackendError, match="slices of 128"):
         ts.fit_split_config({}, 96, 128)
-    with pytest.raises(BackendError, match="multiples of 128"):
+    with pytest.raises(BackendError, match="slices of 128"):
         tm.fit_config({"variant": "split"}, 256, 96)
+    with pytest.raises(BackendError, match="slices of 128"):
+        tm.fit_config({"variant": "split"}, 384 * 3, 128)      # 1152 = 128 x 9: no power-of-two slice
 
 
 def test_variant_override(monkeypatch):

@@ -1,23 +1,32 @@
-"""Variant ``split`` of backend ``triton``, op ``moe``: the routed MoE as two kernels that stream everything at once.
+"""Variant ``split`` of backend ``triton``, op ``moe``: the routed MoE as two kernels built for bytes in flight.
 
 Why a second variant: the fused kernel (``triton_moe.py``) is latency-bound. Each of its ~96 programs keeps two
 weight tiles in flight and runs gate/up, SwiGLU and down in series; the H200 sweep put it at 13 % of the read
 bandwidth at M = 1, nearly independent of the tiling (docs/perf/moe-kernels-h200.md). By Little's law a 4.3 TB/s
-part with ~1 us load latency needs ~4 MB in flight, ~33 KB per SM, from the first microsecond. Here each program
-issues *all* of its weight bytes as ``cp.async`` copies into shared memory before it computes anything, then
-consumes them in arrival order, and the work is cut into hundreds of small programs so several sit on each SM.
+part with ~1 us load latency needs ~4 MB in flight, ~33 KB per SM. Here the work is cut into a thousand-odd
+small programs; each loads *all* of its weight bytes with one vector load per thread straight into registers (no
+shared memory, no barriers) and only then computes.
+
+**Fragments without a shuffle.** The E2M1 words are decoded straight into mma.m16n8k16 A fragments
+(:func:`_frag_dequant`). The tensor core wants lane ``4g + t`` to hold k pairs ``2t, 2t+1, 2t+8, 2t+9`` of each 16-wide
+k tile, which are spread over four 8-value words. A dot product does not care in which order it sums, so the
+kernel uses a *logical* k order: ``kappa = 128s + 32tau + 16p + 8h + 2t + j`` holds physical column ``128s + 32t +
+8tau + 4p + 2h + j``. Then a lane's 16-byte vector of 4 consecutive words (one E8M0 block) is exactly the 32 values
+its fragments need over 8 k tiles, the layout conversion is free (asserted at compile time), and only the small B
+operand (x or the activations, L2-resident) is gathered in the permuted order (:func:`_load_b`).
 
 Kernel A, gate/up, grid ``(I/BI, M*top_k, KP)``: program ``(j, s, p)`` multiplies rows ``gate[j-slice] |
-up[j-slice]`` of expert ``e = ids.flat[s]`` by ``x`` over the ``p``-th of ``KP`` slices of H (tensor cores, E2M1
-decoded in registers as in the fused kernel). With ``KP = 1`` it applies SwiGLU (optional clamp) and the per-token
-routing weight itself; with ``KP > 1`` it stores a float32 partial and the last of the ``KP`` programs (an acq_rel
-ticket) sums the partials in the fixed order ``p = 0..KP-1`` and applies the epilogue. Output: ``act bf16 [S, M,
-I]``, ``act[s, m] = w_tok[m] * SwiGLU(gate_e x_m, up_e x_m)`` with ``w_tok[m]`` the weight token ``m`` gave ``e``
-(0 if it did not pick it).
+up[j-slice]`` of expert ``e = ids.flat[s]`` by ``x`` over the ``p``-th of ``KP`` slices of H. With ``KP = 1`` it
+applies SwiGLU (optional clamp) and the per-token routing weight itself; with ``KP > 1`` it stores a float32 partial
+and the last of the ``KP`` programs (an acq_rel ticket) sums the partials in the fixed order ``p = 0..KP-1`` and
+applies the epilogue. Output: ``act bf16 [S, M, I]``, ``act[s, m] = w_tok[m] * SwiGLU(gate_e x_m, up_e x_m)``
+with ``w_tok[m]`` the weight token ``m`` gave ``e`` (0 if it did not pick it).
 
-Kernel B, down, grid ``(H/BH, M*top_k)``: program ``(b, s)`` computes ``W2[e, b-rows, :] @ act[s]^T`` (float32
-``[BH, M]``) and stores it in its own slot; the last of the ``S`` programs of row block ``b`` sums the slots in the
-fixed order ``s = 0..S-1`` and writes the BF16 output.
+Kernel B, down, grid ``(H/BH, M*top_k, KP2)``: program ``(b, s, q)`` computes ``W2[e, b-rows, q-slice] @
+act[s, :, q-slice]^T`` (float32 ``[BH, M]``) into its own slot; the last of the ``S*KP2`` programs of row block
+``b`` sums the slots in the fixed order (s, then q) and writes the BF16 output. It is launched with programmatic
+dependent launch (PDL, sm_90+): its programs load and decode their weights while kernel A still runs, and only
+then wait (``griddepcontrol.wait``) for A's activations.
 
 Dedup (M > 1): a slot whose expert an earlier slot already chose does no work (kernel A) and stores a zero
 partial (kernel B), so each distinct expert's bytes are read once per call. Determinism: no float atomics; every
@@ -25,16 +34,18 @@ sum runs in an order fixed by the launch shape, so outputs are bit-identical run
 tickets are reset by their last program, so each launch is self-contained and CUDA-graph safe.
 
 Scratch (``act``, the two partial buffers and the tickets) is shared by every binding on a device: the MoE layers
-run one after another on one stream, and each launch has consumed its scratch before the next one starts.
+run one after another on one stream, and each launch has consumed its scratch before the next one starts (kernel
+A is an ordinary launch, so it waits for the previous B; B overlaps only its own A and touches none of A's
+buffers before its dependency wait).
 
-Config keys (``configs/triton_moe.json``, variant ``"split"``): ``BI`` (intermediate rows per kernel-A program, 2*BI
-rows read), ``BK`` (H columns per k step), ``KP`` (H slices), ``num_warps`` (kernel A), ``BH`` (hidden rows per
-kernel-B program), ``BK2`` (I columns per k step), ``down_warps``. Constraints: BK, BK2 >= 128 (cp.async of the
-E8M0 bytes needs >= 4 bytes per thread), ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (one mma row tile
-per warp); :func:`fit_split_config` shrinks a config to a small model's shape or raises BackendError. The key
-``probe`` is benchmark instrumentation (``scripts/bench_moe.py --probe``), never in a committed table: ``gateup_only``
-/ ``down_only`` launch one kernel, ``load_only`` skips the dequantisation and mma (memory + overheads),
-``compute_only`` skips the weight copies (compute + overheads); the outputs are then wrong.
+Config keys (``configs/triton_moe.json``, variant ``"split"``): ``BI`` (intermediate rows per kernel-A program; it
+reads 2*BI rows), ``KP`` (H slices), ``num_warps`` (kernel A), ``BH`` (hidden rows per kernel-B program), ``KP2``
+(I slices), ``down_warps``, ``pdl`` (default true). Constraints: H/KP and I/KP2 are 128 x a power of two,
+``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (an mma row tile per warp); :func:`fit_split_config` fits a
+config to a model's shape or raises BackendError. The key ``probe`` is benchmark instrumentation
+(``scripts/bench_moe.py --probe``), never in a committed table: ``gateup_only`` / ``down_only`` launch one kernel,
+``load_only`` skips the dequantisation and mma (memory + overheads), ``compute_only`` skips the weight loads
+(compute + overheads); the outputs are then wrong.
 """
 
 from __future__ import annotations
@@ -47,12 +58,12 @@ from bytebound.errors import BackendError
 from bytebound.kernels.triton_moe import _GLUON_ERR, _fit, gl, gluon
 
 if gluon is not None:
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
     from bytebound.kernels.triton_moe import _ASM_DEQ8, _ASM_FENCE
 
-SPLIT_DEFAULT = {"variant": "split", "BI": 32, "BK": 128, "KP": 4, "num_warps": 4, "BH": 64, "BK2": 256,
-                 "down_warps": 4}
+SPLIT_DEFAULT = {"variant": "split", "BI": 32, "KP": 10, "num_warps": 4, "BH": 64, "KP2": 3, "down_warps": 4,
+                 "pdl": True}
 
 if gluon is not None:
     @gluon.jit
@@ -99,19 +110,29 @@ if gluon is not None:
         return gl.load(src_ptr + n[None, :] * row_stride + k0 + phys[:, None], mask=msk, other=0.0)
 
     @gluon.jit
+    def _gdc(ASM: gl.constexpr, NW: gl.constexpr):
+        """``griddepcontrol.wait`` / ``.launch_dependents`` (PDL, sm_90+), issued by every thread."""
+        FL: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        gl.inline_asm_elementwise(ASM, "=r,r", [gl.arange(0, 32 * NW, layout=FL)], gl.int32, False, 1)
+
+    @gluon.jit
+    def _keep_alive(wv, dst_ptr, SD: gl.constexpr):
+        """Probe ``load_only``: make the loaded words live without decoding them (a store that never fires)."""
+        x = gl.sum(wv, axis=3)
+        gl.store(dst_ptr + gl.zeros(x.shape, gl.int32, SD), x.to(gl.float32), mask=x == 0x7EADBEEF)
+
+    @gluon.jit
     def _moe_gateup_split(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
                           H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
-                          SP: gl.constexpr, BI: gl.constexpr, BK: gl.constexpr, KP: gl.constexpr,
-                          HAS_LIMIT: gl.constexpr, WD: gl.constexpr, PROBE: gl.constexpr = 0):
+                          SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                          WD: gl.constexpr, PDL: gl.constexpr, PROBE: gl.constexpr = 0):
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         S: gl.constexpr = M * TOPK
         NJ: gl.constexpr = I // BI
         R1: gl.constexpr = 2 * BI
         HK: gl.constexpr = H // KP          # H columns per program
-        NK: gl.constexpr = HK // BK         # k steps per program
-        NS: gl.constexpr = BK // 128        # 128-column super-blocks per k step
-        NB1: gl.constexpr = BK // 32        # E8M0 blocks per k step
+        NS: gl.constexpr = HK // 128        # 128-column super-blocks per program
         MV: gl.constexpr = 1 if M == 1 else 4
         HW: gl.constexpr = H // 8           # int32 words per w13 row
         HS: gl.constexpr = H // 32          # scale bytes per w13 row
@@ -121,69 +142,45 @@ if gluon is not None:
         DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
         SD: gl.constexpr = gl.SliceLayout(3, WD)
-        SCL: gl.constexpr = gl.BlockedLayout([1, NB1], [32, 1], [NW, 1], [1, 0])
         EL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
-        W5S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-        S3S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         HSL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
         j = gl.program_id(0)
         s = gl.program_id(1)
         p = gl.program_id(2)
+        if PDL:     # kernel B may launch now: its weight prologue does not depend on this kernel
+            _gdc("griddepcontrol.launch_dependents; mov.u32 $0, 0;", NW)
 
         t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
         ids = gl.load(ids_ptr + t, mask=t < S, other=-1)
         e = gl.load(ids_ptr + s)
         ndup = gl.sum(gl.where((ids == e) & (t < s), 1, 0), axis=0)
         if ndup == 0:
-            # ---- issue every weight byte of this program first: scales in one group, then one group per k step ----
-            wsm = gl.allocate_shared_memory(gl.int32, [NK, R1, NS, 4, 4], W5S)
-            ssm = gl.allocate_shared_memory(gl.uint8, [NK, R1, NB1], S3S)
-            rs = gl.arange(0, R1, layout=gl.SliceLayout(1, SCL))
-            rows = gl.where(rs < BI, j * BI + rs, I + j * BI + (rs - BI))
-            bs = gl.arange(0, NB1, layout=gl.SliceLayout(0, SCL))
-            sp = s13_ptr + e * (2 * I * HS) + p * (HK // 32) + (rows[:, None] * HS + bs[None, :])
-            for kk in gl.static_range(NK):
-                if PROBE != 2:
-                    async_copy.async_copy_global_to_shared(ssm.index(kk), sp + kk * NB1)
-            async_copy.commit_group()
+            # ---- every weight byte of the program in one go: a 16-byte vector per (row, super-block) and lane ----
             r = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD)))
             row = gl.where(r < BI, j * BI + r, I + j * BI + (r - BI))
             sb = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD)))
             tb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SD)))
             q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WD))))
-            w3 = row[:, None, None] * HW + sb[None, :, None] * 16 + tb[None, None, :] * 4
-            wp = w13_ptr + e * (2 * I * HW) + p * (HK // 8) + (w3[:, :, :, None] + q[None, None, None, :])
-            for kk in gl.static_range(NK):
-                if PROBE != 2:
-                    async_copy.async_copy_global_to_shared(wsm.index(kk), wp + kk * (BK // 8))
-                async_copy.commit_group()
-
-            b_cur = _load_b(x_ptr + p * HK, H, 0, M, BK, DB)
+            w3 = row[:, None, None] * HW + p * (HK // 8) + sb[None, :, None] * 16 + tb[None, None, :] * 4
+            if PROBE == 2:
+                wv = gl.zeros([R1, NS, 4, 4], gl.int32, WD) + e
+                sv = gl.zeros([R1, NS, 4], gl.uint8, SD) + 127
+            else:
+                wv = gl.load(w13_ptr + e * (2 * I * HW) + (w3[:, :, :, None] + q[None, None, None, :]))
+                sv = gl.load(s13_ptr + e * (2 * I * HS) + row[:, None, None] * HS + p * (HK // 32)
+                             + sb[None, :, None] * 4 + tb[None, None, :])
+            b = _load_b(x_ptr + p * HK, H, 0, M, HK, DB)
             tw = gl.load(tw_ptr + t, mask=t < S, other=0.0)
             mcol = gl.arange(0, NPC, layout=gl.SliceLayout(1, RL))
             sel = (ids[None, :] == e) & ((t // TOPK)[None, :] == mcol[:, None])
             wtok = gl.sum(gl.where(sel, tw[None, :], 0.0), axis=1)                  # [NPC]
-            c0 = gl.load(lut_ptr)
-            c1 = gl.load(lut_ptr + 1)
-            c2 = gl.load(lut_ptr + 2)
-            c3 = gl.load(lut_ptr + 3)
-            c4 = gl.load(lut_ptr + 4)
-            async_copy.wait_group(NK)       # the scales
-            gl.thread_barrier()
-
-            # ---- consume the k steps in arrival order: words -> registers -> mma fragments ----
             acc = gl.zeros([R1, NPC], gl.float32, MMA)
-            for kk in gl.static_range(NK):
-                if kk + 1 < NK:         # the next step's B one step ahead (an L2 round trip)
-                    b_nxt = _load_b(x_ptr + p * HK, H, (kk + 1) * BK, M, BK, DB)
-                async_copy.wait_group(NK - 1 - kk)
-                if PROBE != 1:
-                    wv = wsm.index(kk).load(WD)
-                    sv = ssm.index(kk).reshape([R1, NS, 4]).load(SD)
-                    acc = mma_v2(_frag_dequant(wv, sv, c0, c1, c2, c3, c4, DA), b_cur, acc)
-                if kk + 1 < NK:
-                    b_cur = b_nxt
+            if PROBE == 1:
+                _keep_alive(wv, part_ptr, SD)
+            else:
+                acc = mma_v2(_frag_dequant(wv, sv, gl.load(lut_ptr), gl.load(lut_ptr + 1), gl.load(lut_ptr + 2),
+                                           gl.load(lut_ptr + 3), gl.load(lut_ptr + 4), DA), b, acc)
 
             gr = gl.arange(0, BI, layout=gl.SliceLayout(1, EL))
             gc = gl.arange(0, NPC, layout=gl.SliceLayout(0, EL))
@@ -232,12 +229,13 @@ if gluon is not None:
     @gluon.jit
     def _moe_down_split(act_ptr, ids_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, cnt_ptr, lut_ptr,
                         H: gl.constexpr, I: gl.constexpr, M: gl.constexpr, S: gl.constexpr, SP: gl.constexpr,
-                        BH: gl.constexpr, BK2: gl.constexpr, WD: gl.constexpr, PROBE: gl.constexpr = 0):
+                        BH: gl.constexpr, KP2: gl.constexpr, WD: gl.constexpr, PDL: gl.constexpr,
+                        PROBE: gl.constexpr = 0):
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
-        NC: gl.constexpr = I // BK2
-        NS: gl.constexpr = BK2 // 128
-        NB2: gl.constexpr = BK2 // 32
+        IK: gl.constexpr = I // KP2         # I columns per program
+        NS: gl.constexpr = IK // 128
+        NSLOT: gl.constexpr = S * KP2
         MV: gl.constexpr = 1 if M == 1 else 4
         IW: gl.constexpr = I // 8
         IS: gl.constexpr = I // 32
@@ -247,78 +245,63 @@ if gluon is not None:
         DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
         SD: gl.constexpr = gl.SliceLayout(3, WD)
-        SCL: gl.constexpr = gl.BlockedLayout([1, NB2], [32, 1], [NW, 1], [1, 0])
         OL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
-        W5S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-        S3S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
         hb = gl.program_id(0)
         s = gl.program_id(1)
+        kq = gl.program_id(2)
         orow = gl.arange(0, BH, layout=gl.SliceLayout(1, OL))
         ocol = gl.arange(0, NPC, layout=gl.SliceLayout(0, OL))
         omask = (gl.zeros([BH, NPC], gl.int32, OL) + ocol[None, :]) < MV
-        slot = part_ptr + (hb * S + s) * (BH * MV) + orow[:, None] * MV + ocol[None, :]
+        slot = part_ptr + ((hb * S + s) * KP2 + kq) * (BH * MV) + orow[:, None] * MV + ocol[None, :]
 
+        # ids are the router's, written before kernel A started: safe to read before the dependency wait
         t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
         ids = gl.load(ids_ptr + t, mask=t < S, other=-1)
         e = gl.load(ids_ptr + s)
         ndup = gl.sum(gl.where((ids == e) & (t < s), 1, 0), axis=0)
         if ndup == 0:
-            wsm = gl.allocate_shared_memory(gl.int32, [NC, BH, NS, 4, 4], W5S)
-            ssm = gl.allocate_shared_memory(gl.uint8, [NC, BH, NB2], S3S)
-            hs = gl.arange(0, BH, layout=gl.SliceLayout(1, SCL))
-            bs = gl.arange(0, NB2, layout=gl.SliceLayout(0, SCL))
-            sp = s2_ptr + e * (H * IS) + ((hb * BH + hs[:, None]) * IS + bs[None, :])
-            for c in gl.static_range(NC):
-                if PROBE != 2:
-                    async_copy.async_copy_global_to_shared(ssm.index(c), sp + c * NB2)
-            async_copy.commit_group()
+            # ---- weights in and decoded while kernel A still runs ----
             h = gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD)))
             sb = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD)))
             tb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SD)))
             q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WD))))
-            w3 = (hb * BH + h[:, None, None]) * IW + sb[None, :, None] * 16 + tb[None, None, :] * 4
-            wp = w2_ptr + e * (H * IW) + (w3[:, :, :, None] + q[None, None, None, :])
-            for c in gl.static_range(NC):
-                if PROBE != 2:
-                    async_copy.async_copy_global_to_shared(wsm.index(c), wp + c * (BK2 // 8))
-                async_copy.commit_group()
-            b_cur = _load_b(act_ptr + s * M * I, I, 0, M, BK2, DB)
-            c0 = gl.load(lut_ptr)
-            c1 = gl.load(lut_ptr + 1)
-            c2 = gl.load(lut_ptr + 2)
-            c3 = gl.load(lut_ptr + 3)
-            c4 = gl.load(lut_ptr + 4)
-            async_copy.wait_group(NC)
-            gl.thread_barrier()
-            acc = gl.zeros([BH, NPC], gl.float32, MMA)
-            for c in gl.static_range(NC):
-                if c + 1 < NC:
-                    b_nxt = _load_b(act_ptr + s * M * I, I, (c + 1) * BK2, M, BK2, DB)
-                async_copy.wait_group(NC - 1 - c)
-                if PROBE != 1:
-                    wv = wsm.index(c).load(WD)
-                    sv = ssm.index(c).reshape([BH, NS, 4]).load(SD)
-                    acc = mma_v2(_frag_dequant(wv, sv, c0, c1, c2, c3, c4, DA), b_cur, acc)
-                if c + 1 < NC:
-                    b_cur = b_nxt
+            hrow = hb * BH + h[:, None, None]
+            w3 = hrow * IW + kq * (IK // 8) + sb[None, :, None] * 16 + tb[None, None, :] * 4
+            if PROBE == 2:
+                wv = gl.zeros([BH, NS, 4, 4], gl.int32, WD) + e
+                sv = gl.zeros([BH, NS, 4], gl.uint8, SD) + 127
+            else:
+                wv = gl.load(w2_ptr + e * (H * IW) + (w3[:, :, :, None] + q[None, None, None, :]))
+                sv = gl.load(s2_ptr + e * (H * IS) + hrow * IS + kq * (IK // 32) + sb[None, :, None] * 4
+                             + tb[None, None, :])
+            if PROBE == 1:
+                _keep_alive(wv, part_ptr, SD)
+                frag = gl.zeros([BH, IK], gl.bfloat16, DA)
+            else:
+                frag = _frag_dequant(wv, sv, gl.load(lut_ptr), gl.load(lut_ptr + 1), gl.load(lut_ptr + 2),
+                                     gl.load(lut_ptr + 3), gl.load(lut_ptr + 4), DA)
+            if PDL:
+                _gdc("griddepcontrol.wait; mov.u32 $0, 0;", NW)
+            b = _load_b(act_ptr + s * M * I + kq * IK, I, 0, M, IK, DB)
+            acc = mma_v2(frag, b, gl.zeros([BH, NPC], gl.float32, MMA))
             gl.store(slot, gl.convert_layout(acc, OL), mask=omask)
         else:       # a duplicate slot: its expert's share is in the owner's partial
             gl.store(slot, gl.zeros([BH, NPC], gl.float32, OL), mask=omask)
 
         _fence_all(NW)
         ticket = gl.atomic_add(cnt_ptr + hb, 1, sem="acq_rel", scope="gpu")
-        if ticket == S - 1:
-            # sum the S slots in order s = 0..S-1, 8 at a time (in-thread along the slot axis)
+        if ticket == NSLOT - 1:
+            # sum the S*KP2 slots in order (s, then q), 8 at a time (in-thread along the slot axis)
             L3: gl.constexpr = gl.BlockedLayout([8, 1, MV], [1, 32, 1], [1, NW, 1], [2, 1, 0])
             s8 = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
             h3 = gl.arange(0, BH, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
             n3 = gl.arange(0, MV, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
             tot = gl.zeros([BH, MV], gl.float32, gl.SliceLayout(0, L3))
-            for s0 in gl.static_range(0, S, 8):
+            for s0 in gl.static_range(0, NSLOT, 8):
                 ss = s0 + s8
-                ptr = part_ptr + (hb * S + ss[:, None, None]) * (BH * MV) + h3[None, :, None] * MV + n3[None, None, :]
-                v = gl.load(ptr, mask=(ss[:, None, None] < S) & (h3[None, :, None] >= 0) & (n3[None, None, :] >= 0),
+                ptr = part_ptr + (hb * NSLOT + ss[:, None, None]) * (BH * MV) + h3[None, :, None] * MV + n3[None, None, :]
+                v = gl.load(ptr, mask=(ss[:, None, None] < NSLOT) & (h3[None, :, None] >= 0) & (n3[None, None, :] >= 0),
                             other=0.0, cache_modifier=".cg")
                 tot += gl.sum(v, axis=0)
             h2 = gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(0, L3)))
@@ -346,27 +329,33 @@ def word_layout(rows: int, ns: int, num_warps: int):
     return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, ns, 4, 4])
 
 
+def _slices(n: int, want: int) -> int:
+    """The number of slices of ``n`` columns nearest to ``want`` (ties: more slices) for which each slice is 128
+    times a power of two (the fragment layout's super-blocks), or 0 if there is none."""
+    ok = [d for d in range(1, n // 128 + 1) if n % d == 0 and (n // d) % 128 == 0
+          and ((n // d // 128) & (n // d // 128 - 1)) == 0]
+    return min(ok, key=lambda d: (abs(d - want), -d)) if ok else 0
+
+
 def fit_split_config(cfg: dict, h: int, i: int) -> dict:
-    """Shrink a ``split`` config to divide this model's H and I (and keep each warp on its own mma row tile).
+    """Fit a ``split`` config to this model's H and I: KP and KP2 to the nearest valid slice counts, BI and BH to
+    divisors, and the warp counts so that each warp owns an mma row tile.
 
     Raises:
-        BackendError: H or I is not a multiple of 128 (the E8M0 byte copies need >= 4 bytes per thread)."""
+        BackendError: H or I cannot be cut into slices of 128 x a power of two columns (e.g. not a multiple of
+            128)."""
     cfg = dict(SPLIT_DEFAULT, **cfg)
-    if h % 128 or i % 128:
-        raise BackendError(f"moe[triton] variant 'split' needs H and I multiples of 128, got H={h}, I={i}; use "
-                           "variant 'gluon'")
+    kp, kp2 = _slices(h, cfg["KP"]), _slices(i, cfg["KP2"])
+    if not (kp and kp2):
+        raise BackendError(f"moe[triton] variant 'split' needs H and I in slices of 128 x 2^n columns, got H={h}, "
+                           f"I={i}; use variant 'gluon'")
+    cfg["KP"], cfg["KP2"] = kp, kp2
     cfg["BI"] = _fit(cfg["BI"], i, 8)
-    cfg["BK2"] = _fit(cfg["BK2"], i, 128)
     cfg["BH"] = _fit(cfg["BH"], h, 16)
-    kp = cfg["KP"]
-    while kp > 1 and (h % kp or (h // kp) % 128):
-        kp //= 2
-    cfg["KP"] = kp
-    cfg["BK"] = _fit(cfg["BK"], h // kp, 128)
+    if not (cfg["BI"] and cfg["BH"]):
+        raise BackendError(f"moe[triton]: no 'split' tiling of H={h}, I={i} for config {cfg}")
     cfg["num_warps"] = max(1, min(cfg["num_warps"], 2 * cfg["BI"] // 16))
     cfg["down_warps"] = max(1, min(cfg["down_warps"], cfg["BH"] // 16))
-    if not (cfg["BI"] and cfg["BK"] and cfg["BK2"] and cfg["BH"]) or cfg["BK"] > 1024 or cfg["BK2"] > 1024:
-        raise BackendError(f"moe[triton]: no 'split' tiling of H={h}, I={i} for config {cfg}")
     return cfg
 
 
@@ -395,26 +384,26 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
     m, k = ids.shape
     s = m * k
     h, i = kern.h, kern.i
-    bi, kp, bh = cfg["BI"], cfg["KP"], cfg["BH"]
+    bi, kp, bh, kp2 = cfg["BI"], cfg["KP"], cfg["BH"], cfg["KP2"]
     nj, mv = i // bi, (1 if m == 1 else 4)
     dev = x.device
     sp = max(32, 1 << (s - 1).bit_length())
     act = _scratch(dev, "act", s * m * i, torch.bfloat16)
     part_a = _scratch(dev, "part_a", s * nj * kp * 2 * bi * mv, torch.float32) if kp > 1 else act
-    part_b = _scratch(dev, "part_b", (h // bh) * s * bh * mv, torch.float32)
+    part_b = _scratch(dev, "part_b", (h // bh) * s * kp2 * bh * mv, torch.float32)
     cnt_a = _scratch(dev, "cnt_a", s * nj, torch.int32)
     cnt_b = _scratch(dev, "cnt_b", h // bh, torch.int32)
     limit = float(kern.limit) if kern.limit is not None else 0.0
     probe = cfg.get("probe")      # benchmark instrumentation only (bench_moe.py --probe); outputs are then wrong
     pk = {"load_only": 1, "compute_only": 2}.get(probe, 0)
+    pdl = bool(cfg.get("pdl", True)) and torch.cuda.get_device_capability(dev)[0] >= 9
     if probe != "down_only":
         _moe_gateup_split[(nj, s, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
-                                       H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, BK=cfg["BK"], KP=kp,
-                                       HAS_LIMIT=kern.limit is not None,
-                                       WD=word_layout(2 * bi, cfg["BK"] // 128, cfg["num_warps"]), PROBE=pk,
+                                       H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, KP=kp, HAS_LIMIT=kern.limit is not None,
+                                       WD=word_layout(2 * bi, h // kp // 128, cfg["num_warps"]), PDL=pdl, PROBE=pk,
                                        num_warps=cfg["num_warps"])
     if probe != "gateup_only":
-        _moe_down_split[(h // bh, s)](act, ids, kern.w2w, kern.s2, out, part_b, cnt_b, kern.lut,
-                                      H=h, I=i, M=m, S=s, SP=sp, BH=bh, BK2=cfg["BK2"],
-                                      WD=word_layout(bh, cfg["BK2"] // 128, cfg["down_warps"]), PROBE=pk,
-                                      num_warps=cfg["down_warps"])
+        _moe_down_split[(h // bh, s, kp2)](act, ids, kern.w2w, kern.s2, out, part_b, cnt_b, kern.lut,
+                                           H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2,
+                                           WD=word_layout(bh, i // kp2 // 128, cfg["down_warps"]), PDL=pdl,
+                                           PROBE=pk, num_warps=cfg["down_warps"], launch_pdl=pdl)
