@@ -149,6 +149,12 @@ def _rtol(dtype) -> float:
     return 1e-4 if dtype == torch.float32 else 3e-2
 
 
+def logit_tie_tolerance(logits: torch.Tensor, dtype) -> float:
+    """Two logits of ``logits [V]`` closer than this are a near-tie that the model dtype's rounding may flip:
+    1e-4 (float32) or 2e-2 (bf16) times the largest |logit|."""
+    return (1e-4 if dtype == torch.float32 else 2e-2) * float(logits.abs().max())
+
+
 # ---- the canaries -------------------------------------------------------------------------------------
 def canary_levers(engine, ctx) -> CanaryResult:
     levers = build_levers(engine)
@@ -616,7 +622,7 @@ def canary_spec_vs_plain(engine, ctx) -> CanaryResult:
             meas["verify_vs_decode_error"] = f"{type(e).__name__}: {e}"
         finally:
             r.reset()
-    tie = 1e-4 * float(l.abs().max()) if engine.model.dtype == torch.float32 else 2e-2 * float(l.abs().max())
+    tie = logit_tie_tolerance(l, engine.model.dtype)
     meas.update({"first_mismatch": i, "logit_margin": margin, "tie_tolerance": tie})
     if margin <= tie:
         return _ok(name, lever, f"speculative greedy == plain for {i} tokens, then a logit near-tie "
