@@ -74,13 +74,17 @@ def decode_tpot(runner, ctx: int, steps: int = 64) -> tuple[float, float]:
     return tpot[len(tpot) // 2], step[len(step) // 2]
 
 
-def per_op(model, runner, ctx: int) -> list[dict]:
-    """Time each op class over all its layers in one graph: [{op, layers, ms, bytes}]."""
+def per_op(model, runner, ctx: int, m: int = 1) -> list[dict]:
+    """Time each op class over all its layers in one graph: [{op, layers, ms, bytes}], for ``m`` tokens at
+    positions ``ctx..ctx+m-1`` (``m`` = 4: the MTP verify's shapes; KDA then records per-token states as the verify
+    does). Bytes are the stored parameters each op reads once (routed experts: the top-k share of one token)."""
     cfg, dev = model.cfg, runner.device
-    x = torch.randn(1, 1, cfg.hidden_size, device=dev, dtype=model.dtype)
-    pos = torch.tensor([ctx], device=dev)
+    x = torch.randn(1, m, cfg.hidden_size, device=dev, dtype=model.dtype)
+    pos = torch.arange(ctx, ctx + m, device=dev)
     layers = model.decoder_layers
     kda = [(l, runner.state[l.index]) for l in layers if not l.is_mla]
+    for _, st in kda:
+        st.history = [] if m > 1 else None
     mla = [(l, runner.state[l.index]) for l in layers if l.is_mla]
     moe = [l for l in layers if hasattr(l.mlp, "experts")]
     dense = [l for l in layers if not hasattr(l.mlp, "experts")]
@@ -97,17 +101,21 @@ def per_op(model, runner, ctx: int) -> list[dict]:
 
     rows = [
         ("KDA attention", len(kda), lambda: [l.attention(x, s) for l, s in kda], nbytes([l.attention for l, _ in kda])),
-        ("MLA attention", len(mla), lambda: [l.attention(x, pos, s, runner.kv_span(ctx + 1)) for l, s in mla],
-         nbytes([l.attention for l, _ in mla]) + len(mla) * (ctx + 1) * cfg.mla_cache_dim * 2),
+        ("MLA attention", len(mla), lambda: [l.attention(x, pos, s, runner.kv_span(ctx + m)) for l, s in mla],
+         nbytes([l.attention for l, _ in mla]) + len(mla) * (ctx + m) * cfg.mla_cache_dim * 2),
         ("MoE (router+routed+shared)", len(moe), lambda: [l.mlp(x) for l in moe], nbytes([l.mlp for l in moe])),
         ("dense MLP", len(dense), lambda: [l.mlp(x) for l in dense], nbytes([l.mlp for l in dense])),
         ("LM head", 1, lambda: model.lm_head(x), model.lm_head.bytes_per_call()),
-        ("norms+embedding", 1, lambda: [l.input_layernorm(x) for l in layers] + [model.embed(pos.view(1, 1))], 0),
+        ("norms+embedding", 1, lambda: [l.input_layernorm(x) for l in layers] + [model.embed(pos.view(1, -1))], 0),
     ]
     out = []
-    for name, n, fn, b in rows:
-        ms = time_graph(fn)
-        out.append({"op": name, "layers": n, "ms": ms, "bytes": b, "GBps": b / ms / 1e6 if ms else 0})
+    try:
+        for name, n, fn, b in rows:
+            ms = time_graph(fn)
+            out.append({"op": name, "layers": n, "tokens": m, "ms": ms, "bytes": b, "GBps": b / ms / 1e6 if ms else 0})
+    finally:
+        for _, st in kda:
+            st.history = None
     return out
 
 
@@ -193,9 +201,11 @@ def main() -> int:
     ap.add_argument("--heads", default="bf16,fp8")
     ap.add_argument("--contexts", default="2048,32768")
     ap.add_argument("--ttft-len", type=int, default=32768, help="0 skips the TTFT prefill")
+    ap.add_argument("--verify-ops", action="store_true",
+                    help="also time each op class at 4 tokens (the MTP verify's shapes)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--name", default="bench_decode", help="output file name (NAME.json) in --out")
-    ap.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests the script on a small config")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests the script, with a small --config (e.g. models/ling-nano/config.json)")
     onoff = argparse.BooleanOptionalAction
     ap.add_argument("--fused-router", action=onoff, default=None,
                     help="MoE routing as one Triton kernel (M <= 4); default: as the engine (on with CUDA)")
@@ -287,15 +297,17 @@ def main() -> int:
                 except Exception as e:
                     print(f"MTP round cost failed ({moe}): {type(e).__name__}: {e}", flush=True)
             if head == "fp8" and moe == a.moe_backends.split(",")[0]:
-                try:
-                    ops[f"{moe}/{head}"] = per_op(model, runner, ctxs[0])
-                except Exception as e:
-                    print(f"per-op table failed ({moe}): {type(e).__name__}: {e}", flush=True)
-                    ops[f"{moe}/{head}"] = [{"error": f"{type(e).__name__}: {e}"}]
-                for row in ops[f"{moe}/{head}"]:
-                    if "error" not in row:
-                        print(f"  {row['op']:<28} x{row['layers']:<3} {row['ms']:8.3f} ms {row['bytes'] / 1e9:7.3f} GB "
-                              f"{row['GBps']:7.0f} GB/s", flush=True)
+                for m, key in [(1, f"{moe}/{head}")] + ([(4, f"{moe}/{head}/verify4")] if a.verify_ops else []):
+                    try:
+                        ops[key] = per_op(model, runner, ctxs[0], m)
+                    except Exception as e:
+                        print(f"per-op table failed ({moe}, {m} tokens): {type(e).__name__}: {e}", flush=True)
+                        ops[key] = [{"error": f"{type(e).__name__}: {e}"}]
+                    print(f"per op, {m} token(s):", flush=True)
+                    for row in ops[key]:
+                        if "error" not in row:
+                            print(f"  {row['op']:<28} x{row['layers']:<3} {row['ms']:8.3f} ms {row['bytes'] / 1e9:7.3f} GB "
+                                  f"{row['GBps']:7.0f} GB/s", flush=True)
             dump()
     if a.ttft_len:
         try:

@@ -214,8 +214,8 @@ def partials_grid() -> list[dict]:
 
 
 def split_grid() -> list[dict]:
-    """The two-kernel ``split`` variant (triton_moe_split.py): kernel-A tilings (BI, BK, KP, warps) with the default
-    kernel B, then kernel-B tilings (BH, BK2, warps) with the default kernel A."""
+    """The two-kernel ``split`` variant (triton_moe_split.py): kernel-A tilings (BI, KP, warps) with the default
+    kernel B, then kernel-B tilings (BH, KP2, warps) with the default kernel A, and the default without PDL."""
     from bytebound.kernels.triton_moe_split import SPLIT_DEFAULT
     a = [dict(SPLIT_DEFAULT, BI=bi, KP=kp, num_warps=nw)
          for bi, kp, nw in [(32, 10, 4), (32, 5, 4), (64, 10, 4), (16, 10, 2), (32, 20, 4), (64, 20, 8),
@@ -279,11 +279,11 @@ def kernel_breakdown(fns, xs_routes, reps: int = 10) -> dict:
 
 
 def probe(layers, ms, cfgs: dict, reps: int, log) -> list[dict]:
-    """Attribute the split variant's time (``--probe``): each kernel alone, memory without compute (no
-    dequantisation/mma), compute without the weight copies, a profiler breakdown per kernel, and the cost of
-    launching 2 empty kernels per layer from a graph (the floor any two-kernel design pays)."""
+    """Attribute the split variant's time (``--probe``): each kernel alone, every load without the decode
+    (``load_only``), the decode without the weight loads (``compute_only``), a profiler breakdown per kernel, and the
+    cost of launching 2 empty kernels per layer from a graph (ordinary launches, no PDL: the floor any two-kernel
+    design pays). The probes' outputs are wrong by construction; their rel-error fields mean nothing."""
     import triton
-    import triton.language as tl
 
     @triton.jit
     def _noop(p):
@@ -330,10 +330,11 @@ def main() -> int:
     ap.add_argument("--tune-partials", action="store_true",
                     help="tune only the default config, its float-atomic twin and the partials-mode tilings")
     ap.add_argument("--tune-split", action="store_true",
-                    help="tune only the committed config of each M and the 'split' variant's tilings")
+                    help="tune (implies --tune) only the committed config of each M and the 'split' variant's tilings")
     ap.add_argument("--probe", action="store_true",
                     help="attribute the split variant's time (each kernel alone, load-only, compute-only, profiler)")
     args = ap.parse_args()
+    args.tune = args.tune or args.tune_split
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     ms = [int(v) for v in args.m.split(",")]

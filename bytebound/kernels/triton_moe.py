@@ -44,8 +44,10 @@ unknown shapes use :data:`DEFAULT_CONFIG`.
 Constraints: M <= :data:`MAX_M` per launch (more raises :class:`BackendError` unless ``fn.prefill`` is set;
 ``runner.backends.bind_model`` sets it to this kernel over 4-token slices), bf16
 activations, E8M0 scale bytes < 255. Graph capture: the callable allocates only its output (caching allocator)
-and launches one kernel; the workspace and counter belong to the binding, so two bindings never share one, but
-one binding must not run concurrently on two streams.
+and launches one kernel (two in the partials mode and the ``split`` variant); the atomic workspace and counter
+belong to the binding. The partials buffer and the ``split`` scratch are shared by every binding on a device
+(allocated, or grown, on the first call of a shape, which must therefore happen before capture). So MoE calls
+must not run concurrently on two streams.
 """
 
 from __future__ import annotations
@@ -512,7 +514,9 @@ def lookup_config(e, h, i, k, m, device=None, path: Path | None = None) -> dict:
         from bytebound.kernels.triton_moe_split import SPLIT_DEFAULT
         cfg = dict(SPLIT_DEFAULT, **(cfg if cfg.get("variant") == "split" else {}))
     elif forced:
-        cfg = dict(TL_DEFAULT_CONFIG if forced == "tl" else DEFAULT_CONFIG, **{kk: v for kk, v in cfg.items()
+        # the table entry's tiling carries over only between the two implementations of the fused algorithm
+        keep = cfg if cfg.get("variant") in ("gluon", "tl") else {}
+        cfg = dict(TL_DEFAULT_CONFIG if forced == "tl" else DEFAULT_CONFIG, **{kk: v for kk, v in keep.items()
                                                                            if kk not in ("variant",)})
         cfg["variant"] = forced
     return cfg
@@ -548,7 +552,7 @@ def fit_config(cfg: dict, h: int, i: int) -> dict:
 
 class MoEKernel:
     """The bound callable for one ``RoutedExperts``: owns the workspace ``[H, 8]`` float32, the ticket
-    counter and the per-M configs; ``__call__(x, ids, w)`` launches one kernel."""
+    counter and the per-M configs; ``__call__(x, ids, w)`` launches the configured variant (module docstring)."""
 
     max_tokens = MAX_M
 
@@ -577,18 +581,21 @@ class MoEKernel:
         self.lut = _lut_tensor(dev)
         self.limit = ex.limit
         self.configs = dict(configs or {})
+        self._fitted: dict[int, tuple] = {}  # m -> (the config it was fitted from, fitted to (H, I))
         # Delegate for M > MAX_M (bind_model sets it to this kernel over 4-token slices; humming or torch also
         # fit); None -> BackendError, as the registry contract asks.
         self.prefill = None
 
     def config(self, m: int, k: int) -> dict:
-        if m not in self.configs:
-            self.configs[m] = fit_config(lookup_config(self.e, self.h, self.i, k, m, self.cnt.device), self.h,
-                                         self.i)
-        elif self.configs[m].get("variant") == "split":     # caller-given split configs: fit them too
-            from bytebound.kernels.triton_moe_split import fit_split_config
-            self.configs[m] = fit_split_config(self.configs[m], self.h, self.i)
-        return self.configs[m]
+        """The launch config for ``m`` tokens: a caller-given one (``configs``) or the table's, fitted to this
+        model's shape once."""
+        src = self.configs.get(m)
+        done = self._fitted.get(m)
+        if done is None or done[0] is not src:       # (the cache holds src, so identity cannot be recycled)
+            cfg = lookup_config(self.e, self.h, self.i, k, m, self.cnt.device) if src is None else src
+            done = (src, fit_config(cfg, self.h, self.i))
+            self._fitted[m] = done
+        return done[1]
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         m, k = ids.shape

@@ -4,8 +4,8 @@ Why a second variant: the fused kernel (``triton_moe.py``) is latency-bound. Eac
 weight tiles in flight and runs gate/up, SwiGLU and down in series; the H200 sweep put it at 13 % of the read
 bandwidth at M = 1, nearly independent of the tiling (docs/perf/moe-kernels-h200.md). By Little's law a 4.3 TB/s
 part with ~1 us load latency needs ~4 MB in flight, ~33 KB per SM. Here the work is cut into a thousand-odd
-small programs; each loads *all* of its weight bytes with one vector load per thread straight into registers (no
-shared memory, no barriers) and only then computes.
+small programs; each issues *all* of its weight loads at once, as 16-byte vectors straight into registers (no
+shared-memory staging of the weights), and only then computes.
 
 **Fragments without a shuffle.** The E2M1 words are decoded straight into mma.m16n8k16 A fragments
 (:func:`_frag_dequant`). The tensor core wants lane ``4g + t`` to hold k pairs ``2t, 2t+1, 2t+8, 2t+9`` of each 16-wide
@@ -44,8 +44,9 @@ reads 2*BI rows), ``KP`` (H slices), ``num_warps`` (kernel A), ``BH`` (hidden ro
 ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (an mma row tile per warp); :func:`fit_split_config` fits a
 config to a model's shape or raises BackendError. The key ``probe`` is benchmark instrumentation
 (``scripts/bench_moe.py --probe``), never in a committed table: ``gateup_only`` / ``down_only`` launch one kernel,
-``load_only`` skips the dequantisation and mma (memory + overheads), ``compute_only`` skips the weight loads
-(compute + overheads); the outputs are then wrong.
+``load_only`` keeps every load (weights, scales, B operand) but skips the dequantisation (memory + overheads),
+``compute_only`` replaces the weight and scale loads by per-element register values (decode + everything else);
+the outputs are then wrong.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ import functools
 import torch
 
 from bytebound.errors import BackendError
-from bytebound.kernels.triton_moe import _GLUON_ERR, _fit, gl, gluon
+from bytebound.kernels.triton_moe import _GLUON_ERR, gl, gluon
 
 if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -82,7 +83,7 @@ if gluon is not None:
         tau of that block) and ``s`` uint8 ``[R, NS, 4]`` (its E8M0 bytes) -> BF16 ``[R, 128*NS]`` in the mma A
         layout ``DA`` *in logical k order*: logical ``kappa = 128s + 32tau + 16p + 8h + 2t + j`` holds the value at
         physical column ``128s + 32t + 8tau + 4p + 2h + j``. The B operand must be permuted the same way
-        (:func:`_stage_b`); a dot product does not care in which order it sums. The permutation is chosen so that
+        (:func:`_load_b`); a dot product does not care in which order it sums. The permutation is chosen so that
         each thread's 16-byte vector of 4 words is exactly the 32 values its A fragments need over 8 k tiles, so
         the layout conversion below is free (asserted at compile time)."""
         R: gl.constexpr = w.shape[0]
@@ -98,16 +99,25 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(a, [R, NS * 128]), DA, assert_trivial=True)
 
     @gluon.jit
-    def _load_b(src_ptr, row_stride, k0, M: gl.constexpr, BK: gl.constexpr, DB: gl.constexpr):
-        """B operand ``[BK, 8]`` BF16 (tokens padded to 8 columns, 0 for ``n >= M``) straight into the mma
+    def _load_b(src_ptr, row_stride, M: gl.constexpr, NS: gl.constexpr, NW: gl.constexpr, DB: gl.constexpr):
+        """B operand ``[128*NS, 8]`` BF16 (tokens padded to 8 columns, 0 for ``n >= M``) straight into the mma
         B-fragment layout ``DB``, in the logical k order of :func:`_frag_dequant`: ``B[kappa, n] = src[n *
-        row_stride + k0 + phys(kappa)]``. ``src`` is x or act (L2-resident)."""
-        k = gl.arange(0, BK, layout=gl.SliceLayout(1, DB))
-        n = gl.arange(0, 8, layout=gl.SliceLayout(0, DB))
-        phys = ((k & ~127) | (((k >> 1) & 3) << 5) | (((k >> 5) & 3) << 3) | (((k >> 4) & 1) << 2)
-                | (((k >> 3) & 1) << 1) | (k & 1))
-        msk = (n[None, :] < M) & (phys[:, None] >= 0)
-        return gl.load(src_ptr + n[None, :] * row_stride + k0 + phys[:, None], mask=msk, other=0.0)
+        row_stride + phys(kappa)]``. Lane ``4g + t`` needs token ``g``'s 32 contiguous columns ``128s + 32t ..
+        128s + 32t + 31`` of each super-block, so it loads them as four 16-byte vectors and the reshape to ``DB`` is
+        free (asserted). ``src`` is x or act (L2-resident); every warp loads the whole operand (the B fragments are
+        the same in every warp)."""
+        XL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 32], [1, 8, 4, 1], [1, 1, 1, NW], [3, 2, 1, 0])
+        sb = gl.arange(0, NS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
+        n = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
+        t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, XL))))
+        c = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, XL))))
+        off3 = n[None, :, None] * row_stride + sb[:, None, None] * 128 + t[None, None, :] * 32
+        msk3 = (n[None, :, None] < M) & (sb[:, None, None] >= 0) & (t[None, None, :] >= 0)
+        x = gl.load(src_ptr + off3[:, :, :, None] + c[None, None, None, :],
+                    mask=msk3[:, :, :, None] & (c[None, None, None, :] >= 0), other=0.0)   # [NS, 8, 4, 32]
+        x = gl.reshape(x, [NS, 8, 4, 4, 2, 2, 2])            # c = 8tau + 4p + 2h + j
+        x = gl.permute(x, [0, 3, 4, 5, 2, 6, 1])             # [s, tau, p, h, t, j, n]
+        return gl.convert_layout(gl.reshape(x, [NS * 128, 8]), DB, assert_trivial=True)
 
     @gluon.jit
     def _gdc(ASM: gl.constexpr, NW: gl.constexpr):
@@ -116,10 +126,19 @@ if gluon is not None:
         gl.inline_asm_elementwise(ASM, "=r,r", [gl.arange(0, 32 * NW, layout=FL)], gl.int32, False, 1)
 
     @gluon.jit
-    def _keep_alive(wv, dst_ptr, SD: gl.constexpr):
-        """Probe ``load_only``: make the loaded words live without decoding them (a store that never fires)."""
-        x = gl.sum(wv, axis=3)
+    def _keep_alive(wv, sv, dst_ptr, SD: gl.constexpr):
+        """Probe ``load_only``: make the loaded words and scales live without decoding them (a store that never
+        fires); the B operand is kept live by an mma with a zero A."""
+        x = gl.sum(wv, axis=3) + sv.to(gl.int32)
         gl.store(dst_ptr + gl.zeros(x.shape, gl.int32, SD), x.to(gl.float32), mask=x == 0x7EADBEEF)
+
+    @gluon.jit
+    def _fake_words(w3, q, e, SD: gl.constexpr):
+        """Probe ``compute_only``: words and scales that differ per element (so no decode is merged with another)
+        without a memory load."""
+        wv = (w3[:, :, :, None] * 4 + q[None, None, None, :] + e) * 668265263
+        sv = ((w3 >> 2) & 3).to(gl.uint8) + 120
+        return wv, sv
 
     @gluon.jit
     def _moe_gateup_split(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
@@ -164,20 +183,20 @@ if gluon is not None:
             q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WD))))
             w3 = row[:, None, None] * HW + p * (HK // 8) + sb[None, :, None] * 16 + tb[None, None, :] * 4
             if PROBE == 2:
-                wv = gl.zeros([R1, NS, 4, 4], gl.int32, WD) + e
-                sv = gl.zeros([R1, NS, 4], gl.uint8, SD) + 127
+                wv, sv = _fake_words(w3, q, e, SD)
             else:
                 wv = gl.load(w13_ptr + e * (2 * I * HW) + (w3[:, :, :, None] + q[None, None, None, :]))
                 sv = gl.load(s13_ptr + e * (2 * I * HS) + row[:, None, None] * HS + p * (HK // 32)
                              + sb[None, :, None] * 4 + tb[None, None, :])
-            b = _load_b(x_ptr + p * HK, H, 0, M, HK, DB)
+            b = _load_b(x_ptr + p * HK, H, M, NS, NW, DB)
             tw = gl.load(tw_ptr + t, mask=t < S, other=0.0)
             mcol = gl.arange(0, NPC, layout=gl.SliceLayout(1, RL))
             sel = (ids[None, :] == e) & ((t // TOPK)[None, :] == mcol[:, None])
             wtok = gl.sum(gl.where(sel, tw[None, :], 0.0), axis=1)                  # [NPC]
             acc = gl.zeros([R1, NPC], gl.float32, MMA)
             if PROBE == 1:
-                _keep_alive(wv, part_ptr, SD)
+                _keep_alive(wv, sv, part_ptr, SD)
+                acc = mma_v2(gl.zeros([R1, HK], gl.bfloat16, DA), b, acc)
             else:
                 acc = mma_v2(_frag_dequant(wv, sv, gl.load(lut_ptr), gl.load(lut_ptr + 1), gl.load(lut_ptr + 2),
                                            gl.load(lut_ptr + 3), gl.load(lut_ptr + 4), DA), b, acc)
@@ -269,21 +288,20 @@ if gluon is not None:
             hrow = hb * BH + h[:, None, None]
             w3 = hrow * IW + kq * (IK // 8) + sb[None, :, None] * 16 + tb[None, None, :] * 4
             if PROBE == 2:
-                wv = gl.zeros([BH, NS, 4, 4], gl.int32, WD) + e
-                sv = gl.zeros([BH, NS, 4], gl.uint8, SD) + 127
+                wv, sv = _fake_words(w3, q, e, SD)
             else:
                 wv = gl.load(w2_ptr + e * (H * IW) + (w3[:, :, :, None] + q[None, None, None, :]))
                 sv = gl.load(s2_ptr + e * (H * IS) + hrow * IS + kq * (IK // 32) + sb[None, :, None] * 4
                              + tb[None, None, :])
             if PROBE == 1:
-                _keep_alive(wv, part_ptr, SD)
+                _keep_alive(wv, sv, part_ptr, SD)
                 frag = gl.zeros([BH, IK], gl.bfloat16, DA)
             else:
                 frag = _frag_dequant(wv, sv, gl.load(lut_ptr), gl.load(lut_ptr + 1), gl.load(lut_ptr + 2),
                                      gl.load(lut_ptr + 3), gl.load(lut_ptr + 4), DA)
             if PDL:
                 _gdc("griddepcontrol.wait; mov.u32 $0, 0;", NW)
-            b = _load_b(act_ptr + s * M * I + kq * IK, I, 0, M, IK, DB)
+            b = _load_b(act_ptr + s * M * I + kq * IK, I, M, NS, NW, DB)
             acc = mma_v2(frag, b, gl.zeros([BH, NPC], gl.float32, MMA))
             gl.store(slot, gl.convert_layout(acc, OL), mask=omask)
         else:       # a duplicate slot: its expert's share is in the owner's partial
@@ -329,33 +347,45 @@ def word_layout(rows: int, ns: int, num_warps: int):
     return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, ns, 4, 4])
 
 
-def _slices(n: int, want: int) -> int:
+def _slices(n: int, want: int, max_cols: int) -> int:
     """The number of slices of ``n`` columns nearest to ``want`` (ties: more slices) for which each slice is 128
-    times a power of two (the fragment layout's super-blocks), or 0 if there is none."""
-    ok = [d for d in range(1, n // 128 + 1) if n % d == 0 and (n // d) % 128 == 0
+    times a power of two (the fragment layout's super-blocks) and at most ``max_cols`` wide (registers), or 0."""
+    ok = [d for d in range(1, n // 128 + 1) if n % d == 0 and (n // d) % 128 == 0 and n // d <= max_cols
           and ((n // d // 128) & (n // d // 128 - 1)) == 0]
     return min(ok, key=lambda d: (abs(d - want), -d)) if ok else 0
 
 
+def _pow2_fit(block: int, n: int, lo: int) -> int:
+    """Largest power of two <= ``block`` that divides ``n`` and is >= ``lo`` (tensor shapes must be powers of
+    two), else 0."""
+    b = 1 << (max(int(block), 1).bit_length() - 1)
+    while b >= lo:
+        if n % b == 0:
+            return b
+        b //= 2
+    return 0
+
+
 def fit_split_config(cfg: dict, h: int, i: int) -> dict:
-    """Fit a ``split`` config to this model's H and I: KP and KP2 to the nearest valid slice counts, BI and BH to
-    divisors, and the warp counts so that each warp owns an mma row tile.
+    """Fit a ``split`` config to this model's H and I: KP and KP2 to the nearest valid slice counts (kernel A at
+    most 512 columns of H per program, kernel B at most 256 of I: they hold them in registers), BI and BH to
+    power-of-two divisors, and the warp counts to powers of two with each warp on its own mma row tile.
 
     Raises:
-        BackendError: H or I cannot be cut into slices of 128 x a power of two columns (e.g. not a multiple of
-            128)."""
+        BackendError: H or I cannot be cut into slices of 128 x 2^n columns (e.g. not a multiple of 128), or
+            no power-of-two BI / BH divides I / H."""
     cfg = dict(SPLIT_DEFAULT, **cfg)
-    kp, kp2 = _slices(h, cfg["KP"]), _slices(i, cfg["KP2"])
+    kp, kp2 = _slices(h, cfg["KP"], 512), _slices(i, cfg["KP2"], 256)
     if not (kp and kp2):
         raise BackendError(f"moe[triton] variant 'split' needs H and I in slices of 128 x 2^n columns, got H={h}, "
                            f"I={i}; use variant 'gluon'")
     cfg["KP"], cfg["KP2"] = kp, kp2
-    cfg["BI"] = _fit(cfg["BI"], i, 8)
-    cfg["BH"] = _fit(cfg["BH"], h, 16)
+    cfg["BI"] = _pow2_fit(cfg["BI"], i, 8)
+    cfg["BH"] = _pow2_fit(cfg["BH"], h, 16)
     if not (cfg["BI"] and cfg["BH"]):
         raise BackendError(f"moe[triton]: no 'split' tiling of H={h}, I={i} for config {cfg}")
-    cfg["num_warps"] = max(1, min(cfg["num_warps"], 2 * cfg["BI"] // 16))
-    cfg["down_warps"] = max(1, min(cfg["down_warps"], cfg["BH"] // 16))
+    cfg["num_warps"] = _pow2_fit(min(cfg["num_warps"], 2 * cfg["BI"] // 16), 1 << 10, 1)
+    cfg["down_warps"] = _pow2_fit(min(cfg["down_warps"], cfg["BH"] // 16), 1 << 10, 1)
     return cfg
 
 
