@@ -523,8 +523,9 @@ def lookup_config(e, h, i, k, m, device=None, path: Path | None = None) -> dict:
 
 
 def _fit(block: int, n: int, lo: int) -> int:
-    """Largest power-of-two block <= ``block`` that divides ``n`` (>= ``lo``), else 0."""
-    b = block
+    """Largest power-of-two block <= ``block`` that divides ``n`` (>= ``lo``), else 0 (tensor shapes must be
+    powers of two)."""
+    b = 1 << (max(int(block), 1).bit_length() - 1)
     while b >= lo:
         if n % b == 0:
             return b

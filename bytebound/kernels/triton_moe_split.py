@@ -56,7 +56,7 @@ import functools
 import torch
 
 from bytebound.errors import BackendError
-from bytebound.kernels.triton_moe import _GLUON_ERR, gl, gluon
+from bytebound.kernels.triton_moe import _GLUON_ERR, _fit, gl, gluon
 
 if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -126,6 +126,15 @@ if gluon is not None:
         gl.inline_asm_elementwise(ASM, "=r,r", [gl.arange(0, 32 * NW, layout=FL)], gl.int32, False, 1)
 
     @gluon.jit
+    def _slot_expert(ids_ptr, s, S: gl.constexpr, SP: gl.constexpr, RL: gl.constexpr):
+        """Routing slot ``s``: ``(ids [SP] (-1 past S), its expert e, owner)``; ``owner`` is false when an
+        earlier slot chose the same expert (that slot does the expert's work, for every token that chose it)."""
+        t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
+        ids = gl.load(ids_ptr + t, mask=t < S, other=-1)
+        e = gl.load(ids_ptr + s)
+        return ids, e, gl.sum(gl.where((ids == e) & (t < s), 1, 0), axis=0) == 0
+
+    @gluon.jit
     def _keep_alive(wv, sv, dst_ptr, SD: gl.constexpr):
         """Probe ``load_only``: make the loaded words and scales live without decoding them (a store that never
         fires); the B operand is kept live by an mma with a zero A."""
@@ -170,11 +179,8 @@ if gluon is not None:
         if PDL:     # kernel B may launch now: its weight prologue does not depend on this kernel
             _gdc("griddepcontrol.launch_dependents; mov.u32 $0, 0;", NW)
 
-        t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
-        ids = gl.load(ids_ptr + t, mask=t < S, other=-1)
-        e = gl.load(ids_ptr + s)
-        ndup = gl.sum(gl.where((ids == e) & (t < s), 1, 0), axis=0)
-        if ndup == 0:
+        ids, e, owner = _slot_expert(ids_ptr, s, S, SP, RL)
+        if owner:
             # ---- every weight byte of the program in one go: a 16-byte vector per (row, super-block) and lane ----
             r = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD)))
             row = gl.where(r < BI, j * BI + r, I + j * BI + (r - BI))
@@ -189,6 +195,7 @@ if gluon is not None:
                 sv = gl.load(s13_ptr + e * (2 * I * HS) + row[:, None, None] * HS + p * (HK // 32)
                              + sb[None, :, None] * 4 + tb[None, None, :])
             b = _load_b(x_ptr + p * HK, H, M, NS, NW, DB)
+            t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
             tw = gl.load(tw_ptr + t, mask=t < S, other=0.0)
             mcol = gl.arange(0, NPC, layout=gl.SliceLayout(1, RL))
             sel = (ids[None, :] == e) & ((t // TOPK)[None, :] == mcol[:, None])
@@ -275,11 +282,8 @@ if gluon is not None:
         slot = part_ptr + ((hb * S + s) * KP2 + kq) * (BH * MV) + orow[:, None] * MV + ocol[None, :]
 
         # ids are the router's, written before kernel A started: safe to read before the dependency wait
-        t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
-        ids = gl.load(ids_ptr + t, mask=t < S, other=-1)
-        e = gl.load(ids_ptr + s)
-        ndup = gl.sum(gl.where((ids == e) & (t < s), 1, 0), axis=0)
-        if ndup == 0:
+        ids, e, owner = _slot_expert(ids_ptr, s, S, SP, RL)
+        if owner:
             # ---- weights in and decoded while kernel A still runs ----
             h = gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD)))
             sb = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD)))
@@ -355,17 +359,6 @@ def _slices(n: int, want: int, max_cols: int) -> int:
     return min(ok, key=lambda d: (abs(d - want), -d)) if ok else 0
 
 
-def _pow2_fit(block: int, n: int, lo: int) -> int:
-    """Largest power of two <= ``block`` that divides ``n`` and is >= ``lo`` (tensor shapes must be powers of
-    two), else 0."""
-    b = 1 << (max(int(block), 1).bit_length() - 1)
-    while b >= lo:
-        if n % b == 0:
-            return b
-        b //= 2
-    return 0
-
-
 def fit_split_config(cfg: dict, h: int, i: int) -> dict:
     """Fit a ``split`` config to this model's H and I: KP and KP2 to the nearest valid slice counts (kernel A at
     most 512 columns of H per program, kernel B at most 256 of I: they hold them in registers), BI and BH to
@@ -380,12 +373,12 @@ def fit_split_config(cfg: dict, h: int, i: int) -> dict:
         raise BackendError(f"moe[triton] variant 'split' needs H and I in slices of 128 x 2^n columns, got H={h}, "
                            f"I={i}; use variant 'gluon'")
     cfg["KP"], cfg["KP2"] = kp, kp2
-    cfg["BI"] = _pow2_fit(cfg["BI"], i, 8)
-    cfg["BH"] = _pow2_fit(cfg["BH"], h, 16)
+    cfg["BI"] = _fit(cfg["BI"], i, 8)
+    cfg["BH"] = _fit(cfg["BH"], h, 16)
     if not (cfg["BI"] and cfg["BH"]):
         raise BackendError(f"moe[triton]: no 'split' tiling of H={h}, I={i} for config {cfg}")
-    cfg["num_warps"] = _pow2_fit(min(cfg["num_warps"], 2 * cfg["BI"] // 16), 1 << 10, 1)
-    cfg["down_warps"] = _pow2_fit(min(cfg["down_warps"], cfg["BH"] // 16), 1 << 10, 1)
+    cfg["num_warps"] = _fit(min(cfg["num_warps"], 2 * cfg["BI"] // 16), 1 << 10, 1)
+    cfg["down_warps"] = _fit(min(cfg["down_warps"], cfg["BH"] // 16), 1 << 10, 1)
     return cfg
 
 
