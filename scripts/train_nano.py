@@ -26,6 +26,12 @@ What it does (issue 3):
   ``--min-lr-ratio`` x lr, gradient clipping 1.0, bf16 autocast on CUDA. Routed experts are balanced without an
   auxiliary loss (DeepSeek-V3 "noaux_tc"): after every step each MoE layer's ``expert_bias`` moves by
   ``--bias-update-rate`` towards equal load (it only selects experts; it carries no gradient).
+* Quantisation-aware training (``--qat-frac``, the final fraction of the schedule): the forward uses the export
+  formats (FP8 blocks, MXFP4 experts with the ``--mxfp4-scale`` rule) with straight-through gradients to the float
+  master weights. ``--consistency-weight`` adds, while QAT is on, that weight x KL(float forward || quantised
+  forward) of the main head, with the float forward as a no-gradient target. This trains directly for the
+  quantised-vs-float agreement that the model card reports (issue 3's 0.98 target). It is new in the fifth
+  session and not run on a GPU yet; its cost is one extra no-gradient forward per micro-batch.
 * Steps: ``--steps N`` fixes the schedule. ``--steps auto`` (default) times the first steps and picks the
   largest multiple of 10 that fits ``--time-budget`` seconds, printing the ``--steps`` value that reproduces the
   run. A wall-clock guard stops at 1.15 x the budget whatever happens.
@@ -43,6 +49,7 @@ form with ``--kda-chunk``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import concurrent.futures as cf
 import functools
 import json
@@ -205,6 +212,30 @@ class QAT:
         if self.on:
             for p in self.parts:
                 p.refresh_qat()
+
+    @contextlib.contextmanager
+    def float_weights(self):
+        """The unquantised (master) forward for a moment, QAT's deltas kept for afterwards."""
+        saved = [p.delta for p in self.parts]
+        for p in self.parts:
+            p.delta = None
+        try:
+            yield
+        finally:
+            for p, d in zip(self.parts, saved):
+                p.delta = d
+
+
+def consistency_kl(model, qat: QAT, ids: torch.Tensor, w: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """Weighted sum over positions of KL(p_float || p_quant) of the main head: the master weights' own forward
+    (no gradient: the target) against the quantised forward's logits ``q_logits float32 [B, T-1, V]`` (gradient,
+    straight-through to the master weights). Pushes the weights to where quantising them does not move the
+    prediction, i.e. the quantised-vs-float agreement that the model card reports."""
+    with torch.no_grad(), qat.float_weights():
+        f_logits = model.logits(model(ids)[:, :-1]).float()
+    lp_f = F.log_softmax(f_logits, -1)
+    kl = (lp_f.exp() * (lp_f - F.log_softmax(q_logits.float(), -1))).sum(-1)              # [B, T-1]
+    return (kl * w[:, 1:]).sum()
 
 
 def kda_chunk_parallel(q, k, v, g, beta, state=None, normalize_qk: bool = True, chunk: int = 64):
@@ -387,8 +418,9 @@ def pack(docs: list, seq_len: int, max_open: int = 8) -> list[list]:
 # ---------------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------------
-def losses(model, ids: torch.Tensor, w: torch.Tensor, with_acc: bool = False):
-    """Weighted next-token CE and NEXTN (t+2) CE summed over the batch, plus their weight sums (and top-1 hits)."""
+def losses(model, ids: torch.Tensor, w: torch.Tensor, with_acc: bool = False, return_logits: bool = False):
+    """Weighted next-token CE and NEXTN (t+2) CE summed over the batch, plus their weight sums (and top-1 hits;
+    and the main head's logits float32 ``[B, T-1, V]`` under ``"logits"``)."""
     h = model(ids)                                                         # [B, T, H] final-normed
     logits = model.logits(h[:, :-1])                                       # float32 [B, T-1, V]
     tgt, wt = ids[:, 1:], w[:, 1:]
@@ -401,6 +433,8 @@ def losses(model, ids: torch.Tensor, w: torch.Tensor, with_acc: bool = False):
     nce = F.cross_entropy(nlogits.reshape(-1, nlogits.shape[-1]), tgt2.reshape(-1), reduction="none")
     out = {"ce_sum": (ce * wt.reshape(-1)).sum(), "w_sum": wt.sum(),
            "nce_sum": (nce * wt2.reshape(-1)).sum(), "w2_sum": wt2.sum()}
+    if return_logits:
+        out["logits"] = logits
     if with_acc:
         with torch.no_grad():
             out["hit"] = ((logits.argmax(-1) == tgt).float() * wt).sum()
@@ -485,6 +519,9 @@ def main(argv=None) -> int:
     ap.add_argument("--qat-frac", type=float, default=0.4,
                     help="quantisation-aware training (export formats, straight-through) for this final fraction "
                          "of the schedule; 0 disables")
+    ap.add_argument("--consistency-weight", type=float, default=0.0,
+                    help="while QAT is on, add this x KL(float forward || quantised forward) of the main head "
+                         "(the float forward as a no-gradient target): trains for quantised-vs-float agreement")
     ap.add_argument("--val-examples", type=int, default=256)
     ap.add_argument("--val-every", type=int, default=100)
     ap.add_argument("--limit-train", type=int, default=0, help="use only this many train records (smoke tests)")
@@ -592,8 +629,12 @@ def main(argv=None) -> int:
         for s, lr_s, parts, gn, q_on in pending:
             ce = float(parts["ce_sum"] / parts["w_sum"])
             nce = float(parts["nce_sum"] / parts["w2_sum"])
-            log["train"].append({"step": s, "lr": lr_s, "ce": ce, "nextn_ce": nce,
-                                 "loss": ce + a.nextn_weight * nce, "grad_norm": float(gn), "qat": q_on})
+            row = {"step": s, "lr": lr_s, "ce": ce, "nextn_ce": nce, "loss": ce + a.nextn_weight * nce,
+                   "grad_norm": float(gn), "qat": q_on}
+            if "kl_sum" in parts:
+                row["consistency_kl"] = float(parts["kl_sum"] / parts["w_sum"])
+                row["loss"] += a.consistency_weight * row["consistency_kl"]
+            log["train"].append(row)
         pending.clear()
 
     while True:
@@ -629,10 +670,18 @@ def main(argv=None) -> int:
         while True:
             try:
                 parts = {"ce_sum": 0.0, "w_sum": 0.0, "nce_sum": 0.0, "w2_sum": 0.0}
+                kl_on = a.consistency_weight > 0 and qat.on
+                if kl_on:
+                    parts["kl_sum"] = 0.0
                 for i in range(0, a.batch_rows, micro):
                     with amp():
-                        o = losses(model, ids_b[i:i + micro], w_b[i:i + micro])
+                        o = losses(model, ids_b[i:i + micro], w_b[i:i + micro], return_logits=kl_on)
+                        if kl_on:
+                            o["kl_sum"] = consistency_kl(model, qat, ids_b[i:i + micro], w_b[i:i + micro],
+                                                         o["logits"])
                     loss = o["ce_sum"] / wsum + a.nextn_weight * o["nce_sum"] / w2sum
+                    if kl_on:
+                        loss = loss + a.consistency_weight * o["kl_sum"] / wsum
                     loss.backward()
                     for k in parts:
                         parts[k] = parts[k] + o[k].detach()
