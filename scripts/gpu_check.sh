@@ -155,11 +155,12 @@ section_numerics() {     # verify (M = 4) vs decode (M = 1) per layer at full wi
 
 section_nano() {         # retrain ling-nano (issue 3) and measure quantised vs float on the device, where the float
     #                        weights are (they do not fit the 16 MiB return limit); the export comes back as .tar.xz
+    #                        in 15 MiB parts (join: cat ling-nano-export.tar.xz.part* > x.tar.xz)
     local d=/tmp/nano_run
     run_step train python3 scripts/train_nano.py --out "$d" --export-dir "$d/export" --train-log-dir "$OUT" ${NANO_ARGS:-}
     run_step eval python3 scripts/eval_nano.py --ckpt "$d/export" --float-weights "$d/nano_float.pt" --device cuda \
         ${NANO_EVAL_ARGS:---greedy-n 200 --quant-ablation 200} --out "$OUT/ling-nano-eval.json"
-    run_step pack tar -cJf "$OUT/ling-nano-export.tar.xz" -C "$d" export
+    run_step pack bash -c 'tar -cJf /tmp/nano_export.tar.xz -C "$1" export && split -b 15m -d /tmp/nano_export.tar.xz "$2/ling-nano-export.tar.xz.part" && sha256sum /tmp/nano_export.tar.xz' _ "$d" "$OUT"
 }
 
 section_env() {          # what the machine has
