@@ -47,8 +47,8 @@ class EngineConfig:
     watchdog_threshold: float = 1.05  # ... alarm at or below this accept length
     enforce_eager: bool = False       # CUDA: skip graph capture of the decode step (and of the MTP round)
     # GPU paths (None = on with CUDA, off on CPU). Measured on the H200 (docs/perf/decode-h200.md): the first three
-    # take the full-scale decode step from 12.68 to 7.81 ms at 2K (7.67 with the partials MoE entry, now the committed
-    # M = 4 entry). They were opt-in while the full-scale spec_vs_plain canary failed with them on; the bisect of
+    # take the full-scale decode step from 12.68 to 7.81 ms at 2K (6.62 ms with today's 'split' MoE kernel table,
+    # run H). They were opt-in while the full-scale spec_vs_plain canary failed with them on; the bisect of
     # 2026-11-29 showed the same failure with each path alone and with none, traced to a routing near-tie
     # (docs/perf/gpu-tests-h200.md). The captured round: eager MTP rounds did not finish 50 nano prompts within
     # 140 s on the H200 (docs/perf/mtp-accept-nano-h200.md), captured rounds take 16-20 s.
