@@ -7,6 +7,7 @@ queues them).
 
 from __future__ import annotations
 
+import bisect
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -81,7 +82,9 @@ class RequestOutput:
 
 @dataclass
 class StreamChunk:
-    """A streamed delta: new text and token ids; ``finish_reason`` and ``output`` set on the last chunk."""
+    """A streamed delta: new text and the token ids generated since the previous chunk (text held back while it
+    may start a stop string comes later, with the ids of a later chunk); ``finish_reason`` and ``output`` set on
+    the last chunk. Concatenated, the chunks give exactly ``output.text`` and ``output.token_ids``."""
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
@@ -206,6 +209,14 @@ class Engine:
             yield tok, 0
             logits = r.logits(r.forward(torch.tensor([tok], device=self.device)))
 
+    def max_new_tokens(self, prompt_len: int) -> int:
+        """The most tokens a request with a ``prompt_len``-token prompt may generate within ``max_model_len``
+        cache slots (<= 0: the prompt alone does not fit). Plain decoding forwards every generated token but the
+        last: ``prompt_len + n - 1`` slots. With MTP the last round may verify ``speculative_steps`` slots past
+        that (measured on CPU: exactly these bounds fit, one more token overflows the cache)."""
+        spare = self.config.speculative_steps if self.drafter else 0
+        return self.runner.max_len - prompt_len + 1 - spare
+
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, chat: bool = False
                ) -> Iterator[StreamChunk]:
         """Generate for one prompt, yielding text deltas. Stops on EOS/stop ids (not emitted), stop strings
@@ -214,10 +225,12 @@ class Engine:
         ids = self.encode_prompt(prompt, chat)
         if not ids:
             raise RequestError("empty prompt")
-        if len(ids) + p.max_tokens + (self.config.speculative_steps + 1) > self.runner.max_len:
-            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens})"
-                               + (f" + {self.config.speculative_steps + 1} draft slots" if self.drafter else "")
-                               + f" exceeds the engine's max length {self.runner.max_len} (--max-model-len)")
+        if p.max_tokens > self.max_new_tokens(len(ids)):
+            spare = self.config.speculative_steps if self.drafter else 0
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) needs "
+                               f"{len(ids) + p.max_tokens - 1 + spare} cache slots"
+                               + (f" (with {spare} MTP draft slots)" if spare else "")
+                               + f", more than the engine's max length {self.runner.max_len} (--max-model-len)")
         self.runner.reset()
         gen = make_generator(p, self.device)
         stats = SpecStats(self.config.speculative_steps) if self.drafter else None
@@ -225,6 +238,8 @@ class Engine:
         out_ids: list[int] = []
         rounds: list[int] = []          # verify round of each emitted token (0 = from prefill)
         text, sent = "", 0
+        reported = 0                    # out_ids already sent in chunks: those whose text is fully sent
+        ends: list[int] = []            # len(text) after each token of out_ids
         holdback = max((len(s) for s in p.stop), default=0)
         dec = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None
         cut = False                     # output truncated at a stop string
@@ -244,22 +259,25 @@ class Engine:
                 rounds.append(rnd)
                 if dec is not None:
                     text += dec.decode_stream(tok)      # incremental: O(1) per token, whole UTF-8 chars only
+                    ends.append(len(text))
                     hit = [i for i in (text.find(s, max(0, sent - len(s))) for s in p.stop) if i >= 0]
                     if hit:
                         cut = True
                         text = text[:min(hit)]
-                        out_ids = self._trim_ids(out_ids, len(text))
+                        # (never below the ids already sent: their text lies before any stop string)
+                        out_ids = out_ids[:max(len(self._trim_ids(out_ids, len(text))), reported)]
                         finish = "stop"
                         break
                 if len(out_ids) >= p.max_tokens:
                     finish = "length"
                     break
                 safe = len(text) - holdback
-                if safe > sent:
-                    yield StreamChunk(text[sent:safe], [tok])
-                    sent = safe
-                elif self.tokenizer is None:
-                    yield StreamChunk("", [tok])
+                if safe > sent or dec is None:
+                    new_sent = max(safe, sent)
+                    done = len(out_ids) if dec is None else bisect.bisect_right(ends, new_sent)
+                    chunk = StreamChunk(text[sent:new_sent], out_ids[reported:done])
+                    sent, reported = new_sent, max(reported, done)
+                    yield chunk
         finally:
             source.close()
         if dec is not None and not cut:
@@ -274,7 +292,7 @@ class Engine:
             spec = stats.to_dict()
             self.spec_totals.add(stats)
         out = RequestOutput(text, out_ids, finish or "length", len(ids), n, (t_first or end) - t0, tpot, end - t0, spec)
-        yield StreamChunk(text[sent:], [], finish or "length", out)
+        yield StreamChunk(text[sent:], out_ids[reported:], finish or "length", out)
 
     def _trim_ids(self, ids: list[int], nchars: int) -> list[int]:
         """Shortest prefix of ``ids`` whose text covers the kept ``nchars`` characters."""

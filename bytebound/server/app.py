@@ -294,7 +294,7 @@ def _float(body: dict, key: str, default: float) -> float:
 
 def _sampling(body: dict, chat: bool, prompt_len: int, engine) -> SamplingParams:
     _reject_unsupported(body, chat)
-    room = engine.runner.max_len - prompt_len - engine.config.speculative_steps - 1
+    room = engine.max_new_tokens(prompt_len)
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     given = body.get(key) is not None
     mt = _get(body, key, "int", None if chat else 16)
