@@ -13,9 +13,11 @@ PROMPT = list(range(100, 120))          # 20 tokens
 MAX_LEN = 40
 
 
-@pytest.mark.parametrize("steps", [0, 1, 3])
-def test_longest_accepted_request_fits_and_one_more_is_refused(steps):
-    e = Engine(model=str(NANO), max_model_len=MAX_LEN, speculative_steps=steps)
+@pytest.mark.parametrize("steps,static", [(0, False), (1, False), (3, False), (3, True)],
+                         ids=["plain", "mtp1", "mtp3", "mtp3-static-round"])
+def test_longest_accepted_request_fits_and_one_more_is_refused(steps, static):
+    e = Engine(model=str(NANO), max_model_len=MAX_LEN, speculative_steps=steps,
+               **({"spec_static_round": True} if static else {}))
     n = e.max_new_tokens(len(PROMPT))
     assert n == MAX_LEN - len(PROMPT) + 1 - steps
     params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
