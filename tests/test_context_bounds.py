@@ -23,7 +23,7 @@ def test_longest_accepted_request_fits_and_one_more_is_refused(steps, static):
     params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
     out = [i for c in e.stream(PROMPT, params) for i in c.token_ids]
     assert len(out) == n                                        # ran to the end: no cache overflow on the way
-    with pytest.raises(RequestError, match="more than the engine's max length"):
+    with pytest.raises(RequestError, match="exceeds the engine's max length"):
         next(iter(e.stream(PROMPT, SamplingParams(max_tokens=n + 1, ignore_eos=True, temperature=0.0))))
 
 

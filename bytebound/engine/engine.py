@@ -230,7 +230,7 @@ class Engine:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) needs "
                                f"{len(ids) + p.max_tokens - 1 + spare} cache slots"
                                + (f" (with {spare} MTP draft slots)" if spare else "")
-                               + f", more than the engine's max length {self.runner.max_len} (--max-model-len)")
+                               + f", which exceeds the engine's max length {self.runner.max_len} (--max-model-len)")
         self.runner.reset()
         gen = make_generator(p, self.device)
         stats = SpecStats(self.config.speculative_steps) if self.drafter else None
