@@ -91,6 +91,25 @@ class StreamChunk:
     output: RequestOutput | None = None
 
 
+def _stop_at(text: str, sent: int, stops) -> int | None:
+    """Where the first stop string in ``text`` starts, or None. Text before ``sent - len(stop)`` was searched
+    already (and sent text never holds the start of a stop string: the stream holds back the longest one's
+    length)."""
+    hits = [i for i in (text.find(s, max(0, sent - len(s))) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _covering(ends: list[int], nchars: int) -> int:
+    """How many tokens the kept ``nchars`` characters need: the shortest prefix whose completed text (``ends``:
+    the text length once each token's text is complete, equal for tokens that complete one character together)
+    reaches ``nchars``."""
+    if nchars <= 0:
+        return 0
+    j = bisect.bisect_left(ends, nchars)
+    # tokens that complete a character together share one end: keep the whole group
+    return bisect.bisect_right(ends, ends[j]) if j < len(ends) else len(ends)
+
+
 def _dtype(name: str | None, device: str) -> torch.dtype:
     if name is None:
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
@@ -213,9 +232,12 @@ class Engine:
         """The most tokens a request with a ``prompt_len``-token prompt may generate within ``max_model_len``
         cache slots (<= 0: the prompt alone does not fit). Plain decoding forwards every generated token but the
         last: ``prompt_len + n - 1`` slots. With MTP the last round may verify ``speculative_steps`` slots past
-        that (measured on CPU: exactly these bounds fit, one more token overflows the cache)."""
+        that, for ``n >= 2`` (measured on CPU: exactly these bounds fit, one more token overflows the cache when
+        the drafts are rejected); ``n = 1`` comes from the prefill alone."""
         spare = self.config.speculative_steps if self.drafter else 0
-        return self.runner.max_len - prompt_len + 1 - spare
+        room = self.runner.max_len - prompt_len + 1 - spare
+        # one token comes from the prefill alone, with no verify round: any prompt that fits may ask for it
+        return max(room, 1) if prompt_len <= self.runner.max_len else room
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, chat: bool = False
                ) -> Iterator[StreamChunk]:
@@ -239,7 +261,7 @@ class Engine:
         rounds: list[int] = []          # verify round of each emitted token (0 = from prefill)
         text, sent = "", 0
         reported = 0                    # out_ids already sent in chunks: those whose text is fully sent
-        ends: list[int] = []            # len(text) after each token of out_ids
+        ends: list[int] = []            # len(text) once each token's text is complete (decoder: whole characters)
         holdback = max((len(s) for s in p.stop), default=0)
         dec = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None
         cut = False                     # output truncated at a stop string
@@ -259,13 +281,13 @@ class Engine:
                 rounds.append(rnd)
                 if dec is not None:
                     text += dec.decode_stream(tok)      # incremental: O(1) per token, whole UTF-8 chars only
-                    ends.append(len(text))
-                    hit = [i for i in (text.find(s, max(0, sent - len(s))) for s in p.stop) if i >= 0]
-                    if hit:
+                    ends.extend([len(text)] * (dec.complete - len(ends)))
+                    hit = _stop_at(text, sent, p.stop)
+                    if hit is not None:
                         cut = True
-                        text = text[:min(hit)]
+                        text = text[:hit]
                         # (never below the ids already sent: their text lies before any stop string)
-                        out_ids = out_ids[:max(len(self._trim_ids(out_ids, len(text))), reported)]
+                        out_ids = out_ids[:max(_covering(ends, hit), reported)]
                         finish = "stop"
                         break
                 if len(out_ids) >= p.max_tokens:
@@ -281,7 +303,13 @@ class Engine:
         finally:
             source.close()
         if dec is not None and not cut:
-            text += dec.flush()                      # a character left unfinished at the very end
+            text += dec.flush()                      # a character left unfinished at the very end (as U+FFFD)
+            ends.extend([len(text)] * (len(out_ids) - len(ends)))
+            hit = _stop_at(text, sent, p.stop)        # the flushed text may complete a stop string too
+            if hit is not None:
+                text = text[:hit]
+                out_ids = out_ids[:max(_covering(ends, hit), reported)]
+                finish = "stop"
         end = time.perf_counter()
         n = len(out_ids)
         tpot = (t_last - t_first) / (n - 1) if n > 1 and t_first else 0.0
@@ -293,13 +321,6 @@ class Engine:
             self.spec_totals.add(stats)
         out = RequestOutput(text, out_ids, finish or "length", len(ids), n, (t_first or end) - t0, tpot, end - t0, spec)
         yield StreamChunk(text[sent:], out_ids[reported:], finish or "length", out)
-
-    def _trim_ids(self, ids: list[int], nchars: int) -> list[int]:
-        """Shortest prefix of ``ids`` whose text covers the kept ``nchars`` characters."""
-        for i in range(len(ids) + 1):
-            if len(self.tokenizer.decode(ids[:i])) >= nchars:
-                return ids[:i]
-        return ids
 
     def generate(self, prompts, params: SamplingParams | None = None, chat: bool = False) -> list[RequestOutput]:
         """Run each prompt (a string, token-id list, or a list of those) to completion, in order."""

@@ -142,6 +142,11 @@ class IncrementalDecoder:
             return text[len(done):]
         return ""
 
+    @property
+    def complete(self) -> int:
+        """How many of the fed ids have all their text emitted (the rest end inside an unfinished character)."""
+        return self.read
+
     def flush(self) -> str:
         """Emit whatever is held back (as U+FFFD if the stream really ended inside a character)."""
         done = self._decode(self.ids[self.prefix:self.read])
