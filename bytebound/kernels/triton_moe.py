@@ -470,19 +470,21 @@ if tl is not None:
 # ---------------------------------------------------------------------------------------------------------
 REDUCE_BH = 32             # hidden rows per program of _moe_reduce_partials (80 programs at H = 2560); config
 #                            keys "reduce_bh" / "reduce_warps" override it
-_PARTIALS: dict = {}       # device -> float32 buffers of the ``partials`` mode, shared by every binding
+_SCRATCH: dict = {}        # (device, name) -> buffers shared by every binding (partials mode, 'split' variant)
 
 
-def partials_buffer(device, numel: int) -> torch.Tensor:
-    """A float32 scratch of at least ``numel`` elements for the per-program partials ``[NJ, S, H, MV]``.
+def scratch(device, name: str, numel: int, dtype=torch.float32) -> torch.Tensor:
+    """A zero-initialised buffer ``name`` of at least ``numel`` elements, shared by every MoE binding on
+    ``device``: the partials mode's per-program partials ``[NJ, S, H, MV]``, the ``split`` variant's activations,
+    partials and tickets.
 
-    One buffer serves every MoE layer: the layers run one after another on one stream and each layer's reduce
-    kernel has read it before the next layer's fused kernel writes it (at full scale 15.7 MB instead of 0.6 GB
-    for 40 per-layer copies). Growing it keeps the older buffers alive, because a captured CUDA graph holds
-    their addresses."""
-    bufs = _PARTIALS.setdefault(str(torch.device(device)), [])
+    One buffer serves every MoE layer: the layers run one after another on one stream and each launch has
+    consumed its scratch before the next layer's writes it (at full scale 15.7 MB of partials instead of 0.6 GB
+    for 40 per-layer copies). Ticket buffers stay zero between launches (each launch resets its own). Growing a
+    buffer keeps the older ones alive, because a captured CUDA graph holds their addresses."""
+    bufs = _SCRATCH.setdefault((str(torch.device(device)), name), [])
     if not bufs or bufs[-1].numel() < numel:
-        bufs.append(torch.empty(numel, dtype=torch.float32, device=device))
+        bufs.append(torch.zeros(numel, dtype=dtype, device=device))
     return bufs[-1]
 
 
@@ -511,8 +513,7 @@ def lookup_config(e, h, i, k, m, device=None, path: Path | None = None) -> dict:
     cfg.update(table.get(shape_key(e, h, i, k, m), {}))
     forced = os.environ.get("BYTEBOUND_MOE_VARIANT")
     if forced == "split":
-        from bytebound.kernels.triton_moe_split import SPLIT_DEFAULT
-        cfg = dict(SPLIT_DEFAULT, **(cfg if cfg.get("variant") == "split" else {}))
+        cfg = dict(_split().SPLIT_DEFAULT, **(cfg if cfg.get("variant") == "split" else {}))
     elif forced:
         # the table entry's tiling carries over only between the two implementations of the fused algorithm
         keep = cfg if cfg.get("variant") in ("gluon", "tl") else {}
@@ -520,6 +521,12 @@ def lookup_config(e, h, i, k, m, device=None, path: Path | None = None) -> dict:
                                                                            if kk not in ("variant",)})
         cfg["variant"] = forced
     return cfg
+
+
+def _split():
+    """The ``split`` variant's module (imported on first use: it imports this one)."""
+    from bytebound.kernels import triton_moe_split
+    return triton_moe_split
 
 
 def _fit(block: int, n: int, lo: int) -> int:
@@ -536,8 +543,7 @@ def _fit(block: int, n: int, lo: int) -> int:
 def fit_config(cfg: dict, h: int, i: int) -> dict:
     """Shrink BI/BK/BH to divide this model's I/H (tiny test models); raises BackendError if impossible."""
     if cfg.get("variant") == "split":
-        from bytebound.kernels.triton_moe_split import fit_split_config
-        return fit_split_config(cfg, h, i)
+        return _split().fit_split_config(cfg, h, i)
     cfg = dict(cfg)
     lo_bi = 16 if cfg["variant"] == "gluon" else 32
     cfg["BI"] = _fit(cfg["BI"], i, lo_bi)
@@ -580,6 +586,7 @@ class MoEKernel:
                    False: torch.zeros(self.h, NP, dtype=torch.float32, device=dev)}
         self.cnt = torch.zeros(1, dtype=torch.int32, device=dev)
         self.lut = _lut_tensor(dev)
+        self.sm90 = torch.cuda.get_device_capability(dev)[0] >= 9     # PDL (the 'split' variant's kernel B)
         self.limit = ex.limit
         self.configs = dict(configs or {})
         self._fitted: dict[int, tuple] = {}  # m -> (the config it was fitted from, fitted to (H, I))
@@ -613,8 +620,7 @@ class MoEKernel:
         w = w.to(torch.float32).contiguous()
         out = torch.empty(m, self.h, dtype=torch.bfloat16, device=x.device)
         if cfg["variant"] == "split":
-            from bytebound.kernels.triton_moe_split import launch_split
-            launch_split(self, x, ids, w, out, cfg)
+            _split().launch_split(self, x, ids, w, out, cfg)
             return out
         grid = (self.i // cfg["BI"], m * k)
         sp = triton.next_power_of_2(max(m * k, 32))
@@ -623,7 +629,7 @@ class MoEKernel:
         partials = bool(cfg.get("partials", False))
         ws = self.ws[fixed]
         nj, mv = self.i // cfg["BI"], (1 if m == 1 else 4)
-        part = partials_buffer(x.device, nj * m * k * self.h * mv) if partials else ws
+        part = scratch(x.device, "partials", nj * m * k * self.h * mv) if partials else ws
         common = dict(H=self.h, I=self.i, TOPK=k, M=m, SP=sp, BI=cfg["BI"], BK=cfg["BK"], BH=cfg["BH"],
                       HAS_LIMIT=self.limit is not None, FIXED=fixed, PARTIALS=partials)
         if cfg["variant"] == "gluon":

@@ -33,7 +33,7 @@ partial (kernel B), so each distinct expert's bytes are read once per call. Dete
 sum runs in an order fixed by the launch shape, so outputs are bit-identical run to run and graph == eager. The
 tickets are reset by their last program, so each launch is self-contained and CUDA-graph safe.
 
-Scratch (``act``, the two partial buffers and the tickets) is shared by every binding on a device: the MoE layers
+Scratch (``act``, the two partial buffers and the tickets; ``triton_moe.scratch``) is shared by every binding on a device: the MoE layers
 run one after another on one stream, and each launch has consumed its scratch before the next one starts (kernel
 A is an ordinary launch, so it waits for the previous B; B overlaps only its own A and touches none of A's
 buffers before its dependency wait).
@@ -56,7 +56,7 @@ import functools
 import torch
 
 from bytebound.errors import BackendError
-from bytebound.kernels.triton_moe import _GLUON_ERR, _fit, gl, gluon
+from bytebound.kernels.triton_moe import _GLUON_ERR, _fit, gl, gluon, scratch
 
 if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -382,19 +382,6 @@ def fit_split_config(cfg: dict, h: int, i: int) -> dict:
     return cfg
 
 
-_SCRATCH: dict = {}
-
-
-def _scratch(device, name: str, numel: int, dtype) -> torch.Tensor:
-    """A per-device buffer of at least ``numel`` elements, shared by every binding (layers run in series on one
-    stream). Growing it keeps the older buffers alive: a captured CUDA graph holds their addresses. Ticket
-    buffers are created zeroed (each launch leaves them zero again)."""
-    bufs = _SCRATCH.setdefault((str(torch.device(device)), name), [])
-    if not bufs or bufs[-1].numel() < numel:
-        bufs.append(torch.zeros(numel, dtype=dtype, device=device))
-    return bufs[-1]
-
-
 def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict) -> None:
     """Run the two kernels for one call of :class:`~bytebound.kernels.triton_moe.MoEKernel` ``kern``.
 
@@ -411,15 +398,15 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
     nj, mv = i // bi, (1 if m == 1 else 4)
     dev = x.device
     sp = max(32, 1 << (s - 1).bit_length())
-    act = _scratch(dev, "act", s * m * i, torch.bfloat16)
-    part_a = _scratch(dev, "part_a", s * nj * kp * 2 * bi * mv, torch.float32) if kp > 1 else act
-    part_b = _scratch(dev, "part_b", (h // bh) * s * kp2 * bh * mv, torch.float32)
-    cnt_a = _scratch(dev, "cnt_a", s * nj, torch.int32)
-    cnt_b = _scratch(dev, "cnt_b", h // bh, torch.int32)
+    act = scratch(dev, "act", s * m * i, torch.bfloat16)
+    part_a = scratch(dev, "part_a", s * nj * kp * 2 * bi * mv) if kp > 1 else act
+    part_b = scratch(dev, "part_b", (h // bh) * s * kp2 * bh * mv)
+    cnt_a = scratch(dev, "cnt_a", s * nj, torch.int32)
+    cnt_b = scratch(dev, "cnt_b", h // bh, torch.int32)
     limit = float(kern.limit) if kern.limit is not None else 0.0
     probe = cfg.get("probe")      # benchmark instrumentation only (bench_moe.py --probe); outputs are then wrong
     pk = {"load_only": 1, "compute_only": 2}.get(probe, 0)
-    pdl = bool(cfg.get("pdl", True)) and torch.cuda.get_device_capability(dev)[0] >= 9
+    pdl = bool(cfg.get("pdl", True)) and kern.sm90
     if probe != "down_only":
         _moe_gateup_split[(nj, s, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
                                        H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, KP=kp, HAS_LIMIT=kern.limit is not None,
