@@ -99,6 +99,12 @@ def _stop_at(text: str, sent: int, stops) -> int | None:
     return min(hits) if hits else None
 
 
+def _cut(text: str, ids: list[int], ends: list[int], hit: int, reported: int) -> tuple[str, list[int], str]:
+    """Cut the output where a stop string starts (``hit``): ``(text, token ids, "stop")``. The ids are those the
+    kept text needs, never fewer than the ``reported`` ones already streamed (their text lies before any stop)."""
+    return text[:hit], ids[:max(_covering(ends, hit), reported)], "stop"
+
+
 def _covering(ends: list[int], nchars: int) -> int:
     """How many tokens the kept ``nchars`` characters need: the shortest prefix whose completed text (``ends``:
     the text length once each token's text is complete, equal for tokens that complete one character together)
@@ -285,10 +291,7 @@ class Engine:
                     hit = _stop_at(text, sent, p.stop)
                     if hit is not None:
                         cut = True
-                        text = text[:hit]
-                        # (never below the ids already sent: their text lies before any stop string)
-                        out_ids = out_ids[:max(_covering(ends, hit), reported)]
-                        finish = "stop"
+                        text, out_ids, finish = _cut(text, out_ids, ends, hit, reported)
                         break
                 if len(out_ids) >= p.max_tokens:
                     finish = "length"
@@ -307,9 +310,7 @@ class Engine:
             ends.extend([len(text)] * (len(out_ids) - len(ends)))
             hit = _stop_at(text, sent, p.stop)        # the flushed text may complete a stop string too
             if hit is not None:
-                text = text[:hit]
-                out_ids = out_ids[:max(_covering(ends, hit), reported)]
-                finish = "stop"
+                text, out_ids, finish = _cut(text, out_ids, ends, hit, reported)
         end = time.perf_counter()
         n = len(out_ids)
         tpot = (t_last - t_first) / (n - 1) if n > 1 and t_first else 0.0
