@@ -148,6 +148,13 @@ class DenseExperts:
             rule = self.mxfp4_scale
             self.delta = (fake_mxfp4(ex.w13, rule) - ex.w13, fake_mxfp4(ex.w2, rule) - ex.w2)
 
+    def prox(self, alpha: float) -> None:
+        """Move the master weights ``alpha`` of the way to their MXFP4 grid point (see :meth:`QAT.prox`)."""
+        self.refresh_qat()
+        with torch.no_grad():
+            self.ex.w13.add_(self.delta[0], alpha=alpha)
+            self.ex.w2.add_(self.delta[1], alpha=alpha)
+
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ex = self.ex
         m, e, i = x.shape[0], ex.n, ex.inter
@@ -186,6 +193,12 @@ class QATLinear:
         with torch.no_grad():
             self.delta = fake_fp8(self.lin.weight, self.quant) - self.lin.weight
 
+    def prox(self, alpha: float) -> None:
+        """Move the master weight ``alpha`` of the way to its FP8 grid point (see :meth:`QAT.prox`)."""
+        self.refresh_qat()
+        with torch.no_grad():
+            self.lin.weight.add_(self.delta, alpha=alpha)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.lin.weight
         return F.linear(x, w if self.delta is None else w + self.delta)
@@ -212,6 +225,14 @@ class QAT:
         if self.on:
             for p in self.parts:
                 p.refresh_qat()
+
+    def prox(self, lam: float) -> None:
+        """Proximal step toward the export grid (ProxQuant, Bai, Wang & Liberty, ICLR 2019): ``W <- (W + lam
+        Q(W)) / (1 + lam)`` for every quantised weight, ``Q`` the export's quantiser (FP8 128x128 blocks, MXFP4).
+        With ``lam`` ramped up over QAT the master (float) weights end near the grid, so quantising them at export
+        moves the model little: the quantised-vs-float agreement of the model card. The deltas are refreshed."""
+        for p in self.parts:
+            p.prox(lam / (1.0 + lam))
 
     @contextlib.contextmanager
     def float_weights(self):
@@ -522,6 +543,10 @@ def main(argv=None) -> int:
     ap.add_argument("--consistency-weight", type=float, default=0.0,
                     help="while QAT is on, add this x KL(float forward || quantised forward) of the main head "
                          "(the float forward as a no-gradient target): trains for quantised-vs-float agreement")
+    ap.add_argument("--prox-quant", type=float, default=0.0,
+                    help="while QAT is on, a proximal step toward the export grid after each optimiser step, "
+                         "W <- (W + lam Q(W)) / (1 + lam), lam ramped linearly from 0 to this value over the QAT "
+                         "phase (ProxQuant): the float weights end near the grid; 0 disables")
     ap.add_argument("--val-examples", type=int, default=256)
     ap.add_argument("--val-every", type=int, default=100)
     ap.add_argument("--limit-train", type=int, default=0, help="use only this many train records (smoke tests)")
@@ -700,6 +725,9 @@ def main(argv=None) -> int:
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if a.prox_quant > 0 and "qat_from" in log and qat.on:
+            q0 = log["qat_from"]
+            qat.prox(a.prox_quant * (step + 1 - q0) / max(1, total_steps - q0))
         with torch.no_grad():
             for moe, de in moes:
                 if moe.gate.expert_bias is not None:

@@ -1,4 +1,5 @@
-"""scripts/train_nano.py on CPU, a few steps: the quantisation-consistency term (``--consistency-weight``).
+"""scripts/train_nano.py on CPU, a few steps: the quantisation-consistency term (``--consistency-weight``) and the
+proximal step toward the export grid (``--prox-quant``, run in the same few steps).
 
 The term is KL(float forward || quantised forward) of the main head, added while QAT is on. It must be logged for
 the QAT steps only, be positive there (the export formats do move the logits), and leave the plain losses as they
@@ -16,7 +17,7 @@ def test_consistency_term_logged_on_qat_steps(tmp_path):
     cmd = [sys.executable, "scripts/train_nano.py", "--out", str(tmp_path), "--no-export",
            "--train-log-dir", str(tmp_path / "log"), "--device", "cpu", "--steps", "4", "--batch-rows", "2",
            "--seq-len", "256", "--limit-train", "64", "--val-examples", "8", "--calib-steps", "1",
-           "--qat-frac", "0.5", "--consistency-weight", "0.5"]
+           "--qat-frac", "0.5", "--consistency-weight", "0.5", "--prox-quant", "1.0"]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
     rows = json.loads((tmp_path / "log" / "loss.json").read_text())["train"]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -27,3 +28,51 @@ def test_consistency_term_logged_on_qat_steps(tmp_path):
         else:
             assert "consistency_kl" not in r, r
     assert any(r["qat"] for r in rows) and not all(r["qat"] for r in rows)
+
+
+def _train_nano():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_nano", ROOT / "scripts" / "train_nano.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_prox_step_moves_master_weights_toward_the_export_grid():
+    """``--prox-quant``: ``W <- (W + lam Q(W)) / (1 + lam)``. With lam = 1 each weight goes half way to its grid
+    point (FP8 128x128 blocks, MXFP4 groups of 32), so the distance to the grid halves (up to grid points that
+    move because a block's scale moved), and lam = 0 leaves the weights alone."""
+    import torch
+
+    from bytebound.layers.linear import QLinear
+    from bytebound.layers.moe import RoutedExperts
+
+    tn = _train_nano()
+    torch.manual_seed(0)
+    lin = QLinear(256, 256, "plain", (128, 128), torch.float32, "cpu")     # training keeps float masters
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(256, 256) * 0.02)
+    ex = RoutedExperts(4, 64, 32, "plain", torch.float32, "cpu", None)
+    with torch.no_grad():
+        ex.w13.copy_(torch.randn_like(ex.w13) * 0.05)
+        ex.w2.copy_(torch.randn_like(ex.w2) * 0.05)
+    parts = [tn.QATLinear(lin, tn.EXPORT_QUANT), tn.DenseExperts(ex, "mse")]
+
+    def dist():
+        out = []
+        for p in parts:
+            p.refresh_qat()
+            d = p.delta if isinstance(p.delta, tuple) else (p.delta,)
+            out.append(sum(float(x.pow(2).sum()) for x in d) ** 0.5)
+        return out
+
+    before = dist()
+    w0 = lin.weight.detach().clone()
+    for p in parts:
+        p.prox(0.0)
+    assert torch.equal(lin.weight, w0)
+    for p in parts:
+        p.prox(0.5)                        # lam = 1
+    after = dist()
+    for b, a in zip(before, after):
+        assert 0.0 < b and a < 0.6 * b, (before, after)
