@@ -547,6 +547,9 @@ def main(argv=None) -> int:
                     help="while QAT is on, a proximal step toward the export grid after each optimiser step, "
                          "W <- (W + lam Q(W)) / (1 + lam), lam ramped linearly from 0 to this value over the QAT "
                          "phase (ProxQuant): the float weights end near the grid; 0 disables")
+    ap.add_argument("--prox-from", type=float, default=0.0,
+                    help="start the --prox-quant ramp at this fraction of the schedule instead of at the start of "
+                         "QAT (later = less of QAT spent pinned to the grid)")
     ap.add_argument("--val-examples", type=int, default=256)
     ap.add_argument("--val-every", type=int, default=100)
     ap.add_argument("--limit-train", type=int, default=0, help="use only this many train records (smoke tests)")
@@ -726,8 +729,9 @@ def main(argv=None) -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
         if a.prox_quant > 0 and "qat_from" in log and qat.on:
-            q0 = log["qat_from"]
-            qat.prox(a.prox_quant * (step + 1 - q0) / max(1, total_steps - q0))
+            q0 = max(log["qat_from"], int(a.prox_from * total_steps))
+            if step >= q0:
+                qat.prox(a.prox_quant * (step + 1 - q0) / max(1, total_steps - q0))
         with torch.no_grad():
             for moe, de in moes:
                 if moe.gate.expert_bias is not None:

@@ -17,7 +17,7 @@ def test_consistency_term_logged_on_qat_steps(tmp_path):
     cmd = [sys.executable, "scripts/train_nano.py", "--out", str(tmp_path), "--no-export",
            "--train-log-dir", str(tmp_path / "log"), "--device", "cpu", "--steps", "4", "--batch-rows", "2",
            "--seq-len", "256", "--limit-train", "64", "--val-examples", "8", "--calib-steps", "1",
-           "--qat-frac", "0.5", "--consistency-weight", "0.5", "--prox-quant", "1.0"]
+           "--qat-frac", "0.5", "--consistency-weight", "0.5", "--prox-quant", "1.0", "--prox-from", "0.75"]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
     rows = json.loads((tmp_path / "log" / "loss.json").read_text())["train"]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
