@@ -30,6 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "docs/perf/decode-h200.md)")
     p.add_argument("--fused-norm", action=onoff, default=None,
                    help="CUDA: every RMSNorm as one Triton kernel (default: on with CUDA; docs/perf/decode-h200.md)")
+    p.add_argument("--fused-shared-expert", action=onoff, default=False,
+                   help="CUDA: run each MoE layer's shared expert inside the triton 'split' MoE kernels (one more "
+                        "slot) instead of as a dense MLP (default: off, not yet measured on a GPU)")
     p.add_argument("--decode-kv-buckets", action=onoff, default=None,
                    help="attend over the smallest power-of-two span (>= 1024) that holds the sequence, one decode "
                         "graph per span, instead of all --max-model-len slots (CUDA; default: on with CUDA; "
@@ -60,7 +63,8 @@ def engine_config(a):
                         allow_fallback=a.allow_fallback, speculative_steps=steps, max_model_len=a.max_model_len,
                         load_format=a.load_format, enforce_eager=a.enforce_eager,
                         spec_static_round=a.spec_static_round, kv_buckets=a.decode_kv_buckets,
-                        fused_router=a.fused_router, fused_norm=a.fused_norm)
+                        fused_router=a.fused_router, fused_norm=a.fused_norm,
+                        fused_shared=a.fused_shared_expert)
 
 
 def print_fallbacks(engine) -> None:

@@ -211,6 +211,8 @@ def main() -> int:
                     help="MoE routing as one Triton kernel (M <= 4); default: as the engine (on with CUDA)")
     ap.add_argument("--fused-norm", action=onoff, default=None,
                     help="RMSNorms as single Triton kernels; default: as the engine (on with CUDA)")
+    ap.add_argument("--fused-shared", action=onoff, default=False,
+                    help="each MoE layer's shared expert inside the triton 'split' kernels (EngineConfig.fused_shared)")
     ap.add_argument("--kv-buckets", action=onoff, default=None,
                     help="attention spans in powers of two from 1024 (runner.pow2_buckets) instead of all slots; "
                          "default: as the engine (on with CUDA)")
@@ -240,7 +242,7 @@ def main() -> int:
     max_len = max(ctxs) + 256          # decode_tpot replays 2 x 65 steps past the context
     runner = ModelRunner(model, max_len, dev, pow2_buckets(max_len) if a.kv_buckets else None)
     info["kv_spans"] = list(runner.kv_buckets)
-    info["fused_router"], info["fused_norm"] = a.fused_router, a.fused_norm
+    info["fused_router"], info["fused_norm"], info["fused_shared"] = a.fused_router, a.fused_norm, a.fused_shared
     results, ops = [], {}
 
     def dump():  # after every measurement, so a run cut short by its time limit still leaves its numbers
@@ -251,7 +253,7 @@ def main() -> int:
             plan = BackendPlan.default(dev, moe=moe)
             try:
                 t = time.perf_counter()
-                bind_model(model, plan, dev, head, a.fused_router, a.fused_norm)
+                bind_model(model, plan, dev, head, a.fused_router, a.fused_norm, a.fused_shared and moe == "triton")
                 bind_s = time.perf_counter() - t
             except Exception as e:  # BackendError, or out of memory (humming's repacked copy at full scale)
                 print(f"skip moe={moe} head={head}: {type(e).__name__}: {e}", flush=True)

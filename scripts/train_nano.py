@@ -804,9 +804,12 @@ def main(argv=None) -> int:
     plot(log, logdir / "loss.png")
     print(f"[nano] wrote {logdir / 'loss.json'} and loss.png; total wall {log['total_wall_s']:.1f}s on {dev_name}",
           flush=True)
+    extra = "".join(f" --{k.replace('_', '-')} {v}" for k, v in
+                    (("consistency_weight", a.consistency_weight), ("prox_quant", a.prox_quant),
+                     ("prox_from", a.prox_from)) if v)
     print(f"[nano] reproduce: python scripts/train_nano.py --seed {a.seed} --steps {total_steps} "
-          f"--batch-rows {a.batch_rows} --seq-len {a.seq_len} --qat-frac {a.qat_frac} --mxfp4-scale {a.mxfp4_scale}",
-          flush=True)
+          f"--batch-rows {a.batch_rows} --seq-len {a.seq_len} --qat-frac {a.qat_frac} --mxfp4-scale {a.mxfp4_scale}"
+          f"{extra}", flush=True)
     return 0
 
 

@@ -630,3 +630,36 @@ def test_cli_refused_watch_run_exits_2(ckpt, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "RequestError" in err and "--watch-tokens 60" in err, err
     assert json.loads(out.read_text())["status"]
+
+
+def test_moe_canary_checks_a_fused_shared_expert(ckpt):
+    """With the shared expert run inside the routed kernels (``MoEKernel.bind_shared``; here a CPU stand-in that
+    claims it), ``moe_vs_reference`` compares against routed + shared: a backend that includes it passes, one that
+    claims it but leaves it out fails (the layer would then drop the shared expert silently)."""
+    from bytebound.kernels.torch_ref import moe_reference
+    from bytebound.layers.moe import RoutedExperts
+    eng = engine(ckpt)
+    mods = [m for m in eng.model.modules() if isinstance(m, RoutedExperts)]
+    parents = {id(m.experts): m for m in eng.model.modules() if hasattr(m, "experts") and hasattr(m, "shared_experts")}
+
+    class Claims:
+        def __init__(self, ex, add):
+            self.ex, self.add, self.mlp = ex, add, parents[id(ex)].shared_experts
+
+        def __call__(self, x, ids, w):
+            y = moe_reference(self.ex, x, ids, w)
+            return y + C._shared_reference(self.mlp, x.float()).to(y.dtype) if self.add else y
+
+        def shared_for(self, m, k):
+            return True
+
+    saved = [m.fn for m in mods]
+    try:
+        for add in (True, False):
+            for m in mods:
+                m.fn = Claims(m, add)
+            r = one(eng, C.canary_moe_vs_reference)
+            assert r.passed is add, r.message
+    finally:
+        for m, f in zip(mods, saved):
+            m.fn = f

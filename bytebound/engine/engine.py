@@ -55,6 +55,10 @@ class EngineConfig:
     # 140 s on the H200 (docs/perf/mtp-accept-nano-h200.md), captured rounds take 16-20 s.
     fused_router: bool | None = None  # MoE routing (M <= 4) as one Triton kernel (CUDA)
     fused_norm: bool | None = None    # every RMSNorm / gated RMSNorm as one Triton kernel (CUDA)
+    # The shared expert as one more slot of the 'split' MoE kernels (MoEKernel.bind_shared). Off until measured on
+    # the GPU: the kernels compile for sm_90 and the CPU tests check the plumbing, but no GPU run has checked
+    # its numerics or its speed yet (tests/gpu/test_kernels_gpu.py::test_split_shared_expert).
+    fused_shared: bool = False
     kv_buckets: bool | None = None    # attention spans in powers of two from 1024 (one decode graph each) instead
     #                                   of all max_model_len slots every step (CUDA)
     spec_static_round: bool | None = None  # MTP rounds with static shapes (speculative.round): on CUDA one graph
@@ -172,7 +176,10 @@ class Engine:
                               f"{self.model.cfg.max_position_embeddings}")
         plan = BackendPlan.default(dev, **cfg.backends)
         plan.allow_fallback = cfg.allow_fallback
-        self.plan = bind_model(self.model, plan, dev, cfg.lm_head, cfg.fused_router, cfg.fused_norm)
+        if cfg.fused_shared and not cuda:
+            raise ConfigError("--fused-shared-expert (fused_shared) needs a CUDA device (the triton MoE kernels)")
+        self.plan = bind_model(self.model, plan, dev, cfg.lm_head, cfg.fused_router, cfg.fused_norm,
+                               cfg.fused_shared)
         self.runner = ModelRunner(self.model, cfg.max_model_len, dev,
                                   pow2_buckets(cfg.max_model_len) if cfg.kv_buckets else None)
         if dev.type == "cuda" and not cfg.enforce_eager:

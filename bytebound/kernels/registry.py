@@ -33,6 +33,7 @@ class Resolution:
     reason: str | None = None
     prefill: str | None = None      # how M > the decode kernel's limit runs (e.g. "triton (4-token slices)")
     router: str | None = None       # moe only: who computes the group-limited top-k for M <= 4 ("torch" | "triton")
+    shared: str | None = None       # moe only: where the shared expert runs ("dense" | "fused into the routed kernels")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -593,6 +593,26 @@ class MoEKernel:
         # Delegate for M > MAX_M (bind_model sets it to this kernel over 4-token slices; humming or torch also
         # fit); None -> BackendError, as the registry contract asks.
         self.prefill = None
+        self.shared = None     # triton_moe_split.SharedFP8: the layer's shared expert, inside the 'split' kernels
+
+    def bind_shared(self, mlp) -> None:
+        """Run the layer's shared expert (``mlp``, a ``layers.moe.DenseMLP`` with FP8 128x128-block projections)
+        inside the ``split`` kernels, as one more slot of each: ``__call__`` then returns routed + shared for the
+        token counts whose config is ``split`` (:meth:`shared_for`), and the layer skips its own shared expert
+        there. The gate and up weights are copied once into one ``[2I, H]`` tensor (3.9 MB per Ling-3.0-flash
+        layer); the block scales become BF16x2 factors ``scale x 2^120`` (see ``triton_moe_split._ASM_FP8X4``).
+
+        Raises:
+            BackendError: the projections are not FP8 with 128x128 blocks, the shared intermediate size differs
+                from the routed one, or a block scale is not exactly representable as ``scale x 2^120`` in BF16
+                (a power of two in [2^-133, 2^7]: the checkpoint's ``scale_fmt: ue8m0``)."""
+        from bytebound.kernels.triton_moe_split import shared_fp8
+        self.shared = shared_fp8(mlp, self.h, self.i)
+
+    def shared_for(self, m: int, k: int) -> bool:
+        """Whether ``__call__`` with ``m`` tokens of top-``k`` routing includes the shared expert (bound, and a
+        ``split`` config for ``m``)."""
+        return self.shared is not None and m <= MAX_M and self.config(m, k)["variant"] == "split"
 
     def config(self, m: int, k: int) -> dict:
         """The launch config for ``m`` tokens: a caller-given one (``configs``) or the table's, fitted to this

@@ -52,6 +52,7 @@ the outputs are then wrong.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -96,6 +97,47 @@ if gluon is not None:
         a = gl.join(gl.join(gl.join(v[0], v[1]), gl.join(v[2], v[3])),
                     gl.join(gl.join(v[4], v[5]), gl.join(v[6], v[7])))
         a = gl.permute(a, [0, 1, 3, 6, 5, 2, 4])          # [R, NS, t, tau, j, h, p] -> [R, NS, tau, p, h, t, j]
+        return gl.convert_layout(gl.reshape(a, [R, NS * 128]), DA, assert_trivial=True)
+
+    # 4 FP8 E4M3 bytes of a word -> 4 BF16, times a BF16x2 factor ($5). The byte goes into the high byte of a
+    # 16-bit half (prmt), then sign | (exponent, mantissa) >> 4 is the BF16 pattern of the value x 2^-120 (exact for
+    # normals and subnormals: E4M3's exponent bias is 7, BF16's 127); the factor is the block scale x 2^120
+    # (:meth:`MoEKernel.bind_shared` checks it is exact).
+    _ASM_FP8X4 = gl.constexpr("""
+{
+.reg .b32 a<4>;
+prmt.b32 a0, $4, 0, 0x1404;
+prmt.b32 a1, $4, 0, 0x3424;
+and.b32  a2, a0, 0x80008000;
+shr.u32  a0, a0, 4;
+and.b32  a0, a0, 0x07F007F0;
+or.b32   a0, a0, a2;
+and.b32  a3, a1, 0x80008000;
+shr.u32  a1, a1, 4;
+and.b32  a1, a1, 0x07F007F0;
+or.b32   a1, a1, a3;
+mul.rn.bf16x2 a0, a0, $5;
+mul.rn.bf16x2 a1, a1, $5;
+mov.b32 {$0, $1}, a0;
+mov.b32 {$2, $3}, a1;
+}
+""")
+
+    @gluon.jit
+    def _frag_fp8(w, s, DA: gl.constexpr):
+        """FP8 E4M3 words straight into mma A fragments, in the logical k order of :func:`_frag_dequant` (so the
+        same B operand, :func:`_load_b`, fits). ``w`` int32 ``[R, NS, 4, 8]`` in :func:`fp8_word_layout` (row,
+        128-column super-block, lane column group t, word): lane ``t``'s 32 bytes are physical columns ``128s +
+        32t + o``, ``o = 8tau + 4p + 2h + j`` in word ``2tau + p``, byte ``2h + j``; ``s`` int32 ``[R, NS]``, the
+        BF16x2 factor (block scale x 2^120) of each row and super-block. -> BF16 ``[R, 128*NS]`` in layout ``DA``."""
+        R: gl.constexpr = w.shape[0]
+        NS: gl.constexpr = w.shape[1]
+        s2 = gl.broadcast(gl.expand_dims(gl.expand_dims(s, 2), 3), w)[0]
+        v = gl.inline_asm_elementwise(_ASM_FP8X4, "=h,=h,=h,=h,r,r", [w, s2], (gl.bfloat16,) * 4, True, 1)
+        # v[i] is byte i = 2h + j of the word; the joins append dims j, then h
+        a = gl.join(gl.join(v[0], v[1]), gl.join(v[2], v[3]))          # [R, NS, t, word, j, h]
+        a = gl.reshape(a, [R, NS, 4, 4, 2, 2, 2])                        # word = 2tau + p
+        a = gl.permute(a, [0, 1, 3, 4, 6, 2, 5])      # [R, NS, t, tau, p, j, h] -> [R, NS, tau, p, h, t, j]
         return gl.convert_layout(gl.reshape(a, [R, NS * 128]), DA, assert_trivial=True)
 
     @gluon.jit
@@ -151,37 +193,82 @@ if gluon is not None:
 
     @gluon.jit
     def _moe_gateup_split(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
+                          sw13_ptr, ss13_ptr, slimit,
                           H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
                           SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                          WD: gl.constexpr, PDL: gl.constexpr, PROBE: gl.constexpr = 0):
+                          WD: gl.constexpr, PDL: gl.constexpr, SHARED: gl.constexpr = False,
+                          WD8: gl.constexpr = None, PROBE: gl.constexpr = 0):
         NW: gl.constexpr = gl.num_warps()
-        NPC: gl.constexpr = 8
         S: gl.constexpr = M * TOPK
-        NJ: gl.constexpr = I // BI
-        R1: gl.constexpr = 2 * BI
-        HK: gl.constexpr = H // KP          # H columns per program
-        NS: gl.constexpr = HK // 128        # 128-column super-blocks per program
-        MV: gl.constexpr = 1 if M == 1 else 4
-        HW: gl.constexpr = H // 8           # int32 words per w13 row
-        HS: gl.constexpr = H // 32          # scale bytes per w13 row
-
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-        RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
-        SD: gl.constexpr = gl.SliceLayout(3, WD)
-        EL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
-        HSL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-
         j = gl.program_id(0)
         s = gl.program_id(1)
         p = gl.program_id(2)
         if PDL:     # kernel B may launch now: its weight prologue does not depend on this kernel
             _gdc("griddepcontrol.launch_dependents; mov.u32 $0, 0;", NW)
 
+        if SHARED:
+            if s == S:
+                _gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, s, j, p, H, I, M, BI,
+                               KP, HAS_LIMIT, WD8)
+            else:
+                _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
+                               s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, PROBE)
+        else:
+            _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
+                           s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, PROBE)
+
+    @gluon.jit
+    def _gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, s, j, p, H: gl.constexpr,
+                       I: gl.constexpr, M: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr,
+                       HAS_LIMIT: gl.constexpr, WD8: gl.constexpr):
+        """Kernel A, the shared expert's slot: FP8 E4M3 rows ``gate[j-slice] | up[j-slice]`` (128x128 block
+        scales, ``ss13`` as BF16x2 factors) times x over H slice ``p``; routing weight 1 for every token."""
+        NW: gl.constexpr = gl.num_warps()
+        NPC: gl.constexpr = 8
+        R1: gl.constexpr = 2 * BI
+        HK: gl.constexpr = H // KP
+        NS: gl.constexpr = HK // 128
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
+        SD8: gl.constexpr = gl.SliceLayout(3, WD8)
+        r8 = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD8)))
+        row8 = gl.where(r8 < BI, j * BI + r8, I + j * BI + (r8 - BI))               # row of [gate; up]
+        sb8 = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD8)))
+        t8 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SD8)))
+        q8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WD8))))
+        w3 = row8[:, None, None] * (H // 4) + p * (HK // 4) + sb8[None, :, None] * 32 + t8[None, None, :] * 8
+        wv = gl.load(sw13_ptr + (w3[:, :, :, None] + q8[None, None, None, :]))
+        sv = gl.load(ss13_ptr + (row8 // 128)[:, None] * (H // 128) + p * NS + sb8[None, :])
+        b = _load_b(x_ptr + p * HK, H, M, NS, NW, DB)
+        acc = mma_v2(_frag_fp8(wv, sv, DA), b, gl.zeros([R1, NPC], gl.float32, MMA))
+        mcol = gl.arange(0, NPC, layout=gl.SliceLayout(1, RL))
+        wtok = gl.where(mcol < M, 1.0, 0.0)
+        _gateup_epilogue(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, slimit, I, M, BI, KP, HAS_LIMIT, NW)
+
+    @gluon.jit
+    def _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
+                       s, j, p, H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
+                       SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                       WD: gl.constexpr, PROBE: gl.constexpr):
+        """Kernel A, routed slot ``s``: its expert's MXFP4 rows (unless an earlier slot owns the expert)."""
+        NW: gl.constexpr = gl.num_warps()
+        NPC: gl.constexpr = 8
+        S: gl.constexpr = M * TOPK
+        R1: gl.constexpr = 2 * BI
+        HK: gl.constexpr = H // KP
+        NS: gl.constexpr = HK // 128
+        HW: gl.constexpr = H // 8
+        HS: gl.constexpr = H // 32
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
+        SD: gl.constexpr = gl.SliceLayout(3, WD)
         ids, e, owner = _slot_expert(ids_ptr, s, S, SP, RL)
         if owner:
-            # ---- every weight byte of the program in one go: a 16-byte vector per (row, super-block) and lane ----
+            # ---- every weight byte of the program in one go: a 16-byte vector per (row, super-block), lane ----
             r = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD)))
             row = gl.where(r < BI, j * BI + r, I + j * BI + (r - BI))
             sb = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD)))
@@ -207,34 +294,47 @@ if gluon is not None:
             else:
                 acc = mma_v2(_frag_dequant(wv, sv, gl.load(lut_ptr), gl.load(lut_ptr + 1), gl.load(lut_ptr + 2),
                                            gl.load(lut_ptr + 3), gl.load(lut_ptr + 4), DA), b, acc)
+            _gateup_epilogue(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, limit, I, M, BI, KP, HAS_LIMIT, NW)
 
-            gr = gl.arange(0, BI, layout=gl.SliceLayout(1, EL))
-            gc = gl.arange(0, NPC, layout=gl.SliceLayout(0, EL))
-            if KP == 1:
-                h_s = gl.allocate_shared_memory(gl.float32, [R1, NPC], HSL)
-                h_s.store(acc)
-                _swiglu_store(h_s.slice(0, BI, 0).load(EL), h_s.slice(BI, BI, 0).load(EL), wtok, act_ptr, s, j,
-                              limit, I, M, BI, HAS_LIMIT, EL)
-            else:
-                # partial [R1, MV] -> own slot; the last of the KP programs sums them in order p = 0..KP-1
-                base = part_ptr + (s * NJ + j) * (KP * R1 * MV)
-                pr = gl.arange(0, R1, layout=gl.SliceLayout(1, EL))
-                pm = (gl.zeros([R1, NPC], gl.int32, EL) + gc[None, :]) < MV
-                gl.store(base + p * (R1 * MV) + pr[:, None] * MV + gc[None, :], gl.convert_layout(acc, EL),
-                         mask=pm)
-                _fence_all(NW)
-                ticket = gl.atomic_add(cnt_ptr + s * NJ + j, 1, sem="acq_rel", scope="gpu")
-                if ticket == KP - 1:
-                    gm = (gl.zeros([BI, NPC], gl.int32, EL) + gc[None, :]) < MV
-                    g = gl.zeros([BI, NPC], gl.float32, EL)
-                    u = gl.zeros([BI, NPC], gl.float32, EL)
-                    for pp in gl.static_range(KP):
-                        g += gl.load(base + pp * (R1 * MV) + gr[:, None] * MV + gc[None, :], mask=gm, other=0.0,
-                                     cache_modifier=".cg")
-                        u += gl.load(base + pp * (R1 * MV) + (BI + gr[:, None]) * MV + gc[None, :], mask=gm,
-                                     other=0.0, cache_modifier=".cg")
-                    _swiglu_store(g, u, wtok, act_ptr, s, j, limit, I, M, BI, HAS_LIMIT, EL)
-                    gl.store(cnt_ptr + s * NJ + j, 0)
+    @gluon.jit
+    def _gateup_epilogue(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, limit, I: gl.constexpr,
+                         M: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                         NW: gl.constexpr):
+        """Kernel A's end for slot ``s``: with ``KP == 1`` SwiGLU and the store of ``act[s]``; else the partial
+        ``acc`` (float32 ``[2*BI, 8]``, gate rows then up rows) into its own slot, and the last of the ``KP``
+        programs (acq_rel ticket) sums the partials in the order ``p = 0..KP-1`` and applies SwiGLU."""
+        NPC: gl.constexpr = 8
+        R1: gl.constexpr = 2 * BI
+        NJ: gl.constexpr = I // BI
+        MV: gl.constexpr = 1 if M == 1 else 4
+        EL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
+        HSL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        gr = gl.arange(0, BI, layout=gl.SliceLayout(1, EL))
+        gc = gl.arange(0, NPC, layout=gl.SliceLayout(0, EL))
+        if KP == 1:
+            h_s = gl.allocate_shared_memory(gl.float32, [R1, NPC], HSL)
+            h_s.store(acc)
+            _swiglu_store(h_s.slice(0, BI, 0).load(EL), h_s.slice(BI, BI, 0).load(EL), wtok, act_ptr, s, j,
+                          limit, I, M, BI, HAS_LIMIT, EL)
+        else:
+            # partial [R1, MV] -> own slot; the last of the KP programs sums them in order p = 0..KP-1
+            base = part_ptr + (s * NJ + j) * (KP * R1 * MV)
+            pr = gl.arange(0, R1, layout=gl.SliceLayout(1, EL))
+            pm = (gl.zeros([R1, NPC], gl.int32, EL) + gc[None, :]) < MV
+            gl.store(base + p * (R1 * MV) + pr[:, None] * MV + gc[None, :], gl.convert_layout(acc, EL), mask=pm)
+            _fence_all(NW)
+            ticket = gl.atomic_add(cnt_ptr + s * NJ + j, 1, sem="acq_rel", scope="gpu")
+            if ticket == KP - 1:
+                gm = (gl.zeros([BI, NPC], gl.int32, EL) + gc[None, :]) < MV
+                g = gl.zeros([BI, NPC], gl.float32, EL)
+                u = gl.zeros([BI, NPC], gl.float32, EL)
+                for pp in gl.static_range(KP):
+                    g += gl.load(base + pp * (R1 * MV) + gr[:, None] * MV + gc[None, :], mask=gm, other=0.0,
+                                 cache_modifier=".cg")
+                    u += gl.load(base + pp * (R1 * MV) + (BI + gr[:, None]) * MV + gc[None, :], mask=gm,
+                                 other=0.0, cache_modifier=".cg")
+                _swiglu_store(g, u, wtok, act_ptr, s, j, limit, I, M, BI, HAS_LIMIT, EL)
+                gl.store(cnt_ptr + s * NJ + j, 0)
 
     @gluon.jit
     def _swiglu_store(g, u, wtok, act_ptr, s, j, limit, I: gl.constexpr, M: gl.constexpr, BI: gl.constexpr,
@@ -253,24 +353,15 @@ if gluon is not None:
                  mask=(gl.zeros([BI, 8], gl.int32, EL) + gc[None, :]) < M)
 
     @gluon.jit
-    def _moe_down_split(act_ptr, ids_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, cnt_ptr, lut_ptr,
+    def _moe_down_split(act_ptr, ids_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, cnt_ptr, lut_ptr, sw2_ptr, ss2_ptr,
                         H: gl.constexpr, I: gl.constexpr, M: gl.constexpr, S: gl.constexpr, SP: gl.constexpr,
                         BH: gl.constexpr, KP2: gl.constexpr, WD: gl.constexpr, PDL: gl.constexpr,
-                        PROBE: gl.constexpr = 0):
+                        SHARED: gl.constexpr = False, WD8: gl.constexpr = None, PROBE: gl.constexpr = 0):
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
-        IK: gl.constexpr = I // KP2         # I columns per program
-        NS: gl.constexpr = IK // 128
-        NSLOT: gl.constexpr = S * KP2
+        ST: gl.constexpr = S + SHARED       # slots: routed, then the shared expert
+        NSLOT: gl.constexpr = ST * KP2
         MV: gl.constexpr = 1 if M == 1 else 4
-        IW: gl.constexpr = I // 8
-        IS: gl.constexpr = I // 32
-
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-        RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
-        SD: gl.constexpr = gl.SliceLayout(3, WD)
         OL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
 
         hb = gl.program_id(0)
@@ -279,8 +370,86 @@ if gluon is not None:
         orow = gl.arange(0, BH, layout=gl.SliceLayout(1, OL))
         ocol = gl.arange(0, NPC, layout=gl.SliceLayout(0, OL))
         omask = (gl.zeros([BH, NPC], gl.int32, OL) + ocol[None, :]) < MV
-        slot = part_ptr + ((hb * S + s) * KP2 + kq) * (BH * MV) + orow[:, None] * MV + ocol[None, :]
+        slot = part_ptr + ((hb * ST + s) * KP2 + kq) * (BH * MV) + orow[:, None] * MV + ocol[None, :]
 
+        if SHARED:
+            if s == S:
+                _down_shared(act_ptr, sw2_ptr, ss2_ptr, slot, omask, s, hb, kq, H, I, M, BH, KP2, WD8, PDL)
+            else:
+                _down_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, part_ptr, slot, omask, s, hb, kq, H, I, M, S,
+                             SP, BH, KP2, WD, PDL, PROBE)
+        else:
+            _down_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, part_ptr, slot, omask, s, hb, kq, H, I, M, S,
+                         SP, BH, KP2, WD, PDL, PROBE)
+
+        _fence_all(NW)
+        ticket = gl.atomic_add(cnt_ptr + hb, 1, sem="acq_rel", scope="gpu")
+        if ticket == NSLOT - 1:
+            # sum the ST*KP2 slots in order (s, then q), 8 at a time (in-thread along the slot axis)
+            L3: gl.constexpr = gl.BlockedLayout([8, 1, MV], [1, 32, 1], [1, NW, 1], [2, 1, 0])
+            s8 = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+            h3 = gl.arange(0, BH, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+            n3 = gl.arange(0, MV, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+            tot = gl.zeros([BH, MV], gl.float32, gl.SliceLayout(0, L3))
+            for s0 in gl.static_range(0, NSLOT, 8):
+                ss = s0 + s8
+                ptr = part_ptr + (hb * NSLOT + ss[:, None, None]) * (BH * MV) + h3[None, :, None] * MV + n3[None, None, :]
+                v = gl.load(ptr, mask=(ss[:, None, None] < NSLOT) & (h3[None, :, None] >= 0) & (n3[None, None, :] >= 0),
+                            other=0.0, cache_modifier=".cg")
+                tot += gl.sum(v, axis=0)
+            h2 = gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(0, L3)))
+            n2 = gl.arange(0, MV, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3)))
+            gl.store(out_ptr + n2[None, :] * H + hb * BH + h2[:, None], tot.to(gl.bfloat16),
+                     mask=(n2[None, :] < M) & (h2[:, None] >= 0))
+            gl.store(cnt_ptr + hb, 0)
+
+    @gluon.jit
+    def _down_shared(act_ptr, sw2_ptr, ss2_ptr, slot, omask, s, hb, kq, H: gl.constexpr, I: gl.constexpr,
+                     M: gl.constexpr, BH: gl.constexpr, KP2: gl.constexpr, WD8: gl.constexpr, PDL: gl.constexpr):
+        """Kernel B, the shared expert's slot: FP8 E4M3 ``W2s [H, I]`` rows of block ``hb``, I slice ``kq``, times
+        ``act[s]``, into this program's partial slot."""
+        NW: gl.constexpr = gl.num_warps()
+        NPC: gl.constexpr = 8
+        IK: gl.constexpr = I // KP2
+        NS: gl.constexpr = IK // 128
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        OL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
+        SD8: gl.constexpr = gl.SliceLayout(3, WD8)
+        h8 = gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD8)))
+        sb8 = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD8)))
+        t8 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SD8)))
+        q8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WD8))))
+        hrow8 = hb * BH + h8
+        w3 = hrow8[:, None, None] * (I // 4) + kq * (IK // 4) + sb8[None, :, None] * 32 + t8[None, None, :] * 8
+        wv = gl.load(sw2_ptr + (w3[:, :, :, None] + q8[None, None, None, :]))
+        sv = gl.load(ss2_ptr + (hrow8 // 128)[:, None] * (I // 128) + kq * NS + sb8[None, :])
+        frag = _frag_fp8(wv, sv, DA)
+        if PDL:
+            _gdc("griddepcontrol.wait; mov.u32 $0, 0;", NW)
+        b = _load_b(act_ptr + s * M * I + kq * IK, I, M, NS, NW, DB)
+        acc = mma_v2(frag, b, gl.zeros([BH, NPC], gl.float32, MMA))
+        gl.store(slot, gl.convert_layout(acc, OL), mask=omask)
+
+    @gluon.jit
+    def _down_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, part_ptr, slot, omask, s, hb, kq, H: gl.constexpr,
+                     I: gl.constexpr, M: gl.constexpr, S: gl.constexpr, SP: gl.constexpr, BH: gl.constexpr,
+                     KP2: gl.constexpr, WD: gl.constexpr, PDL: gl.constexpr, PROBE: gl.constexpr):
+        """Kernel B, routed slot ``s``: its expert's MXFP4 ``W2`` rows into the partial slot, or a zero partial
+        when an earlier slot owns the expert."""
+        NW: gl.constexpr = gl.num_warps()
+        NPC: gl.constexpr = 8
+        IK: gl.constexpr = I // KP2
+        NS: gl.constexpr = IK // 128
+        IW: gl.constexpr = I // 8
+        IS: gl.constexpr = I // 32
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
+        SD: gl.constexpr = gl.SliceLayout(3, WD)
+        OL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
         # ids are the router's, written before kernel A started: safe to read before the dependency wait
         ids, e, owner = _slot_expert(ids_ptr, s, S, SP, RL)
         if owner:
@@ -311,27 +480,6 @@ if gluon is not None:
         else:       # a duplicate slot: its expert's share is in the owner's partial
             gl.store(slot, gl.zeros([BH, NPC], gl.float32, OL), mask=omask)
 
-        _fence_all(NW)
-        ticket = gl.atomic_add(cnt_ptr + hb, 1, sem="acq_rel", scope="gpu")
-        if ticket == NSLOT - 1:
-            # sum the S*KP2 slots in order (s, then q), 8 at a time (in-thread along the slot axis)
-            L3: gl.constexpr = gl.BlockedLayout([8, 1, MV], [1, 32, 1], [1, NW, 1], [2, 1, 0])
-            s8 = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-            h3 = gl.arange(0, BH, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-            n3 = gl.arange(0, MV, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-            tot = gl.zeros([BH, MV], gl.float32, gl.SliceLayout(0, L3))
-            for s0 in gl.static_range(0, NSLOT, 8):
-                ss = s0 + s8
-                ptr = part_ptr + (hb * NSLOT + ss[:, None, None]) * (BH * MV) + h3[None, :, None] * MV + n3[None, None, :]
-                v = gl.load(ptr, mask=(ss[:, None, None] < NSLOT) & (h3[None, :, None] >= 0) & (n3[None, None, :] >= 0),
-                            other=0.0, cache_modifier=".cg")
-                tot += gl.sum(v, axis=0)
-            h2 = gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(0, L3)))
-            n2 = gl.arange(0, MV, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3)))
-            gl.store(out_ptr + n2[None, :] * H + hb * BH + h2[:, None], tot.to(gl.bfloat16),
-                     mask=(n2[None, :] < M) & (h2[:, None] >= 0))
-            gl.store(cnt_ptr + hb, 0)
-
 
 @functools.lru_cache(maxsize=None)
 def word_layout(rows: int, ns: int, num_warps: int):
@@ -349,6 +497,22 @@ def word_layout(rows: int, ns: int, num_warps: int):
     lane = [[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]]
     warp = [[16 << b, 0, 0, 0] for b in range(num_warps.bit_length() - 1)]
     return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, ns, 4, 4])
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_word_layout(rows: int, ns: int, num_warps: int):
+    """The register layout of FP8 words for :func:`_frag_fp8`: tensor ``[rows, ns, 4, 8]`` (row, super-block, lane
+    column group t, word). As :func:`word_layout`, but a lane holds 8 words (32 bytes, two 16-byte vectors) per row
+    and super-block: FP8 takes twice the bytes of E2M1 for the same 32 columns."""
+    reg = [[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [8, 0, 0, 0]]
+    reg += [[0, 1 << b, 0, 0] for b in range(ns.bit_length() - 1)]
+    r = 16 * num_warps
+    while r < rows:
+        reg.append([r, 0, 0, 0])
+        r *= 2
+    lane = [[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]]
+    warp = [[16 << b, 0, 0, 0] for b in range(num_warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, ns, 4, 8])
 
 
 def _slices(n: int, want: int, max_cols: int) -> int:
@@ -382,10 +546,58 @@ def fit_split_config(cfg: dict, h: int, i: int) -> dict:
     return cfg
 
 
+@dataclass
+class SharedFP8:
+    """A shared expert in the form the ``split`` kernels read: ``w13w int32 [2I, H/4]`` (FP8 E4M3 bytes of
+    ``[gate; up]``), ``s13 int32 [2I/128, H/128]`` and ``s2 int32 [H/128, I/128]`` (BF16x2 factors ``scale x
+    2^120``, both halves equal), ``w2w int32 [H, I/4]`` (``down``'s bytes, a view), ``limit`` (its SwiGLU clamp)."""
+    w13w: torch.Tensor
+    s13: torch.Tensor
+    w2w: torch.Tensor
+    s2: torch.Tensor
+    limit: float | None
+
+
+def _bf16x2_factor(scale: torch.Tensor, what: str) -> torch.Tensor:
+    """float32 block scales -> int32 BF16x2 of ``scale x 2^120``; BackendError unless exact (see bind_shared)."""
+    f = scale.float() * 2.0 ** 120
+    b = f.to(torch.bfloat16)
+    if not (torch.isfinite(b).all() and torch.equal(b.float(), f) and (f > 0).all()):
+        raise BackendError(f"moe[triton] shared expert: {what} block scales are not powers of two in [2^-133, 2^7] "
+                           "(scale x 2^120 must be exact in BF16); it stays a separate dense MLP")
+    v = b.view(torch.int16).to(torch.int32) & 0xFFFF
+    return (v | (v << 16)).contiguous()
+
+
+def shared_fp8(mlp, h: int, i: int) -> SharedFP8:
+    """Build :class:`SharedFP8` from a ``layers.moe.DenseMLP`` (see ``MoEKernel.bind_shared``).
+
+    Raises:
+        BackendError: not FP8 with 128x128 blocks, the intermediate size is not ``i`` (the routed experts'), or the
+            scales are not exact powers of two."""
+    g, u, d = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    for lin in (g, u, d):
+        if lin.fmt != "fp8" or tuple(lin.block) != (128, 128):
+            raise BackendError(f"moe[triton] shared expert: needs FP8 128x128-block projections, got fmt={lin.fmt!r} "
+                               f"block={tuple(lin.block)}")
+    if g.out_features != i or d.in_features != i or g.in_features != h or d.out_features != h:
+        raise BackendError(f"moe[triton] shared expert: intermediate {g.out_features} x hidden {g.in_features} does "
+                           f"not match the routed experts' {i} x {h} (the kernels share one tiling)")
+    if h % 128 or i % 128:
+        raise BackendError(f"moe[triton] shared expert: H={h} and I={i} must be multiples of 128")
+    w13 = torch.cat([g.weight.data.view(torch.uint8), u.weight.data.view(torch.uint8)]).contiguous()
+    s13 = _bf16x2_factor(torch.cat([g.weight_scale_inv.data, u.weight_scale_inv.data]), "gate/up")
+    return SharedFP8(w13w=w13.view(torch.int32), s13=s13,
+                     w2w=d.weight.data.contiguous().view(torch.uint8).view(torch.int32),
+                     s2=_bf16x2_factor(d.weight_scale_inv.data, "down"), limit=mlp.limit)
+
+
 def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict) -> None:
     """Run the two kernels for one call of :class:`~bytebound.kernels.triton_moe.MoEKernel` ``kern``.
 
-    ``x bf16 [M, H]``, ``ids int32/int64 [M, k]``, ``w float32 [M, k]`` (contiguous), ``out bf16 [M, H]``.
+    ``x bf16 [M, H]``, ``ids int32/int64 [M, k]``, ``w float32 [M, k]`` (contiguous), ``out bf16 [M, H]``. With a
+    shared expert bound (``kern.shared``, :meth:`MoEKernel.bind_shared`) it is one more slot of both kernels and
+    ``out`` is routed + shared.
 
     Raises:
         BackendError: Gluon is not importable."""
@@ -393,27 +605,39 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
         raise BackendError(f"moe[triton] variant 'split': {_GLUON_ERR}")
     m, k = ids.shape
     s = m * k
+    sh = kern.shared
+    st = s + (sh is not None)           # slots: routed, then the shared expert
     h, i = kern.h, kern.i
     bi, kp, bh, kp2 = cfg["BI"], cfg["KP"], cfg["BH"], cfg["KP2"]
     nj, mv = i // bi, (1 if m == 1 else 4)
     dev = x.device
     sp = max(32, 1 << (s - 1).bit_length())
-    act = scratch(dev, "act", s * m * i, torch.bfloat16)
-    part_a = scratch(dev, "part_a", s * nj * kp * 2 * bi * mv) if kp > 1 else act
-    part_b = scratch(dev, "part_b", (h // bh) * s * kp2 * bh * mv)
-    cnt_a = scratch(dev, "cnt_a", s * nj, torch.int32)
+    act = scratch(dev, "act", st * m * i, torch.bfloat16)
+    part_a = scratch(dev, "part_a", st * nj * kp * 2 * bi * mv) if kp > 1 else act
+    part_b = scratch(dev, "part_b", (h // bh) * st * kp2 * bh * mv)
+    cnt_a = scratch(dev, "cnt_a", st * nj, torch.int32)
     cnt_b = scratch(dev, "cnt_b", h // bh, torch.int32)
-    limit = float(kern.limit) if kern.limit is not None else 0.0
+    inf = float("inf")                  # min(x, inf) = x: a slot without a clamp in a launch with one
+    limit = float(kern.limit) if kern.limit is not None else inf
+    slimit = float(sh.limit) if sh is not None and sh.limit is not None else inf
+    has_limit = kern.limit is not None or (sh is not None and sh.limit is not None)
     probe = cfg.get("probe")      # benchmark instrumentation only (bench_moe.py --probe); outputs are then wrong
     pk = {"load_only": 1, "compute_only": 2}.get(probe, 0)
     pdl = bool(cfg.get("pdl", True)) and kern.sm90
+    sw13, ss13, sw2, ss2 = (sh.w13w, sh.s13, sh.w2w, sh.s2) if sh is not None else (kern.w13w, kern.lut) * 2
     if probe != "down_only":
-        _moe_gateup_split[(nj, s, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
-                                       H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, KP=kp, HAS_LIMIT=kern.limit is not None,
-                                       WD=word_layout(2 * bi, h // kp // 128, cfg["num_warps"]), PDL=pdl, PROBE=pk,
-                                       num_warps=cfg["num_warps"])
+        nw = cfg["num_warps"]
+        _moe_gateup_split[(nj, st, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
+                                        sw13, ss13, slimit,
+                                        H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, KP=kp, HAS_LIMIT=has_limit,
+                                        WD=word_layout(2 * bi, h // kp // 128, nw), PDL=pdl, SHARED=sh is not None,
+                                        WD8=fp8_word_layout(2 * bi, h // kp // 128, nw) if sh is not None else None,
+                                        PROBE=pk, num_warps=nw)
     if probe != "gateup_only":
-        _moe_down_split[(h // bh, s, kp2)](act, ids, kern.w2w, kern.s2, out, part_b, cnt_b, kern.lut,
-                                           H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2,
-                                           WD=word_layout(bh, i // kp2 // 128, cfg["down_warps"]), PDL=pdl,
-                                           PROBE=pk, num_warps=cfg["down_warps"], launch_pdl=pdl)
+        dw = cfg["down_warps"]
+        _moe_down_split[(h // bh, st, kp2)](act, ids, kern.w2w, kern.s2, out, part_b, cnt_b, kern.lut, sw2, ss2,
+                                            H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2,
+                                            WD=word_layout(bh, i // kp2 // 128, dw), PDL=pdl,
+                                            SHARED=sh is not None,
+                                            WD8=fp8_word_layout(bh, i // kp2 // 128, dw) if sh is not None else None,
+                                            PROBE=pk, num_warps=dw, launch_pdl=pdl)

@@ -87,8 +87,16 @@ class RoutedExperts(nn.Module):
         self.fn = None
         self.backend: str | None = None
 
+    def shared_in(self, m: int, k: int) -> bool:
+        """Whether the bound backend's output for ``m`` tokens (top-``k``) already includes the layer's shared
+        expert (``MoEKernel.bind_shared``: the ``split`` kernels run it as one more slot), so the layer must not
+        add it again."""
+        f = getattr(self.fn, "shared_for", None)
+        return f is not None and f(m, k)
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``x [M, H]``, ``ids [M, k]``, ``w [M, k]`` float32 -> weighted routed sum ``[M, H]`` in x's dtype."""
+        """``x [M, H]``, ``ids [M, k]``, ``w [M, k]`` float32 -> weighted routed sum ``[M, H]`` in x's dtype (plus
+        the shared expert where :meth:`shared_in` says so)."""
         if self.fn is not None:
             return self.fn(x, ids, w)
         from bytebound.kernels.torch_ref import moe_reference
@@ -131,6 +139,6 @@ class MoE(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         ids, w = self.router(x2)
         y = self.experts(x2, ids, w)
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and not self.experts.shared_in(x2.shape[0], self.top_k):
             y = y + self.shared_experts(x2)
         return y.view(shape)

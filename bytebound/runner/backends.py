@@ -58,11 +58,14 @@ def token_slices(fn, n: int):
 
 
 def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fused_router: bool = False,
-               fused_norm: bool = False) -> BackendPlan:
+               fused_norm: bool = False, fused_shared: bool = False) -> BackendPlan:
     """Resolve each op once and bind every module of that op to it. Raises BackendError (named) when a
     requested backend is unusable and ``plan.allow_fallback`` is False. ``fused_router``: the MoE routing for
     M <= 4 runs as one Triton kernel (``kernels.triton_router``; CUDA only, else BackendError). ``fused_norm``: every
-    RMSNorm and gated RMSNorm is one Triton kernel (``kernels.triton_norm``; CUDA only)."""
+    RMSNorm and gated RMSNorm is one Triton kernel (``kernels.triton_norm``; CUDA only). ``fused_shared``: each
+    MoE layer's shared expert runs inside the routed MoE kernels (``MoEKernel.bind_shared``; the ``triton`` MoE
+    backend's ``split`` variant, FP8 shared experts); a layer where that does not apply keeps its dense shared
+    expert and ``plan.resolutions["moe"].shared`` says why (BackendError instead unless ``allow_fallback``)."""
     dtype = model.dtype
     impl = {}
     for op in ("moe", "linear", "lm_head", "kda", "mla"):
@@ -113,6 +116,30 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
             m.fn = gated_fn
         elif isinstance(m, RMSNorm):
             m.fn = norm_fn
+    plan.resolutions["moe"].shared = "dense"
+    if fused_shared:
+        _bind_shared(model, plan)
     model.lm_head.fn = impl["lm_head"].bind(model.lm_head, dtype)
     model.lm_head.backend = plan.resolutions["lm_head"].resolved
     return plan
+
+
+def _bind_shared(model, plan: BackendPlan) -> None:
+    """``fused_shared`` of :func:`bind_model`: every MoE layer's shared expert into its routed kernels."""
+    why = None
+    n = 0
+    for m in model.modules():
+        if isinstance(m, MoE) and m.shared_experts is not None:
+            bind = getattr(m.experts.fn, "bind_shared", None)
+            try:
+                if bind is None:
+                    raise BackendError(f"moe backend {plan.resolutions['moe'].resolved!r} cannot run the shared "
+                                       "expert (the triton backend can)")
+                bind(m.shared_experts)
+                n += 1
+            except BackendError as e:
+                if not plan.allow_fallback:
+                    raise
+                why = why or str(e)
+    plan.resolutions["moe"].shared = f"fused into the routed kernels ({n} layers)" + (f"; not fused: {why}"
+                                                                                      if why else "")

@@ -8,7 +8,8 @@ measured values, message, seconds). ``run_canaries(engine, strict)`` runs them a
                           (first and last row of each, byte-exact) and every draft parameter has a source
 * ``draft_sharing``       the draft's embedding, NEXTN layer and LM head ARE the target's objects (``is``)
 * ``expert_scale_layout`` MXFP4 weight/scale tensors have the dtype, shape, strides, alignment the kernel expects
-* ``moe_vs_reference``    the bound routed-MoE backend vs the dequantised reference on the loaded bytes, a few
+* ``moe_vs_reference``    the bound routed-MoE backend vs the dequantised reference on the loaded bytes (plus the
+                          shared expert where the kernels run it: MoEKernel.bind_shared), a few
                           random tokens (router-chosen and random experts) in the first/last MoE and NEXTN layers
 * ``logits_finite``       no NaN/Inf in target logits (prompt + one decode step) and in draft logits
 * ``lm_head_path``        fp8: FP8 vs BF16 head on real hidden states of a short prompt plus large-norm rows
@@ -333,6 +334,14 @@ def _checked_moe_layers(model):
 
 
 @torch.inference_mode()
+def _shared_reference(mlp, x: torch.Tensor) -> torch.Tensor:
+    """The shared expert from its dequantised weights in float32, bypassing any bound linear backend."""
+    from bytebound.layers.moe import swiglu
+    g, u, d = (lin.dequantized(torch.float32) if lin.fmt == "fp8" else lin.weight.float()
+               for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    return swiglu(x @ g.t(), x @ u.t(), mlp.limit) @ d.t()
+
+
 def canary_moe_vs_reference(engine, ctx) -> CanaryResult:
     from bytebound.kernels.torch_ref import moe_reference
     name, lever = "moe_vs_reference", "moe"
@@ -356,11 +365,14 @@ def canary_moe_vs_reference(engine, ctx) -> CanaryResult:
         for xs, i_, w_ in ((x[:1], ids_r, w_r), (x[1:], ids, w)):
             y = ex(xs, i_, w_).float()
             ref = moe_reference(_RawExperts(ex), xs.float(), i_, w_.float())
+            if ex.shared_in(xs.shape[0], k):        # the kernels ran the shared expert too (MoEKernel.bind_shared)
+                ref = ref + _shared_reference(moe.shared_experts, xs.float())
             errs.append(float((y - ref).norm() / ref.norm().clamp(min=1e-30)) if torch.isfinite(y).all()
                         else float("inf"))
         per[f"layer{li}"] = [round(e, 6) for e in errs]
         worst = max(worst, *errs)
     meas = {"rel_err": per, "max_rel_err": worst, "tolerance": tol, "backend": layers[0][1].experts.backend,
+            "shared_expert": (engine.plan.resolutions["moe"].shared if "moe" in engine.plan.resolutions else None),
             "rows": {"router": 1, "random_experts": MOE_ROWS}}
     if not worst <= tol:
         return _bad(name, lever, f"routed MoE ({meas['backend']}) differs from the dequantised reference on the "

@@ -95,7 +95,8 @@ def _moe_lever(engine) -> dict:
               "experts": cfg.num_experts, "top_k": cfg.num_experts_per_tok, "hidden": cfg.hidden_size,
               "moe_intermediate": cfg.moe_intermediate_size, "tensors": shapes,
               "call_rows": sorted({1, steps + 1}) if steps else [1], "jit_cache": cache, "jit_info": jit[:4],
-              "router": getattr(r, "router", None), "prefill": getattr(r, "prefill", None)})
+              "router": getattr(r, "router", None), "prefill": getattr(r, "prefill", None),
+              "shared_expert": getattr(r, "shared", None)})
     return d
 
 

@@ -6,6 +6,9 @@
   shared between the verify tokens), clamp on/off, Ling shape (E 512, H 2560, I 768, top-8) and a tiny shape
   (E 16, H 256, I 128, top-4); the triton kernels also repeated (workspace and tickets re-armed, bit-identical),
   under CUDA-graph replay, and their M > 4 refusal.
+* moe, shared expert fused into the ``split`` kernels (``MoEKernel.bind_shared``): routed + shared vs the float64
+  routed sum + float64 shared expert, rel <= 1e-2, at the default, the committed H200 tilings and KP = 1, M = 1-4
+  with duplicates, clamps on either part; a whole MoE layer fused == unfused, under graph replay too.
 * linear: FP8 128x128-block GEMV (M 1..4) and the M > 4 dequantise path vs the dequantised reference.
 * lm_head: FP8 head top-1 agreement with the BF16 head >= 0.99 (including rows of large norm) and closeness to
   the FP8 reference ``quant.fp8_channel_matmul_ref``.
@@ -178,6 +181,109 @@ def test_triton_moe_graph_replay(ling_experts, variant, partials):
     g.replay()
     torch.cuda.synchronize()
     assert rel(out, moe_ref64(ex, x, ids2, w2)) <= 1e-2
+
+
+# ---- the shared expert inside the 'split' kernels (MoEKernel.bind_shared) -----------------------------------
+def make_shared(h, i, limit=None, seed=0, pow2=True):
+    """DenseMLP with FP8 128x128-block projections quantised from random weights (power-of-two scales, as
+    ``scale_fmt: ue8m0`` checkpoints; ``pow2=False`` gives scales the fused path must refuse)."""
+    from bytebound.layers.moe import DenseMLP
+    from bytebound.quant import quantize_fp8_block
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    mlp = DenseMLP(h, i, lambda name: "fp8", (128, 128), torch.bfloat16, DEV, limit)
+    for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        w = torch.randn(lin.out_features, lin.in_features, generator=g, device=DEV) * 0.03
+        lin.weight.data, lin.weight_scale_inv.data = quantize_fp8_block(w, (128, 128), pow2=pow2)
+    return mlp
+
+
+def shared_ref64(mlp, x):
+    """float64 shared expert from the dequantised FP8 projections: ``down(SwiGLU(gate x, up x))``."""
+    from bytebound.layers.moe import swiglu
+    xd = x.double()
+    a = swiglu(xd @ mlp.gate_proj.dequantized(torch.float64).t(), xd @ mlp.up_proj.dequantized(torch.float64).t(),
+               mlp.limit)
+    return a @ mlp.down_proj.dequantized(torch.float64).t()
+
+
+@pytest.mark.parametrize("tiling", [None, {"BI": 64, "KP": 5, "num_warps": 8}, {"BI": 64, "KP": 10, "num_warps": 4},
+                                    {"KP": 1, "BI": 32, "KP2": 6, "BH": 128, "down_warps": 8}],
+                         ids=["default", "h200-m1", "h200-m4", "kp1"])
+@pytest.mark.parametrize("m,dup", [(1, 0), (2, 3), (4, 0), (4, 5)])
+@pytest.mark.parametrize("limits", [(None, None), (1.0, None), (None, 0.75)], ids=["noclamp", "routed", "shared"])
+def test_split_shared_expert(ling_experts, tiling, m, dup, limits):
+    """routed + shared from one pair of launches == float64 routed sum + float64 shared expert (rel <= 1e-2),
+    bit-identical on repeat. ``kp1`` is KP = 1 (the epilogue without partials), which only the tiny shape can
+    run (Ling's H = 2560 is too wide for one slice): it runs there."""
+    from bytebound.kernels.triton_moe import MoEKernel, fit_config
+    if tiling is not None and tiling.get("KP") == 1:
+        ex = make_experts(TINY["e"], TINY["h"], TINY["i"], seed=5)
+        k, e, h, i = TINY["k"], TINY["e"], TINY["h"], TINY["i"]
+    else:
+        ex, k, e, h, i = ling_experts, LING["k"], LING["e"], LING["h"], LING["i"]
+    ex.limit = limits[0]
+    try:
+        mlp = make_shared(h, i, limit=limits[1], seed=m + dup)
+        cfg = fit_config(_moe_config("split", tiling), h, i)
+        fn = MoEKernel(ex, {mm: cfg for mm in range(1, 5)})
+        fn.bind_shared(mlp)
+        assert fn.shared_for(m, k)
+        ids, w = make_routing(m, e, k, shared=dup, seed=m + dup)
+        x = torch.randn(m, h, device=DEV).to(torch.bfloat16)
+        out = _poisoned_call(fn, x, ids, w)
+        ref = moe_ref64(ex, x, ids, w) + shared_ref64(mlp, x)
+        assert torch.isfinite(out.float()).all(), "unwritten or non-finite output"
+        assert rel(out, ref) <= 1e-2, f"M={m} dup={dup} limits={limits} tiling={tiling}: rel {rel(out, ref):.3e}"
+        shared_only = rel(out, moe_ref64(ex, x, ids, w))
+        assert shared_only > 5e-2, f"the shared expert seems missing from the output (rel to routed only {shared_only:.2e})"
+        for _ in range(5):
+            assert torch.equal(fn(x, ids, w), out), "repeated call differs"
+    finally:
+        ex.limit = None
+
+
+def test_split_shared_expert_graph_and_layer():
+    """Through a whole MoE layer (router + experts + shared) at a small shape: the fused path equals the unfused
+    layer (dense shared expert added by the layer) to rounding, so the layer does not add the shared expert twice
+    or drop it, and CUDA-graph replay equals eager. Scales that are not powers of two are refused (BackendError)
+    and leave the kernel unfused."""
+    import dataclasses
+
+    from bytebound.config import LingConfig
+    from bytebound.errors import BackendError
+    from bytebound.kernels.triton_moe import MoEKernel
+    from bytebound.layers.moe import MoE
+    base = LingConfig.from_file("bytebound/assets/configs/ling-3.0-flash.json")
+    cfg = dataclasses.replace(base, hidden_size=TINY["h"], moe_intermediate_size=TINY["i"],
+                              moe_shared_expert_intermediate_size=TINY["i"], num_experts=TINY["e"],
+                              num_experts_per_tok=TINY["k"], n_group=4, topk_group=2)
+    layer = MoE(cfg, 5, lambda name: "fp8", torch.bfloat16, DEV)
+    g = torch.Generator(device=DEV).manual_seed(31)
+    layer.gate.weight.data = torch.randn(TINY["e"], TINY["h"], generator=g, device=DEV) * 0.05
+    layer.experts = ex = make_experts(TINY["e"], TINY["h"], TINY["i"], seed=32)
+    layer.shared_experts = mlp = make_shared(TINY["h"], TINY["i"], seed=33)
+    ex.fn = MoEKernel(ex)
+    x = torch.randn(4, TINY["h"], device=DEV).to(torch.bfloat16)
+    unfused = layer(x)
+    ex.fn.bind_shared(mlp)
+    assert ex.shared_in(4, TINY["k"]) and not ex.shared_in(5, TINY["k"])
+    eager = layer(x)
+    assert rel(eager, unfused) <= 1e-2, f"fused layer vs unfused: rel {rel(eager, unfused):.3e}"
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer(x)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager), "graph replay differs from eager"
+    fn2 = MoEKernel(ex)
+    with pytest.raises(BackendError, match="powers of two"):
+        fn2.bind_shared(make_shared(TINY["h"], TINY["i"], seed=34, pow2=False))
+    assert fn2.shared is None and not fn2.shared_for(1, TINY["k"])
 
 
 def test_triton_moe_refuses_prefill(ling_experts):

@@ -1,0 +1,109 @@
+"""The shared expert inside the ``split`` MoE kernels (``MoEKernel.bind_shared``), host side, on CPU.
+
+The kernels themselves are GPU-only (tests/gpu/test_kernels_gpu.py::test_split_shared_expert*). Here: the form
+the kernels read (``triton_moe_split.shared_fp8``: FP8 bytes of [gate; up] and down, block scales as exact BF16x2
+factors scale x 2^120) and its refusals, the MoE layer adding its dense shared expert exactly when the bound
+backend's output does not include it, and the engine/binding switches refusing what they cannot do."""
+
+import pytest
+import torch
+
+from bytebound.errors import BackendError, ConfigError
+from bytebound.layers.moe import DenseMLP, MoE
+from bytebound.quant import quantize_fp8_block
+
+
+def _mlp(h=256, i=128, pow2=True, seed=0, fmt="fp8"):
+    g = torch.Generator().manual_seed(seed)
+    mlp = DenseMLP(h, i, lambda name: fmt, (128, 128), torch.float32, "cpu", 0.5)
+    if fmt == "fp8":
+        for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            w = torch.randn(lin.out_features, lin.in_features, generator=g) * 0.03
+            lin.weight.data, lin.weight_scale_inv.data = quantize_fp8_block(w, (128, 128), pow2=pow2)
+    return mlp
+
+
+def test_shared_fp8_layout():
+    from bytebound.kernels.triton_moe_split import shared_fp8
+    mlp = _mlp()
+    sh = shared_fp8(mlp, 256, 128)
+    b13 = sh.w13w.view(torch.uint8)
+    assert b13.shape == (256, 256)
+    assert torch.equal(b13[:128], mlp.gate_proj.weight.view(torch.uint8))
+    assert torch.equal(b13[128:], mlp.up_proj.weight.view(torch.uint8))
+    assert torch.equal(sh.w2w.view(torch.uint8), mlp.down_proj.weight.view(torch.uint8))
+    assert sh.s13.shape == (2, 2) and sh.s2.shape == (2, 1) and sh.limit == 0.5
+    # each int32 holds the same BF16 twice: scale x 2^120, exactly
+    for fac, scale in ((sh.s13, torch.cat([mlp.gate_proj.weight_scale_inv, mlp.up_proj.weight_scale_inv])),
+                       (sh.s2, mlp.down_proj.weight_scale_inv)):
+        lo, hi = fac & 0xFFFF, (fac >> 16) & 0xFFFF
+        assert torch.equal(lo, hi)
+        val = lo.to(torch.int16).view(torch.bfloat16).float()
+        assert torch.equal(val, scale * 2.0 ** 120)
+
+
+def test_shared_fp8_refusals():
+    from bytebound.kernels.triton_moe_split import shared_fp8
+    with pytest.raises(BackendError, match="powers of two"):
+        shared_fp8(_mlp(pow2=False), 256, 128)
+    with pytest.raises(BackendError, match="does not match"):
+        shared_fp8(_mlp(i=256), 256, 128)
+    with pytest.raises(BackendError, match="FP8"):
+        shared_fp8(_mlp(fmt="plain"), 256, 128)
+
+
+class _Routed:
+    """A bound routed-MoE backend stand-in: returns zeros and claims the shared expert for up to 4 tokens."""
+
+    def __init__(self, claims):
+        self.claims = claims
+
+    def __call__(self, x, ids, w):
+        return torch.zeros_like(x)
+
+    def shared_for(self, m, k):
+        return self.claims and m <= 4
+
+
+@pytest.mark.parametrize("claims", [True, False])
+def test_layer_adds_the_shared_expert_only_when_the_backend_does_not(claims):
+    from bytebound.config import LingConfig
+    import dataclasses
+    base = LingConfig.from_file("bytebound/assets/configs/ling-3.0-flash.json")
+    cfg = dataclasses.replace(base, hidden_size=256, moe_intermediate_size=128,
+                              moe_shared_expert_intermediate_size=128, num_experts=16, num_experts_per_tok=4,
+                              n_group=4, topk_group=2)
+    layer = MoE(cfg, 5, lambda name: "plain", torch.float32, "cpu")
+    torch.nn.init.normal_(layer.gate.weight, std=0.05)
+    for lin in (layer.shared_experts.gate_proj, layer.shared_experts.up_proj, layer.shared_experts.down_proj):
+        torch.nn.init.normal_(lin.weight, std=0.05)
+    layer.experts.fn = _Routed(claims)
+    for m in (1, 4, 5):
+        x = torch.randn(m, 256)
+        y = layer(x)
+        if claims and m <= 4:           # the backend said its output has the shared expert: not added again
+            assert torch.equal(y, torch.zeros_like(x))
+        else:
+            torch.testing.assert_close(y, layer.shared_experts(x))
+
+
+def test_bind_model_fused_shared_needs_the_triton_backend(tmp_path):
+    from bytebound.checkpoint.synthetic import dummy_model
+    from bytebound.config import LingConfig
+    from bytebound.runner.backends import BackendPlan, bind_model
+    model = dummy_model(LingConfig.from_file("models/ling-nano/config.json"), torch.device("cpu"), torch.float32)
+    with pytest.raises(BackendError, match="cannot run the shared expert"):
+        bind_model(model, BackendPlan.default("cpu"), "cpu", fused_shared=True)
+    plan = BackendPlan.default("cpu")
+    plan.allow_fallback = True
+    bind_model(model, plan, "cpu", fused_shared=True)
+    assert plan.resolutions["moe"].shared.startswith("fused into the routed kernels (0 layers); not fused:")
+    plan = BackendPlan.default("cpu")
+    bind_model(model, plan, "cpu")
+    assert plan.resolutions["moe"].shared == "dense"
+
+
+def test_engine_refuses_fused_shared_on_cpu():
+    from bytebound.engine.engine import Engine, EngineConfig
+    with pytest.raises(ConfigError, match="fused-shared-expert"):
+        Engine(EngineConfig(model="models/ling-nano", device="cpu", fused_shared=True))
