@@ -318,6 +318,73 @@ def probe(layers, ms, cfgs: dict, reps: int, log) -> list[dict]:
     return rows
 
 
+SHARED_BYTES = 3 * H * I + 4 * (2 * I // 128 * H // 128 + H // 128 * I // 128)    # FP8 bytes + f32 block scales
+
+
+def make_shared(seed: int):
+    """A shared expert of Ling-3.0-flash's shape (H 2560, I 768), FP8 128x128 blocks with power-of-two scales,
+    its projections bound to the triton FP8 GEMV (as the engine runs it unfused)."""
+    from bytebound.kernels.triton_fp8 import TritonLinear
+    from bytebound.layers.moe import DenseMLP
+    from bytebound.quant import quantize_fp8_block
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mlp = DenseMLP(H, I, lambda name: "fp8", (128, 128), torch.bfloat16, "cuda", None)
+    for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        w = torch.randn(lin.out_features, lin.in_features, generator=g, device="cuda") * 0.03
+        lin.weight.data, lin.weight_scale_inv.data = quantize_fp8_block(w, (128, 128), pow2=True)
+        lin.fn = TritonLinear().bind(lin, torch.bfloat16)
+    return mlp
+
+
+def shared_reference(mlp, x):
+    from bytebound.layers.moe import swiglu
+    g, u, d = (lin.dequantized(torch.float32) for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    return swiglu(x.float() @ g.t(), x.float() @ u.t(), mlp.limit) @ d.t()
+
+
+def shared_section(layers, ms, cfgs: dict, reps: int, read_gbps: float, log) -> list[dict]:
+    """Routed + shared expert per layer, two ways, same routing, same run: the ``split`` kernels then the shared
+    expert as a dense MLP (three FP8 GEMV launches, SwiGLU, add: the engine's unfused path), and the shared
+    expert as one more slot of the ``split`` kernels (``MoEKernel.bind_shared``)."""
+    nl = len(layers)
+    mlps = [make_shared(500 + li) for li in range(nl)]
+    rows = []
+    for m in ms:
+        cfg = cfgs.get(m)
+        if not cfg or cfg.get("variant") != "split":
+            log(f"shared M={m}: skipped (config {cfg} is not 'split')")
+            continue
+        xs = [torch.randn(m, H, device="cuda").to(torch.bfloat16) for _ in range(nl)]
+        routes = [make_routing(m, "random", 3000 + 17 * li) for li in range(nl)]
+        sep = [bind("triton", ex, {m: cfg}) for ex in layers]
+        fused = [bind("triton", ex, {m: cfg}) for ex in layers]
+        for f, mlp in zip(fused, mlps):
+            f.bind_shared(mlp)
+        ref0 = reference(layers[0], xs[0], *routes[0]) + shared_reference(mlps[0], xs[0])
+        uniq = statistics.mean(int(r[0].unique().numel()) for r in routes)
+        nbytes = uniq * EXPERT_BYTES + SHARED_BYTES
+        modes = (("dense shared expert", lambda li: sep[li](xs[li], *routes[li]) + mlps[li](xs[li])),
+                 ("shared fused into split", lambda li: fused[li](xs[li], *routes[li])))
+        for name, call in modes:
+            out0 = call(0)
+            torch.cuda.synchronize()
+
+            def all_layers(call=call):
+                for li in range(nl):
+                    call(li)
+            g, _ = capture_graph(all_layers, warmup=1)
+            per = [t / nl for t in cuda_time(g.replay, reps)]
+            t = statistics.median(per) * 1e6
+            r = {"section": "shared", "M": m, "mode": name, "config": cfg, "time_us_median": t,
+                 "time_us_min": min(per) * 1e6, "bytes_per_layer": nbytes, "GBps": nbytes / (t * 1e-6) / 1e9,
+                 "rel_err_vs_ref": rel(out0, ref0)}
+            r["ratio_to_read_bw"] = r["GBps"] / read_gbps
+            rows.append(r)
+            log(f"shared M={m} {name:24s} {t:7.1f} us  {nbytes / 1e6:6.1f} MB  {r['GBps']:6.0f} GB/s  "
+                f"{100 * r['ratio_to_read_bw']:5.1f}% of read  rel {r['rel_err_vs_ref']:.1e}")
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "out" / "bench_moe")))
@@ -331,6 +398,8 @@ def main() -> int:
                     help="tune only the default config, its float-atomic twin and the partials-mode tilings")
     ap.add_argument("--tune-split", action="store_true",
                     help="tune (implies --tune) only the committed config of each M and the 'split' variant's tilings")
+    ap.add_argument("--shared", action="store_true",
+                    help="also time routed + shared expert per layer: dense shared expert vs fused into the split kernels")
     ap.add_argument("--probe", action="store_true",
                     help="attribute the split variant's time (each kernel alone, load-only, compute-only, profiler)")
     args = ap.parse_args()
@@ -383,6 +452,13 @@ def main() -> int:
         best = dict(tuned["best"]) if tuned else {}
         cfgs = {m: best.get(m) or lookup_config(E, H, I, K, m) for m in ms}
         result["probe"] = probe(layers, ms, cfgs, args.reps, log)
+        (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+    if args.shared:
+        from bytebound.kernels.triton_moe import lookup_config
+        best = dict(tuned["best"]) if tuned else {}
+        cfgs = {m: best.get(m) or lookup_config(E, H, I, K, m) for m in ms}
+        result["shared"] = shared_section(layers, ms, cfgs, args.reps, bw["read_GBps"], log)
         (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
 
     for backend in backends:
