@@ -107,3 +107,37 @@ def test_engine_refuses_fused_shared_on_cpu():
     from bytebound.engine.engine import Engine, EngineConfig
     with pytest.raises(ConfigError, match="fused-shared-expert"):
         Engine(EngineConfig(model="models/ling-nano", device="cpu", fused_shared=True))
+
+
+def test_prefill_slices_leave_the_shared_expert_to_the_layer(monkeypatch):
+    """M > 4 (prefill): the kernel runs on 4-token slices (``backends.prefill_slices``) and the layer adds its
+    dense shared expert, since ``shared_in`` is false there; the slices must not run it too. A ``MoEKernel``'s
+    host logic on CPU, its launch replaced by a stand-in whose output is the shared expert when asked for it."""
+    import dataclasses
+
+    from bytebound.config import LingConfig
+    from bytebound.kernels import triton_moe as tm
+    from bytebound.kernels import triton_moe_split as ts
+    from bytebound.runner.backends import prefill_slices
+    base = LingConfig.from_file("bytebound/assets/configs/ling-3.0-flash.json")
+    cfg = dataclasses.replace(base, hidden_size=256, moe_intermediate_size=128,
+                              moe_shared_expert_intermediate_size=128, num_experts=16, num_experts_per_tok=4,
+                              n_group=4, topk_group=2)
+    layer = MoE(cfg, 5, lambda name: "plain", torch.bfloat16, "cpu")
+    torch.nn.init.normal_(layer.gate.weight, std=0.05)
+    for lin in (layer.shared_experts.gate_proj, layer.shared_experts.up_proj, layer.shared_experts.down_proj):
+        torch.nn.init.normal_(lin.weight, std=0.05)
+    k = tm.MoEKernel.__new__(tm.MoEKernel)              # no CUDA here: only the host logic is under test
+    k.e, k.h, k.i, k.limit, k._fitted = 16, 256, 128, None, {}
+    k.configs = {m: dict(ts.SPLIT_DEFAULT) for m in range(1, 5)}
+    k.shared = object()
+
+    def launch(kern, x, ids, w, out, cfg, sh=None):     # routed part 0; the shared expert when the kernels run it
+        out.copy_(layer.shared_experts(x) if sh is not None else torch.zeros_like(out))
+    monkeypatch.setattr(ts, "launch_split", launch)
+    k.prefill = prefill_slices(k)
+    layer.experts.fn = k
+    for m in (1, 4, 6, 9):
+        x = torch.randn(m, 256).to(torch.bfloat16)
+        assert layer.experts.shared_in(m, 4) == (m <= 4)
+        torch.testing.assert_close(layer(x).float(), layer.shared_experts(x).float())     # exactly once

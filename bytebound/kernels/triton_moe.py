@@ -625,7 +625,9 @@ class MoEKernel:
             self._fitted[m] = done
         return done[1]
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, shared: bool = True) -> torch.Tensor:
+        """Routed sum ``[M, H]`` bf16, plus the bound shared expert when ``shared`` and :meth:`shared_for` (the
+        prefill delegate calls with ``shared=False``: there the layer adds its dense shared expert itself)."""
         m, k = ids.shape
         if m > MAX_M:
             if self.prefill is not None:
@@ -640,7 +642,7 @@ class MoEKernel:
         w = w.to(torch.float32).contiguous()
         out = torch.empty(m, self.h, dtype=torch.bfloat16, device=x.device)
         if cfg["variant"] == "split":
-            _split().launch_split(self, x, ids, w, out, cfg)
+            _split().launch_split(self, x, ids, w, out, cfg, self.shared if shared else None)
             return out
         grid = (self.i // cfg["BI"], m * k)
         sp = triton.next_power_of_2(max(m * k, 32))

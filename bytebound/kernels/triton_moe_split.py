@@ -232,17 +232,23 @@ mov.b32 {$2, $3}, a1;
         DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
+        # FP8 takes twice E2M1's bytes per column: the program's columns go in chunks of NC super-blocks (half of
+        # them when it can), so this slot holds no more weight registers than a routed slot, whose register count
+        # the whole kernel gets
+        NC: gl.constexpr = WD8.shape[1]
         SD8: gl.constexpr = gl.SliceLayout(3, WD8)
         r8 = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD8)))
         row8 = gl.where(r8 < BI, j * BI + r8, I + j * BI + (r8 - BI))               # row of [gate; up]
-        sb8 = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD8)))
+        sb8 = gl.arange(0, NC, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD8)))
         t8 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SD8)))
         q8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WD8))))
         w3 = row8[:, None, None] * (H // 4) + p * (HK // 4) + sb8[None, :, None] * 32 + t8[None, None, :] * 8
-        wv = gl.load(sw13_ptr + (w3[:, :, :, None] + q8[None, None, None, :]))
-        sv = gl.load(ss13_ptr + (row8 // 128)[:, None] * (H // 128) + p * NS + sb8[None, :])
-        b = _load_b(x_ptr + p * HK, H, M, NS, NW, DB)
-        acc = mma_v2(_frag_fp8(wv, sv, DA), b, gl.zeros([R1, NPC], gl.float32, MMA))
+        acc = gl.zeros([R1, NPC], gl.float32, MMA)
+        for c in gl.static_range(NS // NC):
+            wv = gl.load(sw13_ptr + (w3[:, :, :, None] + c * (NC * 32) + q8[None, None, None, :]))
+            sv = gl.load(ss13_ptr + (row8 // 128)[:, None] * (H // 128) + p * NS + c * NC + sb8[None, :])
+            b = _load_b(x_ptr + p * HK + c * (NC * 128), H, M, NC, NW, DB)
+            acc = mma_v2(_frag_fp8(wv, sv, DA), b, acc)
         mcol = gl.arange(0, NPC, layout=gl.SliceLayout(1, RL))
         wtok = gl.where(mcol < M, 1.0, 0.0)
         _gateup_epilogue(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, slimit, I, M, BI, KP, HAS_LIMIT, NW)
@@ -562,10 +568,12 @@ def _bf16x2_factor(scale: torch.Tensor, what: str) -> torch.Tensor:
     """float32 block scales -> int32 BF16x2 of ``scale x 2^120``; BackendError unless exact (see bind_shared)."""
     f = scale.float() * 2.0 ** 120
     b = f.to(torch.bfloat16)
-    if not (torch.isfinite(b).all() and torch.equal(b.float(), f) and (f > 0).all()):
-        raise BackendError(f"moe[triton] shared expert: {what} block scales are not powers of two in [2^-133, 2^7] "
-                           "(scale x 2^120 must be exact in BF16); it stays a separate dense MLP")
     v = b.view(torch.int16).to(torch.int32) & 0xFFFF
+    # a power of two: exact, positive, finite, a normal BF16 with a zero mantissa (scale <= 2^7)
+    if not (torch.equal(b.float(), f) and (f > 0).all() and torch.isfinite(b).all() and ((v & 0x7F) == 0).all()
+            and ((v >> 7) > 0).all()):
+        raise BackendError(f"moe[triton] shared expert: {what} block scales are not powers of two of at most 2^7 "
+                           "(scale_fmt ue8m0); it stays a separate dense MLP")
     return (v | (v << 16)).contiguous()
 
 
@@ -592,12 +600,13 @@ def shared_fp8(mlp, h: int, i: int) -> SharedFP8:
                      s2=_bf16x2_factor(d.weight_scale_inv.data, "down"), limit=mlp.limit)
 
 
-def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict) -> None:
+def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict,
+                 sh: SharedFP8 | None = None) -> None:
     """Run the two kernels for one call of :class:`~bytebound.kernels.triton_moe.MoEKernel` ``kern``.
 
     ``x bf16 [M, H]``, ``ids int32/int64 [M, k]``, ``w float32 [M, k]`` (contiguous), ``out bf16 [M, H]``. With a
-    shared expert bound (``kern.shared``, :meth:`MoEKernel.bind_shared`) it is one more slot of both kernels and
-    ``out`` is routed + shared.
+    shared expert ``sh`` (``MoEKernel.bind_shared``) it is one more slot of both kernels and ``out`` is routed +
+    shared.
 
     Raises:
         BackendError: Gluon is not importable."""
@@ -605,7 +614,6 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
         raise BackendError(f"moe[triton] variant 'split': {_GLUON_ERR}")
     m, k = ids.shape
     s = m * k
-    sh = kern.shared
     st = s + (sh is not None)           # slots: routed, then the shared expert
     h, i = kern.h, kern.i
     bi, kp, bh, kp2 = cfg["BI"], cfg["KP"], cfg["BH"], cfg["KP2"]
@@ -631,7 +639,8 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
                                         sw13, ss13, slimit,
                                         H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, KP=kp, HAS_LIMIT=has_limit,
                                         WD=word_layout(2 * bi, h // kp // 128, nw), PDL=pdl, SHARED=sh is not None,
-                                        WD8=fp8_word_layout(2 * bi, h // kp // 128, nw) if sh is not None else None,
+                                        WD8=fp8_word_layout(2 * bi, max(1, h // kp // 256), nw)
+                                        if sh is not None else None,
                                         PROBE=pk, num_warps=nw)
     if probe != "gateup_only":
         dw = cfg["down_warps"]

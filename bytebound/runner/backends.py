@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +58,13 @@ def token_slices(fn, n: int):
     return run
 
 
+def prefill_slices(fn):
+    """The prefill delegate of a decode kernel that takes at most ``fn.max_tokens`` tokens: the kernel over
+    slices of that size, called with ``shared=False``: for more tokens than that the MoE layer adds its dense
+    shared expert itself (``RoutedExperts.shared_in`` is false there), so the slices must not run it as well."""
+    return token_slices(functools.partial(fn, shared=False), fn.max_tokens)
+
+
 def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fused_router: bool = False,
                fused_norm: bool = False, fused_shared: bool = False) -> BackendPlan:
     """Resolve each op once and bind every module of that op to it. Raises BackendError (named) when a
@@ -100,7 +108,7 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
                 # M = 4; the torch reference's loop made a 32K prefill cost 183 us per token per layer in all
                 # (docs/perf/decode-h200.md, TTFT).
                 n = m.fn.max_tokens
-                m.fn.prefill = token_slices(m.fn, n)
+                m.fn.prefill = prefill_slices(m.fn)
                 plan.resolutions["moe"].prefill = f"{plan.resolutions['moe'].resolved} ({n}-token slices)"
         elif isinstance(m, KimiDeltaAttention):
             m.kda_fn = impl["kda"].bind(m, dtype)
