@@ -200,6 +200,10 @@ mov.b32 {$2, $3}, a1;
                           WD8: gl.constexpr = None, PROBE: gl.constexpr = 0):
         NW: gl.constexpr = gl.num_warps()
         S: gl.constexpr = M * TOPK
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
         j = gl.program_id(0)
         s = gl.program_id(1)
         p = gl.program_id(2)
@@ -209,18 +213,19 @@ mov.b32 {$2, $3}, a1;
         if SHARED:
             if s == S:
                 _gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, s, j, p, H, I, M, BI,
-                               KP, HAS_LIMIT, WD8)
+                               KP, HAS_LIMIT, WD8, MMA, DA, DB, RL)
             else:
                 _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
-                               s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, PROBE)
+                               s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, PROBE, MMA, DA, DB, RL)
         else:
             _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
-                           s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, PROBE)
+                           s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, PROBE, MMA, DA, DB, RL)
 
     @gluon.jit
     def _gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, s, j, p, H: gl.constexpr,
                        I: gl.constexpr, M: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr,
-                       HAS_LIMIT: gl.constexpr, WD8: gl.constexpr):
+                       HAS_LIMIT: gl.constexpr, WD8: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
+                       DB: gl.constexpr, RL: gl.constexpr):
         """Kernel A, the shared expert's slot: FP8 E4M3 rows ``gate[j-slice] | up[j-slice]`` (128x128 block
         scales, ``ss13`` as BF16x2 factors) times x over H slice ``p``; routing weight 1 for every token."""
         NW: gl.constexpr = gl.num_warps()
@@ -228,10 +233,6 @@ mov.b32 {$2, $3}, a1;
         R1: gl.constexpr = 2 * BI
         HK: gl.constexpr = H // KP
         NS: gl.constexpr = HK // 128
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-        RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
         # FP8 takes twice E2M1's bytes per column: the program's columns go in chunks of NC super-blocks (half of
         # them when it can), so this slot holds no more weight registers than a routed slot, whose register count
         # the whole kernel gets
@@ -257,7 +258,8 @@ mov.b32 {$2, $3}, a1;
     def _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
                        s, j, p, H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
                        SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                       WD: gl.constexpr, PROBE: gl.constexpr):
+                       WD: gl.constexpr, PROBE: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
+                       DB: gl.constexpr, RL: gl.constexpr):
         """Kernel A, routed slot ``s``: its expert's MXFP4 rows (unless an earlier slot owns the expert)."""
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
@@ -267,10 +269,6 @@ mov.b32 {$2, $3}, a1;
         NS: gl.constexpr = HK // 128
         HW: gl.constexpr = H // 8
         HS: gl.constexpr = H // 32
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-        RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
         SD: gl.constexpr = gl.SliceLayout(3, WD)
         ids, e, owner = _slot_expert(ids_ptr, s, S, SP, RL)
         if owner:
@@ -368,6 +366,10 @@ mov.b32 {$2, $3}, a1;
         ST: gl.constexpr = S + SHARED       # slots: routed, then the shared expert
         NSLOT: gl.constexpr = ST * KP2
         MV: gl.constexpr = 1 if M == 1 else 4
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
         OL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
 
         hb = gl.program_id(0)
@@ -380,13 +382,14 @@ mov.b32 {$2, $3}, a1;
 
         if SHARED:
             if s == S:
-                _down_shared(act_ptr, sw2_ptr, ss2_ptr, slot, omask, s, hb, kq, H, I, M, BH, KP2, WD8, PDL)
+                _down_shared(act_ptr, sw2_ptr, ss2_ptr, slot, omask, s, hb, kq, H, I, M, BH, KP2, WD8, PDL, MMA, DA, DB,
+                             OL)
             else:
                 _down_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, part_ptr, slot, omask, s, hb, kq, H, I, M, S,
-                             SP, BH, KP2, WD, PDL, PROBE)
+                             SP, BH, KP2, WD, PDL, PROBE, MMA, DA, DB, RL, OL)
         else:
             _down_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, part_ptr, slot, omask, s, hb, kq, H, I, M, S,
-                         SP, BH, KP2, WD, PDL, PROBE)
+                         SP, BH, KP2, WD, PDL, PROBE, MMA, DA, DB, RL, OL)
 
         _fence_all(NW)
         ticket = gl.atomic_add(cnt_ptr + hb, 1, sem="acq_rel", scope="gpu")
@@ -411,17 +414,14 @@ mov.b32 {$2, $3}, a1;
 
     @gluon.jit
     def _down_shared(act_ptr, sw2_ptr, ss2_ptr, slot, omask, s, hb, kq, H: gl.constexpr, I: gl.constexpr,
-                     M: gl.constexpr, BH: gl.constexpr, KP2: gl.constexpr, WD8: gl.constexpr, PDL: gl.constexpr):
+                     M: gl.constexpr, BH: gl.constexpr, KP2: gl.constexpr, WD8: gl.constexpr, PDL: gl.constexpr,
+                     MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, OL: gl.constexpr):
         """Kernel B, the shared expert's slot: FP8 E4M3 ``W2s [H, I]`` rows of block ``hb``, I slice ``kq``, times
         ``act[s]``, into this program's partial slot."""
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         IK: gl.constexpr = I // KP2
         NS: gl.constexpr = IK // 128
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-        OL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
         SD8: gl.constexpr = gl.SliceLayout(3, WD8)
         h8 = gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD8)))
         sb8 = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD8)))
@@ -441,7 +441,8 @@ mov.b32 {$2, $3}, a1;
     @gluon.jit
     def _down_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, part_ptr, slot, omask, s, hb, kq, H: gl.constexpr,
                      I: gl.constexpr, M: gl.constexpr, S: gl.constexpr, SP: gl.constexpr, BH: gl.constexpr,
-                     KP2: gl.constexpr, WD: gl.constexpr, PDL: gl.constexpr, PROBE: gl.constexpr):
+                     KP2: gl.constexpr, WD: gl.constexpr, PDL: gl.constexpr, PROBE: gl.constexpr,
+                     MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, RL: gl.constexpr, OL: gl.constexpr):
         """Kernel B, routed slot ``s``: its expert's MXFP4 ``W2`` rows into the partial slot, or a zero partial
         when an earlier slot owns the expert."""
         NW: gl.constexpr = gl.num_warps()
@@ -450,12 +451,7 @@ mov.b32 {$2, $3}, a1;
         NS: gl.constexpr = IK // 128
         IW: gl.constexpr = I // 8
         IS: gl.constexpr = I // 32
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-        RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
         SD: gl.constexpr = gl.SliceLayout(3, WD)
-        OL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
         # ids are the router's, written before kernel A started: safe to read before the dependency wait
         ids, e, owner = _slot_expert(ids_ptr, s, S, SP, RL)
         if owner:
