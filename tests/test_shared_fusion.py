@@ -52,6 +52,23 @@ def test_shared_fp8_refusals():
         shared_fp8(_mlp(fmt="plain"), 256, 128)
 
 
+def _tiny_layer(dtype=torch.float32):
+    """A Ling MoE layer at a small shape (H 256, I 128, 16 experts, top-4), plain weights, random router and
+    shared expert."""
+    import dataclasses
+
+    from bytebound.config import LingConfig
+    base = LingConfig.from_file("bytebound/assets/configs/ling-3.0-flash.json")
+    cfg = dataclasses.replace(base, hidden_size=256, moe_intermediate_size=128,
+                              moe_shared_expert_intermediate_size=128, num_experts=16, num_experts_per_tok=4,
+                              n_group=4, topk_group=2)
+    layer = MoE(cfg, 5, lambda name: "plain", dtype, "cpu")
+    torch.nn.init.normal_(layer.gate.weight, std=0.05)
+    for lin in (layer.shared_experts.gate_proj, layer.shared_experts.up_proj, layer.shared_experts.down_proj):
+        torch.nn.init.normal_(lin.weight, std=0.05)
+    return layer
+
+
 class _Routed:
     """A bound routed-MoE backend stand-in: returns zeros and claims the shared expert for up to 4 tokens."""
 
@@ -67,16 +84,7 @@ class _Routed:
 
 @pytest.mark.parametrize("claims", [True, False])
 def test_layer_adds_the_shared_expert_only_when_the_backend_does_not(claims):
-    from bytebound.config import LingConfig
-    import dataclasses
-    base = LingConfig.from_file("bytebound/assets/configs/ling-3.0-flash.json")
-    cfg = dataclasses.replace(base, hidden_size=256, moe_intermediate_size=128,
-                              moe_shared_expert_intermediate_size=128, num_experts=16, num_experts_per_tok=4,
-                              n_group=4, topk_group=2)
-    layer = MoE(cfg, 5, lambda name: "plain", torch.float32, "cpu")
-    torch.nn.init.normal_(layer.gate.weight, std=0.05)
-    for lin in (layer.shared_experts.gate_proj, layer.shared_experts.up_proj, layer.shared_experts.down_proj):
-        torch.nn.init.normal_(lin.weight, std=0.05)
+    layer = _tiny_layer()
     layer.experts.fn = _Routed(claims)
     for m in (1, 4, 5):
         x = torch.randn(m, 256)
@@ -113,20 +121,10 @@ def test_prefill_slices_leave_the_shared_expert_to_the_layer(monkeypatch):
     """M > 4 (prefill): the kernel runs on 4-token slices (``backends.prefill_slices``) and the layer adds its
     dense shared expert, since ``shared_in`` is false there; the slices must not run it too. A ``MoEKernel``'s
     host logic on CPU, its launch replaced by a stand-in whose output is the shared expert when asked for it."""
-    import dataclasses
-
-    from bytebound.config import LingConfig
     from bytebound.kernels import triton_moe as tm
     from bytebound.kernels import triton_moe_split as ts
     from bytebound.runner.backends import prefill_slices
-    base = LingConfig.from_file("bytebound/assets/configs/ling-3.0-flash.json")
-    cfg = dataclasses.replace(base, hidden_size=256, moe_intermediate_size=128,
-                              moe_shared_expert_intermediate_size=128, num_experts=16, num_experts_per_tok=4,
-                              n_group=4, topk_group=2)
-    layer = MoE(cfg, 5, lambda name: "plain", torch.bfloat16, "cpu")
-    torch.nn.init.normal_(layer.gate.weight, std=0.05)
-    for lin in (layer.shared_experts.gate_proj, layer.shared_experts.up_proj, layer.shared_experts.down_proj):
-        torch.nn.init.normal_(lin.weight, std=0.05)
+    layer = _tiny_layer(torch.bfloat16)
     k = tm.MoEKernel.__new__(tm.MoEKernel)              # no CUDA here: only the host logic is under test
     k.e, k.h, k.i, k.limit, k._fitted = 16, 256, 128, None, {}
     k.configs = {m: dict(ts.SPLIT_DEFAULT) for m in range(1, 5)}

@@ -484,13 +484,14 @@ mov.b32 {$2, $3}, a1;
 
 
 @functools.lru_cache(maxsize=None)
-def word_layout(rows: int, ns: int, num_warps: int):
-    """The register layout of the E2M1 words for :func:`_frag_dequant`: tensor ``[rows, ns, 4, 4]`` (row,
-    128-column super-block, scale block t, word tau). Lane ``4g + t`` of warp ``w`` holds rows ``16w + g`` and
-    ``16w + g + 8`` (+ ``16 * num_warps`` per further row tile), all ``ns`` super-blocks and the 4 words tau as one
-    16-byte vector: exactly the mma.m16n8k16 A-fragment rows of that lane. Needs ``rows`` a multiple of
-    ``16 * num_warps`` (powers of two)."""
-    reg = [[0, 0, 0, 1], [0, 0, 0, 2], [8, 0, 0, 0]]
+def word_layout(rows: int, ns: int, num_warps: int, words: int = 4):
+    """The register layout of the weight words for :func:`_frag_dequant` (E2M1, ``words`` 4) and :func:`_frag_fp8`
+    (FP8, ``words`` 8): tensor ``[rows, ns, 4, words]`` (row, 128-column super-block, lane column group t, int32
+    word). Lane ``4g + t`` of warp ``w`` holds rows ``16w + g`` and ``16w + g + 8`` (+ ``16 * num_warps`` per
+    further row tile), all ``ns`` super-blocks and its ``words`` words as 16-byte vectors: exactly the
+    mma.m16n8k16 A-fragment rows of that lane (FP8 takes twice E2M1's bytes for the same 32 columns). Needs
+    ``rows`` a multiple of ``16 * num_warps`` (powers of two)."""
+    reg = [[0, 0, 0, 1 << b] for b in range(words.bit_length() - 1)] + [[8, 0, 0, 0]]
     reg += [[0, 1 << b, 0, 0] for b in range(ns.bit_length() - 1)]
     r = 16 * num_warps
     while r < rows:
@@ -498,23 +499,12 @@ def word_layout(rows: int, ns: int, num_warps: int):
         r *= 2
     lane = [[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]]
     warp = [[16 << b, 0, 0, 0] for b in range(num_warps.bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, ns, 4, 4])
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, ns, 4, words])
 
 
-@functools.lru_cache(maxsize=None)
 def fp8_word_layout(rows: int, ns: int, num_warps: int):
-    """The register layout of FP8 words for :func:`_frag_fp8`: tensor ``[rows, ns, 4, 8]`` (row, super-block, lane
-    column group t, word). As :func:`word_layout`, but a lane holds 8 words (32 bytes, two 16-byte vectors) per row
-    and super-block: FP8 takes twice the bytes of E2M1 for the same 32 columns."""
-    reg = [[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [8, 0, 0, 0]]
-    reg += [[0, 1 << b, 0, 0] for b in range(ns.bit_length() - 1)]
-    r = 16 * num_warps
-    while r < rows:
-        reg.append([r, 0, 0, 0])
-        r *= 2
-    lane = [[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]]
-    warp = [[16 << b, 0, 0, 0] for b in range(num_warps.bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, ns, 4, 8])
+    """:func:`word_layout` for FP8 words (8 per lane, row and super-block)."""
+    return word_layout(rows, ns, num_warps, 8)
 
 
 def _slices(n: int, want: int, max_cols: int) -> int:
