@@ -1,13 +1,15 @@
 """Train ling-nano: a small BailingMoeV3 (Ling-3.0 architecture) on GSM8K train, then export it as a Ling fp4 checkpoint.
 
-    python scripts/train_nano.py --out /tmp/nano --export-dir models/ling-nano --time-budget 190      # GPU
-    python scripts/train_nano.py --seed 1234 --steps 380 --out /tmp/nano --export-dir models/ling-nano  # = the shipped run
+    python scripts/train_nano.py --out /tmp/nano --export-dir models/ling-nano --seed 1234 --steps 360 \
+        --qat-frac 0.7 --mxfp4-scale mse --prox-quant 8.0 --prox-from 0.85                           # = the shipped run
+    python scripts/train_nano.py --out /tmp/nano --export-dir /tmp/nano/ckpt --time-budget 190      # auto steps
     python scripts/train_nano.py --device cpu --dtype fp32 --seq-len 256 --batch-rows 2 --steps 3 \\
         --limit-train 64 --val-examples 8 --out /tmp/nano-cpu --export-dir /tmp/nano-cpu/ckpt \\
         --train-log-dir /tmp/nano-cpu/training                                                         # smoke test
 
-The shipped checkpoint (models/ling-nano) came from the first command on one H200: 380 steps, 175 s of training
-(199 s for the whole script). Not run in CI.
+The shipped checkpoint (models/ling-nano) came from the first command on one H200 (sixth session): 360 steps,
+181.5 s of training (206 s for the whole script). Not run in CI. Mind the defaults of ``--export-dir`` and
+``--train-log-dir``: they are the bundled model's folders, which a run overwrites.
 
 What it does (issue 3):
 
@@ -30,8 +32,12 @@ What it does (issue 3):
   formats (FP8 blocks, MXFP4 experts with the ``--mxfp4-scale`` rule) with straight-through gradients to the float
   master weights. ``--consistency-weight`` adds, while QAT is on, that weight x KL(float forward || quantised
   forward) of the main head, with the float forward as a no-gradient target. This trains directly for the
-  quantised-vs-float agreement that the model card reports (issue 3's 0.98 target). It is new in the fifth
-  session and not run on a GPU yet; its cost is one extra no-gradient forward per micro-batch.
+  quantised-vs-float agreement that the model card reports (issue 3's 0.98 target); on the H200 it did not move
+  the agreement (0.956, model card), and it costs one extra no-gradient forward per micro-batch.
+  ``--prox-quant L`` (with ``--prox-from F``) instead pulls the float master weights onto the export grid after
+  each optimiser step from fraction F of the schedule, ``W <- (W + lam Q(W)) / (1 + lam)`` with ``lam`` ramped
+  from 0 to L (ProxQuant, Bai, Wang & Liberty, ICLR 2019); the shipped model uses it (agreement 0.993, model card,
+  which also says what that figure does and does not mean).
 * Steps: ``--steps N`` fixes the schedule. ``--steps auto`` (default) times the first steps and picks the
   largest multiple of 10 that fits ``--time-budget`` seconds, printing the ``--steps`` value that reproduces the
   run. A wall-clock guard stops at 1.15 x the budget whatever happens.
@@ -512,6 +518,25 @@ def plot(log: dict, path: Path) -> None:
     plt.close(fig)
 
 
+# arguments that say where files go: never part of the printed command (the defaults point into models/ling-nano)
+_WHERE = {"out", "export_dir", "train_log_dir", "tokenizer_dir"}
+
+
+def reproduce_command(ap: argparse.ArgumentParser, a: argparse.Namespace, steps: int | None) -> str:
+    """The command that repeats this run: every argument that differs from its default, plus the seed, the
+    resolved step count, rows and row length (always shown); output folders are left to the user."""
+    parts = ["python scripts/train_nano.py", f"--steps {steps}"]
+    for act in ap._actions:
+        d = act.dest
+        if d == "help" or d in _WHERE or d == "steps":
+            continue
+        v = getattr(a, d)
+        if d in ("seed", "batch_rows", "seq_len") or v != act.default:
+            flag = act.option_strings[-1]
+            parts.append(flag if isinstance(act, argparse._StoreTrueAction) else f"{flag} {v}")
+    return " ".join(parts) + "   (add --out/--export-dir/--train-log-dir: the defaults write into models/ling-nano)"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="out/nano", help="work dir: float weights (nano_float.pt)")
@@ -804,12 +829,7 @@ def main(argv=None) -> int:
     plot(log, logdir / "loss.png")
     print(f"[nano] wrote {logdir / 'loss.json'} and loss.png; total wall {log['total_wall_s']:.1f}s on {dev_name}",
           flush=True)
-    extra = "".join(f" --{k.replace('_', '-')} {v}" for k, v in
-                    (("consistency_weight", a.consistency_weight), ("prox_quant", a.prox_quant),
-                     ("prox_from", a.prox_from)) if v)
-    print(f"[nano] reproduce: python scripts/train_nano.py --seed {a.seed} --steps {total_steps} "
-          f"--batch-rows {a.batch_rows} --seq-len {a.seq_len} --qat-frac {a.qat_frac} --mxfp4-scale {a.mxfp4_scale}"
-          f"{extra}", flush=True)
+    print(f"[nano] reproduce: {reproduce_command(ap, a, total_steps)}", flush=True)
     return 0
 
 

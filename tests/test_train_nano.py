@@ -76,3 +76,19 @@ def test_prox_step_moves_master_weights_toward_the_export_grid():
     after = dist()
     for b, a in zip(before, after):
         assert 0.0 < b and a < 0.6 * b, (before, after)
+
+
+def test_reproduce_line_has_every_argument_that_changes_the_run(tmp_path):
+    """The printed ``reproduce:`` command carries every non-default argument (data limits, device, QAT and prox
+    flags, ...) and no output folder (the defaults are the bundled model's folders)."""
+    cmd = [sys.executable, "scripts/train_nano.py", "--out", str(tmp_path), "--no-export",
+           "--train-log-dir", str(tmp_path / "log"), "--device", "cpu", "--steps", "2", "--batch-rows", "2",
+           "--seq-len", "256", "--limit-train", "64", "--val-examples", "8", "--calib-steps", "1",
+           "--qat-frac", "0.5", "--prox-quant", "1.0", "--prox-from", "0.75", "--lr", "0.001"]
+    out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    line = [ln for ln in out.splitlines() if "reproduce:" in ln][-1]
+    for flag in ("--steps 2", "--seed 1234", "--batch-rows 2", "--seq-len 256", "--limit-train 64",
+                 "--val-examples 8", "--calib-steps 1", "--qat-frac 0.5", "--prox-quant 1.0", "--prox-from 0.75",
+                 "--lr 0.001", "--device cpu", "--no-export"):
+        assert flag in line, (flag, line)
+    assert str(tmp_path) not in line and "--out " not in line

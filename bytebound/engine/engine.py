@@ -152,6 +152,8 @@ class Engine:
         # None = the device's default: on with CUDA, off on CPU (where the Triton kernels and graphs do not run)
         self.config = cfg = replace(cfg, **{k: cuda for k in ("spec_static_round", "fused_router", "fused_norm",
                                                               "kv_buckets") if getattr(cfg, k) is None})
+        if cfg.fused_shared and not cuda:
+            raise ConfigError("--fused-shared-expert (fused_shared) needs a CUDA device (the triton MoE kernels)")
         if cfg.kv_buckets and not cuda:
             raise ConfigError("--decode-kv-buckets (kv_buckets) needs a CUDA device (the CPU path attends over "
                               "exactly the sequence already)")
@@ -176,8 +178,6 @@ class Engine:
                               f"{self.model.cfg.max_position_embeddings}")
         plan = BackendPlan.default(dev, **cfg.backends)
         plan.allow_fallback = cfg.allow_fallback
-        if cfg.fused_shared and not cuda:
-            raise ConfigError("--fused-shared-expert (fused_shared) needs a CUDA device (the triton MoE kernels)")
         self.plan = bind_model(self.model, plan, dev, cfg.lm_head, cfg.fused_router, cfg.fused_norm,
                                cfg.fused_shared)
         self.runner = ModelRunner(self.model, cfg.max_model_len, dev,
