@@ -212,7 +212,9 @@ def main() -> int:
     ap.add_argument("--fused-norm", action=onoff, default=None,
                     help="RMSNorms as single Triton kernels; default: as the engine (on with CUDA)")
     ap.add_argument("--fused-shared", action=onoff, default=False,
-                    help="each MoE layer's shared expert inside the triton 'split' kernels (EngineConfig.fused_shared)")
+                    help="each MoE layer's shared expert inside the triton 'split' kernels (EngineConfig.fused_shared) "
+                         "for every --moe-backends entry; or name the backend 'triton+shared' in --moe-backends to "
+                         "compare both in one run")
     ap.add_argument("--kv-buckets", action=onoff, default=None,
                     help="attention spans in powers of two from 1024 (runner.pow2_buckets) instead of all slots; "
                          "default: as the engine (on with CUDA)")
@@ -249,11 +251,13 @@ def main() -> int:
         (out / f"{a.name}.json").write_text(json.dumps({"info": info, "results": results, "per_op": ops},
                                                           indent=2))
     for moe in a.moe_backends.split(","):
+        # "triton+shared": the triton backend with the shared expert inside its kernels (EngineConfig.fused_shared)
+        moe_b, fused_shared = (moe[:-len("+shared")], True) if moe.endswith("+shared") else (moe, a.fused_shared)
         for head in a.heads.split(","):
-            plan = BackendPlan.default(dev, moe=moe)
+            plan = BackendPlan.default(dev, moe=moe_b)
             try:
                 t = time.perf_counter()
-                bind_model(model, plan, dev, head, a.fused_router, a.fused_norm, a.fused_shared and moe == "triton")
+                bind_model(model, plan, dev, head, a.fused_router, a.fused_norm, fused_shared)
                 bind_s = time.perf_counter() - t
             except Exception as e:  # BackendError, or out of memory (humming's repacked copy at full scale)
                 print(f"skip moe={moe} head={head}: {type(e).__name__}: {e}", flush=True)
@@ -282,7 +286,8 @@ def main() -> int:
                      "tok_s": 1e3 / ms, "bind_s": bind_s,
                      "ledger_GB": b / 1e9, "floor_ms": b / (bw * 1e9) * 1e3,
                      "U": b / (ms * 1e-3) / (bw * 1e9),
-                     "resolved": {k: v.resolved for k, v in plan.resolutions.items()}}
+                     "resolved": {k: v.resolved for k, v in plan.resolutions.items()},
+                     "shared_expert": plan.resolutions["moe"].shared}
                 results.append(r)
                 print(json.dumps(r), flush=True)
                 dump()
@@ -298,7 +303,7 @@ def main() -> int:
                     print("MTP round:", json.dumps(rc), flush=True)
                 except Exception as e:
                     print(f"MTP round cost failed ({moe}): {type(e).__name__}: {e}", flush=True)
-            if head == "fp8" and moe == a.moe_backends.split(",")[0]:
+            if head == "fp8" and (moe == a.moe_backends.split(",")[0] or moe.endswith("+shared")):
                 for m, key in [(1, f"{moe}/{head}")] + ([(4, f"{moe}/{head}/verify4")] if a.verify_ops else []):
                     try:
                         ops[key] = per_op(model, runner, ctxs[0], m)
@@ -324,7 +329,8 @@ def main() -> int:
             model.logits(h[-1:])
             sync()
             info["ttft_s"] = {"prompt": a.ttft_len, "s": time.perf_counter() - t,
-                              "resolved": {k: v.resolved for k, v in plan.resolutions.items()}}
+                              "resolved": {k: v.resolved for k, v in plan.resolutions.items()},
+                     "shared_expert": plan.resolutions["moe"].shared}
             print(f"TTFT {a.ttft_len} tokens: {info['ttft_s']['s']:.2f} s", flush=True)
         except Exception as e:
             info["ttft_s"] = {"prompt": a.ttft_len, "error": f"{type(e).__name__}: {e}"}

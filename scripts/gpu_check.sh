@@ -163,18 +163,28 @@ section_nano() {         # retrain ling-nano (issue 3) and measure quantised vs 
     run_step pack bash -c 'tar -cJf /tmp/nano_export.tar.xz -C "$1" export && split -b 15m -d /tmp/nano_export.tar.xz "$2/ling-nano-export.tar.xz.part" && sha256sum /tmp/nano_export.tar.xz' _ "$d" "$OUT"
 }
 
+section_shared() {       # issue 5: the shared expert inside the split MoE kernels (EngineConfig.fused_shared): its GPU
+    #                        tests, the per-layer same-run comparison (dense vs fused shared expert) and full-scale decode
+    #                        with and without it in one process (dummy weights); 3 files in $OUT besides the log
+    run_step pytest python3 -m pytest tests/gpu/test_kernels_gpu.py -v -p no:cacheprovider -rfE --tb=short \
+        $(pytest_timeout) -k "shared_expert or split or graph" --junitxml="$OUT/shared_junit.xml"
+    run_step bench_moe python3 scripts/bench_moe.py --out "$OUT" --backends triton --shared --layers 4 --reps 20
+    run_step decode python3 scripts/bench_decode.py --out "$OUT" --name decode-shared --contexts 2048 --ttft-len 0 \
+        --moe-backends triton,triton+shared --heads fp8 --verify-ops
+}
+
 section_env() {          # what the machine has
     run_step env bash -c 'nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; python3 -m pip list 2>/dev/null | grep -i -E "fla|humming|triton|torch"'
 }
 
 main() {
-    if [ "${1:-}" = "--list" ]; then printf '%s\n' "${SECTIONS[@]}" env nano mtp bisect numerics; return 0; fi
+    if [ "${1:-}" = "--list" ]; then printf '%s\n' "${SECTIONS[@]}" env nano mtp bisect numerics shared; return 0; fi
     local todo=("$@")
     [ ${#todo[@]} -eq 0 ] && todo=("${SECTIONS[@]}")
     install_wheels || FAILED+=("install_wheels")
     for s in "${todo[@]}"; do
         if ! declare -F "section_$s" >/dev/null; then
-            echo "unknown section '$s' (have: ${SECTIONS[*]} env nano mtp bisect numerics)"; FAILED+=("$s(unknown)"); continue
+            echo "unknown section '$s' (have: ${SECTIONS[*]} env nano mtp bisect numerics shared)"; FAILED+=("$s(unknown)"); continue
         fi
         CURRENT="$s"; LOG="$OUT/$s.log"; : >"$LOG"
         "section_$s"
