@@ -538,7 +538,9 @@ def reproduce_command(ap: argparse.ArgumentParser, a: argparse.Namespace, steps:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    class Fmt(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        """The module docstring as written, and every option's default."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Fmt)
     ap.add_argument("--out", default="out/nano", help="work dir: float weights (nano_float.pt)")
     ap.add_argument("--export-dir", default=str(TOKENIZER_DIR), help="checkpoint output dir")
     ap.add_argument("--train-log-dir", default=str(TOKENIZER_DIR / "training"), help="loss.json / loss.png")
