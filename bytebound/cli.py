@@ -33,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused-shared-expert", action=onoff, default=False,
                    help="CUDA: run each MoE layer's shared expert inside the triton 'split' MoE kernels (one more "
                         "slot) instead of as a dense MLP (default: off, not yet measured on a GPU)")
+    p.add_argument("--fused-router-gemv", action=onoff, default=False,
+                   help="CUDA: the MoE router GEMV and routing (M <= 4) as one Triton kernel instead of two launches "
+                        "(default: off, not yet measured on a GPU)")
     p.add_argument("--decode-kv-buckets", action=onoff, default=None,
                    help="attend over the smallest power-of-two span (>= 1024) that holds the sequence, one decode "
                         "graph per span, instead of all --max-model-len slots (CUDA; default: on with CUDA; "
@@ -64,7 +67,7 @@ def engine_config(a):
                         load_format=a.load_format, enforce_eager=a.enforce_eager,
                         spec_static_round=a.spec_static_round, kv_buckets=a.decode_kv_buckets,
                         fused_router=a.fused_router, fused_norm=a.fused_norm,
-                        fused_shared=a.fused_shared_expert)
+                        fused_shared=a.fused_shared_expert, fused_router_gemv=a.fused_router_gemv)
 
 
 def print_fallbacks(engine) -> None:

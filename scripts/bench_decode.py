@@ -215,6 +215,9 @@ def main() -> int:
                     help="each MoE layer's shared expert inside the triton 'split' kernels (EngineConfig.fused_shared) "
                          "for every --moe-backends entry; or name the backend 'triton+shared' in --moe-backends to "
                          "compare both in one run")
+    ap.add_argument("--fused-router-gemv", action=onoff, default=False,
+                    help="the router GEMV + routing as one Triton kernel (EngineConfig.fused_router_gemv), for every "
+                         "--moe-backends entry; or add '+gemv' to a backend name")
     ap.add_argument("--kv-buckets", action=onoff, default=None,
                     help="attention spans in powers of two from 1024 (runner.pow2_buckets) instead of all slots; "
                          "default: as the engine (on with CUDA)")
@@ -251,13 +254,15 @@ def main() -> int:
         (out / f"{a.name}.json").write_text(json.dumps({"info": info, "results": results, "per_op": ops},
                                                           indent=2))
     for moe in a.moe_backends.split(","):
-        # "triton+shared": the triton backend with the shared expert inside its kernels (EngineConfig.fused_shared)
-        moe_b, fused_shared = (moe[:-len("+shared")], True) if moe.endswith("+shared") else (moe, a.fused_shared)
+        # "triton+shared", "triton+shared+gemv": the triton backend with the shared expert inside its kernels
+        # (EngineConfig.fused_shared) and the router GEMV + routing as one kernel (EngineConfig.fused_router_gemv)
+        moe_b, *opts = moe.split("+")
+        fused_shared, router_gemv = a.fused_shared or "shared" in opts, a.fused_router_gemv or "gemv" in opts
         for head in a.heads.split(","):
             plan = BackendPlan.default(dev, moe=moe_b)
             try:
                 t = time.perf_counter()
-                bind_model(model, plan, dev, head, a.fused_router, a.fused_norm, fused_shared)
+                bind_model(model, plan, dev, head, a.fused_router, a.fused_norm, fused_shared, router_gemv)
                 bind_s = time.perf_counter() - t
             except Exception as e:  # BackendError, or out of memory (humming's repacked copy at full scale)
                 print(f"skip moe={moe} head={head}: {type(e).__name__}: {e}", flush=True)
@@ -287,7 +292,7 @@ def main() -> int:
                      "ledger_GB": b / 1e9, "floor_ms": b / (bw * 1e9) * 1e3,
                      "U": b / (ms * 1e-3) / (bw * 1e9),
                      "resolved": {k: v.resolved for k, v in plan.resolutions.items()},
-                     "shared_expert": plan.resolutions["moe"].shared}
+                     "shared_expert": plan.resolutions["moe"].shared, "router": plan.resolutions["moe"].router}
                 results.append(r)
                 print(json.dumps(r), flush=True)
                 dump()
@@ -303,7 +308,7 @@ def main() -> int:
                     print("MTP round:", json.dumps(rc), flush=True)
                 except Exception as e:
                     print(f"MTP round cost failed ({moe}): {type(e).__name__}: {e}", flush=True)
-            if head == "fp8" and (moe == a.moe_backends.split(",")[0] or moe.endswith("+shared")):
+            if head == "fp8" and (moe == a.moe_backends.split(",")[0] or opts):
                 for m, key in [(1, f"{moe}/{head}")] + ([(4, f"{moe}/{head}/verify4")] if a.verify_ops else []):
                     try:
                         ops[key] = per_op(model, runner, ctxs[0], m)
@@ -330,7 +335,7 @@ def main() -> int:
             sync()
             info["ttft_s"] = {"prompt": a.ttft_len, "s": time.perf_counter() - t,
                               "resolved": {k: v.resolved for k, v in plan.resolutions.items()},
-                     "shared_expert": plan.resolutions["moe"].shared}
+                     "shared_expert": plan.resolutions["moe"].shared, "router": plan.resolutions["moe"].router}
             print(f"TTFT {a.ttft_len} tokens: {info['ttft_s']['s']:.2f} s", flush=True)
         except Exception as e:
             info["ttft_s"] = {"prompt": a.ttft_len, "error": f"{type(e).__name__}: {e}"}

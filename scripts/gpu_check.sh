@@ -163,14 +163,15 @@ section_nano() {         # retrain ling-nano (issue 3) and measure quantised vs 
     run_step pack bash -c 'tar -cJf /tmp/nano_export.tar.xz -C "$1" export && split -b 15m -d /tmp/nano_export.tar.xz "$2/ling-nano-export.tar.xz.part" && sha256sum /tmp/nano_export.tar.xz' _ "$d" "$OUT"
 }
 
-section_shared() {       # issue 5: the shared expert inside the split MoE kernels (EngineConfig.fused_shared): its GPU
-    #                        tests, the per-layer same-run comparison (dense vs fused shared expert) and full-scale decode
-    #                        with and without it in one process (dummy weights); 3 files in $OUT besides the log
-    run_step pytest python3 -m pytest tests/gpu/test_kernels_gpu.py -v -p no:cacheprovider -rfE --tb=short \
-        $(pytest_timeout) -k "shared_expert or split or graph" --junitxml="$OUT/shared_junit.xml"
+section_shared() {       # issue 5: the shared expert inside the split MoE kernels (EngineConfig.fused_shared) and the
+    #                        router GEMV + routing as one kernel (fused_router_gemv): their GPU tests, the per-layer
+    #                        same-run comparison (dense vs fused shared expert) and full-scale decode without, with the
+    #                        shared expert, and with both, in one process (dummy weights); 3 files in $OUT besides the log
+    run_step pytest python3 -m pytest tests/gpu/test_kernels_gpu.py tests/test_triton_router.py -v -p no:cacheprovider \
+        -rfE --tb=short $(pytest_timeout) -k "shared_expert or split or graph or route" --junitxml="$OUT/shared_junit.xml"
     run_step bench_moe python3 scripts/bench_moe.py --out "$OUT" --backends triton --shared --layers 4 --reps 20
     run_step decode python3 scripts/bench_decode.py --out "$OUT" --name decode-shared --contexts 2048 --ttft-len 0 \
-        --moe-backends triton,triton+shared --heads fp8 --verify-ops
+        --moe-backends triton,triton+shared,triton+shared+gemv --heads fp8 --verify-ops
 }
 
 section_env() {          # what the machine has

@@ -139,3 +139,28 @@ def test_prefill_slices_leave_the_shared_expert_to_the_layer(monkeypatch):
         x = torch.randn(m, 256).to(torch.bfloat16)
         assert layer.experts.shared_in(m, 4) == (m <= 4)
         torch.testing.assert_close(layer(x).float(), layer.shared_experts(x).float())     # exactly once
+
+
+def test_router_gemv_plumbing():
+    """``MoE.router`` hands x, the router weight and the routing parameters to ``gemv_route_fn`` (the one-launch
+    router GEMV + routing, ``kernels.triton_router.gemv_route``) for up to 4 rows, and uses GEMV + ``route_fn`` /
+    ``route`` beyond. The kernel itself is checked in tests/test_triton_router.py."""
+    import torch.nn.functional as F
+
+    from bytebound.layers.moe import route
+    layer = _tiny_layer()
+    calls = []
+
+    def stub(x, weight, bias, k, n_group, topk_group, norm, scale):
+        calls.append(x.shape[0])
+        return route(F.linear(x.float(), weight.float()), bias, k, n_group, topk_group, norm, scale)
+    layer.gemv_route_fn = stub
+    for m in (1, 4, 6):
+        x = torch.randn(m, 256)
+        ids, w = layer.router(x)
+        rid, rw = route(F.linear(x.float(), layer.gate.weight.float()), layer.gate.expert_bias, 4, 4, 2, True, 2.5)
+        assert torch.equal(ids, rid) and torch.equal(w, rw)
+    assert calls == [1, 4]
+    from bytebound.engine.engine import Engine, EngineConfig
+    with pytest.raises(ConfigError, match="fused-router-gemv"):
+        Engine(EngineConfig(model="models/ling-nano", device="cpu", fused_router_gemv=True))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bytebound.errors import BackendError
 from bytebound.layers.moe import route
 from conftest import needs_triton, triton_module_fixture
 
@@ -43,3 +44,26 @@ def test_fused_route_refuses_what_it_cannot_do(router):
         router.fused_route(torch.zeros(5, 512), None, 8, 8, 4, True, 1.0)
     with pytest.raises(BackendError, match="power of two"):
         router.fused_route(torch.zeros(1, 96), None, 8, 8, 4, True, 1.0)
+
+
+@pytest.mark.parametrize("e,g,tg,k,m,h", [(512, 8, 4, 8, 1, 2560), (512, 8, 4, 8, 4, 2560), (64, 4, 2, 4, 3, 300),
+                                          (64, 1, 1, 6, 2, 256)])
+def test_gemv_route_matches_linear_then_route(router, e, g, tg, k, m, h):
+    """Router GEMV + routing in one launch (``gemv_route``) == ``route(F.linear(x.float(), W))``: same experts,
+    weights to 1e-5, over repeated calls (the ticket re-arms itself) and an H that is not a multiple of the
+    kernel's 256-column chunk."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device="cpu").manual_seed(e + m + k + h)
+    wg = (torch.randn(e, h, generator=gen) * 0.05).to(dev)
+    b = (torch.randn(e, generator=gen) * 0.5).to(dev)
+    for trial in range(3):
+        x = torch.randn(m, h, generator=gen).to(dev).to(torch.bfloat16)
+        ids, w = router.gemv_route(x, wg, b, k, g, tg, True, 2.5)
+        rid, rw = route(torch.nn.functional.linear(x.float(), wg), b, k, g, tg, True, 2.5)
+        assert ids.shape == (m, k) and ids.dtype == torch.int64 and w.dtype == torch.float32
+        for a, b_ in zip(as_sets(ids.cpu(), w.cpu()), as_sets(rid.cpu(), rw.cpu())):
+            assert a.keys() == b_.keys()
+            for key in a:
+                assert abs(a[key] - b_[key]) <= 1e-5 * max(1.0, abs(b_[key]))
+    with pytest.raises(BackendError):
+        router.gemv_route(torch.randn(5, h).to(dev), wg, b, k, g, tg, True, 2.5)

@@ -59,6 +59,9 @@ class EngineConfig:
     # the GPU: the kernels compile for sm_90 and the CPU tests check the plumbing, but no GPU run has checked
     # its numerics or its speed yet (tests/gpu/test_kernels_gpu.py::test_split_shared_expert).
     fused_shared: bool = False
+    # The router GEMV and the routing (M <= 4) as one Triton kernel (kernels.triton_router.gemv_route): one launch
+    # per MoE layer instead of two. Off until measured on the GPU (tested in Triton's interpreter on CPU).
+    fused_router_gemv: bool = False
     kv_buckets: bool | None = None    # attention spans in powers of two from 1024 (one decode graph each) instead
     #                                   of all max_model_len slots every step (CUDA)
     spec_static_round: bool | None = None  # MTP rounds with static shapes (speculative.round): on CUDA one graph
@@ -154,6 +157,8 @@ class Engine:
                                                               "kv_buckets") if getattr(cfg, k) is None})
         if cfg.fused_shared and not cuda:
             raise ConfigError("--fused-shared-expert (fused_shared) needs a CUDA device (the triton MoE kernels)")
+        if cfg.fused_router_gemv and not cuda:
+            raise ConfigError("--fused-router-gemv (fused_router_gemv) needs a CUDA device (a Triton kernel)")
         if cfg.kv_buckets and not cuda:
             raise ConfigError("--decode-kv-buckets (kv_buckets) needs a CUDA device (the CPU path attends over "
                               "exactly the sequence already)")
@@ -179,7 +184,7 @@ class Engine:
         plan = BackendPlan.default(dev, **cfg.backends)
         plan.allow_fallback = cfg.allow_fallback
         self.plan = bind_model(self.model, plan, dev, cfg.lm_head, cfg.fused_router, cfg.fused_norm,
-                               cfg.fused_shared)
+                               cfg.fused_shared, cfg.fused_router_gemv)
         self.runner = ModelRunner(self.model, cfg.max_model_len, dev,
                                   pow2_buckets(cfg.max_model_len) if cfg.kv_buckets else None)
         if dev.type == "cuda" and not cfg.enforce_eager:

@@ -11,8 +11,11 @@ while moving a few KB. Here one program per token does it all in registers over 
 
 Selection order: ``ids`` come out in decreasing ``sb``. The reference's ``topk(sorted=False)`` leaves the order
 open, and the routed sum does not depend on it. On exact ties argmax takes the lowest index. ``torch.topk``
-makes no promise there, and with float32 sigmoid scores a tie is a measure-zero event. The router GEMV
-(``F.linear`` in float32) stays outside: it is one launch already.
+makes no promise there, and with float32 sigmoid scores a tie is a measure-zero event. With :func:`fused_route`
+the router GEMV (``F.linear`` in float32) stays a launch of its own. :func:`gemv_route` does both in one launch
+(``_gemv_route_kernel``): E/8 programs compute 8 experts' logits each for every row, and the last to finish (an
+acq_rel ticket) routes the rows; opt-in (``EngineConfig.fused_router_gemv``) until measured on a GPU. Its logits
+are summed in a different order than cuBLAS's, so a routing near-tie can break the other way.
 
 Constraints: ``E`` a power of two divisible by ``G`` (Ling: 512 experts, 8 groups); float32 logits. Tested against
 ``route`` in the Triton interpreter on CPU and on the H200 (tests/test_triton_router.py, and at Ling's routing in
@@ -22,6 +25,8 @@ blamed on the fast paths was a routing near-tie that the committed defaults hit 
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -35,10 +40,10 @@ triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machine
 
 if tl is not None:
     @triton.jit
-    def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, E: tl.constexpr, G: tl.constexpr,
-                      TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      NORM: tl.constexpr):
-        m = tl.program_id(0)
+    def _route_row(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, m, E: tl.constexpr, G: tl.constexpr,
+                   TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   NORM: tl.constexpr):
+        """Route row ``m`` of ``logits [M, E]`` float32 into ``ids [M, K]``, ``w [M, K]`` (module docstring)."""
         EG: tl.constexpr = E // G
         NEG: tl.constexpr = float("-inf")
         offs = tl.arange(0, E)
@@ -77,6 +82,44 @@ if tl is not None:
         tl.store(ids_ptr + m * K + kk, out_ids, mask=kk < K)
         tl.store(w_ptr + m * K + kk, out_w * scale, mask=kk < K)
 
+    @triton.jit
+    def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, E: tl.constexpr, G: tl.constexpr,
+                      TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      NORM: tl.constexpr):
+        _route_row(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, tl.program_id(0), E, G, TOPK_GROUP, K, KP,
+                   HAS_BIAS, NORM)
+
+    @triton.jit
+    def _gemv_route_kernel(x_ptr, wg_ptr, logits_ptr, cnt_ptr, bias_ptr, ids_ptr, w_ptr, scale, H: tl.constexpr,
+                           E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
+                           KP: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, M: tl.constexpr,
+                           MP: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, FENCE: tl.constexpr):
+        """Router GEMV and routing in one launch: program ``pid`` computes ``logits[:, pid*BE:(pid+1)*BE]`` in
+        float32 (``x [M, H]`` against the router weight ``[E, H]``, summed in BK-column chunks), and the last
+        program to finish (an acq_rel ticket) routes every row from the complete logits."""
+        pid = tl.program_id(0)
+        e = pid * BE + tl.arange(0, BE)
+        mm = tl.arange(0, MP)
+        acc = tl.zeros([BE, MP], tl.float32)
+        for k0 in range(0, H, BK):
+            kk = k0 + tl.arange(0, BK)
+            km = kk < H
+            wt = tl.load(wg_ptr + e[:, None] * H + kk[None, :], mask=km[None, :], other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + mm[:, None] * H + kk[None, :], mask=(mm[:, None] < M) & km[None, :],
+                         other=0.0).to(tl.float32)
+            acc += tl.sum(wt[:, None, :] * xv[None, :, :], axis=2)
+        tl.store(logits_ptr + mm[None, :] * E + e[:, None], acc, mask=mm[None, :] < M)
+        if FENCE:   # (False only under TRITON_INTERPRET, which cannot run PTX)
+            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [tl.arange(0, 128)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == E // BE - 1:
+            for m in tl.static_range(M):
+                _route_row(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, m, E, G, TOPK_GROUP, K, KP, HAS_BIAS,
+                           NORM)
+            tl.store(cnt_ptr, 0)
+
 
 def fused_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int, topk_group: int,
                 norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,4 +141,38 @@ def fused_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_g
     _route_kernel[(m,)](logits, b, ids, w, float(scale), E=e, G=g, TOPK_GROUP=topk_group if g > 1 else 1,
                         K=top_k, KP=triton.next_power_of_2(top_k), HAS_BIAS=bias is not None, NORM=bool(norm),
                         num_warps=4)
+    return ids, w
+
+
+_SCRATCH: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def gemv_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int,
+               topk_group: int, norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, H]`` (M <= 4) and the router weight ``[E, H]`` -> ``(ids [M, k] int64, weights [M, k] float32)``:
+    the router GEMV (float32 accumulation, as ``F.linear(x.float(), weight.float())``) and :func:`fused_route`'s
+    routing in one launch (``_gemv_route_kernel``). The logits and the ticket live in a per-device scratch that
+    the last program re-arms, so the call is CUDA-graph safe; calls on one device must not overlap (one stream,
+    as the engine runs). Raises BackendError as :func:`fused_route`."""
+    if _TRITON_ERR:
+        raise BackendError(f"router[triton]: {_TRITON_ERR}")
+    m, h = x.shape
+    e = weight.shape[0]
+    g = max(n_group, 1)
+    if m > MAX_M or e & (e - 1) or e % g or e < 8:
+        raise BackendError(f"router[triton]: needs M <= {MAX_M} and E a power of two (>= 8) divisible by n_group "
+                           f"(got M={m}, E={e}, n_group={n_group})")
+    key = str(x.device)
+    if key not in _SCRATCH or _SCRATCH[key][0].numel() < MAX_M * e:
+        _SCRATCH[key] = (torch.empty(MAX_M * e, dtype=torch.float32, device=x.device),
+                         torch.zeros(1, dtype=torch.int32, device=x.device))
+    logits, cnt = _SCRATCH[key]
+    ids = torch.empty(m, top_k, dtype=torch.int64, device=x.device)
+    w = torch.empty(m, top_k, dtype=torch.float32, device=x.device)
+    b = bias if bias is not None else weight
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    _gemv_route_kernel[(e // 8,)](x.contiguous(), weight.contiguous(), logits, cnt, b, ids, w, float(scale),
+                                  H=h, E=e, G=g, TOPK_GROUP=topk_group if g > 1 else 1, K=top_k,
+                                  KP=triton.next_power_of_2(top_k), HAS_BIAS=bias is not None, NORM=bool(norm),
+                                  M=m, MP=triton.next_power_of_2(m), BE=8, BK=256, FENCE=not interp, num_warps=4)
     return ids, w

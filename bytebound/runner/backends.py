@@ -66,14 +66,16 @@ def prefill_slices(fn):
 
 
 def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fused_router: bool = False,
-               fused_norm: bool = False, fused_shared: bool = False) -> BackendPlan:
+               fused_norm: bool = False, fused_shared: bool = False, router_gemv: bool = False) -> BackendPlan:
     """Resolve each op once and bind every module of that op to it. Raises BackendError (named) when a
     requested backend is unusable and ``plan.allow_fallback`` is False. ``fused_router``: the MoE routing for
     M <= 4 runs as one Triton kernel (``kernels.triton_router``; CUDA only, else BackendError). ``fused_norm``: every
     RMSNorm and gated RMSNorm is one Triton kernel (``kernels.triton_norm``; CUDA only). ``fused_shared``: each
     MoE layer's shared expert runs inside the routed MoE kernels (``MoEKernel.bind_shared``; the ``triton`` MoE
     backend's ``split`` variant, FP8 shared experts); a layer where that does not apply keeps its dense shared
-    expert and ``plan.resolutions["moe"].shared`` says why (BackendError instead unless ``allow_fallback``)."""
+    expert and ``plan.resolutions["moe"].shared`` says why (BackendError instead unless ``allow_fallback``).
+    ``router_gemv``: the router GEMV and the routing for M <= 4 as one Triton kernel
+    (``kernels.triton_router.gemv_route``; CUDA only)."""
     dtype = model.dtype
     impl = {}
     for op in ("moe", "linear", "lm_head", "kda", "mla"):
@@ -85,7 +87,13 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
         if torch.device(device).type != "cuda":
             raise BackendError("--fused-router needs a CUDA device (a Triton kernel)")
         from bytebound.kernels.triton_router import fused_route as route_fn
-    plan.resolutions["moe"].router = "triton" if route_fn is not None else "torch"
+    gemv_fn = None
+    if router_gemv:
+        if torch.device(device).type != "cuda":
+            raise BackendError("--fused-router-gemv needs a CUDA device (a Triton kernel)")
+        from bytebound.kernels.triton_router import gemv_route as gemv_fn
+    plan.resolutions["moe"].router = ("triton (GEMV + routing, one launch)" if gemv_fn is not None else
+                                      "triton" if route_fn is not None else "torch")
     norm_fn = gated_fn = None
     if fused_norm:
         if torch.device(device).type != "cuda":
@@ -119,7 +127,7 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
             if fused is not None:       # modules() yields the layer before its projections
                 fused_parts.update(id(x) for x in parts)
         elif isinstance(m, MoE):
-            m.route_fn = route_fn
+            m.route_fn, m.gemv_route_fn = route_fn, gemv_fn
         elif isinstance(m, RMSNormGated):
             m.fn = gated_fn
         elif isinstance(m, RMSNorm):
