@@ -47,7 +47,8 @@ if tl is not None:
         EG: tl.constexpr = E // G
         NEG: tl.constexpr = float("-inf")
         offs = tl.arange(0, E)
-        s = tl.sigmoid(tl.load(logits_ptr + m * E + offs).to(tl.float32))
+        # .cg (L2, not L1): in _gemv_route_kernel other SMs wrote these logits moments ago
+        s = tl.sigmoid(tl.load(logits_ptr + m * E + offs, cache_modifier=".cg").to(tl.float32))
         if HAS_BIAS:
             sb = s + tl.load(bias_ptr + offs).to(tl.float32)
         else:
