@@ -257,6 +257,9 @@ def main() -> int:
         # "triton+shared", "triton+shared+gemv": the triton backend with the shared expert inside its kernels
         # (EngineConfig.fused_shared) and the router GEMV + routing as one kernel (EngineConfig.fused_router_gemv)
         moe_b, *opts = moe.split("+")
+        if set(opts) - {"shared", "gemv"}:
+            ap.error(f"--moe-backends {moe!r}: unknown option {sorted(set(opts) - {'shared', 'gemv'})} "
+                     "(a backend name with optional +shared and +gemv)")
         fused_shared, router_gemv = a.fused_shared or "shared" in opts, a.fused_router_gemv or "gemv" in opts
         for head in a.heads.split(","):
             plan = BackendPlan.default(dev, moe=moe_b)

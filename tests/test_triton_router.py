@@ -67,3 +67,5 @@ def test_gemv_route_matches_linear_then_route(router, e, g, tg, k, m, h):
                 assert abs(a[key] - b_[key]) <= 1e-5 * max(1.0, abs(b_[key]))
     with pytest.raises(BackendError):
         router.gemv_route(torch.randn(5, h).to(dev), wg, b, k, g, tg, True, 2.5)
+    ids0, w0 = router.gemv_route(torch.randn(0, h).to(dev), wg, b, k, g, tg, True, 2.5)
+    assert ids0.shape == (0, k) and w0.shape == (0, k)

@@ -101,14 +101,16 @@ if tl is not None:
         pid = tl.program_id(0)
         e = pid * BE + tl.arange(0, BE)
         mm = tl.arange(0, MP)
-        acc = tl.zeros([BE, MP], tl.float32)
+        # per-lane partial sums over the chunks, one cross-lane reduction at the end (not one per chunk)
+        acc3 = tl.zeros([BE, MP, BK], tl.float32)
         for k0 in range(0, H, BK):
             kk = k0 + tl.arange(0, BK)
             km = kk < H
             wt = tl.load(wg_ptr + e[:, None] * H + kk[None, :], mask=km[None, :], other=0.0).to(tl.float32)
             xv = tl.load(x_ptr + mm[:, None] * H + kk[None, :], mask=(mm[:, None] < M) & km[None, :],
                          other=0.0).to(tl.float32)
-            acc += tl.sum(wt[:, None, :] * xv[None, :, :], axis=2)
+            acc3 += wt[:, None, :] * xv[None, :, :]
+        acc = tl.sum(acc3, axis=2)
         tl.store(logits_ptr + mm[None, :] * E + e[:, None], acc, mask=mm[None, :] < M)
         if FENCE:   # (False only under TRITON_INTERPRET, which cannot run PTX)
             tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [tl.arange(0, 128)],
@@ -145,8 +147,6 @@ def fused_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_g
     return ids, w
 
 
-_SCRATCH: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-
 
 def gemv_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int,
                topk_group: int, norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +154,7 @@ def gemv_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     the router GEMV (float32 accumulation, as ``F.linear(x.float(), weight.float())``) and :func:`fused_route`'s
     routing in one launch (``_gemv_route_kernel``). The logits and the ticket live in a per-device scratch that
     the last program re-arms, so the call is CUDA-graph safe; calls on one device must not overlap (one stream,
-    as the engine runs). Raises BackendError as :func:`fused_route`."""
+    as the engine runs; the MoE kernels' scratch asks the same). Raises BackendError as :func:`fused_route`."""
     if _TRITON_ERR:
         raise BackendError(f"router[triton]: {_TRITON_ERR}")
     m, h = x.shape
@@ -163,13 +163,15 @@ def gemv_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if m > MAX_M or e & (e - 1) or e % g or e < 8:
         raise BackendError(f"router[triton]: needs M <= {MAX_M} and E a power of two (>= 8) divisible by n_group "
                            f"(got M={m}, E={e}, n_group={n_group})")
-    key = str(x.device)
-    if key not in _SCRATCH or _SCRATCH[key][0].numel() < MAX_M * e:
-        _SCRATCH[key] = (torch.empty(MAX_M * e, dtype=torch.float32, device=x.device),
-                         torch.zeros(1, dtype=torch.int32, device=x.device))
-    logits, cnt = _SCRATCH[key]
     ids = torch.empty(m, top_k, dtype=torch.int64, device=x.device)
     w = torch.empty(m, top_k, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return ids, w
+    # grow-only, shared by every MoE layer on the device (they run one after another on one stream); a captured
+    # CUDA graph keeps the addresses it saw, so an outgrown buffer stays alive
+    from bytebound.kernels.triton_moe import scratch
+    logits = scratch(x.device, "router_logits", MAX_M * e)
+    cnt = scratch(x.device, "router_ticket", 1, torch.int32)
     b = bias if bias is not None else weight
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     _gemv_route_kernel[(e // 8,)](x.contiguous(), weight.contiguous(), logits, cnt, b, ids, w, float(scale),
