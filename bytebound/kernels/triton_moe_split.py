@@ -192,6 +192,41 @@ mov.b32 {$2, $3}, a1;
         return wv, sv
 
     @gluon.jit
+    def _mxfp4_tile(w_ptr, s_ptr, row, cb, e, K: gl.constexpr, WD: gl.constexpr, PROBE: gl.constexpr):
+        """One expert's MXFP4 tile for :func:`_frag_dequant`: int32 words ``[R, NS, 4, 4]`` (layout ``WD``) and E8M0
+        bytes ``[R, NS, 4]`` of rows ``row`` (``[R]``, layout ``SliceLayout(1, SliceLayout(2, SliceLayout(3,
+        WD)))``) and the ``NS`` 128-column super-blocks from ``cb`` of a ``[*, K]`` matrix; ``w_ptr`` / ``s_ptr``
+        point at the expert's words / scales. ``PROBE == 2``: register values instead (bench_moe --probe)."""
+        NS: gl.constexpr = WD.shape[1]
+        SD: gl.constexpr = gl.SliceLayout(3, WD)
+        sb = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD)))
+        tb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SD)))
+        q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WD))))
+        w3 = row[:, None, None] * (K // 8) + cb * 16 + sb[None, :, None] * 16 + tb[None, None, :] * 4
+        if PROBE == 2:
+            wv, sv = _fake_words(w3, q, e, SD)
+        else:
+            wv = gl.load(w_ptr + (w3[:, :, :, None] + q[None, None, None, :]))
+            sv = gl.load(s_ptr + row[:, None, None] * (K // 32) + cb * 4 + sb[None, :, None] * 4 + tb[None, None, :])
+        return wv, sv
+
+    @gluon.jit
+    def _fp8_tile(w_ptr, s_ptr, row, cb, K: gl.constexpr, WD8: gl.constexpr):
+        """An FP8 tile for :func:`_frag_fp8`: int32 words ``[R, NC, 4, 8]`` (layout ``WD8``) and BF16x2 scale
+        factors ``[R, NC]`` of rows ``row`` (``[R]``, layout ``SliceLayout(1, SliceLayout(2, SliceLayout(3,
+        WD8)))``) and the ``NC`` 128-column super-blocks from ``cb`` of a ``[*, K]`` matrix with 128x128 block
+        scales ``[*, K/128]``."""
+        NC: gl.constexpr = WD8.shape[1]
+        SD8: gl.constexpr = gl.SliceLayout(3, WD8)
+        sb = gl.arange(0, NC, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD8)))
+        t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SD8)))
+        q = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WD8))))
+        w3 = row[:, None, None] * (K // 4) + (cb + sb[None, :, None]) * 32 + t[None, None, :] * 8
+        wv = gl.load(w_ptr + (w3[:, :, :, None] + q[None, None, None, :]))
+        sv = gl.load(s_ptr + (row // 128)[:, None] * (K // 128) + cb + sb[None, :])
+        return wv, sv
+
+    @gluon.jit
     def _moe_gateup_split(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
                           sw13_ptr, ss13_ptr, slimit,
                           H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
@@ -237,17 +272,11 @@ mov.b32 {$2, $3}, a1;
         # them when it can), so this slot holds no more weight registers than a routed slot, whose register count
         # the whole kernel gets
         NC: gl.constexpr = WD8.shape[1]
-        SD8: gl.constexpr = gl.SliceLayout(3, WD8)
-        r8 = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD8)))
+        r8 = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WD8))))
         row8 = gl.where(r8 < BI, j * BI + r8, I + j * BI + (r8 - BI))               # row of [gate; up]
-        sb8 = gl.arange(0, NC, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD8)))
-        t8 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SD8)))
-        q8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WD8))))
-        w3 = row8[:, None, None] * (H // 4) + p * (HK // 4) + sb8[None, :, None] * 32 + t8[None, None, :] * 8
         acc = gl.zeros([R1, NPC], gl.float32, MMA)
         for c in gl.static_range(NS // NC):
-            wv = gl.load(sw13_ptr + (w3[:, :, :, None] + c * (NC * 32) + q8[None, None, None, :]))
-            sv = gl.load(ss13_ptr + (row8 // 128)[:, None] * (H // 128) + p * NS + c * NC + sb8[None, :])
+            wv, sv = _fp8_tile(sw13_ptr, ss13_ptr, row8, p * NS + c * NC, H, WD8)
             b = _load_b(x_ptr + p * HK + c * (NC * 128), H, M, NC, NW, DB)
             acc = mma_v2(_frag_fp8(wv, sv, DA), b, acc)
         mcol = gl.arange(0, NPC, layout=gl.SliceLayout(1, RL))
@@ -267,24 +296,14 @@ mov.b32 {$2, $3}, a1;
         R1: gl.constexpr = 2 * BI
         HK: gl.constexpr = H // KP
         NS: gl.constexpr = HK // 128
-        HW: gl.constexpr = H // 8
-        HS: gl.constexpr = H // 32
         SD: gl.constexpr = gl.SliceLayout(3, WD)
         ids, e, owner = _slot_expert(ids_ptr, s, S, SP, RL)
         if owner:
             # ---- every weight byte of the program in one go: a 16-byte vector per (row, super-block), lane ----
             r = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD)))
             row = gl.where(r < BI, j * BI + r, I + j * BI + (r - BI))
-            sb = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD)))
-            tb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SD)))
-            q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WD))))
-            w3 = row[:, None, None] * HW + p * (HK // 8) + sb[None, :, None] * 16 + tb[None, None, :] * 4
-            if PROBE == 2:
-                wv, sv = _fake_words(w3, q, e, SD)
-            else:
-                wv = gl.load(w13_ptr + e * (2 * I * HW) + (w3[:, :, :, None] + q[None, None, None, :]))
-                sv = gl.load(s13_ptr + e * (2 * I * HS) + row[:, None, None] * HS + p * (HK // 32)
-                             + sb[None, :, None] * 4 + tb[None, None, :])
+            wv, sv = _mxfp4_tile(w13_ptr + e * (2 * I * (H // 8)), s13_ptr + e * (2 * I * (H // 32)), row, p * NS,
+                                 e, H, WD, PROBE)
             b = _load_b(x_ptr + p * HK, H, M, NS, NW, DB)
             t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
             tw = gl.load(tw_ptr + t, mask=t < S, other=0.0)
@@ -422,15 +441,8 @@ mov.b32 {$2, $3}, a1;
         NPC: gl.constexpr = 8
         IK: gl.constexpr = I // KP2
         NS: gl.constexpr = IK // 128
-        SD8: gl.constexpr = gl.SliceLayout(3, WD8)
-        h8 = gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD8)))
-        sb8 = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD8)))
-        t8 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SD8)))
-        q8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WD8))))
-        hrow8 = hb * BH + h8
-        w3 = hrow8[:, None, None] * (I // 4) + kq * (IK // 4) + sb8[None, :, None] * 32 + t8[None, None, :] * 8
-        wv = gl.load(sw2_ptr + (w3[:, :, :, None] + q8[None, None, None, :]))
-        sv = gl.load(ss2_ptr + (hrow8 // 128)[:, None] * (I // 128) + kq * NS + sb8[None, :])
+        h8 = gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WD8))))
+        wv, sv = _fp8_tile(sw2_ptr, ss2_ptr, hb * BH + h8, kq * NS, I, WD8)
         frag = _frag_fp8(wv, sv, DA)
         if PDL:
             _gdc("griddepcontrol.wait; mov.u32 $0, 0;", NW)
@@ -449,25 +461,14 @@ mov.b32 {$2, $3}, a1;
         NPC: gl.constexpr = 8
         IK: gl.constexpr = I // KP2
         NS: gl.constexpr = IK // 128
-        IW: gl.constexpr = I // 8
-        IS: gl.constexpr = I // 32
         SD: gl.constexpr = gl.SliceLayout(3, WD)
         # ids are the router's, written before kernel A started: safe to read before the dependency wait
         ids, e, owner = _slot_expert(ids_ptr, s, S, SP, RL)
         if owner:
             # ---- weights in and decoded while kernel A still runs ----
             h = gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD)))
-            sb = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD)))
-            tb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SD)))
-            q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WD))))
-            hrow = hb * BH + h[:, None, None]
-            w3 = hrow * IW + kq * (IK // 8) + sb[None, :, None] * 16 + tb[None, None, :] * 4
-            if PROBE == 2:
-                wv, sv = _fake_words(w3, q, e, SD)
-            else:
-                wv = gl.load(w2_ptr + e * (H * IW) + (w3[:, :, :, None] + q[None, None, None, :]))
-                sv = gl.load(s2_ptr + e * (H * IS) + hrow * IS + kq * (IK // 32) + sb[None, :, None] * 4
-                             + tb[None, None, :])
+            wv, sv = _mxfp4_tile(w2_ptr + e * (H * (I // 8)), s2_ptr + e * (H * (I // 32)), hb * BH + h, kq * NS,
+                                 e, I, WD, PROBE)
             if PROBE == 1:
                 _keep_alive(wv, sv, part_ptr, SD)
                 frag = gl.zeros([BH, IK], gl.bfloat16, DA)
