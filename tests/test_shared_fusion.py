@@ -164,3 +164,15 @@ def test_router_gemv_plumbing():
     from bytebound.engine.engine import Engine, EngineConfig
     with pytest.raises(ConfigError, match="fused-router-gemv"):
         Engine(EngineConfig(model="models/ling-nano", device="cpu", fused_router_gemv=True))
+
+
+@pytest.mark.parametrize("kw,flag", [({"fused_router": True}, "--fused-router"),
+                                     ({"router_gemv": True}, "--fused-router-gemv"),
+                                     ({"fused_norm": True}, "--fused-norm")])
+def test_bind_model_refuses_triton_paths_on_cpu(kw, flag):
+    from bytebound.checkpoint.synthetic import dummy_model
+    from bytebound.config import LingConfig
+    from bytebound.runner.backends import BackendPlan, bind_model
+    model = dummy_model(LingConfig.from_file("models/ling-nano/config.json"), torch.device("cpu"), torch.float32)
+    with pytest.raises(BackendError, match=f"^{flag} needs a CUDA device"):
+        bind_model(model, BackendPlan.default("cpu"), "cpu", **kw)

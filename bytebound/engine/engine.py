@@ -155,10 +155,10 @@ class Engine:
         # None = the device's default: on with CUDA, off on CPU (where the Triton kernels and graphs do not run)
         self.config = cfg = replace(cfg, **{k: cuda for k in ("spec_static_round", "fused_router", "fused_norm",
                                                               "kv_buckets") if getattr(cfg, k) is None})
-        if cfg.fused_shared and not cuda:
-            raise ConfigError("--fused-shared-expert (fused_shared) needs a CUDA device (the triton MoE kernels)")
-        if cfg.fused_router_gemv and not cuda:
-            raise ConfigError("--fused-router-gemv (fused_router_gemv) needs a CUDA device (a Triton kernel)")
+        for flag, on, what in (("--fused-shared-expert (fused_shared)", cfg.fused_shared, "the triton MoE kernels"),
+                               ("--fused-router-gemv (fused_router_gemv)", cfg.fused_router_gemv, "a Triton kernel")):
+            if on and not cuda:
+                raise ConfigError(f"{flag} needs a CUDA device ({what})")
         if cfg.kv_buckets and not cuda:
             raise ConfigError("--decode-kv-buckets (kv_buckets) needs a CUDA device (the CPU path attends over "
                               "exactly the sequence already)")

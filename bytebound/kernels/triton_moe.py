@@ -604,8 +604,8 @@ class MoEKernel:
 
         Raises:
             BackendError: the projections are not FP8 with 128x128 blocks, the shared intermediate size differs
-                from the routed one, or a block scale is not exactly representable as ``scale x 2^120`` in BF16
-                (a power of two in [2^-133, 2^7]: the checkpoint's ``scale_fmt: ue8m0``)."""
+                from the routed one, or a block scale is not a power of two of at most 2^7 (the checkpoint's
+                ``scale_fmt: ue8m0``; ``scale x 2^120`` must be a normal BF16)."""
         from bytebound.kernels.triton_moe_split import shared_fp8
         self.shared = shared_fp8(mlp, self.h, self.i)
 

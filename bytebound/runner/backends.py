@@ -82,22 +82,19 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
         impl[op], plan.resolutions[op] = resolve(op, plan.requested[op], device, plan.allow_fallback)
     plan.resolutions["sampling"] = Resolution("sampling", plan.requested.get("sampling", "torch"), "torch")
     model.lm_head.configure(lm_head_mode)
-    route_fn = None
+    for flag, on in (("--fused-router", fused_router), ("--fused-router-gemv", router_gemv),
+                     ("--fused-norm", fused_norm)):
+        if on and torch.device(device).type != "cuda":
+            raise BackendError(f"{flag} needs a CUDA device (a Triton kernel)")
+    route_fn = gemv_fn = None
     if fused_router:
-        if torch.device(device).type != "cuda":
-            raise BackendError("--fused-router needs a CUDA device (a Triton kernel)")
         from bytebound.kernels.triton_router import fused_route as route_fn
-    gemv_fn = None
     if router_gemv:
-        if torch.device(device).type != "cuda":
-            raise BackendError("--fused-router-gemv needs a CUDA device (a Triton kernel)")
         from bytebound.kernels.triton_router import gemv_route as gemv_fn
     plan.resolutions["moe"].router = ("triton (GEMV + routing, one launch)" if gemv_fn is not None else
                                       "triton" if route_fn is not None else "torch")
     norm_fn = gated_fn = None
     if fused_norm:
-        if torch.device(device).type != "cuda":
-            raise BackendError("--fused-norm needs a CUDA device (a Triton kernel)")
         from bytebound.kernels.triton_norm import rmsnorm as norm_fn, rmsnorm_gated as gated_fn
     plan.resolutions["norm"] = Resolution("norm", "triton" if fused_norm else "torch",
                                           "triton" if fused_norm else "torch")
