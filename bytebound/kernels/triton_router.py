@@ -32,6 +32,7 @@ import torch
 
 from bytebound.errors import BackendError
 from bytebound.kernels.registry import optional_triton
+from bytebound.kernels.triton_moe import scratch
 
 MAX_M = 4
 
@@ -169,7 +170,6 @@ def gemv_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return ids, w
     # grow-only, shared by every MoE layer on the device (they run one after another on one stream); a captured
     # CUDA graph keeps the addresses it saw, so an outgrown buffer stays alive
-    from bytebound.kernels.triton_moe import scratch
     logits = scratch(x.device, "router_logits", MAX_M * e)
     cnt = scratch(x.device, "router_ticket", 1, torch.int32)
     b = bias if bias is not None else weight
