@@ -74,6 +74,14 @@ def decode_tpot(runner, ctx: int, steps: int = 64) -> tuple[float, float]:
     return tpot[len(tpot) // 2], step[len(step) // 2]
 
 
+def what_ran(plan) -> dict:
+    """The backends a measurement ran with: each op's resolved backend, and where the MoE layers' shared expert
+    and routing ran."""
+    moe = plan.resolutions["moe"]
+    return {"resolved": {k: v.resolved for k, v in plan.resolutions.items()}, "shared_expert": moe.shared,
+            "router": moe.router}
+
+
 def per_op(model, runner, ctx: int, m: int = 1) -> list[dict]:
     """Time each op class over all its layers in one graph: [{op, layers, ms, bytes}], for ``m`` tokens at
     positions ``ctx..ctx+m-1`` (``m`` = 4: the MTP verify's shapes; KDA then records per-token states as the verify
@@ -294,8 +302,7 @@ def main() -> int:
                      "tok_s": 1e3 / ms, "bind_s": bind_s,
                      "ledger_GB": b / 1e9, "floor_ms": b / (bw * 1e9) * 1e3,
                      "U": b / (ms * 1e-3) / (bw * 1e9),
-                     "resolved": {k: v.resolved for k, v in plan.resolutions.items()},
-                     "shared_expert": plan.resolutions["moe"].shared, "router": plan.resolutions["moe"].router}
+                     **what_ran(plan)}
                 results.append(r)
                 print(json.dumps(r), flush=True)
                 dump()
@@ -336,9 +343,7 @@ def main() -> int:
             h = runner.prefill(ids)
             model.logits(h[-1:])
             sync()
-            info["ttft_s"] = {"prompt": a.ttft_len, "s": time.perf_counter() - t,
-                              "resolved": {k: v.resolved for k, v in plan.resolutions.items()},
-                     "shared_expert": plan.resolutions["moe"].shared, "router": plan.resolutions["moe"].router}
+            info["ttft_s"] = {"prompt": a.ttft_len, "s": time.perf_counter() - t, **what_ran(plan)}
             print(f"TTFT {a.ttft_len} tokens: {info['ttft_s']['s']:.2f} s", flush=True)
         except Exception as e:
             info["ttft_s"] = {"prompt": a.ttft_len, "error": f"{type(e).__name__}: {e}"}
