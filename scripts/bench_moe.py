@@ -336,16 +336,11 @@ def make_shared(seed: int):
     return mlp
 
 
-def shared_reference(mlp, x):
-    from bytebound.layers.moe import swiglu
-    g, u, d = (lin.dequantized(torch.float32) for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-    return swiglu(x.float() @ g.t(), x.float() @ u.t(), mlp.limit) @ d.t()
-
-
 def shared_section(layers, ms, cfgs: dict, reps: int, read_gbps: float, log) -> list[dict]:
     """Routed + shared expert per layer, two ways, same routing, same run: the ``split`` kernels then the shared
     expert as a dense MLP (three FP8 GEMV launches, SwiGLU, add: the engine's unfused path), and the shared
     expert as one more slot of the ``split`` kernels (``MoEKernel.bind_shared``)."""
+    from bytebound.kernels.torch_ref import shared_expert_reference
     nl = len(layers)
     mlps = [make_shared(500 + li) for li in range(nl)]
     rows = []
@@ -360,7 +355,7 @@ def shared_section(layers, ms, cfgs: dict, reps: int, read_gbps: float, log) -> 
         fused = [bind("triton", ex, {m: cfg}) for ex in layers]
         for f, mlp in zip(fused, mlps):
             f.bind_shared(mlp)
-        ref0 = reference(layers[0], xs[0], *routes[0]) + shared_reference(mlps[0], xs[0])
+        ref0 = reference(layers[0], xs[0], *routes[0]) + shared_expert_reference(mlps[0], xs[0])
         uniq = statistics.mean(int(r[0].unique().numel()) for r in routes)
         nbytes = uniq * EXPERT_BYTES + SHARED_BYTES
         modes = (("dense shared expert", lambda li: sep[li](xs[li], *routes[li]) + mlps[li](xs[li])),

@@ -636,7 +636,7 @@ def test_moe_canary_checks_a_fused_shared_expert(ckpt):
     """With the shared expert run inside the routed kernels (``MoEKernel.bind_shared``; here a CPU stand-in that
     claims it), ``moe_vs_reference`` compares against routed + shared: a backend that includes it passes, one that
     claims it but leaves it out fails (the layer would then drop the shared expert silently)."""
-    from bytebound.kernels.torch_ref import moe_reference
+    from bytebound.kernels.torch_ref import moe_reference, shared_expert_reference
     from bytebound.layers.moe import RoutedExperts
     eng = engine(ckpt)
     mods = [m for m in eng.model.modules() if isinstance(m, RoutedExperts)]
@@ -648,7 +648,7 @@ def test_moe_canary_checks_a_fused_shared_expert(ckpt):
 
         def __call__(self, x, ids, w):
             y = moe_reference(self.ex, x, ids, w)
-            return y + C._shared_reference(self.mlp, x.float()).to(y.dtype) if self.add else y
+            return y + shared_expert_reference(self.mlp, x).to(y.dtype) if self.add else y
 
         def shared_for(self, m, k):
             return True

@@ -57,6 +57,15 @@ def moe_reference(ex, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> to
     return y.to(x.dtype)
 
 
+def shared_expert_reference(mlp, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The shared expert ``down(SwiGLU(gate x, up x))`` (``layers.moe.DenseMLP``) from its dequantised weights in
+    ``dtype``, bypassing any bound linear backend: ``x [M, H]`` -> ``[M, H]`` in ``dtype``. The reference for a
+    shared expert run inside the routed kernels (float32: the start-up canary; float64: the kernel tests)."""
+    xd = x.to(dtype)
+    g, u, d = (lin.dequantized(dtype) for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    return swiglu(xd @ g.t(), xd @ u.t(), mlp.limit) @ d.t()
+
+
 def lm_head_reference(head, x: torch.Tensor) -> torch.Tensor:
     """LM head per ``head.mode``: ``x [M, H]`` -> float32 logits ``[M, V]``."""
     if head.mode == "fp32":

@@ -334,16 +334,8 @@ def _checked_moe_layers(model):
 
 
 @torch.inference_mode()
-def _shared_reference(mlp, x: torch.Tensor) -> torch.Tensor:
-    """The shared expert from its dequantised weights in float32, bypassing any bound linear backend."""
-    from bytebound.layers.moe import swiglu
-    g, u, d = (lin.dequantized(torch.float32) if lin.fmt == "fp8" else lin.weight.float()
-               for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-    return swiglu(x @ g.t(), x @ u.t(), mlp.limit) @ d.t()
-
-
 def canary_moe_vs_reference(engine, ctx) -> CanaryResult:
-    from bytebound.kernels.torch_ref import moe_reference
+    from bytebound.kernels.torch_ref import moe_reference, shared_expert_reference
     name, lever = "moe_vs_reference", "moe"
     layers = _checked_moe_layers(engine.model)
     if not layers:
@@ -366,7 +358,7 @@ def canary_moe_vs_reference(engine, ctx) -> CanaryResult:
             y = ex(xs, i_, w_).float()
             ref = moe_reference(_RawExperts(ex), xs.float(), i_, w_.float())
             if ex.shared_in(xs.shape[0], k):        # the kernels ran the shared expert too (MoEKernel.bind_shared)
-                ref = ref + _shared_reference(moe.shared_experts, xs.float())
+                ref = ref + shared_expert_reference(moe.shared_experts, xs.float())
             errs.append(float((y - ref).norm() / ref.norm().clamp(min=1e-30)) if torch.isfinite(y).all()
                         else float("inf"))
         per[f"layer{li}"] = [round(e, 6) for e in errs]

@@ -197,15 +197,6 @@ def make_shared(h, i, limit=None, seed=0, pow2=True):
     return mlp
 
 
-def shared_ref64(mlp, x):
-    """float64 shared expert from the dequantised FP8 projections: ``down(SwiGLU(gate x, up x))``."""
-    from bytebound.layers.moe import swiglu
-    xd = x.double()
-    a = swiglu(xd @ mlp.gate_proj.dequantized(torch.float64).t(), xd @ mlp.up_proj.dequantized(torch.float64).t(),
-               mlp.limit)
-    return a @ mlp.down_proj.dequantized(torch.float64).t()
-
-
 @pytest.mark.parametrize("tiling", [None, {"BI": 64, "KP": 5, "num_warps": 8}, {"BI": 64, "KP": 10, "num_warps": 4},
                                     {"KP": 1, "BI": 32, "KP2": 6, "BH": 128, "down_warps": 8}],
                          ids=["default", "h200-m1", "h200-m4", "kp1"])
@@ -215,6 +206,7 @@ def test_split_shared_expert(ling_experts, tiling, m, dup, limits):
     """routed + shared from one pair of launches == float64 routed sum + float64 shared expert (rel <= 1e-2),
     bit-identical on repeat. ``kp1`` is KP = 1 (the epilogue without partials), which only the tiny shape can
     run (Ling's H = 2560 is too wide for one slice): it runs there."""
+    from bytebound.kernels.torch_ref import shared_expert_reference
     from bytebound.kernels.triton_moe import MoEKernel, fit_config
     if tiling is not None and tiling.get("KP") == 1:
         ex = make_experts(TINY["e"], TINY["h"], TINY["i"], seed=5)
@@ -231,7 +223,7 @@ def test_split_shared_expert(ling_experts, tiling, m, dup, limits):
         ids, w = make_routing(m, e, k, shared=dup, seed=m + dup)
         x = torch.randn(m, h, device=DEV).to(torch.bfloat16)
         out = _poisoned_call(fn, x, ids, w)
-        ref = moe_ref64(ex, x, ids, w) + shared_ref64(mlp, x)
+        ref = moe_ref64(ex, x, ids, w) + shared_expert_reference(mlp, x, torch.float64)
         assert torch.isfinite(out.float()).all(), "unwritten or non-finite output"
         assert rel(out, ref) <= 1e-2, f"M={m} dup={dup} limits={limits} tiling={tiling}: rel {rel(out, ref):.3e}"
         shared_only = rel(out, moe_ref64(ex, x, ids, w))
