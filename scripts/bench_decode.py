@@ -219,10 +219,11 @@ def main() -> int:
                     help="MoE routing as one Triton kernel (M <= 4); default: as the engine (on with CUDA)")
     ap.add_argument("--fused-norm", action=onoff, default=None,
                     help="RMSNorms as single Triton kernels; default: as the engine (on with CUDA)")
-    ap.add_argument("--fused-shared", action=onoff, default=False,
+    ap.add_argument("--fused-shared", action=onoff, default=None,
                     help="each MoE layer's shared expert inside the triton 'split' kernels (EngineConfig.fused_shared) "
-                         "for every --moe-backends entry; or name the backend 'triton+shared' in --moe-backends to "
-                         "compare both in one run")
+                         "for every --moe-backends entry; default: as the engine (on with CUDA where the backend can); "
+                         "or name the backend 'triton+shared' / 'triton+dense' in --moe-backends to compare both in "
+                         "one run")
     ap.add_argument("--fused-router-gemv", action=onoff, default=False,
                     help="the router GEMV + routing as one Triton kernel (EngineConfig.fused_router_gemv), for every "
                          "--moe-backends entry; or add '+gemv' to a backend name")
@@ -262,13 +263,14 @@ def main() -> int:
         (out / f"{a.name}.json").write_text(json.dumps({"info": info, "results": results, "per_op": ops},
                                                           indent=2))
     for moe in a.moe_backends.split(","):
-        # "triton+shared", "triton+shared+gemv": the triton backend with the shared expert inside its kernels
-        # (EngineConfig.fused_shared) and the router GEMV + routing as one kernel (EngineConfig.fused_router_gemv)
+        # "triton+shared" / "triton+dense": the triton backend with the shared expert inside its kernels or as a
+        # dense MLP (EngineConfig.fused_shared True / False); "+gemv": the router GEMV + routing as one kernel
+        # (EngineConfig.fused_router_gemv)
         moe_b, *opts = moe.split("+")
-        if set(opts) - {"shared", "gemv"}:
-            ap.error(f"--moe-backends {moe!r}: unknown option {sorted(set(opts) - {'shared', 'gemv'})} "
-                     "(a backend name with optional +shared and +gemv)")
-        fused_shared, router_gemv = a.fused_shared or "shared" in opts, a.fused_router_gemv or "gemv" in opts
+        if set(opts) - {"shared", "dense", "gemv"} or {"shared", "dense"} <= set(opts):
+            ap.error(f"--moe-backends {moe!r}: a backend name with optional +shared or +dense, and +gemv")
+        fused_shared = True if "shared" in opts else False if "dense" in opts else a.fused_shared
+        router_gemv = a.fused_router_gemv or "gemv" in opts
         for head in a.heads.split(","):
             plan = BackendPlan.default(dev, moe=moe_b)
             try:

@@ -380,6 +380,85 @@ def shared_section(layers, ms, cfgs: dict, reps: int, read_gbps: float, log) -> 
     return rows
 
 
+ROUTER_BYTES = E * H * 4 + E * 4          # float32 router weight (router_dtype fp32) + expert bias
+
+
+def router_section(layers, ms, cfgs: dict, reps: int, read_gbps: float, log) -> list[dict]:
+    """The router alone, several ways, then the whole MoE layer (router + routed + shared expert, the engine's
+    decode path at M <= 4), same run. Router modes: the float32 GEMV (``F.linear``) alone; the GEMV + the routing
+    kernel (``fused_route``) at 1, 2 and 4 warps per row; the GEMV + routing as one kernel (``gemv_route``) at a few
+    programs-per-expert and warp counts. Whole layer: routing + the ``split`` kernels with the shared expert
+    fused, with each router. Every router mode's ids and weights are checked against ``layers.moe.route``."""
+    import torch.nn.functional as F
+
+    from bytebound.kernels.triton_router import fused_route, gemv_route
+    from bytebound.layers.moe import route
+    nl = len(layers)
+    g = torch.Generator(device="cuda").manual_seed(77)
+    wg = [torch.randn(E, H, generator=g, device="cuda") * 0.02 for _ in range(nl)]
+    bias = [torch.randn(E, generator=g, device="cuda") * 0.01 for _ in range(nl)]
+    mlps = [make_shared(500 + li) for li in range(nl)]
+    args = (K, 8, 4, True, 2.5)           # Ling: top-8, 8 groups, 4 kept, norm_topk_prob, routed_scaling_factor
+    rows = []
+    for m in ms:
+        xs = [torch.randn(m, H, device="cuda").to(torch.bfloat16) for _ in range(nl)]
+        gemv = lambda li: F.linear(xs[li].float(), wg[li])                                      # noqa: E731
+        modes = [("router: GEMV alone (F.linear fp32)", gemv, False)]
+        for nw in (1, 2, 4):
+            modes.append((f"router: GEMV + fused_route {nw}w",
+                          lambda li, nw=nw: fused_route(gemv(li), bias[li], *args, num_warps=nw), True))
+        for be, nw in ((8, 4), (4, 4), (16, 4), (8, 8), (4, 2)):
+            modes.append((f"router: gemv_route be{be} {nw}w",
+                          lambda li, be=be, nw=nw: gemv_route(xs[li], wg[li], bias[li], *args, be=be, num_warps=nw),
+                          True))
+        cfg = cfgs.get(m)
+        if cfg and cfg.get("variant") == "split":
+            fused = [bind("triton", ex, {m: cfg}) for ex in layers]
+            for f, mlp in zip(fused, mlps):
+                f.bind_shared(mlp)
+            modes.append(("layer: GEMV + fused_route 1w + split+shared",
+                          lambda li: fused[li](xs[li], *fused_route(gemv(li), bias[li], *args, num_warps=1)), False))
+            modes.append(("layer: GEMV + fused_route 4w + split+shared",
+                          lambda li: fused[li](xs[li], *fused_route(gemv(li), bias[li], *args, num_warps=4)), False))
+            modes.append(("layer: gemv_route be8 4w + split+shared",
+                          lambda li: fused[li](xs[li], *gemv_route(xs[li], wg[li], bias[li], *args)), False))
+        else:
+            log(f"router M={m}: whole-layer rows skipped (config {cfg} is not 'split')")
+        want = [route(gemv(li), bias[li], *args) for li in range(nl)]
+        for name, call, check in modes:
+            try:
+                out0 = call(0)
+                torch.cuda.synchronize()
+                agree = None
+                if check:
+                    same = [set(call(li)[0][r].tolist()) == set(want[li][0][r].tolist())
+                            for li in range(nl) for r in range(m)]
+                    agree = sum(same) / len(same)
+
+                def all_layers(call=call):
+                    for li in range(nl):
+                        call(li)
+                gr, _ = capture_graph(all_layers, warmup=1)
+                per = [t / nl for t in cuda_time(gr.replay, reps)]
+            except Exception as exc:      # one mode failing to compile must not lose the others
+                rows.append({"section": "router", "M": m, "mode": name, "error": f"{type(exc).__name__}: {exc}"[:400]})
+                log(f"router M={m} {name}: ERROR {type(exc).__name__}: {exc}"[:300])
+                continue
+            t = statistics.median(per) * 1e6
+            nbytes = ROUTER_BYTES
+            if name.startswith("layer"):
+                uniq = statistics.mean(int(w_[0].unique().numel()) for w_ in want)    # distinct experts read
+                nbytes += uniq * EXPERT_BYTES + SHARED_BYTES
+            r = {"section": "router", "M": m, "mode": name, "time_us_median": t, "time_us_min": min(per) * 1e6,
+                 "bytes_per_layer": nbytes, "GBps": nbytes / (t * 1e-6) / 1e9, "ids_agree_with_route": agree}
+            r["ratio_to_read_bw"] = r["GBps"] / read_gbps
+            del out0
+            rows.append(r)
+            log(f"router M={m} {name:44s} {t:7.1f} us  {nbytes / 1e6:6.1f} MB  {r['GBps']:6.0f} GB/s  "
+                f"{100 * r['ratio_to_read_bw']:5.1f}% of read" + (f"  ids agree {agree:.3f}" if agree is not None else ""))
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "out" / "bench_moe")))
@@ -395,6 +474,9 @@ def main() -> int:
                     help="tune (implies --tune) only the committed config of each M and the 'split' variant's tilings")
     ap.add_argument("--shared", action="store_true",
                     help="also time routed + shared expert per layer: dense shared expert vs fused into the split kernels")
+    ap.add_argument("--router", action="store_true",
+                    help="also time the router (GEMV, routing kernel, one-kernel GEMV + routing) and the whole MoE layer "
+                         "(router + split kernels with the shared expert)")
     ap.add_argument("--probe", action="store_true",
                     help="attribute the split variant's time (each kernel alone, load-only, compute-only, profiler)")
     args = ap.parse_args()
@@ -454,6 +536,13 @@ def main() -> int:
         best = dict(tuned["best"]) if tuned else {}
         cfgs = {m: best.get(m) or lookup_config(E, H, I, K, m) for m in ms}
         result["shared"] = shared_section(layers, ms, cfgs, args.reps, bw["read_GBps"], log)
+        (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+    if args.router:
+        from bytebound.kernels.triton_moe import lookup_config
+        best = dict(tuned["best"]) if tuned else {}
+        cfgs = {m: best.get(m) or lookup_config(E, H, I, K, m) for m in ms}
+        result["router"] = router_section(layers, ms, cfgs, args.reps, bw["read_GBps"], log)
         (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
 
     for backend in backends:

@@ -174,18 +174,32 @@ section_shared() {       # issue 5: the shared expert inside the split MoE kerne
         --moe-backends triton,triton+shared,triton+shared+gemv --heads fp8 --verify-ops
 }
 
+section_defaults() {     # issue 5, after the fused shared expert became a CUDA default (2026-11-30): its kernel tests and the
+    #                        router's (2-D routing, warps per row), the router / whole-MoE-layer timings, the full-scale
+    #                        canaries and the engine tests with the new defaults, and decode with / without it
+    run_step pytest python3 -m pytest tests/gpu/test_kernels_gpu.py tests/test_triton_router.py -q -p no:cacheprovider \
+        -rfE --tb=short $(pytest_timeout) -k "shared_expert or split or graph or route" --junitxml="$OUT/kernels_junit.xml"
+    run_step bench_moe python3 scripts/bench_moe.py --out "$OUT" --backends triton --router --layers 4 --reps 20
+    section_verify
+    run_step engine python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py -q -p no:cacheprovider -rfE --tb=short \
+        $(pytest_timeout) -k "verify_equals or captured_mtp or (64_steps and triton-triton) or nano_greedy" \
+        --junitxml="$OUT/engine_junit.xml"
+    run_step decode python3 scripts/bench_decode.py --out "$OUT" --name decode-defaults --contexts 2048 --ttft-len 0 \
+        --moe-backends triton,triton+dense --heads fp8 --verify-ops
+}
+
 section_env() {          # what the machine has
     run_step env bash -c 'nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; python3 -m pip list 2>/dev/null | grep -i -E "fla|humming|triton|torch"'
 }
 
 main() {
-    if [ "${1:-}" = "--list" ]; then printf '%s\n' "${SECTIONS[@]}" env nano mtp bisect numerics shared; return 0; fi
+    if [ "${1:-}" = "--list" ]; then printf '%s\n' "${SECTIONS[@]}" env nano mtp bisect numerics shared defaults; return 0; fi
     local todo=("$@")
     [ ${#todo[@]} -eq 0 ] && todo=("${SECTIONS[@]}")
     install_wheels || FAILED+=("install_wheels")
     for s in "${todo[@]}"; do
         if ! declare -F "section_$s" >/dev/null; then
-            echo "unknown section '$s' (have: ${SECTIONS[*]} env nano mtp bisect numerics shared)"; FAILED+=("$s(unknown)"); continue
+            echo "unknown section '$s' (have: ${SECTIONS[*]} env nano mtp bisect numerics shared defaults)"; FAILED+=("$s(unknown)"); continue
         fi
         CURRENT="$s"; LOG="$OUT/$s.log"; : >"$LOG"
         "section_$s"

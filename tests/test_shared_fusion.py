@@ -105,10 +105,28 @@ def test_bind_model_fused_shared_needs_the_triton_backend(tmp_path):
     plan = BackendPlan.default("cpu")
     plan.allow_fallback = True
     bind_model(model, plan, "cpu", fused_shared=True)
-    assert plan.resolutions["moe"].shared.startswith("fused into the routed kernels (0 layers); not fused:")
+    assert plan.resolutions["moe"].shared.startswith("dense; not fused:")
     plan = BackendPlan.default("cpu")
     bind_model(model, plan, "cpu")
     assert plan.resolutions["moe"].shared == "dense"
+    # None (the engine's default) is "on with CUDA where the backend can": off on CPU, no error
+    plan = BackendPlan.default("cpu")
+    bind_model(model, plan, "cpu", fused_shared=None)
+    assert plan.resolutions["moe"].shared == "dense"
+
+
+def test_default_shared_fusion_keeps_dense_where_the_backend_cannot():
+    """The CUDA default (fused_shared None) binds where it can and never raises: a backend without
+    ``bind_shared`` leaves every layer dense and the resolution names why (here on CPU, through _bind_shared)."""
+    from bytebound.checkpoint.synthetic import dummy_model
+    from bytebound.config import LingConfig
+    from bytebound.runner.backends import BackendPlan, _bind_shared, bind_model
+    model = dummy_model(LingConfig.from_file("models/ling-nano/config.json"), torch.device("cpu"), torch.float32)
+    plan = bind_model(model, BackendPlan.default("cpu"), "cpu")
+    _bind_shared(model, plan, strict=False)
+    assert plan.resolutions["moe"].shared.startswith("dense; not fused: moe backend 'torch' cannot run")
+    with pytest.raises(BackendError, match="cannot run the shared expert"):
+        _bind_shared(model, plan, strict=True)
 
 
 def test_engine_refuses_fused_shared_on_cpu():

@@ -22,13 +22,14 @@ def as_sets(ids, w):
 @pytest.mark.parametrize("e,g,tg,k,m,bias,norm", [(512, 8, 4, 8, 1, True, True), (512, 8, 4, 8, 4, True, True),
                                                   (512, 8, 4, 8, 3, False, True), (64, 4, 2, 4, 2, True, False),
                                                   (64, 1, 1, 6, 1, True, True)])
-def test_fused_route_matches_reference(router, e, g, tg, k, m, bias, norm):
+@pytest.mark.parametrize("nw", [1, 4])
+def test_fused_route_matches_reference(router, e, g, tg, k, m, bias, norm, nw):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device="cpu").manual_seed(e + m + k)
     for trial in range(3):
         logits = (torch.randn(m, e, generator=gen) * 2).to(dev)
         b = (torch.randn(e, generator=gen) * 0.5).to(dev) if bias else None
-        ids, w = router.fused_route(logits, b, k, g, tg, norm, 2.5)
+        ids, w = router.fused_route(logits, b, k, g, tg, norm, 2.5, num_warps=nw)
         rid, rw = route(logits, b, k, g, tg, norm, 2.5)
         assert ids.shape == (m, k) and ids.dtype == torch.int64 and w.dtype == torch.float32
         got, want = as_sets(ids.cpu(), w.cpu()), as_sets(rid.cpu(), rw.cpu())
@@ -48,7 +49,8 @@ def test_fused_route_refuses_what_it_cannot_do(router):
 
 @pytest.mark.parametrize("e,g,tg,k,m,h", [(512, 8, 4, 8, 1, 2560), (512, 8, 4, 8, 4, 2560), (64, 4, 2, 4, 3, 300),
                                           (64, 1, 1, 6, 2, 256)])
-def test_gemv_route_matches_linear_then_route(router, e, g, tg, k, m, h):
+@pytest.mark.parametrize("be,nw", [(8, 4), (4, 2)])
+def test_gemv_route_matches_linear_then_route(router, e, g, tg, k, m, h, be, nw):
     """Router GEMV + routing in one launch (``gemv_route``) == ``route(F.linear(x.float(), W))``: same experts,
     weights to 1e-5, over repeated calls (the ticket re-arms itself) and an H that is not a multiple of the
     kernel's 256-column chunk."""
@@ -58,7 +60,7 @@ def test_gemv_route_matches_linear_then_route(router, e, g, tg, k, m, h):
     b = (torch.randn(e, generator=gen) * 0.5).to(dev)
     for trial in range(3):
         x = torch.randn(m, h, generator=gen).to(dev).to(torch.bfloat16)
-        ids, w = router.gemv_route(x, wg, b, k, g, tg, True, 2.5)
+        ids, w = router.gemv_route(x, wg, b, k, g, tg, True, 2.5, be=be, num_warps=nw)
         rid, rw = route(torch.nn.functional.linear(x.float(), wg), b, k, g, tg, True, 2.5)
         assert ids.shape == (m, k) and ids.dtype == torch.int64 and w.dtype == torch.float32
         for a, b_ in zip(as_sets(ids.cpu(), w.cpu()), as_sets(rid.cpu(), rw.cpu())):

@@ -55,12 +55,14 @@ class EngineConfig:
     # 140 s on the H200 (docs/perf/mtp-accept-nano-h200.md), captured rounds take 16-20 s.
     fused_router: bool | None = None  # MoE routing (M <= 4) as one Triton kernel (CUDA)
     fused_norm: bool | None = None    # every RMSNorm / gated RMSNorm as one Triton kernel (CUDA)
-    # The shared expert as one more slot of the 'split' MoE kernels (MoEKernel.bind_shared). Off until measured on
-    # the GPU: the kernels compile for sm_90 and the CPU tests check the plumbing, but no GPU run has checked
-    # its numerics or its speed yet (tests/gpu/test_kernels_gpu.py::test_split_shared_expert).
-    fused_shared: bool = False
+    # The shared expert as one more slot of the 'split' MoE kernels (MoEKernel.bind_shared). Measured on the H200
+    # (docs/perf/decode-h200.md, 2026-11-30): full-scale decode 6.73 -> 5.86 ms at 2K, the 4-token verify 13.4 ->
+    # 11.9 ms. None = on with CUDA wherever the MoE backend can run it (the triton 'split' kernels; other layers
+    # keep their dense shared expert, as the manifest says); True = required (BackendError where it cannot).
+    fused_shared: bool | None = None
     # The router GEMV and the routing (M <= 4) as one Triton kernel (kernels.triton_router.gemv_route): one launch
-    # per MoE layer instead of two. Off until measured on the GPU (tested in Triton's interpreter on CPU).
+    # per MoE layer instead of two. Off: on the H200 it saved nothing at M = 1 (5.87 vs 5.86 ms) and cost 19 us per
+    # layer at M = 4, where its single routing program handles the rows one after another (docs/perf/decode-h200.md).
     fused_router_gemv: bool = False
     kv_buckets: bool | None = None    # attention spans in powers of two from 1024 (one decode graph each) instead
     #                                   of all max_model_len slots every step (CUDA)
@@ -155,6 +157,8 @@ class Engine:
         # None = the device's default: on with CUDA, off on CPU (where the Triton kernels and graphs do not run)
         self.config = cfg = replace(cfg, **{k: cuda for k in ("spec_static_round", "fused_router", "fused_norm",
                                                               "kv_buckets") if getattr(cfg, k) is None})
+        # fused_shared stays None ("where the backend can") on CUDA; bind_model treats None as that
+        shared_arg = (None if cuda else False) if cfg.fused_shared is None else cfg.fused_shared
         for flag, on, what in (("--fused-shared-expert (fused_shared)", cfg.fused_shared, "the triton MoE kernels"),
                                ("--fused-router-gemv (fused_router_gemv)", cfg.fused_router_gemv, "a Triton kernel")):
             if on and not cuda:
@@ -184,7 +188,7 @@ class Engine:
         plan = BackendPlan.default(dev, **cfg.backends)
         plan.allow_fallback = cfg.allow_fallback
         self.plan = bind_model(self.model, plan, dev, cfg.lm_head, cfg.fused_router, cfg.fused_norm,
-                               cfg.fused_shared, cfg.fused_router_gemv)
+                               shared_arg, cfg.fused_router_gemv)
         self.runner = ModelRunner(self.model, cfg.max_model_len, dev,
                                   pow2_buckets(cfg.max_model_len) if cfg.kv_buckets else None)
         if dev.type == "cuda" and not cfg.enforce_eager:

@@ -35,61 +35,71 @@ from bytebound.kernels.registry import optional_triton
 from bytebound.kernels.triton_moe import scratch
 
 MAX_M = 4
+ROUTE_WARPS = 4     # warps per routing program (fused_route)
 
 triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machines without Triton
 
 
 if tl is not None:
     @triton.jit
-    def _route_row(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, m, E: tl.constexpr, G: tl.constexpr,
-                   TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   NORM: tl.constexpr):
-        """Route row ``m`` of ``logits [M, E]`` float32 into ``ids [M, K]``, ``w [M, K]`` (module docstring)."""
+    def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, row0, M, E: tl.constexpr, G: tl.constexpr,
+                    TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    NORM: tl.constexpr, MP: tl.constexpr):
+        """Route rows ``row0 .. row0+MP-1`` (those < ``M``) of ``logits [M, E]`` float32 into ``ids [M, K]``,
+        ``w [M, K]`` (module docstring). The rows go through every step together, as ``[MP, E]`` tensors, so MP rows
+        cost one pass of reductions rather than MP passes."""
         EG: tl.constexpr = E // G
         NEG: tl.constexpr = float("-inf")
+        rows = row0 + tl.arange(0, MP)
+        live = rows < M
         offs = tl.arange(0, E)
         # .cg (L2, not L1): in _gemv_route_kernel other SMs wrote these logits moments ago
-        s = tl.sigmoid(tl.load(logits_ptr + m * E + offs, cache_modifier=".cg").to(tl.float32))
+        s = tl.sigmoid(tl.load(logits_ptr + rows[:, None] * E + offs[None, :], mask=live[:, None], other=0.0,
+                               cache_modifier=".cg").to(tl.float32))                      # [MP, E]
         if HAS_BIAS:
-            sb = s + tl.load(bias_ptr + offs).to(tl.float32)
+            sb = s + tl.load(bias_ptr + offs).to(tl.float32)[None, :]
         else:
             sb = s
         # per-group top-2 sum
-        sb2 = tl.reshape(sb, (G, EG))
+        sb3 = tl.reshape(sb, (MP, G, EG))
         col = tl.arange(0, EG)
-        a1 = tl.argmax(sb2, axis=1)
-        top1 = tl.max(sb2, axis=1)
-        top2 = tl.max(tl.where(col[None, :] == a1[:, None], NEG, sb2), axis=1)
-        gs = top1 + top2                                                      # [G]
+        a1 = tl.argmax(sb3, axis=2)
+        top1 = tl.max(sb3, axis=2)
+        top2 = tl.max(tl.where(col[None, None, :] == a1[:, :, None], NEG, sb3), axis=2)
+        gs = top1 + top2                                                      # [MP, G]
         # keep the TOPK_GROUP best groups
         gidx = tl.arange(0, G)
-        keep = gidx < 0
+        keep = tl.zeros([MP, G], tl.int32)
         for _ in tl.static_range(TOPK_GROUP):
-            a = tl.argmax(gs, axis=0)
-            keep = keep | (gidx == a)
-            gs = tl.where(gidx == a, NEG, gs)
-        keep_e = tl.reshape(tl.broadcast_to(keep[:, None], (G, EG)), (E,))
-        sel = tl.where(keep_e, sb, NEG)
+            hit = gidx[None, :] == tl.argmax(gs, axis=1)[:, None]
+            keep = tl.where(hit, 1, keep)
+            gs = tl.where(hit, NEG, gs)
+        keep_e = tl.reshape(tl.broadcast_to(keep[:, :, None], (MP, G, EG)), (MP, E))
+        sel = tl.where(keep_e != 0, sb, NEG)
         # the K best experts of the kept groups
         kk = tl.arange(0, KP)
-        out_ids = tl.zeros([KP], tl.int64)
-        out_w = tl.zeros([KP], tl.float32)
+        out_ids = tl.zeros([MP, KP], tl.int64)
+        out_w = tl.zeros([MP, KP], tl.float32)
         for i in tl.static_range(K):
-            a = tl.argmax(sel, axis=0)
-            out_ids = tl.where(kk == i, a.to(tl.int64), out_ids)
-            out_w = tl.where(kk == i, tl.sum(tl.where(offs == a, s, 0.0), axis=0), out_w)
-            sel = tl.where(offs == a, NEG, sel)
+            a = tl.argmax(sel, axis=1)                                        # [MP]
+            hit = offs[None, :] == a[:, None]
+            at_i = kk[None, :] == i
+            out_ids = tl.where(at_i, a.to(tl.int64)[:, None], out_ids)
+            out_w = tl.where(at_i, tl.sum(tl.where(hit, s, 0.0), axis=1)[:, None], out_w)
+            sel = tl.where(hit, NEG, sel)
         if NORM:
-            out_w = out_w / (tl.sum(out_w, axis=0) + 1e-20)
-        tl.store(ids_ptr + m * K + kk, out_ids, mask=kk < K)
-        tl.store(w_ptr + m * K + kk, out_w * scale, mask=kk < K)
+            out_w = out_w / (tl.sum(out_w, axis=1)[:, None] + 1e-20)
+        dst = rows[:, None] * K + kk[None, :]
+        ok = live[:, None] & (kk[None, :] < K)
+        tl.store(ids_ptr + dst, out_ids, mask=ok)
+        tl.store(w_ptr + dst, out_w * scale, mask=ok)
 
     @triton.jit
-    def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, E: tl.constexpr, G: tl.constexpr,
+    def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, M, E: tl.constexpr, G: tl.constexpr,
                       TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
                       NORM: tl.constexpr):
-        _route_row(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, tl.program_id(0), E, G, TOPK_GROUP, K, KP,
-                   HAS_BIAS, NORM)
+        _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, tl.program_id(0), M, E, G, TOPK_GROUP, K, KP,
+                    HAS_BIAS, NORM, 1)
 
     @triton.jit
     def _gemv_route_kernel(x_ptr, wg_ptr, logits_ptr, cnt_ptr, bias_ptr, ids_ptr, w_ptr, scale, H: tl.constexpr,
@@ -119,15 +129,15 @@ if tl is not None:
         tl.debug_barrier()
         ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
         if ticket == E // BE - 1:
-            for m in tl.static_range(M):
-                _route_row(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, m, E, G, TOPK_GROUP, K, KP, HAS_BIAS,
-                           NORM)
+            _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, 0, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS, NORM,
+                        MP)
             tl.store(cnt_ptr, 0)
 
 
 def fused_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int, topk_group: int,
-                norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                norm: bool, scale: float, num_warps: int = ROUTE_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits [M, E]`` float32 (M <= 4) -> ``(ids [M, k] int64, weights [M, k] float32)``, as ``moe.route``.
+    One program of ``num_warps`` warps per row (a tuning knob for ``scripts/bench_moe.py --router``).
 
     Raises BackendError when Triton is missing, M > 4, or E is not a power of two divisible by ``n_group``.
     """
@@ -142,28 +152,30 @@ def fused_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_g
     ids = torch.empty(m, top_k, dtype=torch.int64, device=logits.device)
     w = torch.empty(m, top_k, dtype=torch.float32, device=logits.device)
     b = bias if bias is not None else logits       # dummy pointer when there is no bias
-    _route_kernel[(m,)](logits, b, ids, w, float(scale), E=e, G=g, TOPK_GROUP=topk_group if g > 1 else 1,
+    _route_kernel[(m,)](logits, b, ids, w, float(scale), m, E=e, G=g, TOPK_GROUP=topk_group if g > 1 else 1,
                         K=top_k, KP=triton.next_power_of_2(top_k), HAS_BIAS=bias is not None, NORM=bool(norm),
-                        num_warps=4)
+                        num_warps=num_warps)
     return ids, w
 
 
 
 def gemv_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int,
-               topk_group: int, norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+               topk_group: int, norm: bool, scale: float, be: int = 8,
+               num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, H]`` (M <= 4) and the router weight ``[E, H]`` -> ``(ids [M, k] int64, weights [M, k] float32)``:
     the router GEMV (float32 accumulation, as ``F.linear(x.float(), weight.float())``) and :func:`fused_route`'s
     routing in one launch (``_gemv_route_kernel``). The logits and the ticket live in a per-device scratch that
     the last program re-arms, so the call is CUDA-graph safe; calls on one device must not overlap (one stream,
-    as the engine runs; the MoE kernels' scratch asks the same). Raises BackendError as :func:`fused_route`."""
+    as the engine runs; the MoE kernels' scratch asks the same). ``be`` experts per program (E/be programs) and
+    ``num_warps`` are tuning knobs (``scripts/bench_moe.py --router``). Raises BackendError as :func:`fused_route`."""
     if _TRITON_ERR:
         raise BackendError(f"router[triton]: {_TRITON_ERR}")
     m, h = x.shape
     e = weight.shape[0]
     g = max(n_group, 1)
-    if m > MAX_M or e & (e - 1) or e % g or e < 8:
-        raise BackendError(f"router[triton]: needs M <= {MAX_M} and E a power of two (>= 8) divisible by n_group "
-                           f"(got M={m}, E={e}, n_group={n_group})")
+    if m > MAX_M or e & (e - 1) or e % g or e < be or be & (be - 1):
+        raise BackendError(f"router[triton]: needs M <= {MAX_M}, E a power of two divisible by n_group and by be, "
+                           f"be a power of two (got M={m}, E={e}, n_group={n_group}, be={be})")
     ids = torch.empty(m, top_k, dtype=torch.int64, device=x.device)
     w = torch.empty(m, top_k, dtype=torch.float32, device=x.device)
     if m == 0:
@@ -174,8 +186,9 @@ def gemv_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     cnt = scratch(x.device, "router_ticket", 1, torch.int32)
     b = bias if bias is not None else weight
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    _gemv_route_kernel[(e // 8,)](x.contiguous(), weight.contiguous(), logits, cnt, b, ids, w, float(scale),
-                                  H=h, E=e, G=g, TOPK_GROUP=topk_group if g > 1 else 1, K=top_k,
-                                  KP=triton.next_power_of_2(top_k), HAS_BIAS=bias is not None, NORM=bool(norm),
-                                  M=m, MP=triton.next_power_of_2(m), BE=8, BK=256, FENCE=not interp, num_warps=4)
+    _gemv_route_kernel[(e // be,)](x.contiguous(), weight.contiguous(), logits, cnt, b, ids, w, float(scale),
+                                   H=h, E=e, G=g, TOPK_GROUP=topk_group if g > 1 else 1, K=top_k,
+                                   KP=triton.next_power_of_2(top_k), HAS_BIAS=bias is not None, NORM=bool(norm),
+                                   M=m, MP=triton.next_power_of_2(m), BE=be, BK=256, FENCE=not interp,
+                                   num_warps=num_warps)
     return ids, w

@@ -66,14 +66,15 @@ def prefill_slices(fn):
 
 
 def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fused_router: bool = False,
-               fused_norm: bool = False, fused_shared: bool = False, router_gemv: bool = False) -> BackendPlan:
+               fused_norm: bool = False, fused_shared: bool | None = False, router_gemv: bool = False) -> BackendPlan:
     """Resolve each op once and bind every module of that op to it. Raises BackendError (named) when a
     requested backend is unusable and ``plan.allow_fallback`` is False. ``fused_router``: the MoE routing for
     M <= 4 runs as one Triton kernel (``kernels.triton_router``; CUDA only, else BackendError). ``fused_norm``: every
     RMSNorm and gated RMSNorm is one Triton kernel (``kernels.triton_norm``; CUDA only). ``fused_shared``: each
     MoE layer's shared expert runs inside the routed MoE kernels (``MoEKernel.bind_shared``; the ``triton`` MoE
     backend's ``split`` variant, FP8 shared experts); a layer where that does not apply keeps its dense shared
-    expert and ``plan.resolutions["moe"].shared`` says why (BackendError instead unless ``allow_fallback``).
+    expert and ``plan.resolutions["moe"].shared`` says why (with True: BackendError instead unless
+    ``allow_fallback``; with None, the engine's CUDA default: wherever the backend can, no error).
     ``router_gemv``: the router GEMV and the routing for M <= 4 as one Triton kernel
     (``kernels.triton_router.gemv_route``; CUDA only)."""
     dtype = model.dtype
@@ -130,15 +131,18 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
         elif isinstance(m, RMSNorm):
             m.fn = norm_fn
     plan.resolutions["moe"].shared = "dense"
-    if fused_shared:
-        _bind_shared(model, plan)
+    if fused_shared is None and torch.device(device).type == "cuda":
+        _bind_shared(model, plan, strict=False)
+    elif fused_shared:
+        _bind_shared(model, plan, strict=not plan.allow_fallback)
     model.lm_head.fn = impl["lm_head"].bind(model.lm_head, dtype)
     model.lm_head.backend = plan.resolutions["lm_head"].resolved
     return plan
 
 
-def _bind_shared(model, plan: BackendPlan) -> None:
-    """``fused_shared`` of :func:`bind_model`: every MoE layer's shared expert into its routed kernels."""
+def _bind_shared(model, plan: BackendPlan, strict: bool) -> None:
+    """``fused_shared`` of :func:`bind_model`: every MoE layer's shared expert into its routed kernels; ``strict``
+    re-raises the first layer's BackendError, else that layer stays dense and the resolution records why."""
     why = None
     n = 0
     for m in model.modules():
@@ -151,8 +155,8 @@ def _bind_shared(model, plan: BackendPlan) -> None:
                 bind(m.shared_experts)
                 n += 1
             except BackendError as e:
-                if not plan.allow_fallback:
+                if strict:
                     raise
                 why = why or str(e)
-    plan.resolutions["moe"].shared = f"fused into the routed kernels ({n} layers)" + (f"; not fused: {why}"
-                                                                                      if why else "")
+    plan.resolutions["moe"].shared = (f"fused into the routed kernels ({n} layers)" if n else "dense") + (
+        f"; not fused: {why}" if why else "")

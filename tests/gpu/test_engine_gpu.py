@@ -174,12 +174,14 @@ def test_graph_replay_equals_eager_across_kv_buckets():
         assert torch.equal(a, b), f"step {i}: graph replay differs from eager"
 
 
-@pytest.mark.parametrize("path", ["engine_defaults", "no_fused", "fused_moe", "fused_router", "fused_norm", "kv_buckets"])
+@pytest.mark.parametrize("path", ["engine_defaults", "no_fused", "fused_moe", "fused_router", "fused_norm", "fused_shared",
+                                  "kv_buckets"])
 @torch.inference_mode()
 def test_verify_equals_sequential_decode_full_width(full_width_model, path):
     """The MTP verify forward (4 tokens, KDA states recorded) gives the logits of 4 sequential decode steps, at
-    Ling-3.0-flash widths: with the engine's CUDA defaults (fused router and RMSNorm, kv buckets, the committed MoE
-    table, whose H200 entries are the two-kernel ``split`` variant), with none of the fused paths, with the
+    Ling-3.0-flash widths: with the engine's CUDA defaults (fused router and RMSNorm, the shared expert inside the
+    MoE kernels, kv buckets, the committed MoE table, whose H200 entries are the two-kernel ``split`` variant), with
+    none of the fused paths, with the
     one-launch fused MoE kernel (int64 atomics) at M = 1 and 4 instead, and with each fused path alone.
 
     BF16, so not bit equality. The bar is the same argmax and an error no larger than the yardstick measured in
@@ -197,7 +199,8 @@ def test_verify_equals_sequential_decode_full_width(full_width_model, path):
     from bytebound.verify.routing import first_route_flip, position_routes
     model = full_width_model
     fused = dict(fused_router=path in ("engine_defaults", "fused_router"),
-                 fused_norm=path in ("engine_defaults", "fused_norm"))
+                 fused_norm=path in ("engine_defaults", "fused_norm"),
+                 fused_shared=None if path in ("engine_defaults", "fused_shared") else False)
     bind_model(model, BackendPlan.default("cuda"), "cuda", "fp8", **fused)
     saved = {}
     if path == "fused_moe":      # the one-launch fused kernel (int64 fixed-point atomics) instead of 'split'

@@ -226,8 +226,10 @@ def test_split_shared_expert(ling_experts, tiling, m, dup, limits):
         ref = moe_ref64(ex, x, ids, w) + shared_expert_reference(mlp, x, torch.float64)
         assert torch.isfinite(out.float()).all(), "unwritten or non-finite output"
         assert rel(out, ref) <= 1e-2, f"M={m} dup={dup} limits={limits} tiling={tiling}: rel {rel(out, ref):.3e}"
-        shared_only = rel(out, moe_ref64(ex, x, ids, w))
-        assert shared_only > 5e-2, f"the shared expert seems missing from the output (rel to routed only {shared_only:.2e})"
+        # the check above can only see a missing shared expert if the shared part is well above its tolerance:
+        # with these weights it is ~4.5 % of the sum (measured on the H200), so an output without it fails by ~4x
+        share = rel(ref - shared_expert_reference(mlp, x, torch.float64), ref)
+        assert share > 3e-2, f"test data: the shared expert is only {share:.2e} of the sum, too small to detect"
         for _ in range(5):
             assert torch.equal(fn(x, ids, w), out), "repeated call differs"
     finally:
