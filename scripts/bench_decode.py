@@ -82,6 +82,18 @@ def what_ran(plan) -> dict:
             "router": moe.router}
 
 
+def pdl_in_everywhere(model, value: int = 2) -> None:
+    """``+pdlin``: every triton ``split`` MoE kernel's config (M = 1..4) with ``pdl_in`` set (kernel A launched as
+    a PDL dependent of the router; ``triton_moe_split``), as a table entry with that key would give."""
+    from bytebound.layers.moe import RoutedExperts
+    for mod in model.modules():
+        fn = getattr(mod, "fn", None) if isinstance(mod, RoutedExperts) else None
+        if fn is not None and hasattr(fn, "configs"):
+            k = model.cfg.num_experts_per_tok
+            fn.configs.update({mm: dict(fn.config(mm, k), pdl_in=value) for mm in range(1, 5)
+                               if fn.config(mm, k).get("variant") == "split"})
+
+
 def per_op(model, runner, ctx: int, m: int = 1) -> list[dict]:
     """Time each op class over all its layers in one graph: [{op, layers, ms, bytes}], for ``m`` tokens at
     positions ``ctx..ctx+m-1`` (``m`` = 4: the MTP verify's shapes; KDA then records per-token states as the verify
@@ -267,8 +279,8 @@ def main() -> int:
         # dense MLP (EngineConfig.fused_shared True / False); "+gemv": the router GEMV + routing as one kernel
         # (EngineConfig.fused_router_gemv)
         moe_b, *opts = moe.split("+")
-        if set(opts) - {"shared", "dense", "gemv"} or {"shared", "dense"} <= set(opts):
-            ap.error(f"--moe-backends {moe!r}: a backend name with optional +shared or +dense, and +gemv")
+        if set(opts) - {"shared", "dense", "gemv", "pdlin"} or {"shared", "dense"} <= set(opts):
+            ap.error(f"--moe-backends {moe!r}: a backend name with optional +shared or +dense, +gemv and +pdlin")
         fused_shared = True if "shared" in opts else False if "dense" in opts else a.fused_shared
         router_gemv = a.fused_router_gemv or "gemv" in opts
         for head in a.heads.split(","):
@@ -276,6 +288,8 @@ def main() -> int:
             try:
                 t = time.perf_counter()
                 bind_model(model, plan, dev, head, a.fused_router, a.fused_norm, fused_shared, router_gemv)
+                if "pdlin" in opts:
+                    pdl_in_everywhere(model)
                 bind_s = time.perf_counter() - t
             except Exception as e:  # BackendError, or out of memory (humming's repacked copy at full scale)
                 print(f"skip moe={moe} head={head}: {type(e).__name__}: {e}", flush=True)

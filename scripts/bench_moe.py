@@ -388,7 +388,8 @@ def router_section(layers, ms, cfgs: dict, reps: int, read_gbps: float, log) -> 
     decode path at M <= 4), same run. Router modes: the float32 GEMV (``F.linear``) alone; the GEMV + the routing
     kernel (``fused_route``) at 1, 2 and 4 warps per row; the GEMV + routing as one kernel (``gemv_route``) at a few
     programs-per-expert and warp counts. Whole layer: routing + the ``split`` kernels with the shared expert
-    fused, with each router. Every router mode's ids and weights are checked against ``layers.moe.route``."""
+    fused, with each router, and with kernel A launched as a PDL dependent of the router (``pdl_in``) or not. Every
+    router mode's ids are checked against ``layers.moe.route``; the whole-layer outputs against the plain path."""
     import torch.nn.functional as F
 
     from bytebound.kernels.triton_router import fused_route, gemv_route
@@ -407,29 +408,35 @@ def router_section(layers, ms, cfgs: dict, reps: int, read_gbps: float, log) -> 
         for nw in (1, 2, 4):
             modes.append((f"router: GEMV + fused_route {nw}w",
                           lambda li, nw=nw: fused_route(gemv(li), bias[li], *args, num_warps=nw), True))
-        for be, nw in ((8, 4), (4, 4), (16, 4), (8, 8), (4, 2)):
+        for be, nw in ((1, 4), (2, 4), (4, 8), (2, 8)):
             modes.append((f"router: gemv_route be{be} {nw}w",
                           lambda li, be=be, nw=nw: gemv_route(xs[li], wg[li], bias[li], *args, be=be, num_warps=nw),
                           True))
         cfg = cfgs.get(m)
         if cfg and cfg.get("variant") == "split":
-            fused = [bind("triton", ex, {m: cfg}) for ex in layers]
-            for f, mlp in zip(fused, mlps):
-                f.bind_shared(mlp)
-            modes.append(("layer: GEMV + fused_route 1w + split+shared",
-                          lambda li: fused[li](xs[li], *fused_route(gemv(li), bias[li], *args, num_warps=1)), False))
-            modes.append(("layer: GEMV + fused_route 4w + split+shared",
-                          lambda li: fused[li](xs[li], *fused_route(gemv(li), bias[li], *args, num_warps=4)), False))
-            modes.append(("layer: gemv_route be8 4w + split+shared",
-                          lambda li: fused[li](xs[li], *gemv_route(xs[li], wg[li], bias[li], *args)), False))
+            for pin in (0, 1, 2):
+                fused = [bind("triton", ex, {m: dict(cfg, pdl_in=pin)}) for ex in layers]
+                for f, mlp in zip(fused, mlps):
+                    f.bind_shared(mlp)
+                tag = f" (A pdl_in {pin})" if pin else ""
+                modes.append((f"layer: GEMV + fused_route + split+shared{tag}",
+                              lambda li, fused=fused: fused[li](xs[li], *fused_route(gemv(li), bias[li], *args)),
+                              False))
+                modes.append((f"layer: gemv_route + split+shared{tag}",
+                              lambda li, fused=fused: fused[li](xs[li], *gemv_route(xs[li], wg[li], bias[li], *args)),
+                              False))
         else:
             log(f"router M={m}: whole-layer rows skipped (config {cfg} is not 'split')")
         want = [route(gemv(li), bias[li], *args) for li in range(nl)]
+        plain = None                # the first whole-layer mode's output: the others must match it
         for name, call, check in modes:
             try:
                 out0 = call(0)
                 torch.cuda.synchronize()
-                agree = None
+                agree = vs_plain = None
+                if name.startswith("layer"):
+                    plain = out0.clone() if plain is None else plain
+                    vs_plain = rel(out0, plain)
                 if check:
                     same = [set(call(li)[0][r].tolist()) == set(want[li][0][r].tolist())
                             for li in range(nl) for r in range(m)]
@@ -450,12 +457,14 @@ def router_section(layers, ms, cfgs: dict, reps: int, read_gbps: float, log) -> 
                 uniq = statistics.mean(int(w_[0].unique().numel()) for w_ in want)    # distinct experts read
                 nbytes += uniq * EXPERT_BYTES + SHARED_BYTES
             r = {"section": "router", "M": m, "mode": name, "time_us_median": t, "time_us_min": min(per) * 1e6,
-                 "bytes_per_layer": nbytes, "GBps": nbytes / (t * 1e-6) / 1e9, "ids_agree_with_route": agree}
+                 "bytes_per_layer": nbytes, "GBps": nbytes / (t * 1e-6) / 1e9, "ids_agree_with_route": agree,
+                 "rel_vs_first_layer_mode": vs_plain}
             r["ratio_to_read_bw"] = r["GBps"] / read_gbps
             del out0
             rows.append(r)
             log(f"router M={m} {name:44s} {t:7.1f} us  {nbytes / 1e6:6.1f} MB  {r['GBps']:6.0f} GB/s  "
-                f"{100 * r['ratio_to_read_bw']:5.1f}% of read" + (f"  ids agree {agree:.3f}" if agree is not None else ""))
+                f"{100 * r['ratio_to_read_bw']:5.1f}% of read" + (f"  ids agree {agree:.3f}" if agree is not None else "")
+                + (f"  rel vs first {vs_plain:.1e}" if vs_plain is not None else ""))
     return rows
 
 

@@ -188,18 +188,27 @@ section_defaults() {     # issue 5, after the fused shared expert became a CUDA 
         --moe-backends triton,triton+dense --heads fp8 --verify-ops
 }
 
+section_pdl() {          # issue 5: kernel A as a PDL dependent of the router (config pdl_in 1/2) and the one-load router
+    #                        GEMV (gemv_route): their kernel tests, the router / whole-layer timings and decode with each
+    run_step pytest python3 -m pytest tests/gpu/test_kernels_gpu.py tests/test_triton_router.py -q -p no:cacheprovider \
+        -rfE --tb=short $(pytest_timeout) -k "pdl_in or shared_expert or route or graph" --junitxml="$OUT/pdl_junit.xml"
+    run_step bench_moe python3 scripts/bench_moe.py --out "$OUT" --backends triton --router --layers 4 --reps 20
+    run_step decode python3 scripts/bench_decode.py --out "$OUT" --name decode-pdl --contexts 2048 --ttft-len 0 \
+        --moe-backends triton,triton+gemv,triton+pdlin,triton+gemv+pdlin --heads fp8 --verify-ops
+}
+
 section_env() {          # what the machine has
     run_step env bash -c 'nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; python3 -m pip list 2>/dev/null | grep -i -E "fla|humming|triton|torch"'
 }
 
 main() {
-    if [ "${1:-}" = "--list" ]; then printf '%s\n' "${SECTIONS[@]}" env nano mtp bisect numerics shared defaults; return 0; fi
+    if [ "${1:-}" = "--list" ]; then printf '%s\n' "${SECTIONS[@]}" env nano mtp bisect numerics shared defaults pdl; return 0; fi
     local todo=("$@")
     [ ${#todo[@]} -eq 0 ] && todo=("${SECTIONS[@]}")
     install_wheels || FAILED+=("install_wheels")
     for s in "${todo[@]}"; do
         if ! declare -F "section_$s" >/dev/null; then
-            echo "unknown section '$s' (have: ${SECTIONS[*]} env nano mtp bisect numerics shared defaults)"; FAILED+=("$s(unknown)"); continue
+            echo "unknown section '$s' (have: ${SECTIONS[*]} env nano mtp bisect numerics shared defaults pdl)"; FAILED+=("$s(unknown)"); continue
         fi
         CURRENT="$s"; LOG="$OUT/$s.log"; : >"$LOG"
         "section_$s"

@@ -40,7 +40,9 @@ buffers before its dependency wait).
 
 Config keys (``configs/triton_moe.json``, variant ``"split"``): ``BI`` (intermediate rows per kernel-A program; it
 reads 2*BI rows), ``KP`` (H slices), ``num_warps`` (kernel A), ``BH`` (hidden rows per kernel-B program), ``KP2``
-(I slices), ``down_warps``, ``pdl`` (default true). Constraints: H/KP and I/KP2 are 128 x a power of two,
+(I slices), ``down_warps``, ``pdl`` (default true), ``pdl_in`` (0, the default: kernel A is an ordinary launch; 1: A is launched as a
+PDL dependent of the kernel before it, the router, so its programs start while the router runs and wait before
+touching ``ids``, x or the scratch; 2: as 1, and the shared slot loads its first weights before waiting). Constraints: H/KP and I/KP2 are 128 x a power of two,
 ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (an mma row tile per warp); :func:`fit_split_config` fits a
 config to a model's shape or raises BackendError. The key ``probe`` is benchmark instrumentation
 (``scripts/bench_moe.py --probe``), never in a committed table: ``gateup_only`` / ``down_only`` launch one kernel,
@@ -232,7 +234,7 @@ mov.b32 {$2, $3}, a1;
                           H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
                           SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
                           WD: gl.constexpr, PDL: gl.constexpr, SHARED: gl.constexpr = False,
-                          WD8: gl.constexpr = None, PROBE: gl.constexpr = 0):
+                          WD8: gl.constexpr = None, PROBE: gl.constexpr = 0, PDL_IN: gl.constexpr = 0):
         NW: gl.constexpr = gl.num_warps()
         S: gl.constexpr = M * TOPK
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
@@ -242,27 +244,43 @@ mov.b32 {$2, $3}, a1;
         j = gl.program_id(0)
         s = gl.program_id(1)
         p = gl.program_id(2)
-        if PDL:     # kernel B may launch now: its weight prologue does not depend on this kernel
+        if PDL and PDL_IN == 0:     # kernel B may launch now: its weight prologue does not depend on this kernel
             _gdc("griddepcontrol.launch_dependents; mov.u32 $0, 0;", NW)
 
         if SHARED:
             if s == S:
                 _gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, s, j, p, H, I, M, BI,
-                               KP, HAS_LIMIT, WD8, MMA, DA, DB, RL)
+                               KP, HAS_LIMIT, WD8, PDL_IN, MMA, DA, DB, RL)
             else:
+                _pdl_in(PDL_IN, PDL, NW)
                 _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
                                s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, PROBE, MMA, DA, DB, RL)
         else:
+            _pdl_in(PDL_IN, PDL, NW)
             _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
                            s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, PROBE, MMA, DA, DB, RL)
 
     @gluon.jit
+    def _pdl_in(PDL_IN: gl.constexpr, PDL: gl.constexpr, NW: gl.constexpr):
+        """Kernel A launched as a PDL dependent (``pdl_in``): wait for the kernel before it (the router, which
+        wrote ``ids`` and the routing weights, or whatever ran before, which may still use the scratch), and only
+        then let kernel B launch: B reads ``ids`` before its own wait, so every A program must have passed this
+        wait before B starts. Without ``PDL_IN`` a no-op."""
+        if PDL_IN > 0:
+            _gdc("griddepcontrol.wait; mov.u32 $0, 0;", NW)
+            if PDL:
+                _gdc("griddepcontrol.launch_dependents; mov.u32 $0, 0;", NW)
+
+    @gluon.jit
     def _gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, s, j, p, H: gl.constexpr,
                        I: gl.constexpr, M: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr,
-                       HAS_LIMIT: gl.constexpr, WD8: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
-                       DB: gl.constexpr, RL: gl.constexpr):
+                       HAS_LIMIT: gl.constexpr, WD8: gl.constexpr, PDL_IN: gl.constexpr, MMA: gl.constexpr,
+                       DA: gl.constexpr, DB: gl.constexpr, RL: gl.constexpr):
         """Kernel A, the shared expert's slot: FP8 E4M3 rows ``gate[j-slice] | up[j-slice]`` (128x128 block
-        scales, ``ss13`` as BF16x2 factors) times x over H slice ``p``; routing weight 1 for every token."""
+        scales, ``ss13`` as BF16x2 factors) times x over H slice ``p``; routing weight 1 for every token. With
+        ``PDL_IN`` the first chunk's weights (read-only, known before routing) are loaded *before* the PDL wait,
+        so they stream while the router still runs (``PDL_IN == 2``; 1 waits first); x and the scratch are touched
+        only after the wait."""
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         R1: gl.constexpr = 2 * BI
@@ -275,8 +293,15 @@ mov.b32 {$2, $3}, a1;
         r8 = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WD8))))
         row8 = gl.where(r8 < BI, j * BI + r8, I + j * BI + (r8 - BI))               # row of [gate; up]
         acc = gl.zeros([R1, NPC], gl.float32, MMA)
+        # (a launch_dependents trigger with no PDL dependent does nothing)
+        if PDL_IN == 2:
+            wv, sv = _fp8_tile(sw13_ptr, ss13_ptr, row8, p * NS, H, WD8)
+            _pdl_in(PDL_IN, True, NW)
+        else:
+            _pdl_in(PDL_IN, True, NW)
         for c in gl.static_range(NS // NC):
-            wv, sv = _fp8_tile(sw13_ptr, ss13_ptr, row8, p * NS + c * NC, H, WD8)
+            if PDL_IN != 2 or c > 0:
+                wv, sv = _fp8_tile(sw13_ptr, ss13_ptr, row8, p * NS + c * NC, H, WD8)
             b = _load_b(x_ptr + p * HK + c * (NC * 128), H, M, NC, NW, DB)
             acc = mma_v2(_frag_fp8(wv, sv, DA), b, acc)
         mcol = gl.arange(0, NPC, layout=gl.SliceLayout(1, RL))
@@ -619,6 +644,7 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
     probe = cfg.get("probe")      # benchmark instrumentation only (bench_moe.py --probe); outputs are then wrong
     pk = {"load_only": 1, "compute_only": 2}.get(probe, 0)
     pdl = bool(cfg.get("pdl", True)) and kern.sm90
+    pdl_in = int(cfg.get("pdl_in", 0)) if kern.sm90 else 0
     sw13, ss13, sw2, ss2 = (sh.w13w, sh.s13, sh.w2w, sh.s2) if sh is not None else (kern.w13w, kern.lut) * 2
     if probe != "down_only":
         nw = cfg["num_warps"]
@@ -628,7 +654,7 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
                                         WD=word_layout(2 * bi, h // kp // 128, nw), PDL=pdl, SHARED=sh is not None,
                                         WD8=fp8_word_layout(2 * bi, max(1, h // kp // 256), nw)
                                         if sh is not None else None,
-                                        PROBE=pk, num_warps=nw)
+                                        PROBE=pk, PDL_IN=pdl_in, num_warps=nw, launch_pdl=pdl_in > 0)
     if probe != "gateup_only":
         dw = cfg["down_warps"]
         _moe_down_split[(h // bh, st, kp2)](act, ids, kern.w2w, kern.s2, out, part_b, cnt_b, kern.lut, sw2, ss2,

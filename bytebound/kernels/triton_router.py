@@ -13,9 +13,10 @@ Selection order: ``ids`` come out in decreasing ``sb``. The reference's ``topk(s
 open, and the routed sum does not depend on it. On exact ties argmax takes the lowest index. ``torch.topk``
 makes no promise there, and with float32 sigmoid scores a tie is a measure-zero event. With :func:`fused_route`
 the router GEMV (``F.linear`` in float32) stays a launch of its own. :func:`gemv_route` does both in one launch
-(``_gemv_route_kernel``): E/8 programs compute 8 experts' logits each for every row, and the last to finish (an
-acq_rel ticket) routes the rows; opt-in (``EngineConfig.fused_router_gemv``) until measured on a GPU. Its logits
-are summed in a different order than cuBLAS's, so a routing near-tie can break the other way.
+(``_gemv_route_kernel``): E/``be`` programs compute ``be`` experts' logits each for every row, and the last to
+finish (an acq_rel ticket) routes all rows at once; opt-in (``EngineConfig.fused_router_gemv``), see
+docs/perf/moe-kernels-h200.md for what it measured. Its logits are summed in a different order than cuBLAS's, so
+a routing near-tie can break the other way.
 
 Constraints: ``E`` a power of two divisible by ``G`` (Ling: 512 experts, 8 groups); float32 logits. Tested against
 ``route`` in the Triton interpreter on CPU and on the H200 (tests/test_triton_router.py, and at Ling's routing in
@@ -97,7 +98,10 @@ if tl is not None:
     @triton.jit
     def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, M, E: tl.constexpr, G: tl.constexpr,
                       TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      NORM: tl.constexpr):
+                      NORM: tl.constexpr, PDL_OUT: tl.constexpr):
+        if PDL_OUT:     # the MoE kernel A may launch now (PDL, ``pdl_in``); it waits for this kernel's results
+            tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r",
+                                      [tl.arange(0, 32)], dtype=tl.int32, is_pure=False, pack=1)
         _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, tl.program_id(0), M, E, G, TOPK_GROUP, K, KP,
                     HAS_BIAS, NORM, 1)
 
@@ -105,25 +109,28 @@ if tl is not None:
     def _gemv_route_kernel(x_ptr, wg_ptr, logits_ptr, cnt_ptr, bias_ptr, ids_ptr, w_ptr, scale, H: tl.constexpr,
                            E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
                            KP: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, M: tl.constexpr,
-                           MP: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, FENCE: tl.constexpr):
+                           MP: tl.constexpr, BE: tl.constexpr, HP: tl.constexpr, FENCE: tl.constexpr):
         """Router GEMV and routing in one launch: program ``pid`` computes ``logits[:, pid*BE:(pid+1)*BE]`` in
-        float32 (``x [M, H]`` against the router weight ``[E, H]``, summed in BK-column chunks), and the last
-        program to finish (an acq_rel ticket) routes every row from the complete logits."""
+        float32 (``x [M, H]`` against the router weight ``[E, H]``), and the last program to finish (an acq_rel
+        ticket) routes every row from the complete logits.
+
+        Each program loads its whole ``[BE, H]`` weight tile at once (``HP`` = H rounded up to a power of two,
+        masked): one memory round trip, not one per column chunk, which is what bounds a GEMV this small (the
+        chunked loop measured 10.3 us at M = 1 on the H200 for 5.2 MB). It also lets the next kernel launch at
+        once (``griddepcontrol.launch_dependents``, PDL): the MoE kernel A (``pdl_in``) then loads the shared
+        expert's weights while this kernel runs."""
         pid = tl.program_id(0)
+        if FENCE:   # (FENCE: False only under TRITON_INTERPRET, which cannot run PTX)
+            tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r",
+                                      [tl.arange(0, 128)], dtype=tl.int32, is_pure=False, pack=1)
         e = pid * BE + tl.arange(0, BE)
-        mm = tl.arange(0, MP)
-        # per-lane partial sums over the chunks, one cross-lane reduction at the end (not one per chunk)
-        acc3 = tl.zeros([BE, MP, BK], tl.float32)
-        for k0 in range(0, H, BK):
-            kk = k0 + tl.arange(0, BK)
-            km = kk < H
-            wt = tl.load(wg_ptr + e[:, None] * H + kk[None, :], mask=km[None, :], other=0.0).to(tl.float32)
-            xv = tl.load(x_ptr + mm[:, None] * H + kk[None, :], mask=(mm[:, None] < M) & km[None, :],
-                         other=0.0).to(tl.float32)
-            acc3 += wt[:, None, :] * xv[None, :, :]
-        acc = tl.sum(acc3, axis=2)
-        tl.store(logits_ptr + mm[None, :] * E + e[:, None], acc, mask=mm[None, :] < M)
-        if FENCE:   # (False only under TRITON_INTERPRET, which cannot run PTX)
+        kk = tl.arange(0, HP)
+        km = kk < H
+        wt = tl.load(wg_ptr + e[:, None] * H + kk[None, :], mask=km[None, :], other=0.0).to(tl.float32)
+        for m in tl.static_range(M):
+            xv = tl.load(x_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32)
+            tl.store(logits_ptr + m * E + e, tl.sum(wt * xv[None, :], axis=1))
+        if FENCE:
             tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [tl.arange(0, 128)],
                                       dtype=tl.int32, is_pure=False, pack=1)
         tl.debug_barrier()
@@ -154,13 +161,13 @@ def fused_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_g
     b = bias if bias is not None else logits       # dummy pointer when there is no bias
     _route_kernel[(m,)](logits, b, ids, w, float(scale), m, E=e, G=g, TOPK_GROUP=topk_group if g > 1 else 1,
                         K=top_k, KP=triton.next_power_of_2(top_k), HAS_BIAS=bias is not None, NORM=bool(norm),
-                        num_warps=num_warps)
+                        PDL_OUT=os.environ.get("TRITON_INTERPRET") != "1", num_warps=num_warps)
     return ids, w
 
 
 
 def gemv_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int,
-               topk_group: int, norm: bool, scale: float, be: int = 8,
+               topk_group: int, norm: bool, scale: float, be: int = 2,
                num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, H]`` (M <= 4) and the router weight ``[E, H]`` -> ``(ids [M, k] int64, weights [M, k] float32)``:
     the router GEMV (float32 accumulation, as ``F.linear(x.float(), weight.float())``) and :func:`fused_route`'s
@@ -189,6 +196,6 @@ def gemv_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     _gemv_route_kernel[(e // be,)](x.contiguous(), weight.contiguous(), logits, cnt, b, ids, w, float(scale),
                                    H=h, E=e, G=g, TOPK_GROUP=topk_group if g > 1 else 1, K=top_k,
                                    KP=triton.next_power_of_2(top_k), HAS_BIAS=bias is not None, NORM=bool(norm),
-                                   M=m, MP=triton.next_power_of_2(m), BE=be, BK=256, FENCE=not interp,
-                                   num_warps=num_warps)
+                                   M=m, MP=triton.next_power_of_2(m), BE=be, HP=triton.next_power_of_2(h),
+                                   FENCE=not interp, num_warps=num_warps)
     return ids, w

@@ -288,6 +288,55 @@ def test_split_shared_expert_graph_and_layer():
     assert fn2.shared is None and not fn2.shared_for(1, TINY["k"])
 
 
+@pytest.mark.parametrize("pdl_in", [1, 2])
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("router", ["gemv_route", "fused_route"])
+def test_split_pdl_in_after_the_router(ling_experts, pdl_in, m, router):
+    """Kernel A launched as a PDL dependent of the router (config ``pdl_in``): the layer's result equals the
+    float64 reference for the ids the router chose, eagerly and under CUDA-graph replay, and back-to-back calls
+    (A right after the previous call's kernel B, which still uses the shared scratch: A must wait before touching
+    it) are bit-identical. ``pdl_in`` 2 also loads the shared expert's first weights before the wait."""
+    import torch.nn.functional as F
+
+    from bytebound.kernels.torch_ref import shared_expert_reference
+    from bytebound.kernels.triton_moe import MoEKernel, fit_config
+    from bytebound.kernels.triton_router import fused_route, gemv_route
+    ex = ling_experts
+    g = torch.Generator(device=DEV).manual_seed(91 + m)
+    wg = torch.randn(LING["e"], LING["h"], generator=g, device=DEV) * 0.02
+    bias = torch.randn(LING["e"], generator=g, device=DEV) * 0.01
+    mlp = make_shared(LING["h"], LING["i"], seed=7)
+    tiling = {"BI": 64, "KP": 5, "num_warps": 8} if m == 1 else {"BI": 64, "KP": 10, "num_warps": 4}
+    cfg = dict(fit_config(_moe_config("split", tiling), LING["h"], LING["i"]), pdl_in=pdl_in)
+    fn = MoEKernel(ex, {mm: cfg for mm in range(1, 5)})
+    fn.bind_shared(mlp)
+    args = (LING["k"], 8, 4, True, 2.5)
+    x = torch.randn(m, LING["h"], device=DEV).to(torch.bfloat16)
+
+    def layer():
+        ids, w = (gemv_route(x, wg, bias, *args) if router == "gemv_route"
+                  else fused_route(F.linear(x.float(), wg), bias, *args))
+        return fn(x, ids, w), ids, w
+    out, ids, w = layer()
+    ref = moe_ref64(ex, x, ids, w) + shared_expert_reference(mlp, x, torch.float64)
+    assert rel(out, ref) <= 1e-2, f"pdl_in={pdl_in} M={m}: rel {rel(out, ref):.3e}"
+    for _ in range(5):                      # router, A, B, router, A, B, ... and the kernels alone back to back
+        assert torch.equal(layer()[0], out), "repeated layer differs"
+        assert torch.equal(fn(x, ids, w), out), "back-to-back kernel call differs"
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gout = [layer()[0] for _ in range(3)]
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, out) for o in gout), "graph replay differs from eager"
+
+
 def test_triton_moe_refuses_prefill(ling_experts):
     from bytebound.errors import BackendError
     fn = _bind("triton", ling_experts, "gluon")
