@@ -34,9 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: run each MoE layer's shared expert inside the triton 'split' MoE kernels (one more "
                         "slot) instead of as a dense MLP (default: on with CUDA where the MoE backend can; the "
                         "flag makes it required)")
-    p.add_argument("--fused-router-gemv", action=onoff, default=False,
+    p.add_argument("--fused-router-gemv", action=onoff, default=None,
                    help="CUDA: the MoE router GEMV and routing (M <= 4) as one Triton kernel instead of two launches "
-                        "(default: off; no faster on the H200, docs/perf/decode-h200.md)")
+                        "(default: on with CUDA)")
     p.add_argument("--decode-kv-buckets", action=onoff, default=None,
                    help="attend over the smallest power-of-two span (>= 1024) that holds the sequence, one decode "
                         "graph per span, instead of all --max-model-len slots (CUDA; default: on with CUDA; "

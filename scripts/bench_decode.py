@@ -82,9 +82,9 @@ def what_ran(plan) -> dict:
             "router": moe.router}
 
 
-def pdl_in_everywhere(model, value: int = 2) -> None:
-    """``+pdlin``: every triton ``split`` MoE kernel's config (M = 1..4) with ``pdl_in`` set (kernel A launched as
-    a PDL dependent of the router; ``triton_moe_split``), as a table entry with that key would give."""
+def pdl_in_everywhere(model, value: int) -> None:
+    """``+pdlN``: every triton ``split`` MoE kernel's config (M = 1..4) with ``pdl_in`` = N (1, 2: kernel A launched
+    as a PDL dependent of the router; 0: not; ``triton_moe_split``), as a table entry with that key would give."""
     from bytebound.layers.moe import RoutedExperts
     for mod in model.modules():
         fn = getattr(mod, "fn", None) if isinstance(mod, RoutedExperts) else None
@@ -236,14 +236,15 @@ def main() -> int:
                          "for every --moe-backends entry; default: as the engine (on with CUDA where the backend can); "
                          "or name the backend 'triton+shared' / 'triton+dense' in --moe-backends to compare both in "
                          "one run")
-    ap.add_argument("--fused-router-gemv", action=onoff, default=False,
+    ap.add_argument("--fused-router-gemv", action=onoff, default=None,
                     help="the router GEMV + routing as one Triton kernel (EngineConfig.fused_router_gemv), for every "
-                         "--moe-backends entry; or add '+gemv' to a backend name")
+                         "--moe-backends entry; default: as the engine (on with CUDA); or add '+gemv' / '+nogemv' to "
+                         "a backend name")
     ap.add_argument("--kv-buckets", action=onoff, default=None,
                     help="attention spans in powers of two from 1024 (runner.pow2_buckets) instead of all slots; "
                          "default: as the engine (on with CUDA)")
     a = ap.parse_args()
-    for k in ("fused_router", "fused_norm", "kv_buckets"):        # the engine's defaults (EngineConfig: None = CUDA)
+    for k in ("fused_router", "fused_norm", "fused_router_gemv", "kv_buckets"):   # the engine's defaults (None = CUDA)
         if getattr(a, k) is None:
             setattr(a, k, a.device == "cuda")
     out = Path(a.out)
@@ -276,20 +277,23 @@ def main() -> int:
                                                           indent=2))
     for moe in a.moe_backends.split(","):
         # "triton+shared" / "triton+dense": the triton backend with the shared expert inside its kernels or as a
-        # dense MLP (EngineConfig.fused_shared True / False); "+gemv": the router GEMV + routing as one kernel
-        # (EngineConfig.fused_router_gemv)
+        # dense MLP (EngineConfig.fused_shared True / False); "+gemv" / "+nogemv": the router GEMV + routing as one
+        # kernel or not (EngineConfig.fused_router_gemv); "+pdl0" / "+pdl1" / "+pdl2": the split kernels' pdl_in
         moe_b, *opts = moe.split("+")
-        if set(opts) - {"shared", "dense", "gemv", "pdlin"} or {"shared", "dense"} <= set(opts):
-            ap.error(f"--moe-backends {moe!r}: a backend name with optional +shared or +dense, +gemv and +pdlin")
+        known = {"shared", "dense", "gemv", "nogemv", "pdl0", "pdl1", "pdl2"}
+        if set(opts) - known or {"shared", "dense"} <= set(opts) or {"gemv", "nogemv"} <= set(opts):
+            ap.error(f"--moe-backends {moe!r}: a backend name with optional +shared or +dense, +gemv or +nogemv, "
+                     "and +pdl0 / +pdl1 / +pdl2")
         fused_shared = True if "shared" in opts else False if "dense" in opts else a.fused_shared
-        router_gemv = a.fused_router_gemv or "gemv" in opts
+        router_gemv = True if "gemv" in opts else False if "nogemv" in opts else a.fused_router_gemv
+        pdl = [int(o[3]) for o in opts if o.startswith("pdl")]
         for head in a.heads.split(","):
             plan = BackendPlan.default(dev, moe=moe_b)
             try:
                 t = time.perf_counter()
                 bind_model(model, plan, dev, head, a.fused_router, a.fused_norm, fused_shared, router_gemv)
-                if "pdlin" in opts:
-                    pdl_in_everywhere(model)
+                if pdl:
+                    pdl_in_everywhere(model, pdl[0])
                 bind_s = time.perf_counter() - t
             except Exception as e:  # BackendError, or out of memory (humming's repacked copy at full scale)
                 print(f"skip moe={moe} head={head}: {type(e).__name__}: {e}", flush=True)

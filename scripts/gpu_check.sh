@@ -197,18 +197,30 @@ section_pdl() {          # issue 5: kernel A as a PDL dependent of the router (c
         --moe-backends triton,triton+gemv,triton+pdlin,triton+gemv+pdlin --heads fp8 --verify-ops
 }
 
+section_e2e() {          # the engine's CUDA defaults end to end (after each change of them): the full-scale canaries, the
+    #                        engine tests (graph == eager, verify == decode on every path, captured MTP round, nano
+    #                        GPU == CPU) and decode with today's defaults against the sixth session's (dense shared
+    #                        expert, cuBLAS GEMV + routing kernel, kernel A an ordinary launch), in one process
+    section_verify
+    run_step engine python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py -q -p no:cacheprovider -rfE --tb=short \
+        $(pytest_timeout) -k "verify_equals or captured_mtp or (64_steps and triton-triton) or nano_greedy" \
+        --junitxml="$OUT/engine_junit.xml"
+    run_step decode python3 scripts/bench_decode.py --out "$OUT" --name decode-e2e --contexts 2048 --ttft-len 0 \
+        --moe-backends triton,triton+dense+nogemv+pdl0 --heads fp8 --verify-ops
+}
+
 section_env() {          # what the machine has
     run_step env bash -c 'nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; python3 -m pip list 2>/dev/null | grep -i -E "fla|humming|triton|torch"'
 }
 
 main() {
-    if [ "${1:-}" = "--list" ]; then printf '%s\n' "${SECTIONS[@]}" env nano mtp bisect numerics shared defaults pdl; return 0; fi
+    if [ "${1:-}" = "--list" ]; then printf '%s\n' "${SECTIONS[@]}" env nano mtp bisect numerics shared defaults pdl e2e; return 0; fi
     local todo=("$@")
     [ ${#todo[@]} -eq 0 ] && todo=("${SECTIONS[@]}")
     install_wheels || FAILED+=("install_wheels")
     for s in "${todo[@]}"; do
         if ! declare -F "section_$s" >/dev/null; then
-            echo "unknown section '$s' (have: ${SECTIONS[*]} env nano mtp bisect numerics shared defaults pdl)"; FAILED+=("$s(unknown)"); continue
+            echo "unknown section '$s' (have: ${SECTIONS[*]} env nano mtp bisect numerics shared defaults pdl e2e)"; FAILED+=("$s(unknown)"); continue
         fi
         CURRENT="$s"; LOG="$OUT/$s.log"; : >"$LOG"
         "section_$s"

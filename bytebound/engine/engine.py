@@ -61,9 +61,10 @@ class EngineConfig:
     # keep their dense shared expert, as the manifest says); True = required (BackendError where it cannot).
     fused_shared: bool | None = None
     # The router GEMV and the routing (M <= 4) as one Triton kernel (kernels.triton_router.gemv_route): one launch
-    # per MoE layer instead of two. Off: on the H200 it saved nothing at M = 1 (5.87 vs 5.86 ms) and cost 19 us per
-    # layer at M = 4, where its single routing program handles the rows one after another (docs/perf/decode-h200.md).
-    fused_router_gemv: bool = False
+    # per MoE layer instead of two, each program loading its whole weight tile at once. Measured on the H200
+    # (docs/perf/moe-kernels-h200.md, 2026-11-30): the MoE layer 36.6 -> 30.8 us at M = 1, 91.0 -> 88.6 us at M = 4;
+    # decode 5.86 -> 5.69 ms at 2K. None = on with CUDA, off on CPU.
+    fused_router_gemv: bool | None = None
     kv_buckets: bool | None = None    # attention spans in powers of two from 1024 (one decode graph each) instead
     #                                   of all max_model_len slots every step (CUDA)
     spec_static_round: bool | None = None  # MTP rounds with static shapes (speculative.round): on CUDA one graph
@@ -156,7 +157,8 @@ class Engine:
         cuda = dev.type == "cuda"
         # None = the device's default: on with CUDA, off on CPU (where the Triton kernels and graphs do not run)
         self.config = cfg = replace(cfg, **{k: cuda for k in ("spec_static_round", "fused_router", "fused_norm",
-                                                              "kv_buckets") if getattr(cfg, k) is None})
+                                                              "fused_router_gemv", "kv_buckets")
+                                            if getattr(cfg, k) is None})
         # fused_shared stays None ("where the backend can") on CUDA; bind_model treats None as that
         shared_arg = (None if cuda else False) if cfg.fused_shared is None else cfg.fused_shared
         for flag, on, what in (("--fused-shared-expert (fused_shared)", cfg.fused_shared, "the triton MoE kernels"),

@@ -14,8 +14,8 @@ open, and the routed sum does not depend on it. On exact ties argmax takes the l
 makes no promise there, and with float32 sigmoid scores a tie is a measure-zero event. With :func:`fused_route`
 the router GEMV (``F.linear`` in float32) stays a launch of its own. :func:`gemv_route` does both in one launch
 (``_gemv_route_kernel``): E/``be`` programs compute ``be`` experts' logits each for every row, and the last to
-finish (an acq_rel ticket) routes all rows at once; opt-in (``EngineConfig.fused_router_gemv``), see
-docs/perf/moe-kernels-h200.md for what it measured. Its logits are summed in a different order than cuBLAS's, so
+finish (an acq_rel ticket) routes all rows at once; on with CUDA by default (``EngineConfig.fused_router_gemv``;
+docs/perf/moe-kernels-h200.md has its measurements). Its logits are summed in a different order than cuBLAS's, so
 a routing near-tie can break the other way.
 
 Constraints: ``E`` a power of two divisible by ``G`` (Ling: 512 experts, 8 groups); float32 logits. Tested against
@@ -167,19 +167,23 @@ def fused_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_g
 
 
 def gemv_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int,
-               topk_group: int, norm: bool, scale: float, be: int = 2,
-               num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+               topk_group: int, norm: bool, scale: float, be: int | None = None,
+               num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, H]`` (M <= 4) and the router weight ``[E, H]`` -> ``(ids [M, k] int64, weights [M, k] float32)``:
     the router GEMV (float32 accumulation, as ``F.linear(x.float(), weight.float())``) and :func:`fused_route`'s
     routing in one launch (``_gemv_route_kernel``). The logits and the ticket live in a per-device scratch that
     the last program re-arms, so the call is CUDA-graph safe; calls on one device must not overlap (one stream,
     as the engine runs; the MoE kernels' scratch asks the same). ``be`` experts per program (E/be programs) and
-    ``num_warps`` are tuning knobs (``scripts/bench_moe.py --router``). Raises BackendError as :func:`fused_route`."""
+    ``num_warps`` are tuning knobs (``scripts/bench_moe.py --router``); by default the H200's best of that sweep
+    (2026-11-30): 2 experts and 4 warps at M = 1 (8.4 us), 4 experts and 8 warps at M > 1 (12.8 us at M = 4).
+    Raises BackendError as :func:`fused_route`."""
     if _TRITON_ERR:
         raise BackendError(f"router[triton]: {_TRITON_ERR}")
     m, h = x.shape
     e = weight.shape[0]
     g = max(n_group, 1)
+    be = be or (2 if m == 1 else 4)
+    num_warps = num_warps or (4 if m == 1 else 8)
     if m > MAX_M or e & (e - 1) or e % g or e < be or be & (be - 1):
         raise BackendError(f"router[triton]: needs M <= {MAX_M}, E a power of two divisible by n_group and by be, "
                            f"be a power of two (got M={m}, E={e}, n_group={n_group}, be={be})")

@@ -175,12 +175,12 @@ def test_graph_replay_equals_eager_across_kv_buckets():
 
 
 @pytest.mark.parametrize("path", ["engine_defaults", "no_fused", "fused_moe", "fused_router", "fused_norm", "fused_shared",
-                                  "kv_buckets"])
+                                  "router_gemv", "kv_buckets"])
 @torch.inference_mode()
 def test_verify_equals_sequential_decode_full_width(full_width_model, path):
     """The MTP verify forward (4 tokens, KDA states recorded) gives the logits of 4 sequential decode steps, at
-    Ling-3.0-flash widths: with the engine's CUDA defaults (fused router and RMSNorm, the shared expert inside the
-    MoE kernels, kv buckets, the committed MoE table, whose H200 entries are the two-kernel ``split`` variant), with
+    Ling-3.0-flash widths: with the engine's CUDA defaults (fused router and RMSNorm, the router GEMV + routing as
+    one kernel, the shared expert inside the MoE kernels, kv buckets, the committed MoE table, whose H200 entries are the two-kernel ``split`` variant), with
     none of the fused paths, with the
     one-launch fused MoE kernel (int64 atomics) at M = 1 and 4 instead, and with each fused path alone.
 
@@ -200,7 +200,8 @@ def test_verify_equals_sequential_decode_full_width(full_width_model, path):
     model = full_width_model
     fused = dict(fused_router=path in ("engine_defaults", "fused_router"),
                  fused_norm=path in ("engine_defaults", "fused_norm"),
-                 fused_shared=None if path in ("engine_defaults", "fused_shared") else False)
+                 fused_shared=None if path in ("engine_defaults", "fused_shared") else False,
+                 router_gemv=path in ("engine_defaults", "router_gemv"))
     bind_model(model, BackendPlan.default("cuda"), "cuda", "fp8", **fused)
     saved = {}
     if path == "fused_moe":      # the one-launch fused kernel (int64 fixed-point atomics) instead of 'split'
