@@ -468,6 +468,88 @@ def router_section(layers, ms, cfgs: dict, reps: int, read_gbps: float, log) -> 
     return rows
 
 
+def floor_section(reps: int, read_gbps: float, log) -> list[dict]:
+    """What plain streaming reads reach at this layer's sizes, as a yardstick for the MoE kernels' share of the
+    read bandwidth: a kernel that only reads N bytes (int32 vectors, XOR-reduced; the best of a small tiling sweep)
+    for N = the router (5.2 MB), the routed experts at M = 1 (25.1 MB), the whole layer at M = 1 (36.2 MB) and at
+    M = 4 (~109 MB), each over buffers that together exceed the 50 MB L2 (so the reads come from HBM, as a decode
+    step's do); then the layer's three phases as three back-to-back pure-read kernels (router bytes, kernel A's,
+    kernel B's, with the shared expert), i.e. the 3-launch design with no arithmetic and no routing at all."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _read_once(x_ptr, o_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        pid = tl.program_id(0)
+        acc = tl.zeros([BLOCK], tl.int32)
+        base = pid.to(tl.int64) * BLOCK * ITERS
+        for it in tl.static_range(ITERS):          # unrolled: every load in flight at once
+            offs = base + it * BLOCK + tl.arange(0, BLOCK)
+            acc ^= tl.load(x_ptr + offs, mask=offs < n, other=0)
+        tl.store(o_ptr + pid, tl.max(acc, axis=0))
+
+    a_bytes = K * (2 * I * H // 2 + 2 * I * H // 32) + 2 * I * H + 4 * (2 * I // 128) * (H // 128)
+    b_bytes = K * (H * I // 2 + H * I // 32) + H * I + 4 * (H // 128) * (I // 128)
+    sizes = {"router": ROUTER_BYTES, "routed M=1": K * EXPERT_BYTES, "layer M=1": ROUTER_BYTES + K * EXPERT_BYTES
+             + SHARED_BYTES, "layer M=4 (31 experts)": ROUTER_BYTES + 31 * EXPERT_BYTES + SHARED_BYTES}
+    tilings = [(blk, it, nw) for blk in (1024, 2048) for it in (1, 2, 4) for nw in (4, 8)]
+    o = torch.empty(1 << 20, dtype=torch.int32, device="cuda")
+    best_tiling = {}
+
+    def reader(n_bytes, copies):
+        n = n_bytes // 4
+        buf = torch.randint(0, 1 << 30, (copies, n), dtype=torch.int32, device="cuda")
+        return buf, n
+
+    def time_reads(bufs, tiling):
+        blk, it, nw = tiling
+
+        def run():
+            for buf, n in bufs:
+                for c in range(buf.shape[0]):
+                    _read_once[(triton.cdiv(n, blk * it),)](buf[c], o, n, BLOCK=blk, ITERS=it, num_warps=nw)
+        g, _ = capture_graph(run, warmup=1)
+        return statistics.median(cuda_time(g.replay, reps)) / bufs[0][0].shape[0]
+
+    rows = []
+    for name, nb in sizes.items():
+        copies = max(2, -(-(256 << 20) // nb))
+        bufs = [reader(nb, copies)]
+        res = {t: time_reads(bufs, t) for t in tilings}
+        t_best = min(res.values())
+        best_tiling[nb] = min(res, key=res.get)
+        r = {"section": "floor", "case": f"pure read, {name}", "bytes": nb, "time_us": t_best * 1e6,
+             "GBps": nb / t_best / 1e9, "tiling": best_tiling[nb]}
+        r["ratio_to_read_bw"] = r["GBps"] / read_gbps
+        rows.append(r)
+        log(f"floor: pure read {name:24s} {nb / 1e6:6.1f} MB  {t_best * 1e6:6.1f} us  {r['GBps']:6.0f} GB/s  "
+            f"{100 * r['ratio_to_read_bw']:5.1f}% of read  (BLOCK, ITERS, warps) {best_tiling[nb]}")
+        del bufs
+    # the three phases of a layer at M = 1 as three back-to-back read kernels, each with its best tiling
+    phases = [ROUTER_BYTES, a_bytes, b_bytes]
+    copies = max(2, -(-(256 << 20) // sum(phases)))
+    bufs = [reader(nb, copies) for nb in phases]
+    tils = []
+    for nb in phases:
+        res = {t: time_reads([reader(nb, copies)], t) for t in tilings}
+        tils.append(min(res, key=res.get))
+
+    def chain():
+        for c in range(copies):
+            for (buf, n), (blk, it, nw) in zip(bufs, tils):
+                _read_once[(triton.cdiv(n, blk * it),)](buf[c], o, n, BLOCK=blk, ITERS=it, num_warps=nw)
+    g, _ = capture_graph(chain, warmup=1)
+    t = statistics.median(cuda_time(g.replay, reps)) / copies
+    nb = sum(phases)
+    r = {"section": "floor", "case": "3 pure-read launches (router, A, B bytes), M = 1", "bytes": nb,
+         "phase_bytes": phases, "time_us": t * 1e6, "GBps": nb / t / 1e9}
+    r["ratio_to_read_bw"] = r["GBps"] / read_gbps
+    rows.append(r)
+    log(f"floor: 3 pure-read launches (router {phases[0] / 1e6:.1f} + A {phases[1] / 1e6:.1f} + B "
+        f"{phases[2] / 1e6:.1f} MB)  {t * 1e6:6.1f} us  {r['GBps']:6.0f} GB/s  {100 * r['ratio_to_read_bw']:5.1f}% of read")
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "out" / "bench_moe")))
@@ -486,6 +568,9 @@ def main() -> int:
     ap.add_argument("--router", action="store_true",
                     help="also time the router (GEMV, routing kernel, one-kernel GEMV + routing) and the whole MoE layer "
                          "(router + split kernels with the shared expert)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time pure streaming reads of the layer's byte counts (one kernel, and the three phases "
+                         "as three launches): what reads alone reach at these sizes")
     ap.add_argument("--probe", action="store_true",
                     help="attribute the split variant's time (each kernel alone, load-only, compute-only, profiler)")
     args = ap.parse_args()
@@ -545,6 +630,10 @@ def main() -> int:
         best = dict(tuned["best"]) if tuned else {}
         cfgs = {m: best.get(m) or lookup_config(E, H, I, K, m) for m in ms}
         result["shared"] = shared_section(layers, ms, cfgs, args.reps, bw["read_GBps"], log)
+        (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+    if args.floor:
+        result["floor"] = floor_section(args.reps, bw["read_GBps"], log)
         (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
 
     if args.router:

@@ -209,18 +209,23 @@ section_e2e() {          # the engine's CUDA defaults end to end (after each cha
         --moe-backends triton,triton+dense+nogemv+pdl0 --heads fp8 --verify-ops
 }
 
+section_floor() {        # issue 5: what pure streaming reads reach at the MoE layer's byte counts (one kernel; the three
+    #                        phases as three launches), next to the layer's kernels in the same run
+    run_step bench_moe python3 scripts/bench_moe.py --out "$OUT" --backends triton --floor --router --layers 4 --reps 20
+}
+
 section_env() {          # what the machine has
     run_step env bash -c 'nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; python3 -m pip list 2>/dev/null | grep -i -E "fla|humming|triton|torch"'
 }
 
 main() {
-    if [ "${1:-}" = "--list" ]; then printf '%s\n' "${SECTIONS[@]}" env nano mtp bisect numerics shared defaults pdl e2e; return 0; fi
+    if [ "${1:-}" = "--list" ]; then printf '%s\n' "${SECTIONS[@]}" env nano mtp bisect numerics shared defaults pdl e2e floor; return 0; fi
     local todo=("$@")
     [ ${#todo[@]} -eq 0 ] && todo=("${SECTIONS[@]}")
     install_wheels || FAILED+=("install_wheels")
     for s in "${todo[@]}"; do
         if ! declare -F "section_$s" >/dev/null; then
-            echo "unknown section '$s' (have: ${SECTIONS[*]} env nano mtp bisect numerics shared defaults pdl e2e)"; FAILED+=("$s(unknown)"); continue
+            echo "unknown section '$s' (have: ${SECTIONS[*]} env nano mtp bisect numerics shared defaults pdl e2e floor)"; FAILED+=("$s(unknown)"); continue
         fi
         CURRENT="$s"; LOG="$OUT/$s.log"; : >"$LOG"
         "section_$s"
