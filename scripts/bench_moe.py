@@ -618,30 +618,24 @@ def main() -> int:
         tuned = tune(layers, ms, args.reps, out_dir, log)
         result["tune"] = tuned
 
+    def save() -> None:             # after every section, so a run cut short keeps what it measured
+        (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+    from bytebound.kernels.triton_moe import lookup_config
+    best = dict(tuned["best"]) if tuned else {}
+    cfgs = {m: best.get(m) or lookup_config(E, H, I, K, m) for m in ms}    # the sections' config per M
     if args.probe:
-        from bytebound.kernels.triton_moe import lookup_config
-        best = dict(tuned["best"]) if tuned else {}
-        cfgs = {m: best.get(m) or lookup_config(E, H, I, K, m) for m in ms}
         result["probe"] = probe(layers, ms, cfgs, args.reps, log)
-        (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-
+        save()
     if args.shared:
-        from bytebound.kernels.triton_moe import lookup_config
-        best = dict(tuned["best"]) if tuned else {}
-        cfgs = {m: best.get(m) or lookup_config(E, H, I, K, m) for m in ms}
         result["shared"] = shared_section(layers, ms, cfgs, args.reps, bw["read_GBps"], log)
-        (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-
+        save()
     if args.floor:
         result["floor"] = floor_section(args.reps, bw["read_GBps"], log)
-        (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-
+        save()
     if args.router:
-        from bytebound.kernels.triton_moe import lookup_config
-        best = dict(tuned["best"]) if tuned else {}
-        cfgs = {m: best.get(m) or lookup_config(E, H, I, K, m) for m in ms}
         result["router"] = router_section(layers, ms, cfgs, args.reps, bw["read_GBps"], log)
-        (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        save()
 
     for backend in backends:
         cfg = dict(tuned["best"]) if (tuned and backend == "triton" and tuned["best"]) else None
