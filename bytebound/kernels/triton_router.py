@@ -36,7 +36,8 @@ from bytebound.kernels.registry import optional_triton
 from bytebound.kernels.triton_moe import scratch
 
 MAX_M = 4
-ROUTE_WARPS = 4     # warps per routing program (fused_route)
+ROUTE_WARPS = 1     # warps per routing program (fused_route): 1 was 0.8-2 us faster than 2 or 4 on the H200
+#                     (docs/perf/moe-kernels-h200.md, seventh session, runs O-Q)
 
 triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machines without Triton
 
