@@ -194,3 +194,39 @@ def test_bind_model_refuses_triton_paths_on_cpu(kw, flag):
     model = dummy_model(LingConfig.from_file("models/ling-nano/config.json"), torch.device("cpu"), torch.float32)
     with pytest.raises(BackendError, match=f"^{flag} needs a CUDA device"):
         bind_model(model, BackendPlan.default("cpu"), "cpu", **kw)
+
+
+def test_shared_fusion_needs_a_split_config(tmp_path):
+    """Only the 'split' variant runs the shared expert: on a GPU whose table has no 'split' entry for M <= 4 the
+    default (None) keeps the dense shared expert and says why, instead of binding a copy that never runs; the
+    required mode (True) raises. Host logic only: the bound kernels are stand-ins with the MoEKernel interface."""
+    from bytebound.checkpoint.synthetic import dummy_model
+    from bytebound.config import LingConfig
+    from bytebound.layers.moe import MoE
+    from bytebound.runner.backends import BackendPlan, _bind_shared, bind_model
+
+    class Stub:
+        def __init__(self, variant):
+            self.variant, self.bound = variant, 0
+
+        def config(self, m, k):
+            return {"variant": self.variant}
+
+        def bind_shared(self, mlp):
+            self.bound += 1
+
+    model = dummy_model(LingConfig.from_file("models/ling-nano/config.json"), torch.device("cpu"), torch.float32)
+    plan = bind_model(model, BackendPlan.default("cpu"), "cpu")
+    moes = [m for m in model.modules() if isinstance(m, MoE) and m.shared_experts is not None]
+    for variant, want in (("gluon", 0), ("split", 1)):
+        stubs = [Stub(variant) for _ in moes]
+        for m, st in zip(moes, stubs):
+            m.experts.fn = st
+        _bind_shared(model, plan, strict=False)
+        assert [st.bound for st in stubs] == [want] * len(moes)
+        if want:
+            assert plan.resolutions["moe"].shared == f"fused into the routed kernels ({len(moes)} layers)"
+        else:
+            assert plan.resolutions["moe"].shared.startswith("dense; not fused: the triton MoE configs")
+            with pytest.raises(BackendError, match="no 'split' variant"):
+                _bind_shared(model, plan, strict=True)

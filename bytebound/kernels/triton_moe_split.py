@@ -33,10 +33,17 @@ partial (kernel B), so each distinct expert's bytes are read once per call. Dete
 sum runs in an order fixed by the launch shape, so outputs are bit-identical run to run and graph == eager. The
 tickets are reset by their last program, so each launch is self-contained and CUDA-graph safe.
 
-Scratch (``act``, the two partial buffers and the tickets; ``triton_moe.scratch``) is shared by every binding on a device: the MoE layers
-run one after another on one stream, and each launch has consumed its scratch before the next one starts (kernel
-A is an ordinary launch, so it waits for the previous B; B overlaps only its own A and touches none of A's
-buffers before its dependency wait).
+Scratch (``act``, the two partial buffers and the tickets; ``triton_moe.scratch``) is shared by every binding on a
+device: the MoE layers run one after another on one stream, and each launch has consumed its scratch before the
+next one starts. Kernel A either is an ordinary launch (it starts after the previous B completed) or, with
+``pdl_in``, a PDL dependent of the kernel before it whose every program runs ``griddepcontrol.wait`` before it
+touches ``ids``, x or the scratch, and only then ``launch_dependents`` (``_pdl_in``); B overlaps only its own A
+and touches none of A's buffers before its dependency wait.
+
+**The PDL invariant B relies on.** B reads ``ids`` *before* its wait. That is safe only because B cannot launch
+before every A program has triggered, and every A program triggers only after A itself saw ``ids`` complete:
+with ``pdl_in 0`` A started after the router finished; with ``pdl_in > 0`` each A program triggers after its own
+``griddepcontrol.wait``. Keep the trigger after the wait in any change to kernel A.
 
 Config keys (``configs/triton_moe.json``, variant ``"split"``): ``BI`` (intermediate rows per kernel-A program; it
 reads 2*BI rows), ``KP`` (H slices), ``num_warps`` (kernel A), ``BH`` (hidden rows per kernel-B program), ``KP2``
@@ -487,7 +494,8 @@ mov.b32 {$2, $3}, a1;
         IK: gl.constexpr = I // KP2
         NS: gl.constexpr = IK // 128
         SD: gl.constexpr = gl.SliceLayout(3, WD)
-        # ids are the router's, written before kernel A started: safe to read before the dependency wait
+        # ids are the router's, complete before any A program triggered this launch (module docstring, "The PDL
+        # invariant B relies on"): safe to read before the dependency wait
         ids, e, owner = _slot_expert(ids_ptr, s, S, SP, RL)
         if owner:
             # ---- weights in and decoded while kernel A still runs ----

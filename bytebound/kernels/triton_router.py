@@ -27,6 +27,7 @@ blamed on the fast paths was a routing near-tie that the committed defaults hit 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -110,7 +111,8 @@ if tl is not None:
     def _gemv_route_kernel(x_ptr, wg_ptr, logits_ptr, cnt_ptr, bias_ptr, ids_ptr, w_ptr, scale, H: tl.constexpr,
                            E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
                            KP: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, M: tl.constexpr,
-                           MP: tl.constexpr, BE: tl.constexpr, HP: tl.constexpr, FENCE: tl.constexpr):
+                           MP: tl.constexpr, BE: tl.constexpr, HP: tl.constexpr, FENCE: tl.constexpr,
+                           PDL_OUT: tl.constexpr):
         """Router GEMV and routing in one launch: program ``pid`` computes ``logits[:, pid*BE:(pid+1)*BE]`` in
         float32 (``x [M, H]`` against the router weight ``[E, H]``), and the last program to finish (an acq_rel
         ticket) routes every row from the complete logits.
@@ -121,7 +123,7 @@ if tl is not None:
         once (``griddepcontrol.launch_dependents``, PDL): the MoE kernel A (``pdl_in``) then loads the shared
         expert's weights while this kernel runs."""
         pid = tl.program_id(0)
-        if FENCE:   # (FENCE: False only under TRITON_INTERPRET, which cannot run PTX)
+        if PDL_OUT:     # (sm_90+ and not under TRITON_INTERPRET, which cannot run PTX)
             tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r",
                                       [tl.arange(0, 128)], dtype=tl.int32, is_pure=False, pack=1)
         e = pid * BE + tl.arange(0, BE)
@@ -131,7 +133,7 @@ if tl is not None:
         for m in tl.static_range(M):
             xv = tl.load(x_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32)
             tl.store(logits_ptr + m * E + e, tl.sum(wt * xv[None, :], axis=1))
-        if FENCE:
+        if FENCE:   # (False only under TRITON_INTERPRET)
             tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [tl.arange(0, 128)],
                                       dtype=tl.int32, is_pure=False, pack=1)
         tl.debug_barrier()
@@ -140,6 +142,20 @@ if tl is not None:
             _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, 0, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS, NORM,
                         MP)
             tl.store(cnt_ptr, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _pdl_out(device: torch.device) -> bool:
+    """Whether the routing kernels may issue ``griddepcontrol.launch_dependents`` (PDL: the MoE kernel A that
+    follows, config ``pdl_in``, then starts early and waits for the routing itself). The instruction needs sm_90;
+    older GPUs and Triton's interpreter (which cannot run PTX) get kernels without it."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
+        return False
+    return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def fused_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int, topk_group: int,
@@ -162,7 +178,7 @@ def fused_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_g
     b = bias if bias is not None else logits       # dummy pointer when there is no bias
     _route_kernel[(m,)](logits, b, ids, w, float(scale), m, E=e, G=g, TOPK_GROUP=topk_group if g > 1 else 1,
                         K=top_k, KP=triton.next_power_of_2(top_k), HAS_BIAS=bias is not None, NORM=bool(norm),
-                        PDL_OUT=os.environ.get("TRITON_INTERPRET") != "1", num_warps=num_warps)
+                        PDL_OUT=_pdl_out(logits.device), num_warps=num_warps)
     return ids, w
 
 
@@ -202,5 +218,5 @@ def gemv_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                    H=h, E=e, G=g, TOPK_GROUP=topk_group if g > 1 else 1, K=top_k,
                                    KP=triton.next_power_of_2(top_k), HAS_BIAS=bias is not None, NORM=bool(norm),
                                    M=m, MP=triton.next_power_of_2(m), BE=be, HP=triton.next_power_of_2(h),
-                                   FENCE=not interp, num_warps=num_warps)
+                                   FENCE=not interp, PDL_OUT=_pdl_out(x.device), num_warps=num_warps)
     return ids, w

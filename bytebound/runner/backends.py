@@ -147,11 +147,17 @@ def _bind_shared(model, plan: BackendPlan, strict: bool) -> None:
     n = 0
     for m in model.modules():
         if isinstance(m, MoE) and m.shared_experts is not None:
-            bind = getattr(m.experts.fn, "bind_shared", None)
+            fn = m.experts.fn
+            bind = getattr(fn, "bind_shared", None)
             try:
                 if bind is None:
                     raise BackendError(f"moe backend {plan.resolutions['moe'].resolved!r} cannot run the shared "
                                        "expert (the triton backend can)")
+                # only the 'split' variant runs it: without a 'split' config for some M <= 4 (the table has them
+                # for the GPUs it was tuned on) a bound shared expert would never run, and cost a weight copy
+                if not any(fn.config(mm, m.top_k).get("variant") == "split" for mm in range(1, 5)):
+                    raise BackendError("the triton MoE configs for this GPU and shape have no 'split' variant at "
+                                       "M <= 4 (configs/triton_moe.json), and only 'split' runs the shared expert")
                 bind(m.shared_experts)
                 n += 1
             except BackendError as e:
