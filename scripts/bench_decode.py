@@ -86,12 +86,12 @@ def pdl_in_everywhere(model, value: int) -> None:
     """``+pdlN``: every triton ``split`` MoE kernel's config (M = 1..4) with ``pdl_in`` = N (1, 2: kernel A launched
     as a PDL dependent of the router; 0: not; ``triton_moe_split``), as a table entry with that key would give."""
     from bytebound.layers.moe import RoutedExperts
+    k = model.cfg.num_experts_per_tok
     for mod in model.modules():
         fn = getattr(mod, "fn", None) if isinstance(mod, RoutedExperts) else None
         if fn is not None and hasattr(fn, "configs"):
-            k = model.cfg.num_experts_per_tok
-            fn.configs.update({mm: dict(fn.config(mm, k), pdl_in=value) for mm in range(1, 5)
-                               if fn.config(mm, k).get("variant") == "split"})
+            cfgs = {mm: fn.config(mm, k) for mm in range(1, 5)}
+            fn.configs.update({mm: dict(c, pdl_in=value) for mm, c in cfgs.items() if c.get("variant") == "split"})
 
 
 def per_op(model, runner, ctx: int, m: int = 1) -> list[dict]:

@@ -494,57 +494,46 @@ def floor_section(reps: int, read_gbps: float, log) -> list[dict]:
              + SHARED_BYTES, "layer M=4 (31 experts)": ROUTER_BYTES + 31 * EXPERT_BYTES + SHARED_BYTES}
     tilings = [(blk, it, nw) for blk in (1024, 2048) for it in (1, 2, 4) for nw in (4, 8)]
     o = torch.empty(1 << 20, dtype=torch.int32, device="cuda")
-    best_tiling = {}
 
     def reader(n_bytes, copies):
         n = n_bytes // 4
-        buf = torch.randint(0, 1 << 30, (copies, n), dtype=torch.int32, device="cuda")
-        return buf, n
+        return torch.randint(0, 1 << 30, (copies, n), dtype=torch.int32, device="cuda"), n
 
-    def time_reads(bufs, tiling):
-        blk, it, nw = tiling
+    def time_reads(parts):
+        """Seconds per copy for ``parts`` = [(buffer [copies, n], n, tiling)], read one after another per copy."""
+        copies = parts[0][0].shape[0]
 
         def run():
-            for buf, n in bufs:
-                for c in range(buf.shape[0]):
+            for c in range(copies):
+                for buf, n, (blk, it, nw) in parts:
                     _read_once[(triton.cdiv(n, blk * it),)](buf[c], o, n, BLOCK=blk, ITERS=it, num_warps=nw)
         g, _ = capture_graph(run, warmup=1)
-        return statistics.median(cuda_time(g.replay, reps)) / bufs[0][0].shape[0]
+        return statistics.median(cuda_time(g.replay, reps)) / copies
+
+    def best(buf, n):
+        """(seconds, tiling) of the fastest tiling reading ``buf`` alone."""
+        return min((time_reads([(buf, n, t)]), t) for t in tilings)
+
+    def row(case, nb, t, **extra):
+        r = {"section": "floor", "case": case, "bytes": nb, "time_us": t * 1e6, "GBps": nb / t / 1e9, **extra}
+        r["ratio_to_read_bw"] = r["GBps"] / read_gbps
+        rows.append(r)
+        return r
 
     rows = []
     for name, nb in sizes.items():
-        copies = max(2, -(-(256 << 20) // nb))
-        bufs = [reader(nb, copies)]
-        res = {t: time_reads(bufs, t) for t in tilings}
-        t_best = min(res.values())
-        best_tiling[nb] = min(res, key=res.get)
-        r = {"section": "floor", "case": f"pure read, {name}", "bytes": nb, "time_us": t_best * 1e6,
-             "GBps": nb / t_best / 1e9, "tiling": best_tiling[nb]}
-        r["ratio_to_read_bw"] = r["GBps"] / read_gbps
-        rows.append(r)
+        buf, n = reader(nb, max(2, -(-(256 << 20) // nb)))
+        t_best, til = best(buf, n)
+        r = row(f"pure read, {name}", nb, t_best, tiling=til)
         log(f"floor: pure read {name:24s} {nb / 1e6:6.1f} MB  {t_best * 1e6:6.1f} us  {r['GBps']:6.0f} GB/s  "
-            f"{100 * r['ratio_to_read_bw']:5.1f}% of read  (BLOCK, ITERS, warps) {best_tiling[nb]}")
-        del bufs
+            f"{100 * r['ratio_to_read_bw']:5.1f}% of read  (BLOCK, ITERS, warps) {til}")
+        del buf
     # the three phases of a layer at M = 1 as three back-to-back read kernels, each with its best tiling
     phases = [ROUTER_BYTES, a_bytes, b_bytes]
     copies = max(2, -(-(256 << 20) // sum(phases)))
     bufs = [reader(nb, copies) for nb in phases]
-    tils = []
-    for nb in phases:
-        res = {t: time_reads([reader(nb, copies)], t) for t in tilings}
-        tils.append(min(res, key=res.get))
-
-    def chain():
-        for c in range(copies):
-            for (buf, n), (blk, it, nw) in zip(bufs, tils):
-                _read_once[(triton.cdiv(n, blk * it),)](buf[c], o, n, BLOCK=blk, ITERS=it, num_warps=nw)
-    g, _ = capture_graph(chain, warmup=1)
-    t = statistics.median(cuda_time(g.replay, reps)) / copies
-    nb = sum(phases)
-    r = {"section": "floor", "case": "3 pure-read launches (router, A, B bytes), M = 1", "bytes": nb,
-         "phase_bytes": phases, "time_us": t * 1e6, "GBps": nb / t / 1e9}
-    r["ratio_to_read_bw"] = r["GBps"] / read_gbps
-    rows.append(r)
+    t = time_reads([(buf, n, best(buf, n)[1]) for buf, n in bufs])
+    r = row("3 pure-read launches (router, A, B bytes), M = 1", sum(phases), t, phase_bytes=phases)
     log(f"floor: 3 pure-read launches (router {phases[0] / 1e6:.1f} + A {phases[1] / 1e6:.1f} + B "
         f"{phases[2] / 1e6:.1f} MB)  {t * 1e6:6.1f} us  {r['GBps']:6.0f} GB/s  {100 * r['ratio_to_read_bw']:5.1f}% of read")
     return rows

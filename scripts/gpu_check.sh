@@ -31,6 +31,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -174,6 +175,13 @@ section_shared() {       # issue 5: the shared expert inside the split MoE kerne
         --moe-backends triton,triton+shared,triton+shared+gemv --heads fp8 --verify-ops
 }
 
+engine_default_tests() { # the engine tests that cover the CUDA defaults: graph == eager, verify == decode on every
+    #                         path, the captured MTP round, nano GPU == CPU
+    run_step engine python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py -q -p no:cacheprovider -rfE --tb=short \
+        $(pytest_timeout) -k "verify_equals or captured_mtp or (64_steps and triton-triton) or nano_greedy" \
+        --junitxml="$OUT/engine_junit.xml"
+}
+
 section_defaults() {     # issue 5, after the fused shared expert became a CUDA default (2026-11-30): its kernel tests and the
     #                        router's (2-D routing, warps per row), the router / whole-MoE-layer timings, the full-scale
     #                        canaries and the engine tests with the new defaults, and decode with / without it
@@ -181,9 +189,7 @@ section_defaults() {     # issue 5, after the fused shared expert became a CUDA 
         -rfE --tb=short $(pytest_timeout) -k "shared_expert or split or graph or route" --junitxml="$OUT/kernels_junit.xml"
     run_step bench_moe python3 scripts/bench_moe.py --out "$OUT" --backends triton --router --layers 4 --reps 20
     section_verify
-    run_step engine python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py -q -p no:cacheprovider -rfE --tb=short \
-        $(pytest_timeout) -k "verify_equals or captured_mtp or (64_steps and triton-triton) or nano_greedy" \
-        --junitxml="$OUT/engine_junit.xml"
+    engine_default_tests
     run_step decode python3 scripts/bench_decode.py --out "$OUT" --name decode-defaults --contexts 2048 --ttft-len 0 \
         --moe-backends triton,triton+dense --heads fp8 --verify-ops
 }
@@ -194,7 +200,7 @@ section_pdl() {          # issue 5: kernel A as a PDL dependent of the router (c
         -rfE --tb=short $(pytest_timeout) -k "pdl_in or shared_expert or route or graph" --junitxml="$OUT/pdl_junit.xml"
     run_step bench_moe python3 scripts/bench_moe.py --out "$OUT" --backends triton --router --layers 4 --reps 20
     run_step decode python3 scripts/bench_decode.py --out "$OUT" --name decode-pdl --contexts 2048 --ttft-len 0 \
-        --moe-backends triton,triton+gemv,triton+pdlin,triton+gemv+pdlin --heads fp8 --verify-ops
+        --moe-backends triton+nogemv+pdl0,triton+gemv+pdl0,triton+nogemv+pdl2,triton+gemv+pdl2 --heads fp8 --verify-ops
 }
 
 section_e2e() {          # the engine's CUDA defaults end to end (after each change of them): the full-scale canaries, the
@@ -202,9 +208,7 @@ section_e2e() {          # the engine's CUDA defaults end to end (after each cha
     #                        GPU == CPU) and decode with today's defaults against the sixth session's (dense shared
     #                        expert, cuBLAS GEMV + routing kernel, kernel A an ordinary launch), in one process
     section_verify
-    run_step engine python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py -q -p no:cacheprovider -rfE --tb=short \
-        $(pytest_timeout) -k "verify_equals or captured_mtp or (64_steps and triton-triton) or nano_greedy" \
-        --junitxml="$OUT/engine_junit.xml"
+    engine_default_tests
     run_step decode python3 scripts/bench_decode.py --out "$OUT" --name decode-e2e --contexts 2048 --ttft-len 0 \
         --moe-backends triton,triton+dense+nogemv+pdl0 --heads fp8 --verify-ops
 }
@@ -219,13 +223,13 @@ section_env() {          # what the machine has
 }
 
 main() {
-    if [ "${1:-}" = "--list" ]; then printf '%s\n' "${SECTIONS[@]}" env nano mtp bisect numerics shared defaults pdl e2e floor; return 0; fi
+    if [ "${1:-}" = "--list" ]; then printf '%s\n' "${SECTIONS[@]}" "${ON_DEMAND[@]}"; return 0; fi
     local todo=("$@")
     [ ${#todo[@]} -eq 0 ] && todo=("${SECTIONS[@]}")
     install_wheels || FAILED+=("install_wheels")
     for s in "${todo[@]}"; do
         if ! declare -F "section_$s" >/dev/null; then
-            echo "unknown section '$s' (have: ${SECTIONS[*]} env nano mtp bisect numerics shared defaults pdl e2e floor)"; FAILED+=("$s(unknown)"); continue
+            echo "unknown section '$s' (have: ${SECTIONS[*]} ${ON_DEMAND[*]})"; FAILED+=("$s(unknown)"); continue
         fi
         CURRENT="$s"; LOG="$OUT/$s.log"; : >"$LOG"
         "section_$s"

@@ -159,8 +159,7 @@ class Engine:
         self.config = cfg = replace(cfg, **{k: cuda for k in ("spec_static_round", "fused_router", "fused_norm",
                                                               "fused_router_gemv", "kv_buckets")
                                             if getattr(cfg, k) is None})
-        # fused_shared stays None ("where the backend can") on CUDA; bind_model treats None as that
-        shared_arg = (None if cuda else False) if cfg.fused_shared is None else cfg.fused_shared
+        # fused_shared stays None: bind_model reads it as "with CUDA, wherever the MoE backend can" (off on CPU)
         for flag, on, what in (("--fused-shared-expert (fused_shared)", cfg.fused_shared, "the triton MoE kernels"),
                                ("--fused-router-gemv (fused_router_gemv)", cfg.fused_router_gemv, "a Triton kernel")):
             if on and not cuda:
@@ -190,7 +189,7 @@ class Engine:
         plan = BackendPlan.default(dev, **cfg.backends)
         plan.allow_fallback = cfg.allow_fallback
         self.plan = bind_model(self.model, plan, dev, cfg.lm_head, cfg.fused_router, cfg.fused_norm,
-                               shared_arg, cfg.fused_router_gemv)
+                               cfg.fused_shared, cfg.fused_router_gemv)
         self.runner = ModelRunner(self.model, cfg.max_model_len, dev,
                                   pow2_buckets(cfg.max_model_len) if cfg.kv_buckets else None)
         if dev.type == "cuda" and not cfg.enforce_eager:

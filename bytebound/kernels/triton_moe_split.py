@@ -300,12 +300,9 @@ mov.b32 {$2, $3}, a1;
         r8 = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WD8))))
         row8 = gl.where(r8 < BI, j * BI + r8, I + j * BI + (r8 - BI))               # row of [gate; up]
         acc = gl.zeros([R1, NPC], gl.float32, MMA)
-        # (a launch_dependents trigger with no PDL dependent does nothing)
-        if PDL_IN == 2:
+        if PDL_IN == 2:     # read-only weights: may precede the wait
             wv, sv = _fp8_tile(sw13_ptr, ss13_ptr, row8, p * NS, H, WD8)
-            _pdl_in(PDL_IN, True, NW)
-        else:
-            _pdl_in(PDL_IN, True, NW)
+        _pdl_in(PDL_IN, True, NW)       # (a launch_dependents trigger with no PDL dependent does nothing)
         for c in gl.static_range(NS // NC):
             if PDL_IN != 2 or c > 0:
                 wv, sv = _fp8_tile(sw13_ptr, ss13_ptr, row8, p * NS + c * NC, H, WD8)
