@@ -31,7 +31,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -216,6 +216,18 @@ section_e2e() {          # the engine's CUDA defaults end to end (after each cha
 section_floor() {        # issue 5: what pure streaming reads reach at the MoE layer's byte counts (one kernel; the three
     #                        phases as three launches), next to the layer's kernels in the same run
     run_step bench_moe python3 scripts/bench_moe.py --out "$OUT" --backends triton --floor --router --layers 4 --reps 20
+}
+
+section_prefill() {      # issue 20: the grouped prefill MoE kernel's GPU tests and per-layer sweep (grouped vs 4-token
+    #                        slices vs humming), then TTFT at 2K / 8K / 32K through the engine with the start-up split
+    #                        (full scale, dummy weights, FP8 head, strict canaries) and one 2K prefill's kernel table
+    run_step pytest python3 -m pytest tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider -rfE --tb=short \
+        $(pytest_timeout) -k "grouped" --junitxml="$OUT/prefill_junit.xml"
+    run_step bench_moe python3 scripts/bench_moe_prefill.py --out "$OUT" ${BENCH_PREFILL_ARGS:---sweep}
+    run_step ttft python3 -m bytebound.cli bench synthetic --model bytebound/assets/configs/ling-3.0-flash.json \
+        --load-format dummy --device cuda --lm-head fp8 --input-len 2048 --output-len 64 \
+        --ttft-lens ${TTFT_LENS:-2048,8192,32768} --profile-prefill 2048 --no-progress --weights-label synthetic \
+        --out "$OUT" --name synthetic-prefill
 }
 
 section_env() {          # what the machine has

@@ -71,6 +71,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     _common(s, "synthetic")
     _synthetic_args(s)
     s.add_argument("--bandwidth", default="auto", help="auto (measure here), none, or GB/s for the byte floor")
+    s.add_argument("--ttft-lens", default="", help="also time prefill-only requests of these prompt lengths "
+                   "(comma-separated, e.g. 2048,8192,32768): TTFT and achieved TFLOP/s")
+    s.add_argument("--profile-prefill", type=int, default=0, metavar="N",
+                   help="device time by kernel of one N-token prefill (torch.profiler), in the report")
     add_verify_args(s, strict_default=True)
     s.set_defaults(fn=cmd_synthetic)
     g = sub.add_parser("gsm8k", help="GSM8K 5-shot accuracy and latency")
@@ -168,9 +172,11 @@ def _guard(fn):
 @_guard
 def cmd_synthetic(a) -> int:
     from bytebound.bench.synthetic import byte_floor, draw_token_times, floor_ratio, measure_bandwidth, run_synthetic
-    eng = _start(_config(a, _synthetic_len(a, a.speculative_num_steps)))
+    ttft_lens = _int_list(a.ttft_lens, "--ttft-lens")
+    eng = _start(_config(a, max([_synthetic_len(a, a.speculative_num_steps)] + [n + 2 for n in ttft_lens])))
     meta = rp.run_meta(eng, weights=a.weights_label, note=a.note)
     res = run_synthetic(eng, a.input_len, a.output_len, a.num_requests, a.warmup, a.seed, not a.no_progress)
+    prefill = _prefill_section(eng, ttft_lens, a.profile_prefill, a.seed)
     s = rp.summarize(res["outputs"])
     bw, bw_note = measure_bandwidth(eng.device, a.bandwidth)
     acc = s.get("accept_length", {}).get("aggregate")
@@ -188,9 +194,10 @@ def cmd_synthetic(a) -> int:
                      f"{floor['accept_length']:.2f}")
         md.append(line + (f". Measured TPOT / floor = **{ratio:.2f}x**." if ratio else "."))
     md += ["", f"Bandwidth: {bw_note}.", f"Ledger: {floor.get('note', '')}."]
+    md += _prefill_markdown(prefill, getattr(eng, "startup", None))
     data = {"benchmark": "synthetic", "meta": meta, "workload": {"input_len": a.input_len, "output_len": a.output_len,
             "num_requests": a.num_requests, "sampling": "greedy, ignore_eos", "seed": a.seed},
-            "summary": s, "byte_floor": floor,
+            "summary": s, "byte_floor": floor, "prefill": prefill, "startup": getattr(eng, "startup", None),
             "requests": [{"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
                           "ttft_s": o.ttft_s, "tpot_s": o.tpot_s, "e2e_s": o.e2e_s, "spec": o.spec}
                          for o in res["outputs"]]}
@@ -203,6 +210,52 @@ def cmd_synthetic(a) -> int:
                                      if ratio else bw_note))
     _print(paths)
     return 0
+
+
+def _int_list(spec: str, flag: str) -> list[int]:
+    from bytebound.errors import ConfigError
+    try:
+        out = [int(v) for v in spec.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} takes comma-separated token counts, got {spec!r}") from None
+    if any(v < 1 for v in out):
+        raise ConfigError(f"{flag}: every length must be >= 1, got {spec!r}")
+    return out
+
+
+def _prefill_section(eng, lens: list[int], profile_n: int, seed: int) -> dict:
+    from bytebound.bench.synthetic import profile_prefill, run_ttft
+    out = {"ttft": run_ttft(eng, lens, seed) if lens else []}
+    for r in out["ttft"]:
+        print(f"[bench] TTFT {r['input_len']} tokens: {r['ttft_s'] * 1e3:.1f} ms ({r['tflops']:.1f} TFLOP/s)",
+              flush=True)
+    if profile_n:
+        out["profile"] = profile_prefill(eng, profile_n, seed)
+    return out
+
+
+def _prefill_markdown(prefill: dict, startup: dict | None) -> list[str]:
+    md = []
+    if prefill.get("ttft"):
+        md += ["", "## Prefill (TTFT, prefill-only requests)", "", "| prompt tokens | TTFT | TFLOP/s achieved |",
+               "|---:|---:|---:|"]
+        md += [f"| {r['input_len']} | {r['ttft_s'] * 1e3:.1f} ms | {r['tflops']:.1f} |" for r in prefill["ttft"]]
+        md += ["", "TFLOP/s: 2 x active weights (LM head excluded) per token + causal MLA attention, over TTFT "
+               "(`bench.synthetic.prefill_flops`)."]
+    p = prefill.get("profile")
+    if p and p["rows"]:
+        md += ["", f"## Device time by kernel, one {p['tokens']}-token prefill", "",
+               f"wall {p['wall_s'] * 1e3:.1f} ms, device {p['device_s'] * 1e3:.1f} ms, {p['kernels']} kernels", "",
+               "| kernel | calls | device ms | share |", "|---|---:|---:|---:|"]
+        md += [f"| `{r['name']}` | {r['calls']} | {r['device_ms']:.2f} | {100 * r['share']:.1f} % |" for r in p["rows"]]
+    if startup:
+        md += ["", "## Start-up", "", "| phase | seconds |", "|---|---:|"]
+        md += [f"| {k[:-2]} | {v:.1f} |" for k, v in startup.items() if k.endswith("_s") and k != "total_s"]
+        md += [f"| **total** | **{startup['total_s']:.1f}** |"]
+        if "triton_compiled" in startup:
+            md += ["", f"Triton kernels compiled during start-up: {startup['triton_compiled']} ("
+                   f"{'warm cache' if startup['triton_compiled'] == 0 else 'cold cache'}, `{startup['triton_cache']}`)."]
+    return md
 
 
 # ---- gsm8k ------------------------------------------------------------------------------------------------

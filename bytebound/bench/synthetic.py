@@ -60,6 +60,59 @@ def run_synthetic(engine, input_len: int, output_len: int, num_requests: int = 1
     return {"outputs": outputs, "token_times": token_times}
 
 
+def prefill_flops(cfg, tokens: int) -> dict:
+    """Arithmetic of a ``tokens``-token prefill [FLOP]: ``2 x`` the active weights except the LM head (the head
+    runs on the last token only) per token, plus causal MLA attention ``QK^T`` and ``PV`` (``2 x T^2 / 2 x heads x
+    (qk_nope + qk_rope + v)`` per MLA layer, the expanded form). KDA's chunked recurrence is not counted (its
+    arithmetic is linear in T and small beside the weights)."""
+    from bytebound.analysis.ledger import build_ledger
+    led = build_ledger(cfg)
+    weights = 2.0 * (led.params - led.group_params().get("LM head", 0.0)) * tokens
+    n_mla = len(cfg.mla_layers)
+    attn = float(tokens) ** 2 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+                                                           + cfg.v_head_dim) * n_mla
+    return {"weights": weights, "attention": attn, "total": weights + attn}
+
+
+def run_ttft(engine, lens: list[int], seed: int = 0) -> list[dict]:
+    """One prefill-only request (``max_tokens=1``) per prompt length: TTFT [s] (prefill + LM head + first
+    sample, measured by the engine) and the achieved prefill TFLOP/s from :func:`prefill_flops`."""
+    rows = []
+    for n in lens:
+        out, = engine.generate([synthetic_prompt(engine, n, seed + 1000 + n)],
+                               SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        fl = prefill_flops(engine.model.cfg, n)
+        rows.append({"input_len": n, "ttft_s": out.ttft_s, "flops": fl,
+                     "tflops": fl["total"] / out.ttft_s / 1e12 if out.ttft_s else None})
+    return rows
+
+
+def profile_prefill(engine, n: int, seed: int = 0, top: int = 15) -> dict:
+    """Device time by kernel of one ``n``-token prefill (``torch.profiler``, after a warm-up of the same length):
+    ``{"wall_s", "device_s", "kernels", "rows": [{"name", "calls", "device_ms", "share"}]}``, the ``top`` largest."""
+    from torch.profiler import ProfilerActivity, profile
+    ids = torch.tensor(synthetic_prompt(engine, n, seed + 7), device=engine.device)
+    r = engine.runner
+    r.reset()
+    r.prefill(ids)
+    r.reset()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        r.prefill(ids)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    r.reset()
+    ev = [e for e in prof.key_averages() if getattr(e, "device_type", None) is not None
+          and str(e.device_type).endswith("CUDA") and e.self_device_time_total > 0]
+    tot = sum(e.self_device_time_total for e in ev) or 1.0
+    ev.sort(key=lambda e: -e.self_device_time_total)
+    rows = [{"name": e.key[:90], "calls": e.count, "device_ms": e.self_device_time_total / 1e3,
+             "share": e.self_device_time_total / tot} for e in ev[:top]]
+    return {"tokens": n, "wall_s": wall, "device_s": tot / 1e6, "kernels": sum(e.count for e in ev), "rows": rows}
+
+
 def measure_bandwidth(device, spec: str = "auto") -> tuple[float | None, str]:
     """``spec``: ``auto`` (measure here), ``none`` (skip) or a number in GB/s. Returns (GB/s or None, note)."""
     if spec == "none":

@@ -8,6 +8,7 @@ queues them).
 from __future__ import annotations
 
 import bisect
+import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -132,6 +133,36 @@ def _dtype(name: str | None, device: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}[name]
 
 
+class _StartupClock:
+    """Wall time of the start-up phases [s] (``lap(name)`` after each, the device synchronised first) and how
+    many kernels Triton compiled meanwhile on CUDA: new entries in its on-disk cache (``TRITON_CACHE_DIR``,
+    default ``~/.triton/cache``), 0 when every kernel came from a warm cache."""
+
+    def __init__(self):
+        self.t = time.perf_counter()
+        self.t0 = self.t
+        self.cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+        self.before = self._entries()
+        self.times: dict = {}
+
+    def _entries(self) -> int:
+        try:
+            return sum(1 for _ in self.cache.iterdir())
+        except OSError:
+            return 0
+
+    def lap(self, name: str, dev: torch.device) -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        now = time.perf_counter()
+        self.times[name] = round(now - self.t, 3)
+        self.times["total_s"] = round(now - self.t0, 3)
+        if dev.type == "cuda":
+            self.times["triton_compiled"] = self._entries() - self.before
+            self.times["triton_cache"] = str(self.cache)
+        self.t = now
+
+
 class Engine:
     """Batch-1 generation over a Ling checkpoint (see :class:`EngineConfig`).
 
@@ -170,6 +201,7 @@ class Engine:
         if dev.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         dtype = _dtype(cfg.dtype, cfg.device)
+        clock = _StartupClock()
         if cfg.load_format == "dummy":
             from bytebound.checkpoint.synthetic import dummy_model
             from bytebound.config import LingConfig
@@ -186,6 +218,7 @@ class Engine:
         if cfg.max_model_len > self.model.cfg.max_position_embeddings:
             raise ConfigError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings "
                               f"{self.model.cfg.max_position_embeddings}")
+        clock.lap("load_s", dev)
         plan = BackendPlan.default(dev, **cfg.backends)
         plan.allow_fallback = cfg.allow_fallback
         self.plan = bind_model(self.model, plan, dev, cfg.lm_head, cfg.fused_router, cfg.fused_norm,
@@ -204,9 +237,14 @@ class Engine:
         self.watchdog = (AcceptWatchdog(cfg.watchdog_window, cfg.watchdog_threshold, cfg.strict)
                          if self.drafter is not None else None)
         self.canaries = None
+        clock.lap("bind_capture_s", dev)
+        self.startup = clock.times
         if cfg.verify:
             from bytebound.verify import build_manifest, print_manifest, run_canaries
-            run_canaries(self, cfg.strict)
+            try:
+                run_canaries(self, cfg.strict)
+            finally:
+                clock.lap("canaries_s", dev)
             print_manifest(build_manifest(self), file=sys.stderr)
 
     # -------------------------------------------------------------------------------------------

@@ -109,13 +109,13 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
         elif isinstance(m, RoutedExperts):
             m.fn, m.backend = impl["moe"].bind(m, dtype), plan.resolutions["moe"].resolved
             if getattr(m.fn, "prefill", False) is None:
-                # The decode/verify kernel takes at most ``max_tokens`` tokens: prefill feeds it the prompt in
-                # slices of that size (recorded). On the H200 the triton kernel costs ~39 us per token per layer at
-                # M = 4; the torch reference's loop made a 32K prefill cost 183 us per token per layer in all
-                # (docs/perf/decode-h200.md, TTFT).
-                n = m.fn.max_tokens
-                m.fn.prefill = prefill_slices(m.fn)
-                plan.resolutions["moe"].prefill = f"{plan.resolutions['moe'].resolved} ({n}-token slices)"
+                # The decode/verify kernel takes at most ``max_tokens`` tokens. Above that the tokens are sorted
+                # by expert and run as one grouped GEMM (kernels.triton_moe_grouped), so each expert's weights
+                # are decoded about once per prefill chunk instead of once per 4-token slice.
+                from bytebound.kernels.triton_moe_grouped import GroupedMoE
+                m.fn.prefill = GroupedMoE(m)
+                plan.resolutions["moe"].prefill = (f"{plan.resolutions['moe'].resolved} (grouped GEMM, W4A16, "
+                                                   f"M > {m.fn.max_tokens})")
         elif isinstance(m, KimiDeltaAttention):
             m.kda_fn = impl["kda"].bind(m, dtype)
             # q|k|v|f|g read the same input: one launch instead of five, and no concat for the conv

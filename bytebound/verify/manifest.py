@@ -279,6 +279,7 @@ def build_manifest(engine) -> dict:
         "failed": [{"lever": r["lever"], "canary": r["name"], "message": r["message"]} for r in failed],
         "watchdog": wstate,
         "not_checked": not_checked,
+        "startup": getattr(engine, "startup", None),
     }
 
 
@@ -309,6 +310,12 @@ def format_manifest(man: dict) -> str:
         lines.append(f"  canaries ({man['canary_seconds']:.3f} s):")
         for r in man["canaries"]:
             lines.append(f"    {r['status'].upper():<4} {r['name']:<20} {r['seconds'] * 1e3:8.1f} ms  {r['message']}")
+    st = man.get("startup")
+    if st:
+        phases = ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in st.items() if k.endswith("_s") and k != "total_s")
+        jit = ("" if "triton_compiled" not in st else f"; Triton kernels compiled: {st['triton_compiled']} "
+               f"({'warm cache' if st['triton_compiled'] == 0 else 'cold'})")
+        lines.append(f"  start-up {st['total_s']:.1f} s ({phases}){jit}")
     for p in man["problems"]:
         lines.append(f"  PROBLEM {p['lever']}: {p['message']}")
     if man["watchdog"]:
