@@ -100,9 +100,9 @@ def main(argv=None) -> int:
         base = prefill_config(m, K, E)
         cfgs = [None]
         if args.sweep:
-            alt = [dict(BN=128, num_warps=8), dict(BK=64, num_stages=4), dict(num_warps=8), dict(BN2=64),
-                   dict(num_stages=2), dict(BN=128, BN2=256, num_warps=8),
-                   dict(BM=min(128, base["BM"] * 2)), dict(BM=max(16, base["BM"] // 2))]
+            alt = [dict(deq="float"), dict(BN=128, num_warps=8), dict(BK=64, num_stages=4),
+                   dict(num_warps=4 if base["num_warps"] == 8 else 8), dict(num_stages=4), dict(BN2=256),
+                   dict(BM=min(256, base["BM"] * 2)), dict(BM=max(16, base["BM"] // 2))]
             cfgs += [dict(base, **a) for a in alt]
         for cfg in cfgs:
             record("grouped", m, cfg, GroupedMoE(ex, cfg), x, ids, w)

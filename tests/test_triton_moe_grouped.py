@@ -55,14 +55,16 @@ def rel(a, b):
     return float((a.double().cpu() - b).norm() / b.norm())
 
 
+@pytest.mark.parametrize("deq", ["int", "float"])
 @pytest.mark.parametrize("m,skew,limit", [(5, False, None), (37, False, 0.02), (37, True, None), (1, False, None)])
-def test_grouped_matches_float64(grouped, m, skew, limit):
+def test_grouped_matches_float64(grouped, m, skew, limit, deq):
+    """Both MXFP4 decoders (BF16 bits built in integers, or float32 arithmetic) give the float64 routed sum."""
     e, h, i, k = 16, 256, 128, 4
     ex = make_experts(e, h, i, limit=limit, seed=m)
     g = torch.Generator().manual_seed(100 + m)
     x = (torch.randn(m, h, generator=g) * 2).to(torch.bfloat16).to(DEV)
     ids, w = routing(m, e, k, skew=skew, seed=m)
-    fn = grouped.GroupedMoE(ex)
+    fn = grouped.GroupedMoE(ex, dict(grouped.prefill_config(m, k, e), deq=deq))
     out = fn(x, ids, w)
     assert out.shape == (m, h) and out.dtype == torch.bfloat16
     ref = ref64(ex, x, ids, w)

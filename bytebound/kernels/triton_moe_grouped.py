@@ -50,27 +50,41 @@ def prefill_config(m: int, k: int, e: int) -> dict:
     slots per expert ``m*k/e`` (a block mostly full, few blocks per expert so the weights are decoded about once
     per expert), and fixed N/K tiles."""
     avg = m * k / max(e, 1)
-    bm = 16 if avg <= 16 else 32 if avg <= 40 else 64 if avg <= 96 else 128
-    return {"BM": bm, "BN": 64, "BK": 128, "BN2": 128, "BK2": 128, "num_warps": 4, "num_stages": 3}
+    # The kernels are bound by decoding the weights (each block of an expert decodes all of them), so a block
+    # should hold all of an expert's slots: about twice the average, as the counts vary (H200 sweep, docs/perf).
+    bm = 16
+    while bm < 128 and bm < 2 * avg:
+        bm *= 2
+    return {"BM": bm, "BN": 64, "BK": 128, "BN2": 128, "BK2": 128, "num_warps": 8 if bm >= 128 else 4,
+            "num_stages": 3, "deq": "int"}
 
 
 if triton is not None:
     @triton.jit
-    def _dequant_tile(wp, sp, BN: tl.constexpr, BK: tl.constexpr):
+    def _dequant_tile(wp, sp, BN: tl.constexpr, BK: tl.constexpr, DEQ_INT: tl.constexpr):
         """Packed E2M1 bytes ``wp`` -> ``[BN, BK // 2]`` uint8 pointers, E8M0 bytes ``sp`` -> ``[BN, BK // 32]`` ->
-        BF16 ``[BN, BK]`` in column order (low nibble = even column). E2M1 magnitude codes 2..7 are the float32
-        bit patterns ``(code << 22) + (126 << 23)`` (1, 1.5, 2, 3, 4, 6); code 1 is 0.5 and 0 is 0. The E8M0 byte
-        ``s`` is the float32 ``2^(s - 127)`` whose exponent field is ``s``."""
+        BF16 ``[BN, BK]`` in column order (low nibble = even column), exact.
+
+        ``DEQ_INT``: the BF16 bit pattern is built in integers with the scale folded into the exponent field:
+        magnitude code ``m`` >= 2 (1, 1.5, 2, 3, 4, 6) is ``(m << 6) + ((s - 1) << 7)``, code 1 (0.5) is
+        ``(s - 1) << 7``, code 0 is 0, the sign bit is ``(code & 8) << 12`` (valid for E8M0 bytes 2..254, far
+        outside which no checkpoint scale lies). Else float32: codes 2..7 are ``(m << 22) + (126 << 23)``, code 1 is
+        0.5, times ``2^(s - 127)`` (the float32 whose exponent field is ``s``)."""
         p = tl.load(wp)
         lo = p & 0xF
         hi = p >> 4
         c = tl.reshape(tl.join(lo, hi), (BN, BK)).to(tl.int32)
         mag = c & 7
+        s = tl.load(sp).to(tl.int32)
+        if DEQ_INT:
+            sb = tl.reshape(tl.broadcast_to(tl.expand_dims((s - 1) << 7, 2), (BN, BK // 32, 32)), (BN, BK))
+            bits = tl.where(mag == 0, 0, (mag << 6) + sb - tl.where(mag == 1, 64, 0)) | ((c & 8) << 12)
+            return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
         v = tl.where(mag >= 2, ((mag << 22) + (126 << 23)).to(tl.float32, bitcast=True), mag.to(tl.float32) * 0.5)
         v = tl.where((c & 8) != 0, -v, v)
-        s = (tl.load(sp).to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        s = tl.reshape(tl.broadcast_to(tl.expand_dims(s, 2), (BN, BK // 32, 32)), (BN, BK))
-        return (v * s).to(tl.bfloat16)
+        sf = (s << 23).to(tl.float32, bitcast=True)
+        sf = tl.reshape(tl.broadcast_to(tl.expand_dims(sf, 2), (BN, BK // 32, 32)), (BN, BK))
+        return (v * sf).to(tl.bfloat16)
 
     @triton.jit
     def _mma(a, b, acc, F32: tl.constexpr):
@@ -97,7 +111,7 @@ if triton is not None:
     def _grouped_gateup(x_ptr, w13_ptr, s13_ptr, bexp_ptr, bstart_ptr, cnt_ptr, tstart_ptr, order_ptr, act_ptr,
                         limit, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                        F32: tl.constexpr):
+                        F32: tl.constexpr, DEQ_INT: tl.constexpr):
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
         e, e_safe, pos, valid, slot = _block_rows(bexp_ptr, bstart_ptr, cnt_ptr, tstart_ptr, order_ptr, pid_b,
@@ -119,9 +133,9 @@ if triton is not None:
             acc_u = tl.full((BM, BN), 0.0, tl.float32)
             for k0 in range(0, H, BK):
                 a = tl.load(xp + k0, mask=valid[:, None], other=0.0)
-                wg = _dequant_tile(gw + k0 // 2, gs + k0 // 32, BN, BK)
+                wg = _dequant_tile(gw + k0 // 2, gs + k0 // 32, BN, BK, DEQ_INT)
                 acc_g = _mma(a, wg, acc_g, F32)
-                wu = _dequant_tile(uw + k0 // 2, us + k0 // 32, BN, BK)
+                wu = _dequant_tile(uw + k0 // 2, us + k0 // 32, BN, BK, DEQ_INT)
                 acc_u = _mma(a, wu, acc_u, F32)
             g = acc_g / (1.0 + tl.exp(-acc_g))          # silu in float32
             if HAS_LIMIT:
@@ -133,7 +147,8 @@ if triton is not None:
     @triton.jit
     def _grouped_down(act_ptr, w2_ptr, s2_ptr, wt_ptr, bexp_ptr, bstart_ptr, cnt_ptr, tstart_ptr, order_ptr, y_ptr,
                       E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr,
+                      DEQ_INT: tl.constexpr):
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
         e, e_safe, pos, valid, slot = _block_rows(bexp_ptr, bstart_ptr, cnt_ptr, tstart_ptr, order_ptr, pid_b,
@@ -149,7 +164,7 @@ if triton is not None:
             acc = tl.full((BM, BN), 0.0, tl.float32)
             for k0 in range(0, I, BK):
                 a = tl.load(ap + k0, mask=valid[:, None], other=0.0)
-                wd = _dequant_tile(dw + k0 // 2, ds + k0 // 32, BN, BK)
+                wd = _dequant_tile(dw + k0 // 2, ds + k0 // 32, BN, BK, DEQ_INT)
                 acc = _mma(a, wd, acc, F32)
             wt = tl.load(wt_ptr + slot, mask=valid, other=0.0)
             acc = acc * wt[:, None]
@@ -232,12 +247,13 @@ class GroupedMoE:
         act = torch.empty(s, self.i, dtype=torch.bfloat16, device=x.device)
         y = torch.empty(s, self.h, dtype=torch.float32, device=x.device)
         limit = float(self.limit) if self.limit is not None else 0.0
+        deq_int = cfg.get("deq", "int") == "int"
         _grouped_gateup[(nb, self.i // cfg["BN"])](
             x, ex.w13.data, ex.w13_scale.data, bexp, bstart, counts, tstart, order, act, limit,
             E=self.e, H=self.h, I=self.i, TOPK=k, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
-            HAS_LIMIT=self.limit is not None, F32=_DOT_F32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            HAS_LIMIT=self.limit is not None, F32=_DOT_F32, DEQ_INT=deq_int, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         _grouped_down[(nb, self.h // cfg["BN2"])](
             act, ex.w2.data, ex.w2_scale.data, wt, bexp, bstart, counts, tstart, order, y,
             E=self.e, H=self.h, I=self.i, BM=cfg["BM"], BN=cfg["BN2"], BK=cfg["BK2"], F32=_DOT_F32,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            DEQ_INT=deq_int, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return y.view(m, k, self.h).sum(1).to(torch.bfloat16)

@@ -10,7 +10,10 @@ import torch
 
 from bytebound.layers.kda import KDAState
 
-PREFILL_CHUNK = 2048
+# Tokens per prefill forward. Long chunks amortise weight reads: the grouped MoE decodes each expert's weights
+# about once per chunk, so 8192-token chunks cost about half of four 2048-token ones (docs/perf/moe-prefill-h200.md);
+# the activations of one chunk at full scale stay near 1 GB.
+PREFILL_CHUNK = 8192
 
 
 def pow2_buckets(max_len: int, smallest: int = 1024) -> tuple[int, ...]:
