@@ -190,6 +190,7 @@ class Engine:
         plan.allow_fallback = cfg.allow_fallback
         self.plan = bind_model(self.model, plan, dev, cfg.lm_head, cfg.fused_router, cfg.fused_norm,
                                cfg.fused_shared, cfg.fused_router_gemv)
+        self.plan.check_speculative(cfg.speculative_steps)     # ConfigError: a verify wider than the fast paths
         self.runner = ModelRunner(self.model, cfg.max_model_len, dev,
                                   pow2_buckets(cfg.max_model_len) if cfg.kv_buckets else None)
         if dev.type == "cuda" and not cfg.enforce_eager:

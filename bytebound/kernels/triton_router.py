@@ -33,10 +33,10 @@ import os
 import torch
 
 from bytebound.errors import BackendError
+from bytebound.kernels.limits import MAX_VERIFY_M as MAX_M     # the one verify-width limit (kernels/limits.py)
 from bytebound.kernels.registry import optional_triton
 from bytebound.kernels.triton_moe import scratch
 
-MAX_M = 4
 ROUTE_WARPS = 1     # warps per routing program (fused_route): 1 was 0.8-2 us faster than 2 or 4 on the H200
 #                     (docs/perf/moe-kernels-h200.md, seventh session, runs O-Q)
 
