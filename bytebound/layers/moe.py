@@ -1,6 +1,6 @@
 """MoE block of Ling-3.0: sigmoid router with expert bias and group-limited top-k, routed + shared experts.
 
-Routing (DeepSeek-V3 ``noaux_tc``; ``ling3-reference.md`` section 1.6, transformers ``DeepseekV3TopkRouter``):
+Routing (DeepSeek-V3 ``noaux_tc``; ``docs/references.md`` §1.6, transformers ``DeepseekV3TopkRouter``):
 
     s     = sigmoid(x W_gate^T)            (float32: router_dtype fp32)
     sb    = s + expert_bias                (the bias only *selects*)
