@@ -29,8 +29,7 @@ Config ``"partials": true`` replaces 4-5 by plain stores: each program writes it
 its own slot of a shared scratch ``[I/BI, M*top_k, H, M]`` and a second kernel (``_moe_reduce_partials``) sums
 the slots in a fixed order. Also bit-identical run to run, without the int64 atomics (at M = 4 they cost +72 %
 over float atomics on the H200), at the price of writing and reading the partials (15.7 MB at M = 4 with BI 64,
-1 MB at M = 1) and a second launch. The committed H200 table uses it at M = 4 (103 us vs 160 us per layer for the
-int64 atomics, docs/perf/moe-kernels-h200.md).
+1 MB at M = 1) and a second launch; at M = 4 it beat the int64 atomics on the H200 (docs/perf/history.md).
 
 Two implementations of the same algorithm: ``gluon`` (Triton's explicit-layout dialect: the register layouts are
 chosen so the dequantisation needs no shuffles) and ``tl`` (plain Triton with ``tl.dot_scaled``; the
