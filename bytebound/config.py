@@ -1,7 +1,7 @@
 """Typed configuration for Ling-3.0 (BailingMoeV3, ``model_type: bailing_hybrid``) checkpoints.
 
 Source of the fields: the checkpoint's ``config.json`` as public engines read it
-(``../shared/spec/ling3-reference.md`` sections 1.1, 1.2 and 4; transformers'
+(``docs/references.md`` §1.1, §1.2 and §4; transformers'
 ``BailingHybridConfig``). Unknown *optional* keys are kept in ``extra``; missing required keys and
 contradictions raise :class:`ConfigError` naming the field.
 """

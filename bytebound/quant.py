@@ -1,6 +1,6 @@
 """Reference quantise/dequantise for the Ling fp4 checkpoint formats (pure torch, CPU or GPU).
 
-Formats (``../shared/spec/ling3-reference.md`` section 4; OCP Microscaling spec v1.0 for MX):
+Formats (``docs/references.md`` §4; OCP Microscaling spec v1.0 for MX):
 
 * **FP8 block** (dense linears): ``weight`` E4M3 ``[N, K]`` and ``weight_scale_inv`` float32
   ``[ceil(N/128), ceil(K/128)]``; ``W ~= weight * scale_inv`` per 128x128 block. With ``scale_fmt ue8m0``

@@ -1,7 +1,7 @@
 """Sampling parameters and the token sampler (greedy, temperature, top-k, top-p with a seed).
 
 Processing order follows SGLang/vLLM: logits / T -> softmax -> top-k renorm -> top-p renorm
-(``ling3-reference.md`` section 2.4). The same :func:`probs` feeds plain sampling and speculative
+(``docs/references.md`` §2.4). The same :func:`probs` feeds plain sampling and speculative
 verification, so both sample from exactly the same target distribution.
 """
 

@@ -1,12 +1,15 @@
 """Launch-config plumbing of the triton MoE backend (pure Python: runs on CPU without Triton).
 
 The kernels themselves are tested on the GPU (tests/gpu/test_kernels_gpu.py); here: the committed table parses,
-the ``split`` variant's tiling is shrunk to small models' shapes or refused with a named error, and the
-``BYTEBOUND_MOE_VARIANT`` override picks the variant's defaults."""
+the ``split`` variant's tiling is shrunk to small models' shapes or refused with a named error, the
+``BYTEBOUND_MOE_VARIANT`` override picks the variant's defaults, and configs resolve by capability (exact GPU name,
+then the architecture's default: an "NVIDIA H100 80GB HBM3" (sm_90, mocked) resolves like the H200, an sm_80 GPU
+gets the class default; the matched key is recorded)."""
 
 import importlib
 
 import pytest
+import torch
 from conftest import triton_kernels
 
 from bytebound.errors import BackendError
@@ -62,3 +65,130 @@ def test_variant_override(monkeypatch):
     assert cfg == ts.SPLIT_DEFAULT
     monkeypatch.setenv("BYTEBOUND_MOE_VARIANT", "tl")
     assert tm.lookup_config(32, 256, 128, 4, 1)["variant"] == "tl"
+
+
+# ---- defaults by capability (issue 18, scope 2): exact name, then architecture, then the class default --------
+LING = (512, 2560, 768, 8)      # E, H, I, top_k of Ling-3.0-flash: the shape the committed table is tuned for
+
+
+def _device(monkeypatch, name: str | None, cap: tuple[int, int] | None = None):
+    """Pretend to run on the CUDA device ``name`` of compute capability ``cap`` (None: no CUDA), with the
+    committed table and no variant override."""
+    monkeypatch.delenv("BYTEBOUND_MOE_CONFIG", raising=False)
+    monkeypatch.delenv("BYTEBOUND_MOE_VARIANT", raising=False)
+    monkeypatch.setattr(tm.torch.cuda, "is_available", lambda: name is not None)
+    monkeypatch.setattr(tm.torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(tm.torch.cuda, "get_device_capability", lambda device=None: cap)
+
+
+def _h200_entry(m: int) -> dict:
+    """The committed H200 entry as the lookup must return it: the class default's keys overlaid by the entry's
+    (read from the JSON file itself, not through the code under test)."""
+    import json
+    raw = json.loads(tm.CONFIG_PATH.read_text())["NVIDIA H200"][tm.shape_key(*LING, m)]
+    return {**tm.DEFAULT_CONFIG, **raw}
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_h100_resolves_like_the_h200(monkeypatch, m):
+    _device(monkeypatch, "NVIDIA H200", (9, 0))
+    h200 = tm.resolve_config(*LING, m)
+    assert h200 == (_h200_entry(m), "tuned for NVIDIA H200")
+    _device(monkeypatch, "NVIDIA H100 80GB HBM3", (9, 0))
+    cfg, source = tm.resolve_config(*LING, m)
+    assert cfg == h200[0] and cfg["variant"] == "split"
+    assert source == "sm_90 default (tuned on NVIDIA H200)"
+    assert tm.fit_config(cfg, 2560, 768) == tm.fit_config(h200[0], 2560, 768)
+
+
+def test_sm80_gets_the_class_default_and_says_why(monkeypatch):
+    _device(monkeypatch, "NVIDIA A100-SXM4-80GB", (8, 0))
+    cfg, source = tm.resolve_config(*LING, 1)
+    assert cfg == tm.DEFAULT_CONFIG and cfg["variant"] == "gluon"
+    assert source == ("untuned class default (no entry for NVIDIA A100-SXM4-80GB or sm_80 at "
+                      "E512_H2560_I768_k8_M1)")
+    _device(monkeypatch, None)
+    assert tm.resolve_config(*LING, 1) == (tm.DEFAULT_CONFIG, "untuned class default (no entry for cpu at "
+                                                             "E512_H2560_I768_k8_M1)")
+
+
+def test_untuned_shape_on_sm90_gets_the_class_default(monkeypatch):
+    """The architecture default holds the H200's entries, i.e. its shapes: another shape (here M = 2, which the
+    committed table has no entry for) falls through to the class default, and the record says so."""
+    _device(monkeypatch, "NVIDIA H100 80GB HBM3", (9, 0))
+    cfg, source = tm.resolve_config(*LING, 2)
+    assert cfg == tm.DEFAULT_CONFIG and source.startswith("untuned class default (no entry for NVIDIA H100 80GB "
+                                                          "HBM3 or sm_90 at E512_H2560_I768_k8_M2")
+
+
+def test_exact_name_wins_and_the_env_table_is_named(monkeypatch, tmp_path):
+    import json
+    own = {"variant": "split", "BI": 32, "KP": 5, "num_warps": 4, "BH": 64, "KP2": 3, "down_warps": 4}
+    table = {"_arch_defaults": {"sm_90": "NVIDIA H200"}, "NVIDIA H200": {tm.shape_key(*LING, 1): {"variant": "tl"}},
+             "NVIDIA H100 80GB HBM3": {tm.shape_key(*LING, 1): own}}
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps(table))
+    _device(monkeypatch, "NVIDIA H100 80GB HBM3", (9, 0))
+    monkeypatch.setenv("BYTEBOUND_MOE_CONFIG", str(path))
+    cfg, source = tm.resolve_config(*LING, 1)
+    assert cfg == {**tm.DEFAULT_CONFIG, **own} and source == f"tuned for NVIDIA H100 80GB HBM3, table {path}"
+    _device(monkeypatch, "NVIDIA H800", (9, 0))
+    monkeypatch.setenv("BYTEBOUND_MOE_CONFIG", str(path))
+    assert tm.resolve_config(*LING, 1) == ({**tm.DEFAULT_CONFIG, "variant": "tl"},
+                                           f"sm_90 default (tuned on NVIDIA H200), table {path}")
+    monkeypatch.setenv("BYTEBOUND_MOE_VARIANT", "gluon")
+    cfg, source = tm.resolve_config(*LING, 1)
+    assert cfg["variant"] == "gluon" and source.endswith("; variant forced by BYTEBOUND_MOE_VARIANT=gluon")
+
+
+def _host_kernel(e, h, i):
+    """A ``MoEKernel`` with only its host-side config state (no CUDA tensors: the kernels never launch here)."""
+    kern = object.__new__(tm.MoEKernel)
+    kern.e, kern.h, kern.i, kern.configs, kern._fitted = e, h, i, {}, {}
+    kern.cnt = torch.zeros(1, dtype=torch.int32)
+    return kern
+
+
+@pytest.mark.parametrize("name,cap,fused", [("NVIDIA H100 80GB HBM3", (9, 0), True),
+                                            ("NVIDIA H20", (9, 0), True),
+                                            ("NVIDIA A100-SXM4-80GB", (8, 0), False)])
+def test_shared_expert_fusion_and_manifest_record_by_capability(monkeypatch, name, cap, fused):
+    """Shared-expert fusion follows the resolved configs: on every sm_90 GPU the H200's 'split' entries apply and
+    the shared expert is fused; on sm_80 the class default (gluon) runs it dense and the resolution says why.
+    The moe resolution records, per M, the variant and the key that matched."""
+    from bytebound.checkpoint.synthetic import dummy_model
+    from bytebound.config import LingConfig
+    from bytebound.layers.moe import MoE
+    from bytebound.runner.backends import BackendPlan, _bind_shared, _moe_tuning, bind_model
+
+    class HostKernel:
+        """The MoEKernel's config methods at Ling's shape, bound to a nano layer (only the host logic runs)."""
+        def __init__(self):
+            self.kern, self.bound = _host_kernel(*LING[:3]), 0
+
+        def config(self, m, k):
+            return self.kern.config(m, LING[3])
+
+        def config_source(self, m, k):
+            return self.kern.config_source(m, LING[3])
+
+        def bind_shared(self, mlp):
+            self.bound += 1
+
+    model = dummy_model(LingConfig.from_file("models/ling-nano/config.json"), torch.device("cpu"), torch.float32)
+    plan = bind_model(model, BackendPlan.default("cpu"), "cpu")
+    _device(monkeypatch, name, cap)
+    moes = [m for m in model.modules() if isinstance(m, MoE) and m.shared_experts is not None]
+    for m in moes:
+        m.experts.fn = HostKernel()
+    _bind_shared(model, plan, strict=False)
+    assert [m.experts.fn.bound for m in moes] == [int(fused)] * len(moes)
+    tuning = _moe_tuning(model)
+    if fused:
+        assert plan.resolutions["moe"].shared == f"fused into the routed kernels ({len(moes)} layers)"
+        assert tuning["M=1"] == tuning["M=4"] == "split, sm_90 default (tuned on NVIDIA H200)"
+    else:
+        assert plan.resolutions["moe"].shared.startswith("dense; not fused: the triton MoE configs")
+        assert tuning["M=1"].startswith("gluon, untuned class default (no entry for NVIDIA A100-SXM4-80GB or sm_80")
+    assert sorted(tuning) == [f"M={m}" for m in range(1, 5)]
+    assert tuning["M=2"].startswith("gluon, untuned class default")    # the table has no M = 2 entry anywhere

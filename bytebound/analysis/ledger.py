@@ -2,8 +2,8 @@
 
 Every tensor a decode step reads is listed with its shape, storage format and multiplicity, from a
 :class:`~bytebound.config.LingConfig` and a :class:`Recipe` (which group is stored in which format; by default
-it follows the config's ``quantization_config``). Tensor list and formats: ``shared/spec/ling3-reference.md``
-sections 1.4-1.6, 2.1 and 4. This is the seed's section-4 formula with its simplifications removed:
+it follows the config's ``quantization_config``). Tensor list and formats: ``docs/references.md``
+§1.4-1.6, §2.1 and §4. This is the seed's section-4 formula with its simplifications removed:
 
     B_step = sum over tensors t read in the step of  count_t x (payload_t + scale_t)      [bytes]
 

@@ -1,4 +1,4 @@
-"""The tensors a Ling-3.0 checkpoint must hold, derived from its config (``ling3-reference.md`` section 4).
+"""The tensors a Ling-3.0 checkpoint must hold, derived from its config (``docs/references.md`` §4).
 
 Names follow the public ``inclusionAI/Ling-3.0-flash-fp4`` checkpoint: ``model.word_embeddings.weight``,
 ``model.layers.{i}.attention.*`` (KDA: q/k/v/f/g/b/o_proj, q/k/v_conv1d, A_log, dt_bias, o_norm; MLA:

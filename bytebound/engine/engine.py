@@ -48,23 +48,20 @@ class EngineConfig:
     watchdog_window: int = 64         # rolling accept-length watchdog (MTP only): rounds in the window
     watchdog_threshold: float = 1.05  # ... alarm at or below this accept length
     enforce_eager: bool = False       # CUDA: skip graph capture of the decode step (and of the MTP round)
-    # GPU paths (None = on with CUDA, off on CPU). Measured on the H200 (docs/perf/decode-h200.md): the first three
-    # take the full-scale decode step from 12.68 to 7.81 ms at 2K (6.62 ms with today's 'split' MoE kernel table,
-    # run H). They were opt-in while the full-scale spec_vs_plain canary failed with them on; the bisect of
-    # 2026-11-29 showed the same failure with each path alone and with none, traced to a routing near-tie
-    # (docs/perf/gpu-tests-h200.md). The captured round: eager MTP rounds did not finish 50 nano prompts within
-    # 140 s on the H200 (docs/perf/mtp-accept-nano-h200.md), captured rounds take 16-20 s.
+    # GPU paths (None = on with CUDA, off on CPU, where the Triton kernels and graphs do not run). Each is a default
+    # because it made the full-scale decode step faster on the H200 with no canary failing on its account (the
+    # spec_vs_plain failure once blamed on them was a routing near-tie the defaults hit too); the measurements and
+    # their dates are in docs/perf/history.md. The captured round: eager MTP rounds are launch-bound on a GPU.
     fused_router: bool | None = None  # MoE routing (M <= 4) as one Triton kernel (CUDA)
     fused_norm: bool | None = None    # every RMSNorm / gated RMSNorm as one Triton kernel (CUDA)
-    # The shared expert as one more slot of the 'split' MoE kernels (MoEKernel.bind_shared). Measured on the H200
-    # (docs/perf/decode-h200.md, 2026-11-30): full-scale decode 6.73 -> 5.86 ms at 2K, the 4-token verify 13.4 ->
-    # 11.9 ms. None = on with CUDA wherever the MoE backend can run it (the triton 'split' kernels; other layers
-    # keep their dense shared expert, as the manifest says); True = required (BackendError where it cannot).
+    # The shared expert as one more slot of the 'split' MoE kernels (MoEKernel.bind_shared): its bytes stream in
+    # the same launches as the routed experts'. None = on with CUDA wherever the MoE backend can run it (the triton
+    # 'split' kernels; other layers keep their dense shared expert, as the manifest says); True = required
+    # (BackendError where it cannot).
     fused_shared: bool | None = None
     # The router GEMV and the routing (M <= 4) as one Triton kernel (kernels.triton_router.gemv_route): one launch
-    # per MoE layer instead of two, each program loading its whole weight tile at once. Measured on the H200
-    # (docs/perf/moe-kernels-h200.md, 2026-11-30): the MoE layer 36.6 -> 30.8 us at M = 1, 91.0 -> 88.6 us at M = 4;
-    # decode 5.86 -> 5.69 ms at 2K. None = on with CUDA, off on CPU.
+    # per MoE layer instead of two, each program loading its whole weight tile at once. None = on with CUDA, off
+    # on CPU.
     fused_router_gemv: bool | None = None
     kv_buckets: bool | None = None    # attention spans in powers of two from 1024 (one decode graph each) instead
     #                                   of all max_model_len slots every step (CUDA)
@@ -223,6 +220,7 @@ class Engine:
         plan.allow_fallback = cfg.allow_fallback
         self.plan = bind_model(self.model, plan, dev, cfg.lm_head, cfg.fused_router, cfg.fused_norm,
                                cfg.fused_shared, cfg.fused_router_gemv)
+        self.plan.check_speculative(cfg.speculative_steps)     # ConfigError: a verify wider than the fast paths
         self.runner = ModelRunner(self.model, cfg.max_model_len, dev,
                                   pow2_buckets(cfg.max_model_len) if cfg.kv_buckets else None)
         if dev.type == "cuda" and not cfg.enforce_eager:

@@ -1,6 +1,6 @@
 """Pure-torch KDA (Kimi Delta Attention) in recurrent and chunked form: the CPU path and the test reference.
 
-Recurrence per head (Kimi Linear, arXiv 2510.26692, eq. 1; ``ling3-reference.md`` section 1.5), state ``S [K, V]``:
+Recurrence per head (Kimi Linear, arXiv 2510.26692, eq. 1; ``docs/references.md`` §1.5), state ``S [K, V]``:
 
     S_t = (I - b_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + b_t k_t v_t^T ,   o_t = S_t^T (q_t / sqrt(K))
 

@@ -34,6 +34,7 @@ class Resolution:
     prefill: str | None = None      # how M > the decode kernel's limit runs (e.g. "triton (4-token slices)")
     router: str | None = None       # moe only: who computes the group-limited top-k for M <= 4 ("torch" | "triton")
     shared: str | None = None       # moe only: where the shared expert runs ("dense" | "fused into the routed kernels")
+    tuning: dict | None = None      # moe only: per token count "M=<m>" the launch config and which table key matched
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -35,9 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from bytebound.errors import BackendError
+from bytebound.kernels.limits import MAX_VERIFY_M as MAX_M     # the one verify-width limit (kernels/limits.py)
 from bytebound.kernels.registry import cuda_only, optional_triton, register
-
-MAX_M = 4
 
 triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machines without Triton
 
@@ -237,6 +236,7 @@ class TritonLinear:
                 x2 = x2.to(torch.bfloat16)
             y = fp8_block_linear(x2, weight, scale, block)
             return y.to(x.dtype).view(*shape[:-1], y.shape[-1])
+        fn.max_tokens = MAX_M       # the GEMV's width; more tokens dequantise the weight (read by bind_model)
         return fn
 
 
@@ -253,4 +253,6 @@ class TritonLMHead:
                 xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
                 return fp8_head_logits(xb, head.w_fp8, head.w_scale)
             return lm_head_reference(head, x)
+        # the FP8 head GEMV's width (bind_model reads it; the bf16/fp32 paths are cuBLAS at any M)
+        fn.max_tokens = MAX_M if head.mode == "fp8" else None
         return fn

@@ -29,8 +29,7 @@ Config ``"partials": true`` replaces 4-5 by plain stores: each program writes it
 its own slot of a shared scratch ``[I/BI, M*top_k, H, M]`` and a second kernel (``_moe_reduce_partials``) sums
 the slots in a fixed order. Also bit-identical run to run, without the int64 atomics (at M = 4 they cost +72 %
 over float atomics on the H200), at the price of writing and reading the partials (15.7 MB at M = 4 with BI 64,
-1 MB at M = 1) and a second launch. The committed H200 table uses it at M = 4 (103 us vs 160 us per layer for the
-int64 atomics, docs/perf/moe-kernels-h200.md).
+1 MB at M = 1) and a second launch; at M = 4 it beat the int64 atomics on the H200 (docs/perf/history.md).
 
 Two implementations of the same algorithm: ``gluon`` (Triton's explicit-layout dialect: the register layouts are
 chosen so the dequantisation needs no shuffles) and ``tl`` (plain Triton with ``tl.dot_scaled``; the
@@ -38,8 +37,9 @@ compiler's generic MX up-cast, slower, kept as the fallback). A third variant, `
 (``triton_moe_split.py``), is a different algorithm: two kernels (gate/up, then down) whose hundreds of small
 programs issue all their weight bytes up front, against this kernel's latency-bound serial chain. All are specialised per exact shape
 ``(E, H, I, top_k, M)`` as constexprs and cached by Triton's JIT. Launch configs (variant, BI, BK, BH, warps)
-come from ``configs/triton_moe.json`` keyed by GPU name and shape, written by ``scripts/bench_moe.py --tune``;
-unknown shapes use :data:`DEFAULT_CONFIG`.
+come from ``configs/triton_moe.json`` keyed by shape under the exact GPU name, else under the architecture's
+default GPU (every sm_90 part uses the H200's entries), written by ``scripts/bench_moe.py --tune``; anything else
+uses :data:`DEFAULT_CONFIG`. :func:`resolve_config` also says which key matched (the manifest records it).
 
 Constraints: M <= :data:`MAX_M` per launch (more raises :class:`BackendError` unless ``fn.prefill`` is set;
 ``runner.backends.bind_model`` sets it to this kernel over 4-token slices), bf16
@@ -59,9 +59,9 @@ from pathlib import Path
 import torch
 
 from bytebound.errors import BackendError
+from bytebound.kernels.limits import MAX_VERIFY_M as MAX_M     # the one verify-width limit (kernels/limits.py)
 from bytebound.kernels.registry import cuda_only, optional_triton, register
 
-MAX_M = 4
 # Deterministic accumulation: partial sums enter the workspace as int64 fixed point (value * 2^28), and integer
 # addition does not depend on the order the programs arrive in, so the output is bit-identical run to run (float32
 # atomics differ in the last bit: measured 1 of 2560 outputs at M=1, 4 of 10240 at M=4 on the H200). Resolution
@@ -493,7 +493,17 @@ def shape_key(e: int, h: int, i: int, k: int, m: int) -> str:
 
 
 def gpu_name(device=None) -> str:
+    """``torch.cuda.get_device_name(device)``, or ``"cpu"`` without CUDA."""
     return torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cpu"
+
+
+def gpu_arch(device=None) -> str | None:
+    """The CUDA architecture of ``device`` as ``"sm_<major><minor>"`` (``torch.cuda.get_device_capability``;
+    e.g. ``"sm_90"`` for every Hopper part: H100, H200, H800, H20, GH200), or None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
 
 
 def load_configs(path: Path = CONFIG_PATH) -> dict:
@@ -503,14 +513,49 @@ def load_configs(path: Path = CONFIG_PATH) -> dict:
         return {}
 
 
-def lookup_config(e, h, i, k, m, device=None, path: Path | None = None) -> dict:
-    """Tuned config for this GPU and shape (``configs/triton_moe.json``, or the file named by the environment
-    variable ``BYTEBOUND_MOE_CONFIG``, e.g. a fresh ``bench_moe.py --tune`` table), else the default. The
-    environment variable ``BYTEBOUND_MOE_VARIANT`` (gluon|tl) forces the implementation."""
-    path = path or Path(os.environ.get("BYTEBOUND_MOE_CONFIG") or CONFIG_PATH)
+UNTUNED = "untuned class default"
+
+
+def resolve_config(e, h, i, k, m, device=None, path: Path | None = None) -> tuple[dict, str]:
+    """The launch config for this GPU and shape, and which table key supplied it (recorded in the manifest).
+
+    Lookup order, for the shape key ``E{e}_H{h}_I{i}_k{k}_M{m}`` (:func:`shape_key`):
+
+    1. the entry under the exact device name (``torch.cuda.get_device_name()``) -> ``"tuned for <name>"``;
+    2. the architecture default: the table's ``"_arch_defaults"`` maps an architecture (:func:`gpu_arch`, e.g.
+       ``"sm_90"``) to the GPU whose entries every part of that architecture uses (all sm_90 GPUs run the H200's
+       tuned ``split`` kernels, and with them the fused shared expert) -> ``"sm_90 default (tuned on NVIDIA H200)"``;
+       the tuning depends on the memory system and SM count, which differ within an architecture, so a GPU's own
+       tuned entries (``scripts/bench_moe.py --tune``) come first;
+    3. :data:`DEFAULT_CONFIG` -> ``"untuned class default (...)"``.
+
+    The table is ``configs/triton_moe.json``, or the file named by the environment variable
+    ``BYTEBOUND_MOE_CONFIG`` (e.g. a fresh ``bench_moe.py --tune`` table; the source then names the file). The
+    environment variable ``BYTEBOUND_MOE_VARIANT`` (gluon | tl | split) forces the implementation after the lookup:
+    the entry's tiling carries over between the two implementations of the fused algorithm, a ``split`` entry to
+    ``split``; otherwise the forced variant's defaults.
+
+    Returns:
+        ``(config dict, source str)``; the config is not yet fitted to the shape (:func:`fit_config`).
+    """
+    env_path = os.environ.get("BYTEBOUND_MOE_CONFIG")
+    path = Path(path or env_path or CONFIG_PATH)
+    table = load_configs(path)
+    key = shape_key(e, h, i, k, m)
+    name, arch = gpu_name(device), gpu_arch(device)
+    tuned_on = table.get("_arch_defaults", {}).get(arch) if arch else None
     cfg = dict(DEFAULT_CONFIG)
-    table = load_configs(path).get(gpu_name(device), {})
-    cfg.update(table.get(shape_key(e, h, i, k, m), {}))
+    if key in table.get(name, {}):
+        cfg.update(table[name][key])
+        source = f"tuned for {name}"
+    elif tuned_on and key in table.get(tuned_on, {}):
+        cfg.update(table[tuned_on][key])
+        source = f"{arch} default (tuned on {tuned_on})"
+    else:
+        where = name if arch is None else f"{name} or {arch}"
+        source = f"{UNTUNED} (no entry for {where} at {key})"
+    if path != CONFIG_PATH:
+        source += f", table {path}"
     forced = os.environ.get("BYTEBOUND_MOE_VARIANT")
     if forced == "split":
         cfg = dict(_split().SPLIT_DEFAULT, **(cfg if cfg.get("variant") == "split" else {}))
@@ -520,7 +565,14 @@ def lookup_config(e, h, i, k, m, device=None, path: Path | None = None) -> dict:
         cfg = dict(TL_DEFAULT_CONFIG if forced == "tl" else DEFAULT_CONFIG, **{kk: v for kk, v in keep.items()
                                                                            if kk not in ("variant",)})
         cfg["variant"] = forced
-    return cfg
+    if forced:
+        source += f"; variant forced by BYTEBOUND_MOE_VARIANT={forced}"
+    return cfg, source
+
+
+def lookup_config(e, h, i, k, m, device=None, path: Path | None = None) -> dict:
+    """The launch config of :func:`resolve_config` without its source."""
+    return resolve_config(e, h, i, k, m, device, path)[0]
 
 
 def _split():
@@ -589,7 +641,7 @@ class MoEKernel:
         self.sm90 = torch.cuda.get_device_capability(dev)[0] >= 9     # PDL (the 'split' variant's kernel B)
         self.limit = ex.limit
         self.configs = dict(configs or {})
-        self._fitted: dict[int, tuple] = {}  # m -> (the config it was fitted from, fitted to (H, I))
+        self._fitted: dict[int, tuple] = {}  # m -> (the config it was fitted from, fitted to (H, I), its source)
         # Delegate for M > MAX_M (bind_model sets it to this kernel over 4-token slices; humming or torch also
         # fit); None -> BackendError, as the registry contract asks.
         self.prefill = None
@@ -617,13 +669,26 @@ class MoEKernel:
     def config(self, m: int, k: int) -> dict:
         """The launch config for ``m`` tokens: a caller-given one (``configs``) or the table's, fitted to this
         model's shape once."""
+        return self._config(m, k)[1]
+
+    def config_source(self, m: int, k: int) -> str:
+        """Which table key supplied :meth:`config` for ``m`` tokens (:func:`resolve_config`'s source, or
+        ``"given by the caller"``), prefixed with the variant: e.g. ``"split, sm_90 default (tuned on NVIDIA
+        H200)"``."""
+        _, cfg, source = self._config(m, k)
+        return f"{cfg['variant']}, {source}"
+
+    def _config(self, m: int, k: int) -> tuple:
         src = self.configs.get(m)
         done = self._fitted.get(m)
         if done is None or done[0] is not src:       # (the cache holds src, so identity cannot be recycled)
-            cfg = lookup_config(self.e, self.h, self.i, k, m, self.cnt.device) if src is None else src
-            done = (src, fit_config(cfg, self.h, self.i))
+            if src is None:
+                cfg, source = resolve_config(self.e, self.h, self.i, k, m, self.cnt.device)
+            else:
+                cfg, source = src, "given by the caller"
+            done = (src, fit_config(cfg, self.h, self.i), source)
             self._fitted[m] = done
-        return done[1]
+        return done
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, shared: bool = True) -> torch.Tensor:
         """Routed sum ``[M, H]`` bf16, plus the bound shared expert when ``shared`` and :meth:`shared_for` (the

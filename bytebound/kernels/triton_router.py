@@ -20,7 +20,7 @@ a routing near-tie can break the other way.
 
 Constraints: ``E`` a power of two divisible by ``G`` (Ling: 512 experts, 8 groups); float32 logits. Tested against
 ``route`` in the Triton interpreter on CPU and on the H200 (tests/test_triton_router.py, and at Ling's routing in
-tests/gpu). It cut the full-scale MoE block from 4.75 to 3.17 ms per token (docs/perf/decode-h200.md). On with
+tests/gpu). It replaces a dozen launches per MoE layer (its measured effect: docs/perf/history.md). On with
 CUDA by default (``EngineConfig.fused_router`` / ``--no-fused-router``); the full-scale spec_vs_plain failure once
 blamed on the fast paths was a routing near-tie that the committed defaults hit too (docs/perf/gpu-tests-h200.md).
 """
@@ -33,12 +33,12 @@ import os
 import torch
 
 from bytebound.errors import BackendError
+from bytebound.kernels.limits import MAX_VERIFY_M as MAX_M     # the one verify-width limit (kernels/limits.py)
 from bytebound.kernels.registry import optional_triton
 from bytebound.kernels.triton_moe import scratch
 
-MAX_M = 4
-ROUTE_WARPS = 1     # warps per routing program (fused_route): 1 was 0.8-2 us faster than 2 or 4 on the H200
-#                     (docs/perf/moe-kernels-h200.md, seventh session, runs O-Q)
+ROUTE_WARPS = 1     # warps per routing program (fused_route): the fastest of 1, 2 and 4 on the H200 (one row's
+#                     E logits fit one warp's registers; docs/perf/history.md)
 
 triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machines without Triton
 
@@ -119,7 +119,7 @@ if tl is not None:
 
         Each program loads its whole ``[BE, H]`` weight tile at once (``HP`` = H rounded up to a power of two,
         masked): one memory round trip, not one per column chunk, which is what bounds a GEMV this small (the
-        chunked loop measured 10.3 us at M = 1 on the H200 for 5.2 MB). It also lets the next kernel launch at
+        chunked loop's time: docs/perf/history.md). It also lets the next kernel launch at
         once (``griddepcontrol.launch_dependents``, PDL): the MoE kernel A (``pdl_in``) then loads the shared
         expert's weights while this kernel runs."""
         pid = tl.program_id(0)
@@ -191,8 +191,8 @@ def gemv_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     routing in one launch (``_gemv_route_kernel``). The logits and the ticket live in a per-device scratch that
     the last program re-arms, so the call is CUDA-graph safe; calls on one device must not overlap (one stream,
     as the engine runs; the MoE kernels' scratch asks the same). ``be`` experts per program (E/be programs) and
-    ``num_warps`` are tuning knobs (``scripts/bench_moe.py --router``); by default the H200's best of that sweep
-    (2026-11-30): 2 experts and 4 warps at M = 1 (8.4 us), 4 experts and 8 warps at M > 1 (12.8 us at M = 4).
+    ``num_warps`` are tuning knobs (``scripts/bench_moe.py --router``); by default the H200's best of that sweep:
+    2 experts and 4 warps at M = 1, 4 experts and 8 warps at M > 1 (its times: docs/perf/history.md).
     Raises BackendError as :func:`fused_route`."""
     if _TRITON_ERR:
         raise BackendError(f"router[triton]: {_TRITON_ERR}")

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (Ling-3.0 linear-attention layers; ``ling3-reference.md`` section 1.5).
+"""Kimi Delta Attention layer (Ling-3.0 linear-attention layers; ``docs/references.md`` §1.5).
 
     q, k, v = SiLU(causal_conv_k4(q_proj x | k_proj x | v_proj x))     # depthwise, per channel
     g       = lower_bound * sigmoid(exp(A_log) * (f_proj x + dt_bias))  # safe gate, log decay in (lb, 0)

@@ -1,4 +1,4 @@
-"""The untied LM head and its three paths (``ling3-reference.md`` section 3).
+"""The untied LM head and its three paths (``docs/references.md`` §3).
 
 * ``bf16``: the checkpoint's BF16 weight, BF16 product, logits cast to float32 afterwards.
 * ``fp32``: BF16 weight, float32 accumulation and output (SGLang ``--enable-fp32-lm-head``, the seed's baseline).

@@ -1,4 +1,4 @@
-"""Gated MLA (Ling-3.0 full-attention layers; ``ling3-reference.md`` section 1.4, DeepSeek-V2 arXiv 2405.04434).
+"""Gated MLA (Ling-3.0 full-attention layers; ``docs/references.md`` §1.4, DeepSeek-V2 arXiv 2405.04434).
 
     q            = q_proj x -> [H, nope 128 | rope 64]            (no q-LoRA)
     latent|k_pe  = kv_a_proj_with_mqa x -> [512 | 64]; latent = kv_a_layernorm(latent)

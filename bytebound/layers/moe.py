@@ -1,6 +1,6 @@
 """MoE block of Ling-3.0: sigmoid router with expert bias and group-limited top-k, routed + shared experts.
 
-Routing (DeepSeek-V3 ``noaux_tc``; ``ling3-reference.md`` section 1.6, transformers ``DeepseekV3TopkRouter``):
+Routing (DeepSeek-V3 ``noaux_tc``; ``docs/references.md`` §1.6, transformers ``DeepseekV3TopkRouter``):
 
     s     = sigmoid(x W_gate^T)            (float32: router_dtype fp32)
     sb    = s + expert_bias                (the bias only *selects*)
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bytebound.kernels.limits import MAX_VERIFY_M
 from bytebound.layers.linear import QLinear
 
 
@@ -117,8 +118,9 @@ class MoE(nn.Module):
         # stored, so routing decisions are not made on BF16-rounded weights and no per-call up-cast is needed.
         gdt = torch.float32 if str(cfg.router_dtype).lower() in ("fp32", "float32") else dtype
         self.gate.weight = nn.Parameter(torch.empty(cfg.num_experts, h, dtype=gdt, device=device))
-        self.route_fn = None    # a fused routing kernel for M <= 4, set by runner.backends.bind_model
-        self.gemv_route_fn = None   # router GEMV + routing in one kernel for M <= 4 (kernels.triton_router.gemv_route)
+        self.route_fn = None    # a fused routing kernel for M <= MAX_VERIFY_M, set by runner.backends.bind_model
+        # router GEMV + routing in one kernel for M <= MAX_VERIFY_M (kernels.triton_router.gemv_route)
+        self.gemv_route_fn = None
         self.gate.expert_bias = (nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32, device=device))
                                  if cfg.moe_router_enable_expert_bias else None)
         fmt = {"mxfp4": "mxfp4"}.get(cfg.quant.routed_experts, "plain")
@@ -130,13 +132,13 @@ class MoE(nn.Module):
 
     def router(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [M, H]`` -> ``(ids [M, k], weights [M, k])``; logits in float32. ``route_fn`` (bound at load, e.g.
-        ``kernels.triton_router.fused_route``) replaces :func:`route` for up to 4 rows; ``gemv_route_fn``
-        (``kernels.triton_router.gemv_route``) replaces the GEMV and the routing together."""
-        if self.gemv_route_fn is not None and x.shape[0] <= 4:
+        ``kernels.triton_router.fused_route``) replaces :func:`route` for up to ``kernels.limits.MAX_VERIFY_M``
+        rows; ``gemv_route_fn`` (``kernels.triton_router.gemv_route``) replaces the GEMV and the routing together."""
+        if self.gemv_route_fn is not None and x.shape[0] <= MAX_VERIFY_M:
             return self.gemv_route_fn(x, self.gate.weight, self.gate.expert_bias, self.top_k, self.n_group,
                                       self.topk_group, self.norm, self.scale)
         logits = F.linear(x.float(), self.gate.weight.float())      # .float(): no-op for an fp32 router
-        fn = self.route_fn if (self.route_fn is not None and logits.shape[0] <= 4) else route
+        fn = self.route_fn if (self.route_fn is not None and logits.shape[0] <= MAX_VERIFY_M) else route
         return fn(logits, self.gate.expert_bias, self.top_k, self.n_group, self.topk_group, self.norm, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

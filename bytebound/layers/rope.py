@@ -2,7 +2,7 @@
 
 YaRN follows transformers ``_compute_yarn_parameters`` (beta_fast 32, beta_slow 1, truncated correction
 range, ``attention_factor = 0.1 ln(factor) + 1`` on cos/sin unless given; arXiv 2309.00071). Ling's recipe
-sets ``factor 2, original_max_position_embeddings 131072`` (``ling3-reference.md`` section 1.4).
+sets ``factor 2, original_max_position_embeddings 131072`` (``docs/references.md`` §1.4).
 """
 
 from __future__ import annotations

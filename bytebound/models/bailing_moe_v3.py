@@ -1,6 +1,6 @@
 """BailingMoeV3 (Ling-3.0, ``model_type: bailing_hybrid``): KDA/MLA hybrid decoder + MoE + NEXTN layer.
 
-Parameter names equal the checkpoint's tensor names (``ling3-reference.md`` section 4), except the routed
+Parameter names equal the checkpoint's tensor names (``docs/references.md`` §4), except the routed
 experts, which the loader stacks from per-expert tensors into ``mlp.experts.{w13,w13_scale,w2,w2_scale}``.
 
     h = embed(ids);  for each layer: h += Attn(RMSNorm(h)); h += MLP_or_MoE(RMSNorm(h))
@@ -54,7 +54,7 @@ class DecoderLayer(nn.Module):
 
 class NextNLayer(DecoderLayer):
     """The MTP/NEXTN layer ``model.layers.{num_hidden_layers}``: eh_proj over [enorm(e) | hnorm(h)], then an
-    MLA + MoE decoder block, then ``final_layernorm`` (``ling3-reference.md`` section 2.1; order: embedding
+    MLA + MoE decoder block, then ``final_layernorm`` (``docs/references.md`` §2.1; order: embedding
     first, hidden second)."""
 
     def __init__(self, cfg: LingConfig, dtype, device):

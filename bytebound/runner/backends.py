@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bytebound.errors import BackendError, ConfigError
+from bytebound.kernels.limits import MAX_VERIFY_M, verify_width
 from bytebound.kernels.registry import Resolution, resolve
 from bytebound.layers.kda import KimiDeltaAttention
 from bytebound.layers.linear import QLinear, fuse_rows
@@ -22,10 +23,36 @@ DEFAULTS_CUDA = {"moe": "triton", "linear": "triton", "lm_head": "triton", "kda"
 
 @dataclass
 class BackendPlan:
-    """Requested backend per op plus the resolved records (``resolutions``) after :func:`bind_model`."""
+    """Requested backend per op plus the resolved records (``resolutions``) after :func:`bind_model`.
+
+    ``fast_paths``: each bound fast path whose kernels serve a limited number of tokens per call -> that number
+    (e.g. ``{"moe[triton]": 4, "linear[triton]": 4, "router[triton]": 4}``; empty with the torch backends, which
+    serve any M). :attr:`max_verify_m` is their minimum, the widest verify the bound fast paths serve."""
     requested: dict[str, str]
     allow_fallback: bool = False
     resolutions: dict[str, Resolution] = field(default_factory=dict)
+    fast_paths: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def max_verify_m(self) -> int | None:
+        """Tokens per call that every bound fast path serves (None: no bound path has a limit)."""
+        return min(self.fast_paths.values()) if self.fast_paths else None
+
+    def check_speculative(self, steps: int) -> None:
+        """Refuse ``steps`` NEXTN drafts whose verify (``kernels.limits.verify_width``: ``steps + 1`` tokens) is
+        wider than :attr:`max_verify_m`: past it the bound kernels leave their fast paths on every round (the MoE
+        in slices, FP8 projections dequantised per call, torch routing). ``steps`` 0 (no MTP) always passes.
+
+        Raises:
+            ConfigError: the verify width exceeds :attr:`max_verify_m`; the message names the limiting paths."""
+        lim = self.max_verify_m
+        if steps and lim is not None and verify_width(steps) > lim:
+            paths = ", ".join(f"{k} <= {v}" for k, v in sorted(self.fast_paths.items()) if v < verify_width(steps))
+            raise ConfigError(f"--speculative-num-steps {steps}: the verify runs {verify_width(steps)} tokens per "
+                              f"call, but the bound fast paths serve at most {lim} ({paths}); use "
+                              f"--speculative-num-steps <= {lim - 1} on this device, or bind paths without a width "
+                              "limit (slow): --moe-backend torch|humming, --linear-backend torch, --lm-head bf16, "
+                              "--no-fused-router, --no-fused-router-gemv")
 
     @classmethod
     def default(cls, device, **overrides) -> "BackendPlan":
@@ -137,7 +164,50 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
         _bind_shared(model, plan, strict=not plan.allow_fallback)
     model.lm_head.fn = impl["lm_head"].bind(model.lm_head, dtype)
     model.lm_head.backend = plan.resolutions["lm_head"].resolved
+    plan.fast_paths = _fast_paths(model, plan, route_fn is not None or gemv_fn is not None)
+    plan.resolutions["moe"].tuning = _moe_tuning(model)
     return plan
+
+
+def _fast_paths(model, plan: BackendPlan, router: bool) -> dict[str, int]:
+    """The bound fast paths with a token limit per call (``BackendPlan.fast_paths``): a bound callable declares
+    its limit as ``max_tokens`` (``MoEKernel``, the triton FP8 linear and head); the fused router kernels serve
+    ``kernels.limits.MAX_VERIFY_M`` rows."""
+    out: dict[str, int] = {}
+
+    def note(key: str, fn) -> None:
+        n = getattr(fn, "max_tokens", None)
+        if isinstance(n, int) and not isinstance(n, bool):
+            out[key] = min(n, out.get(key, n))
+    for m in model.modules():
+        if isinstance(m, RoutedExperts):
+            note(f"moe[{plan.resolutions['moe'].resolved}]", m.fn)
+        elif isinstance(m, QLinear):
+            note(f"linear[{plan.resolutions['linear'].resolved}]", m.fn)
+        elif isinstance(m, KimiDeltaAttention):
+            note(f"linear[{plan.resolutions['linear'].resolved}]", m.proj_fn)
+    note(f"lm_head[{plan.resolutions['lm_head'].resolved}] ({model.lm_head.mode})", model.lm_head.fn)
+    if router:
+        out["router[triton]"] = MAX_VERIFY_M
+    return out
+
+
+def _moe_tuning(model) -> dict | None:
+    """``{"M=<m>": "<variant>, <source>"}`` for M = 1..MAX_VERIFY_M from the first routed-MoE binding that
+    reports it (``MoEKernel.config_source``: which table key matched), or None (e.g. the torch backend)."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            src = getattr(m.experts.fn, "config_source", None)
+            if src is None:
+                return None
+            out = {}
+            for mm in range(1, MAX_VERIFY_M + 1):
+                try:
+                    out[f"M={mm}"] = src(mm, m.top_k)
+                except BackendError as e:       # no tiling of this shape: the call would raise the same
+                    out[f"M={mm}"] = f"unusable: {e}"
+            return out
+    return None
 
 
 def _bind_shared(model, plan: BackendPlan, strict: bool) -> None:
@@ -153,9 +223,10 @@ def _bind_shared(model, plan: BackendPlan, strict: bool) -> None:
                 if bind is None:
                     raise BackendError(f"moe backend {plan.resolutions['moe'].resolved!r} cannot run the shared "
                                        "expert (the triton backend can)")
-                # only the 'split' variant runs it: without a 'split' config for some M <= 4 (the table has them
-                # for the GPUs it was tuned on) a bound shared expert would never run, and cost a weight copy
-                if not any(fn.config(mm, m.top_k).get("variant") == "split" for mm in range(1, 5)):
+                # only the 'split' variant runs it: without a 'split' config for some M <= MAX_VERIFY_M (the
+                # table has them for the GPUs it was tuned on and their architecture) a bound shared expert would
+                # never run, and cost a weight copy
+                if not any(fn.config(mm, m.top_k).get("variant") == "split" for mm in range(1, MAX_VERIFY_M + 1)):
                     raise BackendError("the triton MoE configs for this GPU and shape have no 'split' variant at "
                                        "M <= 4 (configs/triton_moe.json), and only 'split' runs the shared expert")
                 bind(m.shared_experts)

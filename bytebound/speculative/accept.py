@@ -1,4 +1,4 @@
-"""Acceptance rules for chain drafts (``ling3-reference.md`` section 2.4; Leviathan et al. 2023, arXiv 2211.17192).
+"""Acceptance rules for chain drafts (``docs/references.md`` §2.4; Leviathan et al. 2023, arXiv 2211.17192).
 
 Drafts are the draft model's argmax (top-k 1), i.e. a one-hot proposal q = delta(x). Then:
 * greedy target: accept draft i iff it equals the target argmax at its position; the target argmax at the

@@ -1,4 +1,4 @@
-"""NEXTN chain drafting with one verify forward per round (``ling3-reference.md`` sections 2.1-2.3).
+"""NEXTN chain drafting with one verify forward per round (``docs/references.md`` §2.1-2.3).
 
 Round (steps = 3, 4 verified positions), with ``y`` the last committed, not yet processed token at ``pos``:
   1. draft-extend: NEXTN over the tokens committed last round, each paired with the target hidden state of

@@ -96,7 +96,7 @@ def _moe_lever(engine) -> dict:
               "moe_intermediate": cfg.moe_intermediate_size, "tensors": shapes,
               "call_rows": sorted({1, steps + 1}) if steps else [1], "jit_cache": cache, "jit_info": jit[:4],
               "router": getattr(r, "router", None), "prefill": getattr(r, "prefill", None),
-              "shared_expert": getattr(r, "shared", None)})
+              "shared_expert": getattr(r, "shared", None), "tuning": getattr(r, "tuning", None)})
     return d
 
 
@@ -141,10 +141,13 @@ def _mtp_lever(engine) -> dict:
     dr = engine.drafter
     got = dr.steps if dr is not None else 0
     cfg = engine.model.cfg
+    plan = getattr(engine, "plan", None)
     return {"requested": {"on": steps > 0, "steps": steps}, "resolved": {"on": dr is not None, "steps": got},
             "ok": (steps > 0) == (dr is not None) and got == steps, "algorithm": "NEXTN chain, top-k 1",
             "steps": got, "draft_tokens": got + 1 if got else 0,
-            "nextn_layer": cfg.num_hidden_layers if cfg.num_nextn_predict_layers else None}
+            "nextn_layer": cfg.num_hidden_layers if cfg.num_nextn_predict_layers else None,
+            # the widest verify the bound fast paths serve (None: any) and the paths that set it
+            "max_verify_m": getattr(plan, "max_verify_m", None), "fast_paths": dict(getattr(plan, "fast_paths", {}))}
 
 
 def draft_sharing_facts(engine) -> dict:
@@ -306,6 +309,8 @@ def format_manifest(man: dict) -> str:
         ver = f" [{d['verified']}]" if "verified" in d else ""
         lines.append(f"  {mark} {name:<13} requested={_short(d.get('requested'))} "
                      f"resolved={_short(d.get('resolved'))}{extra}{ver}")
+        if name == "moe" and d.get("tuning"):
+            lines.append("      launch configs: " + "; ".join(f"{k}: {v}" for k, v in d["tuning"].items()))
     if man["canaries"] is not None:
         lines.append(f"  canaries ({man['canary_seconds']:.3f} s):")
         for r in man["canaries"]:
