@@ -31,7 +31,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor fp8gemm)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -216,6 +216,13 @@ section_e2e() {          # the engine's CUDA defaults end to end (after each cha
 section_floor() {        # issue 5: what pure streaming reads reach at the MoE layer's byte counts (one kernel; the three
     #                        phases as three launches), next to the layer's kernels in the same run
     run_step bench_moe python3 scripts/bench_moe.py --out "$OUT" --backends triton --floor --router --layers 4 --reps 20
+}
+
+section_fp8gemm() {      # issue 20: prefill FP8 block GEMMs (Triton FP8 tensor cores, _scaled_mm block-wise) vs float64 at
+    #                        Ling shapes, then dequant+cuBLAS vs FP8 timings (BENCH_FP8_ARGS, e.g. "--sweep --m 2048")
+    run_step pytest python3 -m pytest tests/gpu/test_fp8_gemm_gpu.py tests/test_triton_fp8_gemm.py -q -s \
+        -p no:cacheprovider -rfEs --tb=short $(pytest_timeout) --junitxml="$OUT/fp8gemm_junit.xml"
+    run_step bench python3 scripts/bench_fp8_gemm.py --out "$OUT" ${BENCH_FP8_ARGS:-}
 }
 
 section_env() {          # what the machine has
