@@ -292,16 +292,17 @@ def quantize_fp8_groups(x2: torch.Tensor, group: int = 128, pow2: bool = False) 
     sk = triton.cdiv(k, group)
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x2.device)
     s = torch.empty(sk, m, dtype=torch.float32, device=x2.device)
-    bm = max(1, min(16, 4096 // group))             # a [BM, group] float32 tile of <= 4096 values per program
+    bm = max(1, min(16, 4096 // group))             # a [BM, group] float32 tile of <= 4096 values
     _fp8_quant_groups[(triton.cdiv(m, bm), sk)](x2, q, s, m, k, G=group, BM=bm, POW2=pow2, num_warps=4)
     return q, s.t()
 
 
 def gemm_config(m: int, n: int, k: int, sm_count: int = 132) -> dict:
     """Launch config of :func:`fp8_block_gemm` (fixed per shape: no autotuning at run time, so one compile per
-    shape and nothing to tune under graph capture). 128x128 tiles for prefill; for small M a 64-row tile (the
-    smallest Hopper warpgroup MMA), and 64 columns where 128 would leave SMs idle. ``BK`` is clamped to the scale
-    block by the caller. ``scripts/bench_fp8_gemm.py --sweep`` measures the alternatives."""
+    shape and nothing to tune under graph capture). 128x128 tiles for prefill; for M <= 64 a 64-row tile (one
+    Hopper warpgroup MMA), for M <= 16 a 16-row one; 64 columns where 128 would leave SMs idle. ``BK`` is clamped
+    to the scale block by the caller. Not yet measured: ``scripts/bench_fp8_gemm.py --sweep`` times the
+    alternatives."""
     bm = 16 if m <= 16 else 64 if m <= 64 else 128
     bn = 128
     if triton.cdiv(m, bm) * triton.cdiv(n, bn) < sm_count:
