@@ -218,3 +218,53 @@ def fp8_channel_matmul_ref(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tens
     """
     xq, sx = quantize_fp8_token(x)
     return (xq.float() @ q.float().t()) * sx[:, None] * w_scale[None, :]
+
+
+def round_up_pow2(s: torch.Tensor) -> torch.Tensor:
+    """Positive normal float32 ``s`` rounded up to the next power of two (exact: on the float's bits, no log2).
+
+    Adding ``2**23 - 1`` to the bits carries into the exponent unless the mantissa is zero; masking the mantissa
+    off then leaves ``2**ceil(log2(s))`` (the ``ue8m0`` scale rule of the DeepSeek-V3 recipe)."""
+    bits = s.float().contiguous().view(torch.int32)
+    return ((bits + 0x7FFFFF) & 0x7F800000).view(torch.float32)
+
+
+def quantize_fp8_group(x: torch.Tensor, group: int = 128, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic E4M3 per token and per ``group`` consecutive columns (the 1x128 activation scales of DeepSeek-V3,
+    arXiv 2412.19437 sec. 3.3.2), the torch reference of ``kernels.triton_fp8.quantize_fp8_groups``.
+
+    ``s[m, g] = max(amax(|x[m, g*group:(g+1)*group]|) / 448, 1e-12)`` (rounded up to a power of two when
+    ``pow2``), ``q = e4m3(clamp(x / s, -448, 448))`` rounded to nearest even. The last group may be partial.
+
+    Args:
+        x: ``[M, K]`` any float dtype.
+    Returns:
+        ``(q float8_e4m3fn [M, K], s float32 [M, ceil(K / group)])`` with ``x ~= q * s`` per group.
+    Raises:
+        QuantFormatError: ``x`` not 2-D or ``group`` not positive.
+    """
+    if x.dim() != 2 or group <= 0:
+        raise QuantFormatError(f"per-group FP8 quantisation needs a 2-D input and group > 0, got "
+                               f"{tuple(x.shape)} and group {group}")
+    xf = x.float()
+    m, k = xf.shape
+    kb = math.ceil(k / group)
+    pad = torch.zeros(m, kb * group, dtype=torch.float32, device=x.device)
+    pad[:, :k] = xf
+    s = (pad.view(m, kb, group).abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
+    if pow2:
+        s = round_up_pow2(s)
+    q = (pad.view(m, kb, group) / s[..., None]).clamp(-FP8_MAX, FP8_MAX).view(m, kb * group)[:, :k]
+    return q.to(FP8).contiguous(), s.contiguous()
+
+
+def fp8_block_matmul_ref(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+                         block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """float64 ``(xq * sx) @ (wq * sw).T``: the exact product of per-group quantised activations (``xq`` E4M3
+    ``[M, K]``, ``sx`` float32 ``[M, ceil(K / block[1])]``) and an FP8 block weight (``wq [N, K]``, ``sw``
+    ``[ceil(N / block[0]), ceil(K / block[1])]``). Every input is dequantised exactly, so a kernel computing the
+    same product differs from this only by its accumulation order and output rounding. Returns float64 ``[M, N]``.
+    """
+    bk = block[1]
+    xd = xq.double() * sx.double().repeat_interleave(bk, 1)[:, :xq.shape[1]]
+    return xd @ dequantize_fp8_block(wq, sw, block, torch.float64).t()

@@ -31,7 +31,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -228,6 +228,13 @@ section_prefill() {      # issue 20: the grouped prefill MoE kernel's GPU tests 
         --load-format dummy --device cuda --lm-head fp8 --input-len 2048 --output-len 64 \
         --ttft-lens ${TTFT_LENS:-2048,8192,32768} --profile-prefill 2048 --no-progress --weights-label synthetic \
         --out "$OUT" --name synthetic-prefill
+}
+
+section_fp8gemm() {      # issue 20: prefill FP8 block GEMMs (Triton FP8 tensor cores, _scaled_mm block-wise) vs float64 at
+    #                        Ling shapes, then dequant+cuBLAS vs FP8 timings (BENCH_FP8_ARGS, e.g. "--sweep --m 2048")
+    run_step pytest python3 -m pytest tests/gpu/test_fp8_gemm_gpu.py tests/test_triton_fp8_gemm.py -q -s \
+        -p no:cacheprovider -rfEs --tb=short $(pytest_timeout) --junitxml="$OUT/fp8gemm_junit.xml"
+    run_step bench python3 scripts/bench_fp8_gemm.py --out "$OUT" ${BENCH_FP8_ARGS:-}
 }
 
 section_env() {          # what the machine has

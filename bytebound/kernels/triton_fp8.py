@@ -9,9 +9,19 @@
   activation pre-multiplied by the chunk's block scale (``x * s`` costs BK multiplies per chunk, not one per
   weight). Accumulation is float32, the output BF16 (the activation dtype). The weight is read once for all M
   tokens.
-* **M > 4** (prefill): dequantise the whole weight to BF16 with one Triton kernel into a temporary and call
-  ``F.linear`` (cuBLAS). The temporary is ``2*N*K`` bytes for the duration of the call; nothing is cached, so the
-  resident weight stays FP8. Exactly the torch reference's math (dequantise, BF16 GEMM).
+* **M > 4** (prefill), ``TritonLinear(prefill=...)``:
+
+  - ``"dequant"`` (default): dequantise the whole weight to BF16 with one Triton kernel into a temporary and call
+    ``F.linear`` (cuBLAS). The temporary is ``2*N*K`` bytes for the duration of the call; nothing is cached, so
+    the resident weight stays FP8. Exactly the torch reference's math (dequantise, BF16 GEMM).
+  - ``"fp8"``: the DeepSeek-V3 fine-grained FP8 GEMM (arXiv 2412.19437 sec. 3.3). One kernel quantises the
+    activations to E4M3 per token and 128 columns (``quant.quantize_fp8_group``), a second multiplies them with
+    the E4M3 weight on FP8 tensor cores: per 128-wide K block a fresh ``tl.dot`` (float32 accumulate) scaled by
+    ``sx[m, kb] * scale_inv[n // 128, kb]`` and added in float32. BF16 out, no weight temporary.
+  - ``"scaled_mm"``: the same two operands through cuBLASLt's block scaling (``torch._scaled_mm`` with 1x128 x
+    128x128 scales; sm_90, cuBLAS >= 12.9), used only where the probe ``scaled_mm_available`` passes.
+
+  The FP8 paths round the activations to E4M3 (lossy, like the FP8 head); dequant keeps them in BF16.
 * ``fmt == "plain"``: ``F.linear`` on the stored weight (no kernel of ours).
 
 ``lm_head`` (``LMHead``):
@@ -25,7 +35,7 @@
 * ``bf16``/``fp32`` modes delegate to the torch reference (cuBLAS).
 
 All kernels are shape-specialised through constexprs (N, K, M) and Triton's JIT cache; launch configs are
-chosen by :func:`gemv_config` (no autotuning at run time, so the first call compiles exactly one kernel and
+chosen by :func:`gemv_config` and :func:`gemm_config` (no autotuning at run time, so the first call compiles exactly one kernel and
 graph capture sees no tuning).
 """
 
@@ -151,6 +161,79 @@ if tl is not None:
         out = acc * wsc[:, None] * sx[None, :]
         tl.store(o_ptr + mm[None, :] * N + rows[:, None], out, mask=(mm[None, :] < M) & rmask[:, None])
 
+    @triton.jit
+    def _fp8_quant_groups(x_ptr, q_ptr, s_ptr, M, K, G: tl.constexpr, BM: tl.constexpr, POW2: tl.constexpr):
+        """Per token and G-column group g: s[g, m] = max(amax / 448, 1e-12) (POW2: rounded up to 2^e),
+        q[m, g*G:(g+1)*G] = e4m3(clamp(x / s)) (quant.quantize_fp8_group). ``s`` is stored group-major
+        ([ceil(K/G), M] contiguous): the GEMM reads one K block's scales of BM consecutive tokens, and cuBLAS's
+        1x128 recipe wants this outer-dim-major layout."""
+        pm = tl.program_id(0)
+        g = tl.program_id(1)
+        rows = pm * BM + tl.arange(0, BM)
+        cols = g * G + tl.arange(0, G)
+        rmask = rows < M
+        msk = rmask[:, None] & (cols[None, :] < K)
+        off = rows[:, None].to(tl.int64) * K + cols[None, :]
+        x = tl.load(x_ptr + off, mask=msk, other=0.0).to(tl.float32)
+        # IEEE divisions (div_rn), as torch computes them, so codes and scales match the reference bit for bit
+        sc = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), 448.0), 1e-12)
+        if POW2:     # ceil to a power of two on the bits (quant.round_up_pow2): exact, unlike exp2(ceil(log2))
+            sc = ((sc.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+        q = tl.clamp(tl.div_rn(x, sc[:, None] + tl.zeros([BM, G], tl.float32)), -448.0, 448.0)
+        tl.store(q_ptr + off, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=msk)
+        tl.store(s_ptr + g * M + rows, sc, mask=rmask)
+
+    @triton.jit
+    def _fp8_block_gemm(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K: tl.constexpr, SK, SBN: tl.constexpr,
+                        SBK: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                        EVEN_K: tl.constexpr):
+        """c[m, n] = sum_kb (sum_{k in kb} a[m, k] * b[n, k]) * as[kb, m] * bs[n // SBN, kb] on FP8 tensor cores.
+
+        a E4M3 [M, K] with float32 scales ``as`` [SK, M] (one per token and SBK columns), b E4M3 [N, K] with
+        float32 scales ``bs`` [ceil(N/SBN), SK], c [M, N] in its own dtype (BF16). BK divides SBK, so each
+        K step lies in one scale block."""
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BM)
+        num_n = tl.cdiv(N, BN)
+        # Grouped launch order: GROUP_M row tiles walk the N tiles together, so a weight tile is read from L2
+        # by several programs in a row instead of once per sweep over M.
+        per_group = GROUP_M * num_n
+        first_m = (pid // per_group) * GROUP_M
+        gsize = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % gsize
+        pid_n = (pid % per_group) // gsize
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        # Out-of-range rows/columns load a valid row (mod M / N) instead of a masked one: no masks in the inner
+        # loop except the K tail; the store below drops them.
+        ra = rm % M
+        rb = rn % N
+        a_ptrs = a_ptr + ra[:, None].to(tl.int64) * K + rk[None, :]
+        b_ptrs = b_ptr + rb[None, :].to(tl.int64) * K + rk[:, None]
+        as_ptrs = as_ptr + ra
+        bs_ptrs = bs_ptr + (rb // SBN) * SK
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=rk[None, :] < K - k0, other=0.0)
+                b = tl.load(b_ptrs, mask=rk[:, None] < K - k0, other=0.0)
+            kb = k0 // SBK
+            sa = tl.load(as_ptrs + kb * M)
+            sb = tl.load(bs_ptrs + kb)
+            # A fresh tensor-core product per K block, scaled and added in float32: the block scales differ per
+            # block, and Hopper's FP8 MMA keeps only ~14 bits while accumulating (DeepSeek-V3 report, sec.
+            # 3.3.2: promote to float32 every 128 elements), so BK <= 128 is also the promotion interval.
+            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+            a_ptrs += BK
+            b_ptrs += BK
+        cmask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(c_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=cmask)
+
 
 def gemv_config(n: int, k: int, m: int) -> dict:
     """Launch config of the FP8 GEMVs: rows per program BN (divides 128), K chunk BK, warps, stages.
@@ -163,9 +246,209 @@ def gemv_config(n: int, k: int, m: int) -> dict:
     return {"BN": bn, "BK": 256, "num_warps": 4, "num_stages": 4}
 
 
+# ---- prefill on FP8 tensor cores (DeepSeek-V3 recipe: 1x128 activation scales x 128x128 weight scales) -------
+PREFILL_PATHS = ("dequant", "fp8", "scaled_mm")
+_SM_COUNT: dict = {}
+
+
+def _check_block_gemm(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block) -> None:
+    """Named errors for inputs the block GEMMs cannot take (shapes, dtypes, scale grid, K block size)."""
+    if x2.dim() != 2 or weight.dim() != 2 or x2.shape[1] != weight.shape[1]:
+        raise BackendError(f"linear[triton]: activation {tuple(x2.shape)} and weight {tuple(weight.shape)} do not "
+                           "multiply ([M, K] x [N, K])")
+    if weight.dtype != torch.float8_e4m3fn or scale_inv.dtype != torch.float32:
+        raise BackendError(f"linear[triton]: FP8 GEMM needs an E4M3 weight and float32 scales, got {weight.dtype} "
+                           f"and {scale_inv.dtype}")
+    n, k = weight.shape
+    want = (triton.cdiv(n, block[0]), triton.cdiv(k, block[1]))
+    if tuple(scale_inv.shape) != want or not scale_inv.is_contiguous():
+        raise BackendError(f"linear[triton]: weight_scale_inv {tuple(scale_inv.shape)} is not the contiguous "
+                           f"{want} grid of weight {(n, k)} with block {tuple(block)}")
+    sbk = block[1]
+    if sbk < 32 or sbk & (sbk - 1):
+        raise BackendError(f"linear[triton]: FP8 GEMM needs a power-of-two K scale block >= 32 (one FP8 MMA step), "
+                           f"got block {tuple(block)}")
+
+
+def quantize_fp8_groups(x2: torch.Tensor, group: int = 128, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic E4M3 per token and ``group`` columns in one Triton launch (``quant.quantize_fp8_group``, bit for bit).
+
+    Args:
+        x2: ``[M, K]`` BF16/FP16/float32 activations (made contiguous).
+        group: columns per scale, a power of two (128 for the Ling checkpoint's 128x128 weight blocks).
+        pow2: round each scale up to a power of two (``ue8m0``).
+    Returns:
+        ``q float8_e4m3fn [M, K]`` and ``s float32 [M, ceil(K/group)]`` with strides ``(1, M)`` (group-major
+        storage: what :func:`fp8_block_gemm` reads and cuBLAS's 1x128 recipe requires).
+    Raises:
+        BackendError: ``x2`` not 2-D or ``group`` not a power of two.
+    """
+    if x2.dim() != 2 or group < 1 or group & (group - 1):
+        raise BackendError(f"linear[triton]: per-group FP8 quantisation needs [M, K] and a power-of-two group, got "
+                           f"{tuple(x2.shape)} and {group}")
+    x2 = x2.contiguous()
+    m, k = x2.shape
+    sk = triton.cdiv(k, group)
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x2.device)
+    s = torch.empty(sk, m, dtype=torch.float32, device=x2.device)
+    bm = max(1, min(16, 4096 // group))             # a [BM, group] float32 tile of <= 4096 values
+    _fp8_quant_groups[(triton.cdiv(m, bm), sk)](x2, q, s, m, k, G=group, BM=bm, POW2=pow2, num_warps=4)
+    return q, s.t()
+
+
+def gemm_config(m: int, n: int, k: int, sm_count: int = 132) -> dict:
+    """Launch config of :func:`fp8_block_gemm` (fixed per shape: no autotuning at run time, so one compile per
+    shape and nothing to tune under graph capture). 128x128 tiles for prefill; for M <= 64 a 64-row tile (one
+    Hopper warpgroup MMA), for M <= 16 a 16-row one; 64 columns where 128 would leave SMs idle. ``BK`` is clamped
+    to the scale block by the caller. Not yet measured: ``scripts/bench_fp8_gemm.py --sweep`` times the
+    alternatives."""
+    bm = 16 if m <= 16 else 64 if m <= 64 else 128
+    bn = 128
+    if triton.cdiv(m, bm) * triton.cdiv(n, bn) < sm_count:
+        bn = 64
+    return {"BM": bm, "BN": bn, "BK": 128, "GROUP_M": 8, "num_warps": 8 if bm * bn >= 128 * 128 else 4,
+            "num_stages": 4 if bm * bn >= 128 * 128 else 3}
+
+
+def fp8_block_gemm(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128),
+                   cfg: dict | None = None, pow2: bool = False, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """``y [M, N] = x2 [M, K] @ W.T`` on FP8 tensor cores, W = ``weight * scale_inv`` per ``block``.
+
+    Two launches: :func:`quantize_fp8_groups` (E4M3 per token and ``block[1]`` columns), then
+    ``_fp8_block_gemm``: per K block of ``block[1]`` columns a fresh FP8 x FP8 MMA product (float32 accumulate),
+    scaled by ``sx[m, kb] * scale_inv[n // block[0], kb]`` and added in float32; output ``out_dtype``. The
+    DeepSeek-V3 fine-grained FP8 GEMM (arXiv 2412.19437 sec. 3.3). No ``2*N*K`` temporary: only ``M*K`` bytes of
+    E4M3 activations and ``4*M*ceil(K/128)`` of scales. Tails of M, N and K (e.g. N = 576) are masked.
+
+    Args:
+        x2: activations ``[M, K]`` (any float dtype; quantised on the fly).
+        weight: E4M3 ``[N, K]``; scale_inv: float32 ``[ceil(N/bn), ceil(K/bk)]``, contiguous.
+        cfg: launch config (:func:`gemm_config` by default).
+    Raises:
+        BackendError: mismatched shapes/dtypes, a scale grid that does not fit, or a K block < 32 / not 2^i.
+    """
+    _check_block_gemm(x2, weight, scale_inv, block)
+    m, k = x2.shape
+    n = weight.shape[0]
+    dev = x2.device
+    if cfg is None:
+        if dev.type == "cuda" and dev not in _SM_COUNT:
+            _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+        cfg = gemm_config(m, n, k, _SM_COUNT.get(dev, 132))
+    sbn, sbk = block
+    bk = min(cfg["BK"], sbk)
+    q, sx = quantize_fp8_groups(x2, sbk, pow2)
+    out = torch.empty(m, n, dtype=out_dtype, device=dev)
+    grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
+    _fp8_block_gemm[grid](q, sx, weight, scale_inv, out, m, n, k, scale_inv.shape[1], SBN=sbn, SBK=sbk,
+                          BM=cfg["BM"], BN=cfg["BN"], BK=bk, GROUP_M=cfg["GROUP_M"], EVEN_K=(k % bk == 0),
+                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+_SCALED_MM: dict = {}        # device -> ((api, padded) or None, reason or None)
+
+
+def _cuda_dev(dev) -> torch.device:
+    dev = torch.device(dev)
+    return torch.device("cuda", torch.cuda.current_device()) if dev.index is None else dev
+
+
+def _weight_scale_layout(scale_inv: torch.Tensor, padded: bool) -> torch.Tensor:
+    """The ``[ceil(N/128), ceil(K/128)]`` grid transposed for ``mat2 = W.T``; ``padded``: each column of the
+    transposed grid (a weight block row) padded to a multiple of 4 scales (16 bytes), the layout the explicit
+    recipe API (``F.scaled_mm``) of torch 2.13 checks for; ``torch._scaled_mm`` there wants it unpadded."""
+    if not padded:
+        return scale_inv.t()
+    nb, kb = scale_inv.shape
+    pad = torch.zeros(nb, -(-kb // 4) * 4, dtype=torch.float32, device=scale_inv.device)
+    pad[:, :kb] = scale_inv
+    return pad.t()
+
+
+def scaled_mm_weight_scale(scale_inv: torch.Tensor) -> torch.Tensor:
+    """The weight scales laid out as the block-wise ``_scaled_mm`` variant that :func:`scaled_mm_available`
+    found on the scale's device takes them (computed once at bind time). Raises BackendError where there is none."""
+    why = scaled_mm_available(scale_inv.device)
+    if why:
+        raise BackendError(f"linear[triton]: prefill 'scaled_mm': {why}")
+    return _weight_scale_layout(scale_inv, _SCALED_MM[_cuda_dev(scale_inv.device)][0][1])
+
+
+def _scaled_mm_call(api: str, q, sx, weight, scale_b, out_dtype=torch.bfloat16):
+    if api == "F.scaled_mm":          # explicit recipes (torch >= 2.10)
+        from torch.nn.functional import ScalingType, scaled_mm
+        return scaled_mm(q, weight.t(), sx, ScalingType.BlockWise1x128, scale_b, ScalingType.BlockWise128x128,
+                         output_dtype=out_dtype)
+    return torch._scaled_mm(q, weight.t(), scale_a=sx, scale_b=scale_b, out_dtype=out_dtype)
+
+
+def scaled_mm_available(dev, block=(128, 128)) -> str | None:
+    """None when ``torch._scaled_mm`` runs the DeepSeek-V3 block recipe (activations 1x128, weights 128x128) on
+    ``dev``, else the reason. It is a cuBLASLt feature of sm_90 with cuBLAS >= 12.9, and the scale layouts it
+    checks differ between torch versions and APIs; rather than trust version numbers, the probe multiplies a
+    small problem (N = 320, K = 640: partial edge blocks, 5 K blocks so padding to 4 matters) with each API this
+    torch offers and both weight-scale layouts, and keeps the first that matches the float64 reference to 1e-2
+    (a layout mistake is an O(1) error). Cached per device."""
+    if tuple(block) != (128, 128):
+        return f"cuBLAS block scaling is fixed at 128x128 weight blocks, got {tuple(block)}"
+    why = cuda_only(dev) or _TRITON_ERR
+    if why:
+        return why
+    dev = _cuda_dev(dev)
+    if dev in _SCALED_MM:
+        return _SCALED_MM[dev][1]
+    from bytebound.quant import fp8_block_matmul_ref, quantize_fp8_block
+    g = torch.Generator(device=dev).manual_seed(0)
+    wq, ws = quantize_fp8_block(torch.randn(320, 640, device=dev, generator=g) * 0.05)
+    q, sx = quantize_fp8_groups(torch.randn(48, 640, device=dev, generator=g).to(torch.bfloat16))
+    ref = fp8_block_matmul_ref(q, sx, wq, ws)
+    reasons = []
+    apis = (["F.scaled_mm"] if hasattr(F, "ScalingType") and hasattr(F, "scaled_mm") else []) + ["torch._scaled_mm"]
+    for variant in [(api, padded) for api in apis for padded in (True, False)]:
+        name = f"{variant[0]} ({'padded' if variant[1] else 'unpadded'} weight scales)"
+        try:
+            y = _scaled_mm_call(variant[0], q, sx, wq, _weight_scale_layout(ws, variant[1]))
+            err = float((y.double() - ref).norm() / ref.norm())
+        except Exception as e:          # noqa: BLE001 - any refusal by the op is a reason, recorded
+            reasons.append(f"{name}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
+            continue
+        if err <= 1e-2:
+            _SCALED_MM[dev] = (variant, None)
+            return None
+        reasons.append(f"{name}: rel err {err:.2e} vs the float64 reference")
+    _SCALED_MM[dev] = (None, f"torch {torch.__version__} block-wise _scaled_mm unusable: " + "; ".join(reasons))
+    return _SCALED_MM[dev][1]
+
+
+def scaled_mm_variant(dev) -> str | None:
+    """The API and weight-scale layout the probe chose on ``dev`` (for reports), None where there is none."""
+    if scaled_mm_available(dev):
+        return None
+    api, padded = _SCALED_MM[_cuda_dev(dev)][0]
+    return f"{api} ({'padded' if padded else 'unpadded'} weight scales)"
+
+
+def scaled_mm_block_gemm(x2: torch.Tensor, weight: torch.Tensor, scale_b: torch.Tensor, block=(128, 128),
+                         out_dtype=torch.bfloat16) -> torch.Tensor:
+    """``y [M, N] = x2 @ W.T`` through cuBLASLt's FP8 block scaling (``torch._scaled_mm``, DeepSeek-V3 recipe):
+    :func:`quantize_fp8_groups` (1x128), then one cuBLAS call. ``scale_b``: ``scaled_mm_weight_scale(scale_inv)``.
+
+    Raises:
+        BackendError: the probe :func:`scaled_mm_available` failed on this device (the message says why).
+    """
+    why = scaled_mm_available(x2.device, block)
+    if why:
+        raise BackendError(f"linear[triton]: prefill 'scaled_mm': {why}")
+    q, sx = quantize_fp8_groups(x2, 128)
+    return _scaled_mm_call(_SCALED_MM[_cuda_dev(x2.device)][0][0], q, sx, weight, scale_b, out_dtype)
+
 def fp8_block_linear(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128),
-                     cfg: dict | None = None) -> torch.Tensor:
-    """``x2 [M, K]`` BF16 -> ``[M, N]`` in x's dtype; GEMV for M <= 4, dequantise + cuBLAS otherwise."""
+                     cfg: dict | None = None, prefill: str = "dequant", scale_b=None) -> torch.Tensor:
+    """``x2 [M, K]`` BF16 -> ``[M, N]`` in x's dtype; GEMV for M <= 4, else the ``prefill`` path (one of
+    :data:`PREFILL_PATHS`: ``dequant`` = dequantise + cuBLAS, ``fp8`` = :func:`fp8_block_gemm`, ``scaled_mm`` =
+    :func:`scaled_mm_block_gemm` with ``scale_b`` from :func:`scaled_mm_weight_scale`). ``cfg`` is the GEMV's
+    launch config for M <= 4 and the GEMM's for ``fp8``."""
     m, k = x2.shape
     n = weight.shape[0]
     sbn, sbk = block
@@ -182,6 +465,13 @@ def fp8_block_linear(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Te
                               BK=cfg["BK"], EVEN_N=(n % cfg["BN"] == 0), SBN=sbn, SBK=sbk,
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return out
+    if prefill == "fp8":
+        return fp8_block_gemm(x2, weight, scale_inv, block, cfg)
+    if prefill == "scaled_mm":
+        return scaled_mm_block_gemm(x2, weight, scale_b if scale_b is not None else
+                                    scaled_mm_weight_scale(scale_inv), block)
+    if prefill != "dequant":
+        raise BackendError(f"linear[triton]: prefill path {prefill!r} is not one of {PREFILL_PATHS}")
     return F.linear(x2, dequantize_fp8_block_gpu(weight, scale_inv, block))
 
 
@@ -215,8 +505,23 @@ def fp8_head_logits(x2: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor
 
 @register("linear", "triton", available)
 class TritonLinear:
-    """FP8 block GEMV for M <= 4, dequantise + cuBLAS for prefill; plain weights go to ``F.linear``."""
+    """FP8 block GEMV for M <= 4; for prefill (M > 4) the path ``prefill`` picks; plain weights go to ``F.linear``.
+
+    Args:
+        prefill: ``"dequant"`` (default: dequantise the weight to BF16, cuBLAS; the torch reference's maths),
+            ``"fp8"`` (:func:`fp8_block_gemm`: 1x128 E4M3 activations x 128x128 weights on FP8 tensor cores) or
+            ``"scaled_mm"`` (:func:`scaled_mm_block_gemm`, cuBLASLt block scaling; needs 128x128 blocks and a
+            torch/cuBLAS that passes :func:`scaled_mm_available`). The FP8 paths quantise the activations, so they
+            are lossy like the FP8 head (E4M3 rounding, ~2-3 % relative per element).
+    Raises:
+        BackendError: an unknown ``prefill`` (here), or at bind a path this weight/device cannot take.
+    """
     name = "triton"
+
+    def __init__(self, prefill: str = "dequant"):
+        if prefill not in PREFILL_PATHS:
+            raise BackendError(f"linear[triton]: prefill must be one of {PREFILL_PATHS}, got {prefill!r}")
+        self.prefill = prefill
 
     def bind(self, lin, dtype):
         if lin.fmt == "plain":
@@ -228,13 +533,23 @@ class TritonLinear:
             raise BackendError("linear[triton] needs the weight on a CUDA device")
         weight, scale = lin.weight.detach().contiguous(), lin.weight_scale_inv.detach().float().contiguous()
         block = tuple(lin.block)
+        prefill, scale_b = self.prefill, None
+        if prefill == "fp8":
+            _check_block_gemm(weight[:1], weight, scale, block)
+        elif prefill == "scaled_mm":
+            why = scaled_mm_available(weight.device, block)
+            if why is None and (weight.shape[0] % 16 or weight.shape[1] % 16):
+                why = f"cuBLAS FP8 needs N and K divisible by 16, got weight {tuple(weight.shape)}"
+            if why:
+                raise BackendError(f"linear[triton]: prefill 'scaled_mm' unusable: {why}")
+            scale_b = scaled_mm_weight_scale(scale)
 
         def fn(x):
             shape = x.shape
             x2 = x.reshape(-1, shape[-1])
             if x2.dtype != torch.bfloat16:
                 x2 = x2.to(torch.bfloat16)
-            y = fp8_block_linear(x2, weight, scale, block)
+            y = fp8_block_linear(x2, weight, scale, block, prefill=prefill, scale_b=scale_b)
             return y.to(x.dtype).view(*shape[:-1], y.shape[-1])
         fn.max_tokens = MAX_M       # the GEMV's width; more tokens dequantise the weight (read by bind_model)
         return fn
