@@ -135,8 +135,10 @@ def _dtype(name: str | None, device: str) -> torch.dtype:
 class Engine:
     """Batch-1 generation over a Ling checkpoint (see :class:`EngineConfig`).
 
-    Raises at start-up: ConfigError (bad config or engine settings), CheckpointError (bad checkpoint or tokenizer
-    files), BackendError (CUDA absent, or an unusable backend without ``allow_fallback``).
+    Raises at start-up: ConfigError (bad config or engine settings; MTP requested on a checkpoint without a NEXTN
+    layer), CheckpointError (bad checkpoint or tokenizer files), BackendError (CUDA absent, or an unusable backend
+    without ``allow_fallback``). A checkpoint without ``tokenizer.json`` starts with ``tokenizer = None``: token-id
+    prompts only (a text prompt is a RequestError).
     """
 
     def __init__(self, config: EngineConfig | None = None, **kw):
@@ -178,14 +180,26 @@ class Engine:
         else:
             from bytebound.checkpoint.loader import load_model
             self.model = load_model(cfg.model, dev, dtype)
-            try:
-                self.tokenizer = Tokenizer.from_dir(cfg.model)
-            except Exception as e:         # missing or corrupt tokenizer files: name them
-                raise CheckpointError(f"{cfg.model}: tokenizer files missing or unreadable "
-                                      f"({type(e).__name__}: {e})") from None
+            if not (Path(cfg.model) / "tokenizer.json").is_file():
+                # e.g. transformers' model.save_pretrained alone: token ids in and out (encode_prompt says so)
+                self.tokenizer = None
+            else:
+                try:
+                    self.tokenizer = Tokenizer.from_dir(cfg.model)
+                except Exception as e:     # incomplete or corrupt tokenizer files: name them
+                    raise CheckpointError(f"{cfg.model}: tokenizer files missing or unreadable "
+                                          f"({type(e).__name__}: {e})") from None
         if cfg.max_model_len > self.model.cfg.max_position_embeddings:
             raise ConfigError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings "
                               f"{self.model.cfg.max_position_embeddings}")
+        # before kernels are bound and graphs captured: the draft layer is missing, MTP cannot start
+        if cfg.speculative_steps and self.model.nextn is None:
+            why = ("the config says num_nextn_predict_layers: 1 but the checkpoint holds no model.layers."
+                   f"{self.model.cfg.num_hidden_layers}.* tensors (transformers' save_pretrained drops them)"
+                   if getattr(self.model, "nextn_absent", False) else "num_nextn_predict_layers is 0")
+            raise ConfigError(f"MTP (--speculative-algorithm NEXTN, speculative_steps={cfg.speculative_steps}) "
+                              f"needs the checkpoint's NEXTN layer, and {cfg.model} has none: {why}; "
+                              "run without speculative decoding")
         plan = BackendPlan.default(dev, **cfg.backends)
         plan.allow_fallback = cfg.allow_fallback
         self.plan = bind_model(self.model, plan, dev, cfg.lm_head, cfg.fused_router, cfg.fused_norm,
@@ -214,7 +228,9 @@ class Engine:
         if isinstance(prompt, list):
             return prompt
         if self.tokenizer is None:
-            raise RequestError("this engine has no tokenizer (dummy weights): pass token ids (generate "
+            why = ("dummy weights" if self.config.load_format == "dummy"
+                   else f"no tokenizer.json in {self.config.model}")
+            raise RequestError(f"this engine has no tokenizer ({why}): pass token ids (generate "
                                "--prompt-ids 1,2,3; the server takes a token-id list as the prompt)")
         try:
             if chat:
