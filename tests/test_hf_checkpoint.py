@@ -145,6 +145,17 @@ def test_hf_saved_checkpoint_matches_transformers_logits(hf_ckpt, name):
     assert _rel(got, ref) < TOL
 
 
+@needs_hf
+def test_hf_saved_checkpoint_in_the_byte_ledger(hf_ckpt):
+    """``analyze --checkpoint`` prices the KDA output projection (``attention.dense``) with the projections."""
+    from bytebound.analysis.ledger import ledger_from_specs, specs_from_safetensors
+    _, d = hf_ckpt("periodic")
+    cfg = LingConfig.from_file(d)
+    led = ledger_from_specs(cfg, specs_from_safetensors(d))
+    kda = sum(it.params for it in led.items if it.group == "KDA projections")
+    assert kda == len(cfg.kda_layers) * 6 * cfg.kda_dim * cfg.hidden_size
+
+
 def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     with torch.no_grad():
