@@ -156,6 +156,18 @@ def test_hf_saved_checkpoint_in_the_byte_ledger(hf_ckpt):
     assert kda == len(cfg.kda_layers) * 6 * cfg.kda_dim * cfg.hidden_size
 
 
+@needs_hf
+def test_hf_in_memory_tensor_names_are_a_named_error(tmp_path):
+    """``save_pretrained(save_original_format=False)`` keeps transformers' in-memory names and fused tensors:
+    one named error saying how to save it instead (not a list of a hundred unexpected tensors)."""
+    from bytebound.checkpoint.loader import load_model
+    hf = _hf_random_model(HF_CONFIGS["periodic"], seed=9)
+    hf.save_pretrained(tmp_path, save_original_format=False)
+    assert "model.embed_tokens.weight" in load_file(str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="save_original_format=True"):
+        load_model(tmp_path)
+
+
 def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     with torch.no_grad():

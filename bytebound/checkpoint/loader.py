@@ -107,13 +107,21 @@ def load_model(path, device="cpu", dtype: torch.dtype | None = None) -> BailingM
     Raises:
         ConfigError: bad config. CheckpointError: missing / unexpected / mis-shaped / wrong-dtype / non-finite
             tensors, a tensor under two of its names, bad scale layout, unreadable or truncated shards (one
-            error, all names and files listed).
+            error, all names and files listed); transformers' in-memory tensor names
+            (``save_original_format=False``).
     """
     path = Path(path)
     cfg = LingConfig.from_file(path)
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     wmap = _index(path)
+    if "model.embed_tokens.weight" in wmap or any(".self_attn." in n for n in wmap):
+        # transformers' in-memory names (fused conv1d and experts): what save_pretrained writes only when told
+        # not to convert back to the checkpoint's own layout
+        raise CheckpointError(f"checkpoint {path} uses transformers' in-memory tensor names (model.embed_tokens, "
+                              "self_attn.*, fused experts.gate_up_proj), as save_pretrained(..., "
+                              "save_original_format=False) writes them; save it again with the default "
+                              "save_original_format=True (the Ling checkpoint layout)")
     nextn_prefix = f"model.layers.{cfg.num_hidden_layers}."
     nextn_absent = bool(cfg.num_nextn_predict_layers) and not any(n.startswith(nextn_prefix) for n in wmap)
     if nextn_absent:
