@@ -429,6 +429,17 @@ def test_no_tokenizer_json_means_token_ids_only(tmp_path, own_model):
     assert eng.generate([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids == with_tok.token_ids
     with pytest.raises(RequestError, match="no tokenizer.json"):
         eng.generate("hello")
+    # without a tokenizer the stop ids of generation_config.json still count (transformers' generate uses them)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 9]}))
+    eng = Engine(model=str(d))
+    assert eng.stop_ids(SamplingParams()) == {1, 9} and eng.stop_ids(SamplingParams(ignore_eos=True)) == set()
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": "9"}))
+    with pytest.raises(CheckpointError, match="generation_config.json: eos_token_id"):
+        Engine(model=str(d))
+    (d / "generation_config.json").write_text("{oops")
+    with pytest.raises(CheckpointError, match="generation_config.json: unreadable"):
+        Engine(model=str(d))
+    (d / "generation_config.json").unlink()
     # tokenizer.json present but its config missing: an incomplete tokenizer, still a named error
     shutil.copy(NANO_TOKENIZER / "tokenizer.json", d)
     with pytest.raises(CheckpointError, match="tokenizer_config.json"):

@@ -8,6 +8,7 @@ queues them).
 from __future__ import annotations
 
 import bisect
+import json
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -132,6 +133,25 @@ def _dtype(name: str | None, device: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}[name]
 
 
+def _generation_eos(path: Path) -> tuple[int, ...]:
+    """``eos_token_id`` (an int or a list) of ``path/generation_config.json``, () without the file: the stop ids
+    transformers' ``generate`` uses. (With a tokenizer, :class:`Tokenizer` reads them.)
+
+    Raises:
+        CheckpointError: the file is not JSON, or its ``eos_token_id`` is not an int or a list of ints."""
+    f = path / "generation_config.json"
+    if not f.is_file():
+        return ()
+    try:
+        eos = json.loads(f.read_text(encoding="utf-8")).get("eos_token_id")
+    except (ValueError, AttributeError) as e:       # bad JSON, or JSON that is not an object
+        raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from None
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in eos):
+        raise CheckpointError(f"{f}: eos_token_id={eos!r} must be an int or a list of ints")
+    return tuple(eos)
+
+
 class Engine:
     """Batch-1 generation over a Ling checkpoint (see :class:`EngineConfig`).
 
@@ -143,6 +163,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None, **kw):
         self.config = cfg = config or EngineConfig(**kw)
+        self.generation_eos: tuple[int, ...] = ()     # generation_config.json's, read here only without a tokenizer
         try:
             dev = torch.device(cfg.device)
         except RuntimeError as e:
@@ -183,6 +204,7 @@ class Engine:
             if not (Path(cfg.model) / "tokenizer.json").is_file():
                 # e.g. transformers' model.save_pretrained alone: token ids in and out (encode_prompt says so)
                 self.tokenizer = None
+                self.generation_eos = _generation_eos(Path(cfg.model))
             else:
                 try:
                     self.tokenizer = Tokenizer.from_dir(cfg.model)
@@ -248,6 +270,7 @@ class Engine:
             ids |= set(self.model.cfg.eos_ids)
             if self.tokenizer is not None:
                 ids |= set(self.tokenizer.eos_token_ids)
+            ids |= set(self.generation_eos)
         return ids
 
     def _tokens(self, ids: torch.Tensor, p: SamplingParams, gen, stats: SpecStats | None):
