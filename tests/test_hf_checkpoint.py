@@ -6,7 +6,7 @@ output projection as ``attention.dense``, no NEXTN tensors although the config s
 tokenizer), and check that bytebound loads it and matches transformers' logits (fp32, CPU, 1e-4 relative) and
 greedy tokens; that MTP is refused at start-up with a named error; and that ``--prompt-ids`` works without a
 tokenizer. The unit tests check each config spelling and tensor-name mapping on its own, with values that
-differ from bytebound's defaults (a mapping that were ignored would fail them).
+differ from bytebound's defaults (an ignored mapping would fail them).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from safetensors.torch import load_file, save_file
 from bytebound.config import SPELLINGS, LingConfig, tiny_config
 from bytebound.errors import CheckpointError, ConfigError, RequestError
 from conftest import NANO_TOKENIZER, make_model, quant_tiny
-
 
 
 def _version(v: str) -> tuple[int, ...]:
