@@ -124,6 +124,118 @@ class QuantConfig:
                    routed_experts=routed, routed_group_size=gs)
 
 
+# Pure renames: another spelling of one of our fields -> ours. transformers' ``BailingHybridConfig`` (>= 5.20)
+# reads our names through its ``attribute_map`` but ``save_pretrained`` writes its own (the map's right-hand
+# side), e.g. ``num_experts_per_token``; its in-memory names (``num_local_experts``...) appear in configs
+# written by hand from its docs.
+SPELLINGS = {
+    "num_experts_per_token": "num_experts_per_tok",
+    "num_expert_group": "n_group",
+    "moe_renormalize": "norm_topk_prob",
+    "model_max_length": "max_position_embeddings",
+    "num_local_experts": "num_experts",
+    "n_shared_experts": "num_shared_experts",
+    "num_mtp_layers": "num_nextn_predict_layers",
+    "linear_conv_kernel_dim": "short_conv_kernel_size",
+    "dtype": "torch_dtype",
+}
+# transformers' per-layer kind names (``layer_types`` / ``mlp_layer_types``) -> our layer_group_size entries.
+HF_ATTN_KINDS = {"linear_attention": 1, "full_attention": 0}
+HF_MLP_KINDS = ("dense", "sparse")
+
+
+def _agree(d: dict, ours: str, theirs: str, value) -> None:
+    """Set ``d[ours] = value`` unless ``d`` already gives a different one (ConfigError naming both keys)."""
+    if ours in d and d[ours] is not None and d[ours] != value:
+        raise ConfigError(f"config fields {ours}={d[ours]!r} and {theirs}={value!r} contradict each other "
+                          f"(two spellings of one setting)")
+    d[ours] = value
+
+
+def resolve_spellings(d: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a parsed ``config.json`` with transformers' ``BailingHybridConfig`` spellings turned into ours.
+
+    ``BailingHybridForCausalLM.save_pretrained`` (transformers >= 5.20, ``configuration_bailing_hybrid.py``)
+    writes the :data:`SPELLINGS` on the left and, from its ``__post_init__``:
+
+    * ``linear_head_dim`` (the KDA head width, our ``head_dim``) with ``head_dim`` set to the MLA rope width
+      (``qk_rope_head_dim``); ``linear_num_heads`` (the KDA heads: ours are ``num_attention_heads``);
+    * ``rope_parameters`` (``rope_type``, ``rope_theta`` and the YaRN keys), which its rotary embedding reads
+      instead of the top-level ``rope_theta`` (left at the class default 6e6 in a saved file, so ignored here);
+    * ``layer_types`` (``linear_attention`` = KDA / ``full_attention`` = MLA per layer), which its model reads
+      instead of ``layer_group_size``; ``mlp_layer_types`` (``dense`` / ``sparse``), read instead of
+      ``first_k_dense_replace``;
+    * ``qk_head_dim`` (nope + rope), ``hidden_act`` (``silu``), ``attention_bias`` (false): checked, not stored.
+
+    Their keys are consumed (not kept in ``extra``), so :meth:`LingConfig.to_dict` writes our spelling only.
+
+    Raises:
+        ConfigError: two spellings of one setting disagree, or a transformers setting has no bytebound
+            equivalent (``linear_num_heads`` != ``num_attention_heads``, a dense layer after a sparse one,
+            ``hidden_act`` other than silu, ``attention_bias`` true, an unknown layer kind).
+    """
+    d = dict(d)
+    for theirs, ours in SPELLINGS.items():
+        if theirs in d:
+            _agree(d, ours, theirs, d.pop(theirs))
+    if "linear_head_dim" in d:
+        # transformers' form: head_dim is the rope width, linear_head_dim the KDA head width
+        rope_w, kda_w = d.get("head_dim"), d.pop("linear_head_dim")
+        if rope_w is not None and "qk_rope_head_dim" in d and rope_w != d["qk_rope_head_dim"]:
+            raise ConfigError(f"config field head_dim={rope_w!r} must equal qk_rope_head_dim="
+                              f"{d['qk_rope_head_dim']!r} when linear_head_dim is given (transformers' "
+                              "BailingHybridConfig spelling: head_dim is the MLA rope width)")
+        d["head_dim"] = kda_w
+    if "linear_num_heads" in d:
+        n = d.pop("linear_num_heads")
+        if n != d.get("num_attention_heads"):
+            raise ConfigError(f"config field linear_num_heads={n!r} must equal num_attention_heads="
+                              f"{d.get('num_attention_heads')!r} (KDA and MLA layers share the head count)")
+    rp = d.pop("rope_parameters", None)
+    if rp is not None:
+        if not isinstance(rp, dict):
+            raise ConfigError(f"rope_parameters={rp!r} must be an object (or null)")
+        rp = dict(rp)
+        rt = rp.pop("rope_type", rp.pop("type", "default"))
+        if "rope_theta" in rp:
+            d["rope_theta"] = rp.pop("rope_theta")
+        if rt == "default":
+            if d.get("rope_scaling"):
+                raise ConfigError(f"rope_parameters.rope_type='default' contradicts rope_scaling="
+                                  f"{d['rope_scaling']!r}")
+        else:
+            # rope_scaling's form: rope_type plus the scaling keys (validate checks the type and the keys)
+            d["rope_scaling"] = {"rope_type": rt, **rp}
+    lt = d.pop("layer_types", None)
+    if lt is not None:
+        if not isinstance(lt, list) or any(x not in HF_ATTN_KINDS for x in lt):
+            raise ConfigError(f"layer_types={lt!r} must be a list of {' / '.join(HF_ATTN_KINDS)}")
+        kinds = tuple(HF_ATTN_KINDS[x] for x in lt)
+        g = d.get("layer_group_size")
+        derived = (tuple(int((i + 1) % g != 0) for i in range(len(kinds)))
+                   if _is_int(g) and g >= 1 else None)
+        # keep the int form where it says the same (the usual case); otherwise the per-layer list
+        d["layer_group_size"] = g if derived == kinds else list(kinds)
+    mt = d.pop("mlp_layer_types", None)
+    if mt is not None:
+        if not isinstance(mt, list) or any(x not in HF_MLP_KINDS for x in mt):
+            raise ConfigError(f"mlp_layer_types={mt!r} must be a list of {' / '.join(HF_MLP_KINDS)}")
+        k = mt.count("dense")
+        if mt[:k] != ["dense"] * k:
+            raise ConfigError(f"mlp_layer_types={mt!r}: a dense layer after a sparse one is not supported "
+                              "(dense layers must be the first ones, first_k_dense_replace)")
+        _agree(d, "first_k_dense_replace", "mlp_layer_types", k)
+    qk = d.pop("qk_head_dim", None)
+    if qk is not None and qk != (d.get("qk_nope_head_dim") or 0) + (d.get("qk_rope_head_dim") or 0):
+        raise ConfigError(f"config field qk_head_dim={qk!r} must equal qk_nope_head_dim + qk_rope_head_dim")
+    act = d.pop("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"hidden_act={act!r} is not supported (Ling-3.0 uses silu / SwiGLU)")
+    if d.pop("attention_bias", False):
+        raise ConfigError("attention_bias=true is not supported (Ling-3.0 projections have no bias)")
+    return d
+
+
 @dataclass(frozen=True)
 class LingConfig:
     """Architecture of a BailingMoeV3 model; one field per ``config.json`` key the engine reads.
@@ -253,14 +365,8 @@ class LingConfig:
         mt = d.get("model_type")
         if mt not in MODEL_TYPES:
             raise ConfigError(f"model_type={mt!r} is not supported (expected one of {MODEL_TYPES})")
-        d = dict(d)
-        # Aliases used by other readers of the same model type (resolved before the required-field check).
-        if "num_experts" not in d and "num_local_experts" in d:
-            d["num_experts"] = d["num_local_experts"]
-        if "n_shared_experts" in d and "num_shared_experts" not in d:
-            d["num_shared_experts"] = d["n_shared_experts"]
-        if "num_mtp_layers" in d and "num_nextn_predict_layers" not in d:
-            d["num_nextn_predict_layers"] = d["num_mtp_layers"]
+        # Other readers' spellings of the same model type (resolved before the required-field check).
+        d = resolve_spellings(d)
         missing = [k for k in REQUIRED if k not in d or d[k] is None]
         if missing:
             raise ConfigError(f"config.json is missing required field(s): {', '.join(missing)}")

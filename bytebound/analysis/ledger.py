@@ -324,7 +324,8 @@ def build_ledger(cfg: LingConfig, recipe: Recipe | None = None, head: str = "bf1
 DTYPE_BYTES = {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U8": 1, "I8": 1, "BOOL": 1, "BF16": 2, "F16": 2,
                "I16": 2, "F32": 4, "I32": 4, "F64": 8, "I64": 8}
 _LAYER = re.compile(r"layers\.(\d+)\.")
-_KDA_PROJ = ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj", "o_proj")
+# "dense": the KDA output projection as transformers' save_pretrained names it (checkpoint/layout.py aliases)
+_KDA_PROJ = ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj", "o_proj", "dense")
 
 
 def _classify(cfg: LingConfig, name: str) -> tuple[str, float] | None:

@@ -10,6 +10,11 @@ final_layernorm).
 Storage kinds: ``fp8`` linear = ``weight`` F8_E4M3 ``[N, K]`` + ``weight_scale_inv`` F32 ``[ceil(N/128),
 ceil(K/128)]``; ``mxfp4`` expert = ``weight`` I8/U8 ``[N, K/2]`` + ``weight_scale_inv`` U8 ``[N, K/32]``;
 ``float`` = BF16/F16/F32.
+
+Other spellings (``TensorSpec.aliases``): a checkpoint written by transformers' ``BailingHybridForCausalLM.
+save_pretrained`` (>= 5.20) names the KDA output projection ``attention.dense`` (its conversion mapping renames
+every ``self_attn.o_proj`` back to ``attention.dense`` on save, KDA and MLA alike; the Ling checkpoint calls it
+``dense`` only in MLA layers). It holds no NEXTN tensors (the loader then builds the model without the layer).
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ class TensorSpec:
 
     ``target``: the model parameter it fills; ``expert``/``rows`` say where inside a stacked expert tensor
     (``rows`` = (start, stop) along dim 1 of ``w13``/``w2``...). ``kind``: float | fp8 | fp8_scale | mxfp4 |
-    mxfp4_scale.
+    mxfp4_scale. ``aliases``: other names the same tensor has in checkpoints of other writers (at most one of
+    ``name`` and its aliases may be present).
     """
     name: str
     shape: tuple[int, ...]
@@ -39,16 +45,19 @@ class TensorSpec:
     target: str
     expert: int | None = None
     rows: tuple[int, int] | None = None
+    aliases: tuple[str, ...] = ()
 
 
-def _linear(out: list, name: str, n: int, k: int, fp8: bool, block) -> None:
+def _linear(out: list, name: str, n: int, k: int, fp8: bool, block, alias: str | None = None) -> None:
+    al = (lambda suffix: (f"{alias}.{suffix}",)) if alias else (lambda suffix: ())
     if fp8:
-        out.append(TensorSpec(f"{name}.weight", (n, k), (torch.float8_e4m3fn,), "fp8", f"{name}.weight"))
+        out.append(TensorSpec(f"{name}.weight", (n, k), (torch.float8_e4m3fn,), "fp8", f"{name}.weight",
+                              aliases=al("weight")))
         sh = (math.ceil(n / block[0]), math.ceil(k / block[1]))
         out.append(TensorSpec(f"{name}.weight_scale_inv", sh, (torch.float32,), "fp8_scale",
-                              f"{name}.weight_scale_inv"))
+                              f"{name}.weight_scale_inv", aliases=al("weight_scale_inv")))
     else:
-        out.append(TensorSpec(f"{name}.weight", (n, k), FLOATS, "float", f"{name}.weight"))
+        out.append(TensorSpec(f"{name}.weight", (n, k), FLOATS, "float", f"{name}.weight", aliases=al("weight")))
 
 
 def _float(out: list, name: str, *shape: int) -> None:
@@ -63,7 +72,7 @@ def expected_tensors(cfg: LingConfig) -> list[TensorSpec]:
     n_layers = cfg.num_hidden_layers + (1 if cfg.num_nextn_predict_layers else 0)
     for i in range(n_layers):
         p = f"model.layers.{i}"
-        lin = lambda name, n, k: _linear(out, name, n, k, q.linear_is_fp8(name), blk)  # noqa: E731
+        lin = lambda name, n, k, alias=None: _linear(out, name, n, k, q.linear_is_fp8(name), blk, alias)  # noqa: E731
         _float(out, f"{p}.input_layernorm.weight", h)
         _float(out, f"{p}.post_attention_layernorm.weight", h)
         a = f"{p}.attention"
@@ -79,7 +88,7 @@ def expected_tensors(cfg: LingConfig) -> list[TensorSpec]:
             for n in ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj"):
                 lin(f"{a}.{n}", d, h)
             lin(f"{a}.b_proj", cfg.num_attention_heads, h)
-            lin(f"{a}.o_proj", h, d)
+            lin(f"{a}.o_proj", h, d, alias=f"{a}.dense")       # transformers' save_pretrained spelling
             for n in ("q_conv1d", "k_conv1d", "v_conv1d"):
                 _float(out, f"{a}.{n}.weight", d, 1, cfg.short_conv_kernel_size)
             _float(out, f"{a}.A_log", cfg.num_attention_heads)

@@ -3,10 +3,17 @@
 Every expected tensor (``layout.expected_tensors``) must be present exactly once with the right shape and
 dtype, finite, with scales of the right layout; nothing unexpected may be left over. All problems found
 are gathered and raised as one :class:`~bytebound.errors.CheckpointError` naming the tensors and files.
+
+Checkpoints written by transformers' ``BailingHybridForCausalLM.save_pretrained`` load too: their config
+spellings are resolved by :func:`bytebound.config.resolve_spellings`, their tensor names by the layout's
+``aliases``, and their missing NEXTN layer (the config says ``num_nextn_predict_layers: 1``, the files hold no
+``model.layers.{L}.*``; transformers ignores that layer) gives a model without a draft layer
+(``model.nextn_absent``), for which the engine refuses MTP by name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -65,36 +72,70 @@ def _check(spec: TensorSpec, t: torch.Tensor, scale_pow2: bool) -> str | None:
     return None
 
 
+def _resolve(specs: list[TensorSpec], wmap: dict[str, str], source: str
+             ) -> tuple[list[TensorSpec], set[str], list[str]]:
+    """Match each spec to the one name (its own or an alias) the checkpoint uses.
+
+    Returns ``(specs found, renamed to the name in the files; every name accounted for; problems)``: a spec
+    with no name in ``wmap`` is missing, one with two of its names present is ambiguous."""
+    found, names, problems = [], set(), []
+    for s in specs:
+        present = [n for n in (s.name, *s.aliases) if n in wmap]
+        names.update(present)
+        if len(present) == 1:
+            found.append(s if present[0] == s.name else dataclasses.replace(s, name=present[0]))
+        elif present:
+            problems.append(f"tensor {s.name} is present under two names ({' and '.join(present)} in {source}): "
+                            "one of them must go")
+        else:
+            alt = f" or {' / '.join(s.aliases)}" if s.aliases else ""
+            problems.append(f"missing tensor {s.name}{alt} (not in {source})")
+    return found, names, problems
+
+
 def load_model(path, device="cpu", dtype: torch.dtype | None = None) -> BailingMoeV3ForCausalLM:
     """Build the model of ``path/config.json`` and fill it from the checkpoint, strictly.
+
+    A config with one NEXTN layer whose checkpoint holds none of that layer's tensors (``model.layers.{L}.*``,
+    as transformers' ``save_pretrained`` writes it) loads without the layer: the model's config then says
+    ``num_nextn_predict_layers = 0`` and ``model.nextn_absent`` is True. A NEXTN layer present in part is
+    still an error (its missing tensors are listed).
 
     Args:
         path: checkpoint directory. device: where the weights end up. dtype: compute dtype of plain tensors
             (default float32 on CPU, bfloat16 on CUDA).
     Raises:
         ConfigError: bad config. CheckpointError: missing / unexpected / mis-shaped / wrong-dtype / non-finite
-            tensors, bad scale layout, unreadable or truncated shards (one error, all names and files listed).
+            tensors, a tensor under two of its names, bad scale layout, unreadable or truncated shards (one
+            error, all names and files listed); transformers' in-memory tensor names
+            (``save_original_format=False``).
     """
     path = Path(path)
     cfg = LingConfig.from_file(path)
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    wmap = _index(path)
+    if "model.embed_tokens.weight" in wmap or any(".self_attn." in n for n in wmap):
+        # transformers' in-memory names (fused conv1d and experts): what save_pretrained writes only when told
+        # not to convert back to the checkpoint's own layout
+        raise CheckpointError(f"checkpoint {path} uses transformers' in-memory tensor names (model.embed_tokens, "
+                              "self_attn.*, fused experts.gate_up_proj), as save_pretrained(..., "
+                              "save_original_format=False) writes them; save it again with the default "
+                              "save_original_format=True (the Ling checkpoint layout)")
+    nextn_prefix = f"model.layers.{cfg.num_hidden_layers}."
+    nextn_absent = bool(cfg.num_nextn_predict_layers) and not any(n.startswith(nextn_prefix) for n in wmap)
+    if nextn_absent:
+        cfg = cfg.replace(num_nextn_predict_layers=0)
     with torch.device("meta"):
         model = BailingMoeV3ForCausalLM(cfg, dtype)
     model = model.to_empty(device=device)
     params = dict(model.named_parameters())
-    wmap = _index(path)
-    specs = expected_tensors(cfg)
     by_file: dict[str, list[TensorSpec]] = defaultdict(list)
-    problems: list[str] = []
     source = ("model.safetensors.index.json" if (path / "model.safetensors.index.json").exists()
               else "model.safetensors")
+    specs, expected, problems = _resolve(expected_tensors(cfg), wmap, source)
     for s in specs:
-        if s.name in wmap:
-            by_file[wmap[s.name]].append(s)
-        else:
-            problems.append(f"missing tensor {s.name} (not in {source})")
-    expected = {s.name for s in specs}
+        by_file[wmap[s.name]].append(s)
     unexpected = sorted(set(wmap) - expected)
     problems += [f"unexpected tensor {n} (in {wmap[n]})" for n in unexpected]
     filled: set[str] = set()
@@ -137,4 +178,5 @@ def load_model(path, device="cpu", dtype: torch.dtype | None = None) -> BailingM
     model.finish_load()
     model.loaded_tensors = len(filled)
     model.loaded_names = filled
+    model.nextn_absent = nextn_absent
     return model

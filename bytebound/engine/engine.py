@@ -8,6 +8,7 @@ queues them).
 from __future__ import annotations
 
 import bisect
+import json
 import os
 import sys
 import time
@@ -160,15 +161,37 @@ class _StartupClock:
         self.t = now
 
 
+def _generation_eos(path: Path) -> tuple[int, ...]:
+    """``eos_token_id`` (an int or a list) of ``path/generation_config.json``, () without the file: the stop ids
+    transformers' ``generate`` uses. (With a tokenizer, :class:`Tokenizer` reads them.)
+
+    Raises:
+        CheckpointError: the file is not JSON, or its ``eos_token_id`` is not an int or a list of ints."""
+    f = path / "generation_config.json"
+    if not f.is_file():
+        return ()
+    try:
+        eos = json.loads(f.read_text(encoding="utf-8")).get("eos_token_id")
+    except (ValueError, AttributeError) as e:       # bad JSON, or JSON that is not an object
+        raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from None
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in eos):
+        raise CheckpointError(f"{f}: eos_token_id={eos!r} must be an int or a list of ints")
+    return tuple(eos)
+
+
 class Engine:
     """Batch-1 generation over a Ling checkpoint (see :class:`EngineConfig`).
 
-    Raises at start-up: ConfigError (bad config or engine settings), CheckpointError (bad checkpoint or tokenizer
-    files), BackendError (CUDA absent, or an unusable backend without ``allow_fallback``).
+    Raises at start-up: ConfigError (bad config or engine settings; MTP requested on a checkpoint without a NEXTN
+    layer), CheckpointError (bad checkpoint or tokenizer files), BackendError (CUDA absent, or an unusable backend
+    without ``allow_fallback``). A checkpoint without ``tokenizer.json`` starts with ``tokenizer = None``: token-id
+    prompts only (a text prompt is a RequestError).
     """
 
     def __init__(self, config: EngineConfig | None = None, **kw):
         self.config = cfg = config or EngineConfig(**kw)
+        self.generation_eos: tuple[int, ...] = ()     # generation_config.json's, read here only without a tokenizer
         try:
             dev = torch.device(cfg.device)
         except RuntimeError as e:
@@ -207,14 +230,27 @@ class Engine:
         else:
             from bytebound.checkpoint.loader import load_model
             self.model = load_model(cfg.model, dev, dtype)
-            try:
-                self.tokenizer = Tokenizer.from_dir(cfg.model)
-            except Exception as e:         # missing or corrupt tokenizer files: name them
-                raise CheckpointError(f"{cfg.model}: tokenizer files missing or unreadable "
-                                      f"({type(e).__name__}: {e})") from None
+            if not (Path(cfg.model) / "tokenizer.json").is_file():
+                # e.g. transformers' model.save_pretrained alone: token ids in and out (encode_prompt says so)
+                self.tokenizer = None
+                self.generation_eos = _generation_eos(Path(cfg.model))
+            else:
+                try:
+                    self.tokenizer = Tokenizer.from_dir(cfg.model)
+                except Exception as e:     # incomplete or corrupt tokenizer files: name them
+                    raise CheckpointError(f"{cfg.model}: tokenizer files missing or unreadable "
+                                          f"({type(e).__name__}: {e})") from None
         if cfg.max_model_len > self.model.cfg.max_position_embeddings:
             raise ConfigError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings "
                               f"{self.model.cfg.max_position_embeddings}")
+        # before kernels are bound and graphs captured: the draft layer is missing, MTP cannot start
+        if cfg.speculative_steps and self.model.nextn is None:
+            why = ("the config says num_nextn_predict_layers: 1 but the checkpoint holds no model.layers."
+                   f"{self.model.cfg.num_hidden_layers}.* tensors (transformers' save_pretrained drops them)"
+                   if getattr(self.model, "nextn_absent", False) else "num_nextn_predict_layers is 0")
+            raise ConfigError(f"MTP (--speculative-algorithm NEXTN, speculative_steps={cfg.speculative_steps}) "
+                              f"needs the checkpoint's NEXTN layer, and {cfg.model} has none: {why}; "
+                              "run without speculative decoding")
         clock.lap("load_s", dev)
         plan = BackendPlan.default(dev, **cfg.backends)
         plan.allow_fallback = cfg.allow_fallback
@@ -250,7 +286,9 @@ class Engine:
         if isinstance(prompt, list):
             return prompt
         if self.tokenizer is None:
-            raise RequestError("this engine has no tokenizer (dummy weights): pass token ids (generate "
+            why = ("dummy weights" if self.config.load_format == "dummy"
+                   else f"no tokenizer.json in {self.config.model}")
+            raise RequestError(f"this engine has no tokenizer ({why}): pass token ids (generate "
                                "--prompt-ids 1,2,3; the server takes a token-id list as the prompt)")
         try:
             if chat:
@@ -268,6 +306,7 @@ class Engine:
             ids |= set(self.model.cfg.eos_ids)
             if self.tokenizer is not None:
                 ids |= set(self.tokenizer.eos_token_ids)
+            ids |= set(self.generation_eos)
         return ids
 
     def _tokens(self, ids: torch.Tensor, p: SamplingParams, gen, stats: SpecStats | None):
