@@ -28,14 +28,24 @@ from bytebound.kernels.registry import cuda_only, pinned_package, register
 FLA_VERSION = "0.6.0"
 
 
+CONFIGS: str | None = None     # what kernels.fla_configs.apply did (recorded in the manifest)
+
+
 def available(dev) -> str | None:
+    global CONFIGS
     why = cuda_only(dev) or pinned_package("fla-core", FLA_VERSION)
     if why:
         return why
+    if CONFIGS is None:             # before fla-core's first import, which reads the variables apply sets
+        from bytebound.kernels import fla_configs
+        CONFIGS = fla_configs.apply(dev)
     try:
         from fla.ops.kda import chunk_kda, fused_recurrent_kda  # noqa: F401
     except Exception as exc:
         return f"fla.ops.kda is not importable: {exc}"
+    if CONFIGS.startswith("shipped") and "plain" not in CONFIGS:
+        from bytebound.kernels import fla_configs
+        CONFIGS += f"; {fla_configs.restrict_plain_autotuners()} plain Triton autotuners held to the shipped config"
     return None
 
 

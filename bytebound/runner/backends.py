@@ -166,6 +166,9 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
     model.lm_head.backend = plan.resolutions["lm_head"].resolved
     plan.fast_paths = _fast_paths(model, plan, route_fn is not None or gemv_fn is not None)
     plan.resolutions["moe"].tuning = _moe_tuning(model)
+    if plan.resolutions["kda"].resolved == "fla":
+        from bytebound.kernels import fla_kda
+        plan.resolutions["kda"].tuning = {"fla_autotune": fla_kda.CONFIGS}
     return plan
 
 
