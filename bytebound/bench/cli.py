@@ -118,7 +118,20 @@ def _start(cfg):
 
 
 def _synthetic_len(a, steps: int) -> int:
-    return a.input_len + a.output_len + steps + 1
+    """Cache slots a synthetic request needs; raises ConfigError naming --input-len/--output-len when the model's
+    ``max_position_embeddings`` is smaller (the engine's own check would name --max-model-len, which the bench
+    raised by itself)."""
+    need = a.input_len + a.output_len + steps + 1
+    from bytebound.config import LingConfig
+    from bytebound.errors import ConfigError
+    limit = LingConfig.from_file(a.model).max_position_embeddings
+    if need > limit:
+        from bytebound.config import LING3_FLASH_CONFIG
+        raise ConfigError(f"--input-len {a.input_len} + --output-len {a.output_len} (+ {steps + 1} slots for the "
+                          f"last decode/verify step) need {need} positions, but {a.model} has "
+                          f"max_position_embeddings {limit}: pass shorter lengths, or run the full-scale model "
+                          f"with synthetic weights (--model {LING3_FLASH_CONFIG} --load-format dummy --device cuda)")
+    return need
 
 
 def _print(paths: dict) -> None:
@@ -291,8 +304,14 @@ def cmd_ablation(a) -> int:
 def ablation_markdown(res: dict, meta: dict, workload: dict) -> list[str]:
     md = ["# Ablation ladder: one lever at a time", "", f"Workload: `{workload}`. Each step is a fresh engine that "
           "changes one lever of the previous step and checks that the lever is active before it is timed.", ""]
+    skipped = [s["step"] for s in res["steps"] if s.get("skipped")]
     if res["stop"]:
         md += [f"**Stopped at step `{res['stop']['step']}`: {res['stop']['message']}**", ""]
+    elif res.get("tpot_rule", "enforced") != "enforced":
+        md += ["**CPU run: complete as far as a CPU can show.** " + (f"Skipped: {', '.join(skipped)} (see the "
+               "check column). " if skipped else "") + "Each lever that ran was checked active; TPOT changes are "
+               "recorded, not enforced: the levers cut bytes per token, and a CPU decode of a small model is bound "
+               "by per-op overhead, not memory bandwidth. The speed ladder is a CUDA measurement.", ""]
     else:
         md += ["**Complete: every lever active, no step made TPOT worse.**", ""]
     md += ["| step | lever | active | check | mean TPOT [ms] | vs previous | vs baseline | decode tok/s | "
@@ -300,7 +319,8 @@ def ablation_markdown(res: dict, meta: dict, workload: dict) -> list[str]:
     for s in res["steps"]:
         sm = s.get("summary", {})
         acc = sm.get("accept_length", {}).get("aggregate")
-        md.append(f"| {s['step']} | {s['lever']} | {'yes' if s['active'] else 'NO'} | {s['check']} | "
+        active = "skipped" if s.get("skipped") else ("yes" if s["active"] else "NO")
+        md.append(f"| {s['step']} | {s['lever']} | {active} | {s['check']} | "
                   f"{rp.fmt(s.get('tpot_ms'), 3)} | "
                   + (f"{s['change_pct']:+.2f}% ({s['change_ms']:+.3f} ms)" if "change_pct" in s else "-") + " | "
                   + (f"{s['change_vs_baseline_pct']:+.2f}%" if "change_vs_baseline_pct" in s else "-") + " | "

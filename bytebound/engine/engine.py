@@ -183,6 +183,10 @@ class Engine:
             except Exception as e:         # missing or corrupt tokenizer files: name them
                 raise CheckpointError(f"{cfg.model}: tokenizer files missing or unreadable "
                                       f"({type(e).__name__}: {e})") from None
+        if cfg.speculative_steps and self.model.nextn is None:    # before binding/capture: fail fast, named
+            raise ConfigError(f"{cfg.model}: MTP (--speculative-algorithm NEXTN) needs a NEXTN layer, and this "
+                              f"checkpoint has none (num_nextn_predict_layers = 0); run without speculative "
+                              f"decoding")
         if cfg.max_model_len > self.model.cfg.max_position_embeddings:
             raise ConfigError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings "
                               f"{self.model.cfg.max_position_embeddings}")
@@ -211,7 +215,20 @@ class Engine:
 
     # -------------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        """Token ids of ``prompt``: a string is tokenized (with the chat template if ``chat``); a list of ids is
+        checked against the vocabulary and returned as is.
+
+        Raises:
+            RequestError: ids that are not integers in ``[0, vocab_size)`` (the embedding would index out of
+                range), a string without a tokenizer (dummy weights), or text the tokenizer cannot take.
+        """
         if isinstance(prompt, list):
+            vocab = self.model.cfg.vocab_size
+            bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"prompt token ids must be integers in [0, {vocab}) (the model's vocab_size), "
+                                   f"got {bad[0]!r}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else ""),
+                                   param="prompt")
             return prompt
         if self.tokenizer is None:
             raise RequestError("this engine has no tokenizer (dummy weights): pass token ids (generate "
