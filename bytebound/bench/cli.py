@@ -96,13 +96,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 # ---- helpers ----------------------------------------------------------------------------------------------
-def _config(a, min_len: int = 0):
+def _config(a, synthetic: bool = False):
+    """EngineConfig of the command line; ``synthetic``: with ``max_model_len`` raised to what the fixed-length
+    requests need (flag errors first, then the length check of :func:`_synthetic_len`)."""
     from bytebound.cli import engine_config
     cfg = engine_config(a)
     if hasattr(a, "no_canaries"):      # synthetic / gsm8k: start-up canaries, strict unless --no-strict
         from bytebound.verify.cli import apply_verify_args
         cfg = apply_verify_args(cfg, a)
-    return replace(cfg, max_model_len=max(cfg.max_model_len, min_len)) if min_len else cfg
+    if not synthetic:
+        return cfg
+    return replace(cfg, max_model_len=max(cfg.max_model_len, _synthetic_len(a, a.speculative_num_steps)))
 
 
 def _start(cfg):
@@ -181,7 +185,7 @@ def _guard(fn):
 @_guard
 def cmd_synthetic(a) -> int:
     from bytebound.bench.synthetic import byte_floor, draw_token_times, floor_ratio, measure_bandwidth, run_synthetic
-    eng = _start(_config(a, _synthetic_len(a, a.speculative_num_steps)))
+    eng = _start(_config(a, synthetic=True))
     meta = rp.run_meta(eng, weights=a.weights_label, note=a.note)
     res = run_synthetic(eng, a.input_len, a.output_len, a.num_requests, a.warmup, a.seed, not a.no_progress)
     s = rp.summarize(res["outputs"])
@@ -269,7 +273,7 @@ def cmd_ablation(a) -> int:
     progress = not a.no_progress
     if a.workload == "synthetic":
         from bytebound.bench.synthetic import run_synthetic
-        base = _config(a, _synthetic_len(a, a.speculative_num_steps))
+        base = _config(a, synthetic=True)
         workload_desc = {"workload": "synthetic", "input_len": a.input_len, "output_len": a.output_len,
                          "num_requests": a.num_requests, "sampling": "greedy, ignore_eos"}
 
