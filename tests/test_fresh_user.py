@@ -172,7 +172,8 @@ def test_weight_only_refusal_message_matches_the_head(ckpt):
         msgs[head] = r.message
     assert "(FP8 bytes read without their scales)" in msgs["fp8"]
     assert "FP8 bytes read without their scales)" not in msgs["bf16"]
-    assert "reads the same bf16 weights now" in msgs["bf16"] and "with the FP8 head it would" in msgs["bf16"]
+    assert "with this 'bf16' head it reads the same BF16 weight" in msgs["bf16"]
+    assert "with the FP8 head it would" in msgs["bf16"]
 
 
 def test_verify_strict_readme_counts_what_cpu_runs(tmp_path, capsys):

@@ -10,9 +10,10 @@ Usage::
         [--baseline-moe torch] [--kernel-moe triton] [--tpot-tolerance 0.01] [--allow-fallback] [--out DIR]
 
 Engine flags are the shared ones (``--model``, ``--device``, ``--load-format dummy``, ``--lm-head``, backends,
-``--speculative-algorithm NEXTN``...). The synthetic defaults (32768 in / 2048 out) need the full-scale config
-(``--model bytebound/assets/configs/ling-3.0-flash.json --load-format dummy --device cuda``); the bundled
-ling-nano has 4096 positions, so give it shorter ``--input-len``/``--output-len``. The ablation sets the MoE backend, LM head and MTP itself, step by step.
+``--speculative-algorithm NEXTN``...). The ablation sets the MoE backend, LM head and MTP itself, step by step.
+The synthetic defaults (32768 in / 2048 out) need the full-scale config (``--model
+bytebound/assets/configs/ling-3.0-flash.json --load-format dummy --device cuda``); the bundled ling-nano has
+4096 positions, so give it shorter ``--input-len``/``--output-len``.
 Files: ``DIR/NAME.json``, ``DIR/NAME.md``, ``DIR/NAME_*.png`` (NAME defaults to the benchmark's name).
 Exit codes: 0 done; 2 the engine could not start or a bad argument; 3 the ablation stopped early.
 """
