@@ -212,12 +212,19 @@ def test_rollback_matches_sequential_decode(bound_model, j, kind):
     assert ta == tb
 
 
+ROW_WISE_TOL = 1e-6          # relative to the state's largest entry: a few float32 ulps
+
+
 @pytest.mark.parametrize("j", range(STEPS + 1))
 def test_rollback_exact_with_row_wise_linear(bound_model, monkeypatch, j):
     """With every linear computed one row at a time (so verify and decode do identical float arithmetic in the
     projections), the first KDA layer's conv + recurrent state and the first MLA layer's cache after
-    verify + commit are bit-identical to j+1 decode steps: the verify/rollback mechanism itself is exact; the
-    remaining ~1e-6 differences further down come from shape-dependent GEMM/einsum rounding only."""
+    verify + commit(j+1) equal those of j+1 decode steps to float32 rounding, and every other committed length
+    (-1..3 steps, the off-by-one rollbacks included) is at least 1e3 times further away - checked here, so a
+    rollback to the wrong boundary cannot pass. Not bit-equality: the elementwise kernels (sigmoid, exp)
+    vectorise a 4-token verify differently from a 1-token decode on some CPUs (AVX2: the 1-token tensors fall
+    in the scalar tail), about 1 ulp; bit-exactness of the mechanism itself, where shapes match, is
+    test_rollback_independent_of_rejected_tokens."""
     lin = torch.nn.functional.linear
 
     def row_wise(x, w, b=None):
@@ -228,11 +235,20 @@ def test_rollback_exact_with_row_wise_linear(bound_model, monkeypatch, j):
     g = torch.Generator().manual_seed(200 + j)
     prompt = torch.randint(4, 128, (63 - j,), generator=g)
     toks = torch.randint(4, 128, (STEPS + 1,), generator=g)
-    a, b = verify_commit(bound_model, prompt, toks, j), sequential(bound_model, prompt, toks, j)
-    sa, sb = states(a), states(b)
+    a = verify_commit(bound_model, prompt, toks, j)
+    seq = {k: states(sequential(bound_model, prompt, toks, k)) for k in range(-1, STEPS + 1)}  # k+1 steps
+
+    def rel(x, y):
+        return ((x - y).abs().max() / y.abs().max()).item()
+    sa = states(a)
+    assert a.pos == len(prompt) + j + 1
     assert [n for n, _ in sa[:3]] == ["conv", "rec", "kv"]           # layer 0 KDA, layer 1 MLA
-    for (name, x), (_, y) in zip(sa[:3], sb[:3]):
-        assert torch.equal(x, y), name
+    for (name, x), (_, y) in zip(sa[:3], seq[j][:3]):
+        assert x.shape == y.shape
+        assert rel(x, y) <= ROW_WISE_TOL, name
+    for k, other in seq.items():                                     # the wrong boundaries are far away
+        if k != j:
+            assert max(rel(x, y) for (_, x), (_, y) in zip(sa[:2], other[:2])) > 1e3 * ROW_WISE_TOL, k
 
 
 def test_runner_refuses_overflow(bound_model):

@@ -8,7 +8,9 @@ Usage::
         [--json out.json] [--plots DIR]
 
 Defaults are the seed's inputs, so a bare run reproduces the seed's numbers (seed column) and prices the same
-operating points with the exact ledger (exact column). Without ``--config`` only the seed column is shown.
+operating points with the exact ledger (exact column). Without ``--config`` the exact column uses the bundled
+Ling-3.0-flash config, or with ``--checkpoint DIR`` that checkpoint's own ``config.json``; ``--config none``
+shows the seed column only.
 Contexts: ``32K`` = 32,000 tokens (the seed's convention), ``32Ki`` = 32,768.
 """
 
@@ -50,9 +52,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("analyze", help="byte ledger, roofline and speculative cost model (seed vs exact)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     from bytebound.config import LING3_FLASH_CONFIG
-    p.add_argument("--config", default=str(LING3_FLASH_CONFIG),
-                   help="config.json (file or checkpoint dir) for the exact ledger (default: the bundled "
-                        "Ling-3.0-flash config); 'none' shows the seed column only")
+    p.add_argument("--config", default=None,
+                   help="config.json (file or checkpoint dir) for the exact ledger (default: the --checkpoint's own "
+                        f"config.json, else the bundled Ling-3.0-flash config {LING3_FLASH_CONFIG.name}); 'none' "
+                        "shows the seed column only")
     p.add_argument("--checkpoint", help="price the stored tensors of this checkpoint (safetensors headers)")
     p.add_argument("--tpot", type=float, default=d.tpot_ms, help="measured TPOT, BF16 head [ms]")
     p.add_argument("--tpot-fp8-head", type=float, default=d.tpot_fp8_head_ms, help="measured TPOT, FP8 head [ms]")
@@ -203,6 +206,47 @@ def _rows(sv: dict[str, sd.SeedValue], ex: dict[str, float] | None, s: sd.SeedIn
     return rows
 
 
+def resolve_config(config: str | None, checkpoint: str | None) -> Path | None:
+    """The config the exact ledger uses: ``config`` as given; None (not given) -> the checkpoint's own
+    ``config.json`` when ``checkpoint`` is set (a folder, or the folder of a .safetensors file), else the bundled
+    Ling-3.0-flash config; ``"none"`` -> None (seed column only).
+
+    Raises:
+        ConfigError: ``checkpoint`` given without ``config`` and it has no ``config.json`` beside its tensors.
+    """
+    from bytebound.config import LING3_FLASH_CONFIG
+    if config is not None:
+        return None if config.lower() == "none" else Path(config)
+    if checkpoint is None:
+        return Path(LING3_FLASH_CONFIG)
+    ck = Path(checkpoint)
+    own = (ck if ck.is_dir() else ck.parent) / "config.json"
+    if ck.exists() and not own.is_file():
+        raise ConfigError(f"--checkpoint {ck}: no config.json beside its tensors ({own}); pass --config for the "
+                          "layer kinds and routing")
+    return own if ck.exists() else Path(LING3_FLASH_CONFIG)   # a missing checkpoint: the loader names it
+
+
+def _check_specs_match(specs: dict, cfg, config: Path, checkpoint: str) -> None:
+    """A checkpoint priced against another model's config gives wrong numbers: compare the shapes that the
+    config fixes (embedding and head ``[vocab_size, hidden_size]``, the decoder layer count with or without the
+    NEXTN layers).
+
+    Raises:
+        ConfigError: a shape or the layer count differs (names both paths and the values).
+    """
+    want = (cfg.vocab_size, cfg.hidden_size)
+    for name in ("model.word_embeddings.weight", "lm_head.weight"):
+        if name in specs and tuple(specs[name][0]) != want:
+            raise ConfigError(f"--checkpoint {checkpoint}: {name} is {list(specs[name][0])}, but --config {config} "
+                              f"says [vocab_size, hidden_size] = {list(want)}: not this checkpoint's config")
+    layers = {int(k.split(".")[2]) for k in specs if k.startswith("model.layers.") and k.split(".")[2].isdigit()}
+    n = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    if layers and max(layers) + 1 not in (n, cfg.num_hidden_layers):     # NEXTN tensors may be absent
+        raise ConfigError(f"--checkpoint {checkpoint}: tensors of {max(layers) + 1} layers (model.layers.*), but "
+                          f"--config {config} says {cfg.num_hidden_layers} + {cfg.num_nextn_predict_layers} NEXTN")
+
+
 def build_report(args) -> dict:
     """Everything ``analyze`` prints, plots and writes, as one JSON-able dict."""
     bw, source = _bandwidth(args)
@@ -216,16 +260,23 @@ def build_report(args) -> dict:
                 peak_flops=args.peak_tflops * 1e12, accept_length=args.accept_length, verify_cost=args.verify_cost,
                 draft_tokens=args.draft_tokens, contexts=parse_context(args.context))
     led = ex = None
-    if args.config and args.config.lower() != "none":
+    config = resolve_config(args.config, args.checkpoint)
+    if config is not None:
         from bytebound.config import LingConfig
-        cfg = LingConfig.from_file(args.config)
-        led = ledger_from_specs(cfg, specs_from_safetensors(args.checkpoint)) if args.checkpoint else build_ledger(cfg)
+        cfg = LingConfig.from_file(config)
+        if args.checkpoint:
+            specs = specs_from_safetensors(args.checkpoint)
+            _check_specs_match(specs, cfg, config, args.checkpoint)
+            led = ledger_from_specs(cfg, specs)
+        else:
+            led = build_ledger(cfg)
         ex = exact_values(led, s, args.draft_steps)
     elif args.checkpoint:
         raise ConfigError("--checkpoint needs --config (the layer kinds and routing come from it)")
     sv = sd.seed_report(s)
     return {
-        "inputs": {**asdict(s), "draft_steps": args.draft_steps, "bandwidth_source": source, "config": args.config,
+        "inputs": {**asdict(s), "draft_steps": args.draft_steps, "bandwidth_source": source,
+                   "config": None if config is None else str(config),
                    "checkpoint": args.checkpoint},
         "seed": sd.as_json(sv), "exact": ex,
         "ledger": None if led is None else {"bf16_head": led.to_json(), "fp8_head": led.with_head("fp8").to_json()},

@@ -32,10 +32,14 @@ def ledger_bars(rep: dict, path: Path) -> None:
     if rep["ledger"]:
         for tag, key in (("exact, BF16 head", "bf16_head"), ("exact, FP8 head", "fp8_head")):
             d: dict[str, float] = {}
-            for g, v in rep["ledger"][key]["groups"].items():
-                name = g if v["bytes"] > 20e6 else "small (norms, conv, b_proj, ...)"
+            groups = rep["ledger"][key]["groups"]
+            total = sum(v["bytes"] for v in groups.values())
+            for g, v in groups.items():
+                # groups under 0.5 % of the step share one segment; the LM head always has its own (last)
+                name = g if g == "LM head" or v["bytes"] > 0.005 * total else "small (norms, conv, b_proj, ...)"
                 d[name] = d.get(name, 0.0) + v["bytes"] / GB
-            d["LM head"] = d.pop("LM head")
+            if "LM head" in d:
+                d["LM head"] = d.pop("LM head")
             bars.append((tag, d))
     names = list(dict.fromkeys(g for _, d in bars for g in d))
     palette = ["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive",

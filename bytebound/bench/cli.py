@@ -11,6 +11,9 @@ Usage::
 
 Engine flags are the shared ones (``--model``, ``--device``, ``--load-format dummy``, ``--lm-head``, backends,
 ``--speculative-algorithm NEXTN``...). The ablation sets the MoE backend, LM head and MTP itself, step by step.
+The synthetic defaults (32768 in / 2048 out) need the full-scale config (``--model
+bytebound/assets/configs/ling-3.0-flash.json --load-format dummy --device cuda``); the bundled ling-nano has
+4096 positions, so give it shorter ``--input-len``/``--output-len``.
 Files: ``DIR/NAME.json``, ``DIR/NAME.md``, ``DIR/NAME_*.png`` (NAME defaults to the benchmark's name).
 Exit codes: 0 done; 2 the engine could not start or a bad argument; 3 the ablation stopped early.
 """
@@ -100,13 +103,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 # ---- helpers ----------------------------------------------------------------------------------------------
-def _config(a, min_len: int = 0):
+def _config(a, synthetic: bool = False, min_len: int = 0):
+    """EngineConfig of the command line; ``synthetic``: with ``max_model_len`` raised to what the fixed-length
+    requests need (flag errors first, then the length check of :func:`_synthetic_len`), and to ``min_len``."""
     from bytebound.cli import engine_config
     cfg = engine_config(a)
     if hasattr(a, "no_canaries"):      # synthetic / gsm8k: start-up canaries, strict unless --no-strict
         from bytebound.verify.cli import apply_verify_args
         cfg = apply_verify_args(cfg, a)
-    return replace(cfg, max_model_len=max(cfg.max_model_len, min_len)) if min_len else cfg
+    if not synthetic:
+        return cfg
+    return replace(cfg, max_model_len=max(cfg.max_model_len, _synthetic_len(a, a.speculative_num_steps), min_len))
 
 
 def _start(cfg):
@@ -122,7 +129,20 @@ def _start(cfg):
 
 
 def _synthetic_len(a, steps: int) -> int:
-    return a.input_len + a.output_len + steps + 1
+    """Cache slots a synthetic request needs; raises ConfigError naming --input-len/--output-len when the model's
+    ``max_position_embeddings`` is smaller (the engine's own check would name --max-model-len, which the bench
+    raised by itself)."""
+    need = a.input_len + a.output_len + steps + 1
+    from bytebound.config import LingConfig
+    from bytebound.errors import ConfigError
+    limit = LingConfig.from_file(a.model).max_position_embeddings
+    if need > limit:
+        from bytebound.config import LING3_FLASH_CONFIG
+        raise ConfigError(f"--input-len {a.input_len} + --output-len {a.output_len} (+ {steps + 1} slots for the "
+                          f"last decode/verify step) need {need} positions, but {a.model} has "
+                          f"max_position_embeddings {limit}: pass shorter lengths, or run the full-scale model "
+                          f"with synthetic weights (--model {LING3_FLASH_CONFIG} --load-format dummy --device cuda)")
+    return need
 
 
 def _print(paths: dict) -> None:
@@ -173,7 +193,7 @@ def _guard(fn):
 def cmd_synthetic(a) -> int:
     from bytebound.bench.synthetic import byte_floor, draw_token_times, floor_ratio, measure_bandwidth, run_synthetic
     ttft_lens = _int_list(a.ttft_lens, "--ttft-lens")
-    eng = _start(_config(a, max([_synthetic_len(a, a.speculative_num_steps)] + [n + 2 for n in ttft_lens])))
+    eng = _start(_config(a, synthetic=True, min_len=max([n + 2 for n in ttft_lens], default=0)))
     meta = rp.run_meta(eng, weights=a.weights_label, note=a.note)
     res = run_synthetic(eng, a.input_len, a.output_len, a.num_requests, a.warmup, a.seed, not a.no_progress)
     prefill = _prefill_section(eng, ttft_lens, a.profile_prefill, a.seed)
@@ -309,7 +329,7 @@ def cmd_ablation(a) -> int:
     progress = not a.no_progress
     if a.workload == "synthetic":
         from bytebound.bench.synthetic import run_synthetic
-        base = _config(a, _synthetic_len(a, a.speculative_num_steps))
+        base = _config(a, synthetic=True)
         workload_desc = {"workload": "synthetic", "input_len": a.input_len, "output_len": a.output_len,
                          "num_requests": a.num_requests, "sampling": "greedy, ignore_eos"}
 
@@ -344,8 +364,14 @@ def cmd_ablation(a) -> int:
 def ablation_markdown(res: dict, meta: dict, workload: dict) -> list[str]:
     md = ["# Ablation ladder: one lever at a time", "", f"Workload: `{workload}`. Each step is a fresh engine that "
           "changes one lever of the previous step and checks that the lever is active before it is timed.", ""]
+    skipped = [s["step"] for s in res["steps"] if s.get("skipped")]
     if res["stop"]:
         md += [f"**Stopped at step `{res['stop']['step']}`: {res['stop']['message']}**", ""]
+    elif res.get("tpot_rule", "enforced") != "enforced":
+        md += ["**CPU run: complete as far as a CPU can show.** " + (f"Skipped: {', '.join(skipped)} (see the "
+               "check column). " if skipped else "") + "Each lever that ran was checked active; TPOT changes are "
+               "recorded, not enforced: the levers cut bytes per token, and a CPU decode of a small model is bound "
+               "by per-op overhead, not memory bandwidth. The speed ladder is a CUDA measurement.", ""]
     else:
         md += ["**Complete: every lever active, no step made TPOT worse.**", ""]
     md += ["| step | lever | active | check | mean TPOT [ms] | vs previous | vs baseline | decode tok/s | "
@@ -353,7 +379,8 @@ def ablation_markdown(res: dict, meta: dict, workload: dict) -> list[str]:
     for s in res["steps"]:
         sm = s.get("summary", {})
         acc = sm.get("accept_length", {}).get("aggregate")
-        md.append(f"| {s['step']} | {s['lever']} | {'yes' if s['active'] else 'NO'} | {s['check']} | "
+        active = "skipped" if s.get("skipped") else ("yes" if s["active"] else "NO")
+        md.append(f"| {s['step']} | {s['lever']} | {active} | {s['check']} | "
                   f"{rp.fmt(s.get('tpot_ms'), 3)} | "
                   + (f"{s['change_pct']:+.2f}% ({s['change_ms']:+.3f} ms)" if "change_pct" in s else "-") + " | "
                   + (f"{s['change_vs_baseline_pct']:+.2f}%" if "change_vs_baseline_pct" in s else "-") + " | "

@@ -283,7 +283,20 @@ class Engine:
 
     # -------------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        """Token ids of ``prompt``: a string is tokenized (with the chat template if ``chat``); a list of ids is
+        checked against the vocabulary and returned as is.
+
+        Raises:
+            RequestError: ids that are not integers in ``[0, vocab_size)`` (the embedding would index out of
+                range), a string without a tokenizer (dummy weights), or text the tokenizer cannot take.
+        """
         if isinstance(prompt, list):
+            vocab = self.model.cfg.vocab_size
+            bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"prompt token ids must be integers in [0, {vocab}) (the model's vocab_size), "
+                                   f"got {bad[0]!r}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else ""),
+                                   param="prompt")
             return prompt
         if self.tokenizer is None:
             why = ("dummy weights" if self.config.load_format == "dummy"

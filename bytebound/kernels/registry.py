@@ -85,6 +85,14 @@ def pinned_package(dist: str, pinned: str) -> str | None:
     return None if ver == pinned else f"{dist} {ver} installed, {pinned} pinned"
 
 
+def unusable_reason(op: str, name: str, device) -> str | None:
+    """Why backend ``name`` of ``op`` cannot run on ``device`` (its availability probe, e.g. "needs a CUDA
+    device"), or None when it can - or when op/name is unknown (:func:`resolve` names that). Instantiates nothing."""
+    _load_optional()
+    entry = _REGISTRY.get(op, {}).get(name)
+    return None if entry is None else entry.available(torch.device(device))
+
+
 def resolve(op: str, requested: str, device: torch.device, allow_fallback: bool = False,
             fallback: str = "torch", **kw) -> tuple[object, Resolution]:
     """Instantiate backend ``requested`` of ``op`` for ``device``.

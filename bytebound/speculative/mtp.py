@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 import bytebound.runner.runner as runner_mod
+from bytebound.errors import ConfigError
 from bytebound.sampling import SamplingParams, sample
 from bytebound.speculative.accept import accept_chain_device
 
@@ -79,11 +80,14 @@ class MTPDrafter:
     test-only reproduction of the seed's silent failure: a separate BF16 head that aliases the target's weight
     *tensor*; with the online FP8 head that tensor holds FP8 bytes which the BF16 path reads without their
     scales (issue 7 must refuse it at start-up).
+
+    Raises:
+        ConfigError: the model has no NEXTN layer, or ``share`` is neither "module" nor "weight-only".
     """
 
     def __init__(self, model, steps: int = 3, share: str = "module"):
         if model.nextn is None:
-            raise ValueError("the checkpoint has no NEXTN layer (num_nextn_predict_layers = 0): MTP unavailable")
+            raise ConfigError("the checkpoint has no NEXTN layer (num_nextn_predict_layers = 0): MTP unavailable")
         self.model, self.steps, self.share = model, steps, share
         self.layer = model.nextn
         self.embedding = model.model.word_embeddings
@@ -99,7 +103,7 @@ class MTPDrafter:
             alias.mode, alias.fn, alias.backend, alias.w_fp8, alias.w_scale = "bf16", None, "torch", None, None
             self.lm_head = alias
         else:
-            raise ValueError(f"share must be 'module' or 'weight-only', got {share!r}")
+            raise ConfigError(f"draft_share must be 'module' or 'weight-only', got {share!r}")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.share == "weight-only":

@@ -246,8 +246,13 @@ def canary_draft_sharing(engine, ctx) -> CanaryResult:
     f = draft_sharing_facts(engine)
     bad = []
     if not f["lm_head_same_object"]:
-        what = ("a different module that aliases the target's weight tensor - the seed's silent fallback "
-                "(FP8 bytes read without their scales)" if f["lm_head_weight_aliased"] else "a different module")
+        # What the alias reads depends on the head: with the FP8 head, FP8 bytes without their scales (the seed's
+        # failure); with a BF16/FP32 head the same BF16 weight, but not through the target head's path.
+        harm = ("FP8 bytes read without their scales" if f["target_head_mode"] == "fp8" else
+                f"with this {f['target_head_mode']!r} head it reads the same BF16 weight, but not through the target "
+                f"head's path: with the FP8 head it would read FP8 bytes without their scales")
+        what = (f"a different module that aliases the target's weight tensor - the seed's silent fallback ({harm})"
+                if f["lm_head_weight_aliased"] else "a different module")
         bad.append(f"draft LM head is not the target's LM-head module: it is {what} "
                    f"(target {f['target_head_type']} mode {f['target_head_mode']!r}, draft {f['draft_head_type']} "
                    f"mode {f['draft_head_mode']!r})")
