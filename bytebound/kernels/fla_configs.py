@@ -63,6 +63,26 @@ def apply(device, cache_root: Path | None = None) -> str:
     return f"shipped {arch(device)} configs for {len(bundle['kernels'])} kernels ({src.name}, tuned on {bundle['tuned_on']})"
 
 
+def _autotuners():
+    """Every Triton autotuner in fla-core's imported modules, by kernel name (unwrapping ``triton.heuristics``
+    and other wrappers, whose ``fn`` is the next object down)."""
+    from triton.runtime.autotuner import Autotuner
+    out = {}
+    for mod in [m for n, m in list(sys.modules.items()) if n.startswith("fla.") and m is not None]:
+        for obj in list(vars(mod).values()):
+            for _ in range(4):
+                if isinstance(obj, Autotuner):
+                    base = obj.fn
+                    while hasattr(base, "fn"):
+                        base = base.fn
+                    out[getattr(base, "__name__", str(base))] = obj
+                    break
+                obj = getattr(obj, "fn", None)
+                if obj is None:
+                    break
+    return out
+
+
 def restrict_plain_autotuners() -> int:
     """fla-core kernels decorated with Triton's own ``triton.autotune`` (not fla's cached autotuner) do not read
     ``FLA_CONFIG_DIR``: keep only the shipped default config of each (one config: Triton then neither benchmarks
@@ -71,18 +91,15 @@ def restrict_plain_autotuners() -> int:
     if not d or "fla" not in sys.modules:
         return 0
     import triton
-    from triton.runtime.autotuner import Autotuner
 
     from fla.ops.utils.cache import CachedAutotuner
     n = 0
-    for mod in [m for name, m in list(sys.modules.items()) if name.startswith("fla.") and m is not None]:
-        for obj in vars(mod).values():
-            if isinstance(obj, Autotuner) and not isinstance(obj, CachedAutotuner) and len(obj.configs) > 1:
-                f = Path(d) / f"{obj.fn.fn.__name__ if hasattr(obj.fn, 'fn') else obj.fn.__name__}.json"
-                if f.is_file():
-                    c = json.loads(f.read_text())["default_config"]
-                    obj.configs = [triton.Config(c["kwargs"], num_warps=c["num_warps"], num_stages=c["num_stages"])]
-                    n += 1
+    for name, obj in _autotuners().items():
+        f = Path(d) / f"{name}.json"
+        if not isinstance(obj, CachedAutotuner) and len(obj.configs) > 1 and f.is_file():
+            c = json.loads(f.read_text())["default_config"]
+            obj.configs = [triton.Config(c["kwargs"], num_warps=c["num_warps"], num_stages=c["num_stages"])]
+            n += 1
     return n
 
 
@@ -97,15 +114,9 @@ def dump(path: Path) -> dict:
     "default_config"}}}``); the default config is the one tuned for the largest tuning key seen (a long prefill
     chunk). Returns the bundle."""
     import triton
-    from triton.runtime.autotuner import Autotuner
 
     from fla.ops.utils.cache import AutotuneKey
-    seen: dict[str, Autotuner] = {}
-    for mod in [m for n, m in list(sys.modules.items()) if n.startswith("fla.") and m is not None]:
-        for obj in vars(mod).values():
-            if isinstance(obj, Autotuner) and obj.cache:
-                name = obj.fn.fn.__name__ if hasattr(obj.fn, "fn") else obj.fn.__name__
-                seen[name] = obj
+    seen = {name: t for name, t in _autotuners().items() if t.cache}
     kernels = {}
     for name, tuner in sorted(seen.items()):
         entries = {AutotuneKey.key_hash(list(k)): {"autotune_key": AutotuneKey.normalize_autotune_key(list(k)),
