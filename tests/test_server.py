@@ -529,7 +529,8 @@ def _stalls_while(url, big_request, health_every=0.05):
     """Run ``big_request()`` (on another thread) while a stream runs and ``/health`` is polled on this one.
     Returns ``(big_request's result, largest gap between stream events, slowest /health answer, health checks,
     seconds the big request took)``; the gap is over the window from the big request's start to 0.3 s after its
-    end (its ends count as events: a stream that stops altogether has a gap of the whole window). Every loop is bounded (the stream by max_tokens, the polls by time)."""
+    end (its ends count as events: a stream that stops altogether has a gap of the whole window). Every loop is
+    bounded (the stream by max_tokens, the polls by time)."""
     events, stop, box = [], threading.Event(), {}
 
     def streamer():
@@ -744,3 +745,4 @@ def test_cancelled_requests_are_logged_and_counted_as_cancelled(srv):
     finally:
         lg.removeHandler(seen)
         lg.setLevel(level)
+
