@@ -512,3 +512,237 @@ def test_sigterm_cancels_requests_in_flight(ckpt, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---- issue 22 (6): one large request must not stall the event loop ------------------------------------------
+NANO = "ling-nano"
+
+
+@pytest.fixture(scope="module")
+def nano_engine():
+    """The bundled trained ling-nano, plain decoding, on CPU."""
+    from conftest import NANO_TOKENIZER
+    return Engine(model=str(NANO_TOKENIZER))
+
+
+def _stalls_while(url, big_request, health_every=0.05):
+    """Run ``big_request()`` (on another thread) while a stream runs and ``/health`` is polled on this one.
+    Returns ``(big_request's result, largest gap between stream events, slowest /health answer, health checks,
+    seconds the big request took)``; the gap is over the window from the big request's start to 0.3 s after its
+    end (its ends count as events: a stream that stops altogether has a gap of the whole window). Every loop is
+    bounded (the stream by max_tokens, the polls by time)."""
+    events, stop, box = [], threading.Event(), {}
+
+    def streamer():
+        body = {"model": NANO, "prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        try:
+            with httpx.Client(timeout=60) as c, c.stream("POST", f"{url}/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(time.perf_counter())
+                    if stop.is_set():
+                        break
+        except Exception as e:             # reported by the caller's assertion on box
+            box["stream_error"] = repr(e)
+
+    ts = threading.Thread(target=streamer, daemon=True)
+    ts.start()
+    assert _wait(lambda: len(events) >= 3 or "stream_error" in box, 60), box
+    tb = threading.Thread(target=lambda: box.setdefault("big", big_request()), daemon=True)
+    t0 = time.perf_counter()
+    tb.start()
+    health = []
+    with httpx.Client(timeout=30) as hc:         # one client: the times are the server's, not the client's set-up
+        while tb.is_alive() and time.perf_counter() - t0 < 60:
+            h0 = time.perf_counter()
+            assert hc.get(f"{url}/health").status_code == 200
+            health.append(time.perf_counter() - h0)
+            time.sleep(health_every)
+    tb.join(timeout=60)
+    t1 = time.perf_counter()
+    time.sleep(0.3)
+    stop.set()
+    ts.join(timeout=30)
+    assert "stream_error" not in box and not ts.is_alive(), box
+    window = [t0] + [t for t in events if t0 < t < t1 + 0.3] + [t1 + 0.3]
+    gap = max(b - a for a, b in zip(window, window[1:]))
+    return box.get("big"), gap, max(health, default=float("inf")), len(health), t1 - t0
+
+
+@pytest.fixture(scope="module")
+def nano_proc(tmp_path_factory):
+    """``bytebound serve`` over the bundled ling-nano in its own process (so the test's clients do not share its
+    GIL, as real clients do not), with ``--max-prompt-chars 3000000``: the body limit that follows is 16 MiB,
+    the limit of the issue's server, so a 10 MB body is read and parsed."""
+    from conftest import NANO_TOKENIZER
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path_factory.mktemp("nano-serve") / "serve.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "bytebound.cli", "serve", "--model", str(NANO_TOKENIZER),
+                                 "--port", str(port), "--served-model-name", NANO, "--max-prompt-chars", "3000000",
+                                 "--log-level", "warning"], stdout=f, stderr=subprocess.STDOUT)
+    try:
+        assert _wait(lambda: proc.poll() is None and _up(url), 120), log.read_text()
+        info = httpx.get(f"{url}/server_info").json()
+        assert info["max_prompt_chars"] == 3_000_000 and info["max_body_bytes"] == 16 << 20
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_10mb_prompt_is_refused_fast_without_stalling_others(nano_proc):
+    """Issue 22 (6): a 10 MB prompt was tokenised on the event loop (its 400 came after 21 s; /health and a
+    running stream stalled as long). Now its length in characters refuses it before tokenisation, the body is
+    parsed off the loop, and neither the running stream nor /health notices."""
+    for path, body in (("/v1/completions", {"prompt": "hello world " * 850_000, "max_tokens": 4}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello world " * 850_000}]})):
+        raw = json.dumps({"model": NANO, **body}).encode()
+        assert len(raw) > 10_000_000
+        r, gap, slowest, checks, took = _stalls_while(nano_proc, lambda: _post(nano_proc, path, raw))
+        e = _err(r, 400, "messages" if "chat" in path else "prompt", "prompt_too_long")
+        assert "10200000 characters" in e["message"], e
+        assert gap < 0.5, f"{path}: the stream stalled {gap:.2f} s"
+        assert checks >= 1 and slowest < 0.5, f"{path}: /health took {slowest:.2f} s"
+
+
+def test_tokenising_a_large_prompt_does_not_stall_others(nano_proc, nano_engine):
+    """A 1.2-million-character prompt under the raised limit is tokenised (seconds of tokenizer work) and then
+    refused as ``context_length_exceeded``. The tokenisation runs off the event loop without holding the GIL:
+    on the loop, or in a thread with ``tokenizers``' GIL-holding ``encode``, it stalls the stream and /health."""
+    prompt = "hello world " * 100_000
+    r, gap, slowest, checks, took = _stalls_while(
+        nano_proc, lambda: _post(nano_proc, "/v1/completions", {"model": NANO, "prompt": prompt, "max_tokens": 4}))
+    e = _err(r, 400, "prompt", "context_length_exceeded")
+    assert f"the prompt has {len(nano_engine.tokenizer.encode(prompt))} tokens" in e["message"]
+    assert took > 0.5, f"the tokenisation took only {took:.2f} s: the test proves nothing"
+    assert gap < 0.5, f"the stream stalled {gap:.2f} s"
+    assert checks >= 1 and slowest < 0.5, f"/health took {slowest:.2f} s"
+
+
+def test_prompt_chars_limit_is_exact_and_named(srv):
+    """Prompts over max_prompt_chars (default max_model_len x 32) are refused before tokenisation; one at the
+    limit is tokenised (and then too long in tokens here)."""
+    info = httpx.get(f"{srv.url}/server_info").json()
+    limit = info["max_prompt_chars"]
+    assert limit == info["max_model_len"] * 32
+    assert info["max_body_bytes"] == min(16 << 20, 12 * limit + (1 << 20))
+    e = _err(_post(srv.url, "/v1/completions", {"prompt": "ab" * (limit // 2) + "c"}), 400, "prompt",
+             "prompt_too_long")
+    assert f"{limit + 1} characters" in e["message"] and f"limit of {limit}" in e["message"]
+    _err(_post(srv.url, "/v1/completions", {"prompt": "ab" * (limit // 2)}), 400, "prompt", "context_length_exceeded")
+    # chat: the message contents together
+    msgs = [{"role": "user", "content": "a" * (limit // 2)}, {"role": "assistant", "content": "b" * (limit // 2)},
+            {"role": "user", "content": "c"}]
+    _err(_post(srv.url, "/v1/chat/completions", {"messages": msgs}), 400, "messages", "prompt_too_long")
+    # a body over the limit without Content-Length (chunked upload) is cut off too
+    def chunks():
+        yield b'{"model": "%s", "prompt": "' % NAME.encode()
+        for _ in range(info["max_body_bytes"] // 65536 + 1):
+            yield b"x" * 65536
+        yield b'"}'
+    r = httpx.post(f"{srv.url}/v1/completions", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=60)
+    _err(r, 413, None, "body_too_large")
+    assert httpx.get(f"{srv.url}/health").status_code == 200
+
+
+def test_encode_releasing_gil_matches_encode(nano_engine):
+    tok = nano_engine.tokenizer
+    for text in ("Hello, world!", "<role>HUMAN</role>2+2=?", "\u4e2d\u6587 \U0001f600 " * 7, " \n\t  x"):
+        assert tok.encode_releasing_gil(text) == tok.encode(text)
+
+
+# ---- issue 22 (7): metrics a dashboard would miss ------------------------------------------------------------
+def _errors(url) -> dict:
+    out = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("bytebound_request_errors_total{"):
+            labels = dict(kv.split("=") for kv in line[line.index("{") + 1:line.index("}")].split(","))
+            out[(labels["status"].strip('"'), labels["reason"].strip('"'))] = float(line.split()[-1])
+    return out
+
+
+def test_every_error_response_is_counted_with_status_and_reason(srv):
+    before = _errors(srv.url)
+    _post(srv.url, "/v1/completions", {"prompt": "hi", "max_tokens": -1})                  # 400 max_tokens
+    _post(srv.url, "/v1/completions", {"prompt": "hi", "max_tokens": -1})
+    _post(srv.url, "/v1/completions", b'{"model": ')                                        # 400 invalid_json
+    _post(srv.url, "/v1/completions", {"model": "nope", "prompt": "hi"})                    # 404 model
+    _post(srv.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 5000}]})
+    httpx.get(f"{srv.url}/v1/completions")                                                  # 405
+    httpx.get(f"{srv.url}/v1/nothing")                                                      # 404 path
+    big = b'{"prompt": "' + b"x" * httpx.get(f"{srv.url}/server_info").json()["max_body_bytes"] + b'"}'
+    _post(srv.url, "/v1/completions", big)                                                  # 413
+    r = srv.client().completions.create(model=NAME, prompt="fine", max_tokens=2, temperature=0)
+    assert r.choices                                                                        # no error
+    after = _errors(srv.url)
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    assert delta == {("400", "max_tokens"): 2, ("400", "invalid_json"): 1, ("404", "model_not_found"): 1,
+                     ("400", "context_length_exceeded"): 1, ("405", "method_not_allowed"): 1,
+                     ("404", "not_found"): 1, ("413", "body_too_large"): 1}, delta
+
+
+def test_accept_length_histogram_skips_requests_without_a_verify_round():
+    """max_tokens=1 comes from the prefill alone: no verify round, no accept length (it used to add a 0)."""
+    from conftest import NANO_TOKENIZER
+    eng = Engine(model=str(NANO_TOKENIZER), speculative_steps=2, max_model_len=256)
+    s = Server(create_app(eng, served_model_name=NANO, max_queue=2))
+    try:
+        c = s.client()
+        assert c.completions.create(model=NANO, prompt="One", max_tokens=1, temperature=0).usage \
+            .completion_tokens == 1
+        hist = "bytebound_spec_accept_length_per_request"
+        assert _metric(s.url, f"{hist}_count") == 0 and _metric(s.url, f"{hist}_sum") == 0
+        r = c.completions.create(model=NANO, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 12
+        assert _metric(s.url, f"{hist}_count") == 1
+        # the one observation is that request's accept length: the engine's running total holds only its rounds
+        got, want = _metric(s.url, f"{hist}_sum"), eng.spec_totals.accept_length
+        assert want >= 1 and got == pytest.approx(want, abs=1e-4)
+        assert _metric(s.url, "bytebound_spec_accept_length") == pytest.approx(want)
+    finally:
+        s.stop()
+
+
+def test_cancelled_requests_are_logged_and_counted_as_cancelled(srv):
+    """A stream the client leaves is logged as cancelled (uvicorn's access line, written when the response
+    started, says 200) and counted; a non-streaming request whose client gives up too."""
+    seen = _Records()
+    lg = logging.getLogger("bytebound.server")
+    level = lg.level
+    lg.addHandler(seen)
+    lg.setLevel(logging.INFO)
+    metric = "bytebound_requests_cancelled_total"
+    n0 = _metric(srv.url, metric, '{reason="client_disconnected"}')
+    long = {"model": NAME, "prompt": "long one", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+    try:
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json={**long, "stream": True}, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for _ in range(3):
+                assert next(ln for ln in lines if ln.startswith("data: "))
+        assert _wait(lambda: _metric(srv.url, metric, '{reason="client_disconnected"}') == n0 + 1)
+        msgs = [rec.getMessage() for rec in seen.records]
+        assert len(msgs) == 1 and "cancelled (client disconnected) after" in msgs[0], msgs
+        assert '"POST /v1/completions" cmpl-' in msgs[0] and seen.records[0].levelname == "INFO"
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{srv.url}/v1/completions", json=long, timeout=1.0)
+        assert _wait(lambda: _metric(srv.url, metric, '{reason="client_disconnected"}') == n0 + 2)
+        assert _wait(lambda: len(seen.records) == 2)
+        assert "cancelled (client disconnected), " in seen.records[1].getMessage()
+        # a completed stream logs nothing
+        list(srv.client().completions.create(model=NAME, prompt="hi", max_tokens=2, temperature=0, stream=True))
+        time.sleep(0.2)
+        assert len(seen.records) == 2
+    finally:
+        lg.removeHandler(seen)
+        lg.setLevel(level)
+

@@ -98,6 +98,12 @@ class Tokenizer:
         """Token ids of ``text``; special-token strings in it (``<role>``...) become their single ids."""
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_releasing_gil(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The same ids as :meth:`encode`, but other Python threads (the server's event loop) keep running while
+        it works: ``tokenizers.Tokenizer.encode`` holds the GIL for its whole run (seconds for a megabyte of
+        text), ``encode_batch`` releases it. For callers off the main thread; one text, so no parallelism."""
+        return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
     def decode(self, ids: Iterable[int] | Any, skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; byte-level, so ``decode(encode(s)) == s`` for any string ``s``."""
         return self.tok.decode(_as_ids(ids), skip_special_tokens=skip_special_tokens)

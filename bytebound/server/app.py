@@ -4,13 +4,28 @@ Concurrency model: one worker thread owns the engine (a single-thread executor);
 ``asyncio.Queue(max_queue)`` and a dispatcher coroutine hands them to the worker one at a time. A full queue
 answers 429 (``Retry-After: 1``); a closing or broken worker answers 503. The worker checks the request's
 cancel flag between streamed tokens, so a client that disconnects (streaming: the SSE generator is cancelled;
-non-streaming: a watcher polls ``request.is_disconnected()``) stops its generation at the next token.
+non-streaming: a watcher polls ``request.is_disconnected()``) stops its generation at the next token; such a
+request is logged as cancelled (the access line, written when the response starts, says only ``200``) and counted
+in ``bytebound_requests_cancelled_total{reason}``.
+Nothing heavy runs on the event loop, so one client's large request never stalls ``/health`` or another
+client's stream: the body is read with its size bounded (413 at once when ``Content-Length`` is over the limit);
+JSON parsing, validation, chat templating and tokenisation run in a small thread pool (the tokenizer releases
+the GIL there: :meth:`~bytebound.engine.tokenizer.Tokenizer.encode_releasing_gil`); generation runs on the
+engine thread. A prompt over ``max_prompt_chars`` characters is refused before it is tokenised (400
+``prompt_too_long``): by default ``max_model_len x PROMPT_CHARS_PER_TOKEN``, a bound no prompt that fits the
+context comes near. The body limit follows from it (``BODY_BYTES_PER_CHAR`` JSON bytes per prompt character
+plus ``BODY_SLACK``, at most ``MAX_BODY``), which also bounds ``json.loads``: it holds the GIL for its whole run,
+in the pool or not.
 Shutdown (:func:`make_server`, SIGINT/SIGTERM) gives the requests in flight a grace period, then cancels them:
 streams end with a ``cancelled`` error event, others get 503.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming SSE and not, with the final
 usage chunk when ``stream_options.include_usage``), ``GET /v1/models``, ``/health``, ``/metrics``
 (Prometheus), ``/server_info`` (the start-up manifest and engine config).
+
+Metrics (``/metrics``): every error response is counted in ``bytebound_request_errors_total{status, reason}``
+(``reason``: the error's code, else the parameter it names, else ``invalid_request``), also the error events of
+streams that had begun; ``bytebound_requests_rejected_total`` keeps counting the 429/503 refusals.
 
 Request rules: malformed JSON, wrong types, out-of-range sampling values, ``n``/``best_of`` other than 1,
 unsupported features (logprobs, echo, penalties, tools) and prompts that do not fit ``max_model_len`` get 400
@@ -42,7 +57,15 @@ from bytebound.errors import RequestError
 from bytebound.sampling import MAX_TOKENS_LIMIT, SamplingParams
 
 log = logging.getLogger("bytebound.server")
-MAX_BODY = 16 << 20
+MAX_BODY = 16 << 20                 # the largest body limit, whatever max_prompt_chars says
+# Longest prompt (characters) accepted per token of max_model_len. English text averages about 4 characters per
+# token and code fewer; the longest token of the ling-nano vocabulary has 16. 32 refuses only text that cannot
+# fit, at no tokenisation cost; an operator with unusual text raises --max-prompt-chars.
+PROMPT_CHARS_PER_TOKEN = 32
+# JSON bytes one prompt character may take: "\uXXXX\uXXXX" (a surrogate pair, as ensure_ascii clients write an
+# emoji) is 12 bytes for one Python character.
+BODY_BYTES_PER_CHAR = 12
+BODY_SLACK = 1 << 20                # the rest of the body (sampling fields, chat roles) on top of the prompt
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
@@ -87,8 +110,18 @@ class Metrics:
         self.requests = Counter("bytebound_requests", "Finished requests", ["finish_reason"], registry=r)
         self.rejected = Counter("bytebound_requests_rejected", "Requests refused before queueing", ["reason"],
                                 registry=r)
+        self.errors = Counter("bytebound_request_errors", "Error responses (every 4xx and 5xx) and error events "
+                              "of begun streams, by HTTP status and reason (the error code, else the parameter "
+                              "at fault)", ["status", "reason"], registry=r)
+        self.cancelled = Counter("bytebound_requests_cancelled", "Requests that ended before their output was "
+                                 "complete: client_disconnected | shutdown", ["reason"], registry=r)
         self.queued = Gauge("bytebound_num_queued_requests", "Requests waiting for the engine", registry=r)
         self.running = Gauge("bytebound_num_running_requests", "Requests on the engine (0 or 1)", registry=r)
+
+    def error(self, e: "APIError") -> None:
+        """Count one error answer; the reason's values are the fixed codes and parameter names of this module,
+        so the label set stays small."""
+        self.errors.labels(str(e.status), e.code or e.param or "invalid_request").inc()
 
 
 # ---- the worker -----------------------------------------------------------------------------------------------
@@ -102,6 +135,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     created: float = field(default_factory=time.perf_counter)
+    why: str | None = None            # why it was cancelled early: client_disconnected | shutdown
 
     def post(self, kind: str, payload=None) -> None:
         """From any thread: queue ``(kind, payload)`` for the handler (``chunk`` | ``error`` | ``cancelled``)."""
@@ -216,7 +250,10 @@ class EngineWorker:
                 m.tpot.observe(out.tpot_s)
             m.e2e.observe(time.perf_counter() - job.created)
             if out.spec:
-                m.accept.observe(out.spec["accept_length"])
+                # committed tokens per verify round: undefined without a round (max_tokens=1, or EOS from the
+                # prefill), where to_dict says 0, below any real accept length
+                if out.spec["rounds"] > 0:
+                    m.accept.observe(out.spec["accept_length"])
                 m.accept_avg.set(eng.spec_totals.accept_length)
 
     def close(self, grace: float) -> None:
@@ -230,10 +267,13 @@ class EngineWorker:
         """Cancel the queued jobs and the running one (it stops at the next token). Any thread."""
         while self.queue is not None and not self.queue.empty():
             job = self.queue.get_nowait()
+            job.why = job.why or "shutdown"
             job.cancel.set()
             job.post("cancelled")
-        if self.current is not None:
-            self.current.cancel.set()
+        job = self.current
+        if job is not None:
+            job.why = job.why or "shutdown"
+            job.cancel.set()
 
     async def stop(self) -> None:
         """Refuse new work, cancel queued and running jobs, wait for the worker thread (bounded: it stops at
@@ -336,7 +376,15 @@ def _token_ids(v, vocab: int) -> list[int] | None:
     return None
 
 
-def _completion_prompt(body: dict, engine) -> list[int]:
+def _check_chars(n: int, max_chars: int | None, param: str) -> None:
+    """400 ``prompt_too_long`` for an ``n``-character prompt over the limit, before any tokenisation."""
+    if max_chars is not None and n > max_chars:
+        raise APIError(400, f"the prompt has {n} characters, over this server's limit of {max_chars} "
+                       f"(--max-prompt-chars; by default max_model_len x {PROMPT_CHARS_PER_TOKEN}): it is refused "
+                       "without tokenising it", param=param, code="prompt_too_long")
+
+
+def _completion_prompt(body: dict, engine, max_chars: int | None = None) -> list[int]:
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]
@@ -348,6 +396,7 @@ def _completion_prompt(body: dict, engine) -> list[int]:
                        "supported: this is a batch-1 engine)", param="prompt")
     if not isinstance(p, str) or not p:
         raise APIError(400, "'prompt' must be a non-empty string", param="prompt")
+    _check_chars(len(p), max_chars, "prompt")
     if engine.tokenizer is None:
         raise APIError(400, "this engine has no tokenizer (dummy weights): send token ids", param="prompt")
     ids = _encode(engine, p, "prompt")
@@ -356,7 +405,7 @@ def _completion_prompt(body: dict, engine) -> list[int]:
     return ids
 
 
-def _chat_prompt(body: dict, engine) -> list[int]:
+def _chat_prompt(body: dict, engine, max_chars: int | None = None) -> list[int]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise APIError(400, "'messages' must be a non-empty list", param="messages")
@@ -379,6 +428,7 @@ def _chat_prompt(body: dict, engine) -> list[int]:
         if not isinstance(c, str):
             raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
         clean.append({"role": role, "content": c})
+    _check_chars(sum(len(m["content"]) for m in clean), max_chars, "messages")
     try:
         text = engine.tokenizer.apply_chat_template(clean)
     except ValueError as e:
@@ -389,30 +439,47 @@ def _chat_prompt(body: dict, engine) -> list[int]:
 def _encode(engine, text: str, param: str) -> list[int]:
     """Tokenise or answer 400 (e.g. a lone UTF-16 surrogate the tokenizer cannot take)."""
     try:
-        return engine.tokenizer.encode(text)
+        return engine.tokenizer.encode_releasing_gil(text)
     except Exception as e:
         raise APIError(400, f"'{param}' cannot be tokenized: {type(e).__name__}", param=param) from None
 
 
-async def _read_json(request: Request) -> dict:
-    """The JSON object body; APIError 400 when malformed (bad UTF-8, syntax, nesting too deep, an integer too
-    long), 413 when too big, 400 ``client_disconnected`` when the client leaves mid-body (nobody reads it)."""
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The raw body, at most ``limit`` bytes; APIError 413 ``body_too_large`` over it (at once when
+    ``Content-Length`` says so, else as soon as the bytes read pass it: a huge body is never buffered), 400
+    ``client_disconnected`` when the client leaves mid-body (nobody reads the answer)."""
+    def too_large(n: str) -> APIError:
+        return APIError(413, f"the request body has {n} bytes, over this server's limit of {limit} (it follows "
+                        "from --max-prompt-chars)", code="body_too_large")
+
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large(length)
+    chunks, n = [], 0
     try:
-        raw = await request.body()
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                raise too_large(f"over {n}")
+            chunks.append(chunk)
     except ClientDisconnect:
         log.warning("client %s left while sending the request body of %s", _peer(request), request.url.path)
         raise APIError(400, "the client disconnected while sending the request body",
                        code="client_disconnected") from None
-    if len(raw) > MAX_BODY:
-        raise APIError(413, f"request body over {MAX_BODY} bytes")
+    return b"".join(chunks)
+
+
+def _parse_json(raw: bytes) -> dict:
+    """The JSON object in ``raw``; APIError 400 ``invalid_json`` when malformed (bad UTF-8, syntax, nesting too
+    deep, an integer too long) or not an object."""
     try:
         body = json.loads(raw)
     except ValueError as e:              # JSONDecodeError, UnicodeDecodeError, int over the digit limit
-        raise APIError(400, f"malformed JSON body: {e}") from None
+        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
     except RecursionError:
-        raise APIError(400, "malformed JSON body: nested too deeply") from None
+        raise APIError(400, "malformed JSON body: nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
-        raise APIError(400, "the JSON body must be an object")
+        raise APIError(400, "the JSON body must be an object", code="invalid_json")
     return body
 
 
@@ -434,6 +501,7 @@ def _sse(obj) -> str:
 async def _watch_disconnect(request: Request, job: Job, every: float = 0.1) -> None:
     while not job.cancel.is_set():
         if await request.is_disconnected():
+            job.why = job.why or "client_disconnected"
             job.cancel.set()
             return
         await asyncio.sleep(every)
@@ -457,13 +525,27 @@ async def _collect(job: Job, request: Request):
         job.cancel.set()
 
 
-def create_app(engine, served_model_name: str | None = None, max_queue: int = 64, manifest: dict | None = None
-               ) -> FastAPI:
+def create_app(engine, served_model_name: str | None = None, max_queue: int = 64, manifest: dict | None = None,
+               max_prompt_chars: int | None = None, max_body_bytes: int | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``. ``served_model_name`` defaults to the checkpoint dir's basename;
-    ``max_queue``: requests that may wait for the engine (beyond the one running) before 429."""
+    ``max_queue``: requests that may wait for the engine (beyond the one running) before 429.
+    ``max_prompt_chars``: longest prompt in characters (the sum of a chat's message contents), refused before
+    tokenisation; None = ``max_model_len x PROMPT_CHARS_PER_TOKEN``. ``max_body_bytes``: the request body limit
+    in bytes; None = ``BODY_BYTES_PER_CHAR x max_prompt_chars + BODY_SLACK``, at most ``MAX_BODY``.
+    Raises ValueError for a limit below 1."""
     from bytebound import __version__ as version
     from bytebound.bench.report import _jsonable, engine_manifest
     name = served_model_name or Path(str(engine.config.model)).name
+    if max_prompt_chars is None:
+        max_prompt_chars = engine.runner.max_len * PROMPT_CHARS_PER_TOKEN
+    if max_body_bytes is None:
+        max_body_bytes = min(MAX_BODY, BODY_BYTES_PER_CHAR * max_prompt_chars + BODY_SLACK)
+    if max_prompt_chars < 1 or max_body_bytes < 1:
+        raise ValueError(f"max_prompt_chars and max_body_bytes must be >= 1, got {max_prompt_chars}, "
+                         f"{max_body_bytes}")
+    # parsing, templating and tokenising of the requests: off the event loop, two at a time (a burst of large
+    # prompts queues here instead of taking every core from the engine thread)
+    prep = ThreadPoolExecutor(2, thread_name_prefix="bytebound-prepare")
     metrics = Metrics()
     worker = EngineWorker(engine, max_queue, metrics)
     manifest = manifest if manifest is not None else engine_manifest(engine)
@@ -476,20 +558,24 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
             yield
         finally:
             await worker.stop()
+            prep.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="bytebound", version=version, lifespan=lifespan)
     app.state.worker, app.state.metrics, app.state.engine, app.state.served_model_name = worker, metrics, engine, name
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
+        metrics.error(exc)
         return exc.response()
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException):
         """Routing errors (unknown path 404, wrong method 405) in the same error shape as the rest."""
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", code=code,
-                        headers=exc.headers).response()
+        e = APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", code=code,
+                     headers=exc.headers)
+        metrics.error(e)
+        return e.response()
 
     @app.get("/health")
     async def health():
@@ -515,20 +601,23 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
         acc = engine.spec_totals.accept_length if engine.drafter is not None else None
         return _jsonable({"served_model_name": name, "version": version, "model_path": str(engine.config.model),
                           "max_model_len": engine.runner.max_len, "max_queue": max_queue,
+                          "max_prompt_chars": max_prompt_chars, "max_body_bytes": max_body_bytes,
                           "queued": worker.queue.qsize() if worker.queue else 0,
                           "running": worker.current is not None, "served": worker.served,
                           "engine_config": asdict(engine.config), "avg_spec_accept_length": acc,
                           "internal_states": [{"avg_spec_accept_length": acc}], "manifest": manifest})
 
-    async def handle(request: Request, chat: bool):
-        body = await _read_json(request)
+    def prepare(raw: bytes, chat: bool) -> tuple[list[int], SamplingParams, bool, bool, bool]:
+        """Pool thread: parse and check the body, template and tokenise the prompt ->
+        ``(ids, params, stream, include_usage, return_token_ids)``; APIError 4xx on bad input."""
+        body = _parse_json(raw)
         model = body.get("model")
         if not isinstance(model, str):
             raise APIError(400, "'model' is required (a string)", param="model")
         if model != name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {name!r}",
                            "invalid_request_error", param="model", code="model_not_found")
-        ids = _chat_prompt(body, engine) if chat else _completion_prompt(body, engine)
+        ids = (_chat_prompt if chat else _completion_prompt)(body, engine, max_prompt_chars)
         params = _sampling(body, chat, len(ids), engine)
         stream = _get(body, "stream", "bool", False)
         opts = _get(body, "stream_options", "dict", None)
@@ -538,16 +627,26 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
         if usage is not None and not isinstance(usage, bool):     # "no" must not mean yes
             raise APIError(400, f"'stream_options.include_usage' must be a bool, got {type(usage).__name__}",
                            param="stream_options")
-        include_usage = usage is True
-        want_ids = _get(body, "return_token_ids", "bool", False)
+        return ids, params, stream, usage is True, _get(body, "return_token_ids", "bool", False)
+
+    async def handle(request: Request, chat: bool):
+        loop = asyncio.get_running_loop()
+        raw = await _read_body(request, max_body_bytes)
+        ids, params, stream, include_usage, want_ids = await loop.run_in_executor(prep, prepare, raw, chat)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        job = Job(rid, ids, params, asyncio.get_running_loop())
+        job = Job(rid, ids, params, loop)
         worker.submit(job)
         now = int(time.time())
         if stream:
-            return StreamingResponse(_stream(job, chat, include_usage, now), media_type="text/event-stream",
+            return StreamingResponse(_stream(job, request, chat, include_usage, now),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        out = await _collect(job, request)
+        try:
+            out = await _collect(job, request)
+        except APIError as e:
+            if e.code == "cancelled":
+                _log_cancelled(request, job, None)
+            raise
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
                       "finish_reason": out.finish_reason}
@@ -558,8 +657,18 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now, "model": name,
                 "choices": [choice], "usage": _usage(out)}
 
-    async def _stream(job: Job, chat: bool, include_usage: bool, now: int):
+    def _log_cancelled(request: Request, job: Job, tokens: int | None) -> None:
+        """One line and one count for a request that ended before its output was complete (the access line
+        uvicorn wrote when the response started says only its status)."""
+        why = job.why or "client_disconnected"
+        metrics.cancelled.labels(why).inc()
+        sent = f" after {tokens} streamed tokens" if tokens is not None else ""
+        log.info('%s - "%s %s" %s cancelled (%s)%s, %.2f s', _peer(request), request.method, request.url.path,
+                 job.rid, why.replace("_", " "), sent, time.perf_counter() - job.created)
+
+    async def _stream(job: Job, request: Request, chat: bool, include_usage: bool, now: int):
         obj = "chat.completion.chunk" if chat else "text_completion"
+        complete, tokens = False, 0
 
         def chunk(text: str | None = None, finish: str | None = None, role: bool = False) -> dict:
             if chat:
@@ -578,6 +687,7 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
             while True:
                 kind, payload = await job.events.get()
                 if kind == "chunk":
+                    tokens += len(payload.token_ids)
                     if payload.text:
                         yield _sse(chunk(payload.text))
                     if payload.output is not None:
@@ -587,15 +697,20 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
                                         "usage": _usage(payload.output)})
                         break
                 elif kind == "error":
+                    metrics.error(payload)
                     yield _sse({"error": {"message": payload.message, "type": payload.type, "code": payload.code}})
                     break
                 else:
+                    job.why = job.why or "shutdown"
                     yield _sse({"error": {"message": "request cancelled (server shutting down)",
                                           "type": "server_error", "code": "cancelled"}})
                     break
             yield "data: [DONE]\n\n"
+            complete = job.why is None
         finally:                      # normal end, client disconnect (generator cancelled/closed) or error
             job.cancel.set()
+            if not complete:
+                _log_cancelled(request, job, tokens)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -612,8 +727,20 @@ def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, timeout
                 **config):
     """A ``uvicorn.Server`` for ``app`` whose shutdown is prompt: when it begins, the worker refuses new work
     and cancels what is still running ``timeout_graceful_shutdown`` seconds later (plain uvicorn would wait
-    for every stream to run to its end). ``config``: more ``uvicorn.Config`` arguments."""
+    for every stream to run to its end). ``config``: more ``uvicorn.Config`` arguments; without a ``log_config``
+    the server's own lines (cancelled requests, clients leaving mid-body) go to uvicorn's handler at its
+    ``log_level``, next to its access lines (otherwise only warnings would reach stderr)."""
+    import copy
+
     import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
+
+    if "log_config" not in config:
+        level = config.get("log_level") or "info"
+        log_config = copy.deepcopy(LOGGING_CONFIG)
+        log_config["loggers"][log.name] = {"handlers": ["default"], "propagate": False,
+                                           "level": level.upper() if isinstance(level, str) else level}
+        config["log_config"] = log_config
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):

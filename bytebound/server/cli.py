@@ -3,7 +3,8 @@
 Usage::
 
     bytebound serve [engine flags] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
-        [--max-queue 64] [--timeout-graceful-shutdown 5] [--verify [--strict]] [--log-level info]
+        [--max-queue 64] [--max-prompt-chars N] [--timeout-graceful-shutdown 5] [--verify [--strict]]
+        [--log-level info]
 
 Endpoints: /v1/completions, /v1/chat/completions (SSE streaming or not), /v1/models, /health, /metrics,
 /server_info (see :mod:`bytebound.server.app`). The model name is the checkpoint dir's basename unless
@@ -29,6 +30,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: checkpoint basename)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for the engine before new ones get 429 (default 64)")
+    p.add_argument("--max-prompt-chars", type=int, default=None, metavar="N",
+                   help="longest prompt in characters (chat: all message contents), refused with 400 "
+                        "prompt_too_long before tokenising; the body limit follows from it (default: "
+                        "--max-model-len x 32)")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=5.0, metavar="SECONDS",
                    help="on SIGINT/SIGTERM, how long requests in flight may run on before they are cancelled "
                         "(default 5; without a bound a long generation would hold the shutdown for minutes)")
@@ -56,6 +61,9 @@ def cmd_serve(a) -> int:
     if not 0 <= a.port <= 65535:
         print(f"[bytebound serve] --port must be in [0, 65535], got {a.port}", file=sys.stderr)
         return 2
+    if a.max_prompt_chars is not None and a.max_prompt_chars < 1:
+        print("[bytebound serve] --max-prompt-chars must be >= 1", file=sys.stderr)
+        return 2
     if not a.timeout_graceful_shutdown >= 0:
         print("[bytebound serve] --timeout-graceful-shutdown must be >= 0", file=sys.stderr)
         return 2
@@ -68,7 +76,7 @@ def cmd_serve(a) -> int:
         print(f"[bytebound serve] engine did not start: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     print_fallbacks(eng)
-    app = create_app(eng, a.served_model_name, a.max_queue)
+    app = create_app(eng, a.served_model_name, a.max_queue, max_prompt_chars=a.max_prompt_chars)
     name = app.state.served_model_name
     res = ", ".join(f"{op}={r.resolved}" for op, r in eng.plan.resolutions.items())
     print(f"[bytebound serve] model {name!r} on {eng.device} (kernels: {res}; head path {eng.model.lm_head.mode}, "
