@@ -24,6 +24,7 @@ from safetensors import safe_open
 from bytebound.checkpoint.layout import TensorSpec, expected_tensors
 from bytebound.config import LingConfig
 from bytebound.errors import CheckpointError
+from bytebound.models import model_class
 from bytebound.models.bailing_moe_v3 import BailingMoeV3ForCausalLM
 
 MAX_LISTED = 12
@@ -127,7 +128,7 @@ def load_model(path, device="cpu", dtype: torch.dtype | None = None) -> BailingM
     if nextn_absent:
         cfg = cfg.replace(num_nextn_predict_layers=0)
     with torch.device("meta"):
-        model = BailingMoeV3ForCausalLM(cfg, dtype)
+        model = model_class(cfg)(cfg, dtype)
     model = model.to_empty(device=device)
     params = dict(model.named_parameters())
     by_file: dict[str, list[TensorSpec]] = defaultdict(list)

@@ -9,6 +9,7 @@ import math
 import torch
 
 from bytebound.config import LingConfig
+from bytebound.models import model_class
 from bytebound.models.bailing_moe_v3 import BailingMoeV3ForCausalLM
 
 
@@ -40,7 +41,8 @@ def init_plain_(model: BailingMoeV3ForCausalLM, seed: int = 0, std: float = 0.02
 def random_model(cfg: LingConfig, seed: int = 0, dtype=torch.float32, std: float = 0.02) -> BailingMoeV3ForCausalLM:
     """A plain-weight model of ``cfg`` (quantisation ignored) with seeded random weights, on CPU."""
     from bytebound.config import QuantConfig
-    model = BailingMoeV3ForCausalLM(cfg.replace(quant=QuantConfig()), dtype)
+    cfg = cfg.replace(quant=QuantConfig())
+    model = model_class(cfg)(cfg, dtype)
     return init_plain_(model, seed, std)
 
 
@@ -52,7 +54,7 @@ def dummy_model(cfg: LingConfig, device="cuda", dtype=torch.bfloat16, seed: int 
     """
     torch.manual_seed(seed)
     with torch.device("meta"):
-        model = BailingMoeV3ForCausalLM(cfg, dtype)
+        model = model_class(cfg)(cfg, dtype)
     model = model.to_empty(device=device)
     with torch.no_grad():
         for name, p in model.named_parameters():
