@@ -307,7 +307,11 @@ class TritonKDA:
 
     def __init__(self):
         from bytebound.kernels import fla_kda
-        self.prefill_backend = "fla" if fla_kda.available(torch.device("cuda")) is None else "torch"
+        why = fla_kda.available(torch.device("cuda"))
+        self.prefill_backend = "fla" if why is None else "torch"
+        # recorded in the manifest (Resolution.prefill): the torch reference is slow, so it is never silent
+        self.prefill = (f"M <= {MAX_TOKENS}: fused kernel; larger M: " +
+                        ("fla chunk_kda" if why is None else f"torch reference (fla unusable: {why})"))
 
     def bind(self, layer, dtype):
         if self.prefill_backend == "fla":

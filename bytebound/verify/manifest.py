@@ -106,6 +106,8 @@ def _resolution(r) -> dict:
     d = {"requested": r.requested, "resolved": r.resolved, "ok": r.fallback_from is None and r.requested == r.resolved}
     if r.fallback_from:
         d["fallback_from"], d["reason"] = r.fallback_from, r.reason
+    if getattr(r, "prefill", None):
+        d["prefill"] = r.prefill
     return d
 
 
