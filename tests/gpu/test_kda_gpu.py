@@ -87,7 +87,7 @@ def ling_layer(seed=0):
     from bytebound.layers.linear import QLinear, fuse_rows
     from bytebound.models.bailing_moe_v3 import _lin_fmt
     cfg = LingConfig.from_file(LING3_FLASH_CONFIG)
-    i = cfg.kda_layers()[0]
+    i = cfg.kda_layers[0]
     torch.manual_seed(seed)
     with torch.device("meta"):
         layer = KimiDeltaAttention(cfg, _lin_fmt(cfg, f"model.layers.{i}.attention"), torch.bfloat16)
