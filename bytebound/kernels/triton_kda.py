@@ -296,6 +296,7 @@ class FusedKDA:
 
 
 def available(dev) -> str | None:
+    """None when the fused kernel can run on ``dev`` (a CUDA device and an importable Triton), else the reason."""
     return cuda_only(dev) or _TRITON_ERR
 
 
@@ -314,6 +315,7 @@ class TritonKDA:
                         ("fla chunk_kda" if why is None else f"torch reference (fla unusable: {why})"))
 
     def bind(self, layer, dtype):
+        """The layer's ``kda_fn`` for what the fused op does not take (T > ``MAX_TOKENS``, or no state)."""
         if self.prefill_backend == "fla":
             from bytebound.kernels.fla_kda import make_kda_fn
             return make_kda_fn(inplace=True)
@@ -321,4 +323,5 @@ class TritonKDA:
         return torch_kda
 
     def bind_fused(self, layer, dtype):
+        """The layer's ``fused_fn`` (:class:`FusedKDA`); raises BackendError for a conv kernel size other than 4."""
         return FusedKDA(layer)
