@@ -82,7 +82,7 @@ def close64(got, want, tol=1e-5):
     assert err < tol, f"relative error {err:.3g} >= {tol}"
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 @pytest.mark.parametrize("h,dk", [(2, 16), (2, 32)])
 def test_fused_matches_float64_with_history(tk, m, lower_bound, h, dk):

@@ -5,7 +5,7 @@ Per head, for each of the M tokens in order (``layers.kda``; Kimi Linear, arXiv 
 ``ling3-reference.md`` section 1.5), all in float32:
 
     x_t      = q|k|v projection output (pre-conv) of token t, window W = the conv state's last 3 inputs
-    q, k, v  = SiLU(w0 W0 + w1 W1 + w2 W2 + w3 x_t)                  # causal depthwise conv, kernel 4; W <- (W1, W2, x_t)
+    q, k, v  = SiLU(w0 W0 + w1 W1 + w2 W2 + w3 x_t)                  # depthwise conv, kernel 4; W <- (W1, W2, x_t)
     g        = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))      # safe gate (kda_ref.kda_gate),
                or -exp(A_log) * softplus(f + dt_bias)                 #   plain gate when lower_bound is None
     beta     = sigmoid(b)                                             # b_proj output
@@ -247,28 +247,32 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
     return o
 
 
-def history_buffers(state, tokens: int = MAX_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-token history buffers of a ``layers.kda.KDAState``: ``conv_hist [tokens, B, C, 3]`` and ``rec_hist
-    [tokens, B, H, K, V]`` float32, allocated on first use and kept on the state (``state.hist_buf``), so a
-    captured graph writes the same memory at every replay."""
-    buf = getattr(state, "hist_buf", None)
-    if buf is None or buf[0].shape[0] < tokens or buf[0].shape[1:] != state.conv.shape \
-            or buf[1].shape[1:] != state.rec.shape or buf[0].device != state.conv.device:
-        buf = (torch.zeros(tokens, *state.conv.shape, dtype=torch.float32, device=state.conv.device),
+def history_buffers(state, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token history buffers of a ``layers.kda.KDAState`` for a ``tokens``-token call: ``conv_hist [n, B, C, 3]``
+    and ``rec_hist [n, B, H, K, V]`` float32 with ``n >= tokens``, allocated on first use and kept on the state
+    (``state.hist_buf``, a list whose last pair is current), so a captured graph writes the same memory at every
+    replay. A larger ``tokens`` later allocates a larger pair; the earlier pairs stay referenced, because a graph
+    captured with them still writes there."""
+    bufs = state.hist_buf or []
+    cur = bufs[-1] if bufs else None
+    if cur is None or cur[0].shape[0] < tokens or cur[0].shape[1:] != state.conv.shape \
+            or cur[1].shape[1:] != state.rec.shape or cur[0].device != state.conv.device:
+        cur = (torch.zeros(tokens, *state.conv.shape, dtype=torch.float32, device=state.conv.device),
                torch.zeros(tokens, *state.rec.shape, dtype=torch.float32, device=state.rec.device))
-        state.hist_buf = buf
-    return buf
+        state.hist_buf = bufs + [cur]
+    return cur
 
 
 class FusedKDA:
     """The fused decode/verify op bound to one ``KimiDeltaAttention`` layer (``layer.fused_fn``).
 
-    ``fn(qkv, f, gate, b, state, out_dtype) -> o [B, T, H*V]`` in ``out_dtype``, for ``1 <= T <= max_tokens``; it updates
-    ``state.conv`` and ``state.rec`` in place. When ``state.history`` is a list (MTP verify), the kernel writes
-    every token's state into ``history_buffers(state)`` and ``state.history`` becomes the list of ``(conv [B, C,
-    3], rec [B, H, K, V])`` views of those buffers, one per token: ``KDAState.rollback(i)`` copies from them as
-    it does from the torch path's clones. The layer's conv weights are concatenated once here (at bind), so
-    weights changed after binding need a re-bind. Raises BackendError as :func:`fused_kda` does.
+    ``fn(qkv, f, gate, b, state, out_dtype) -> o [B, T, H*V]`` in ``out_dtype``, for ``1 <= T <= max_tokens``; it
+    updates ``state.conv`` and ``state.rec`` in place. When ``state.history`` is a list (MTP verify), the kernel
+    writes every token's state into ``history_buffers(state, T)`` (8 MB per Ling layer at T = 4) and
+    ``state.history`` becomes the list of ``(conv [B, C, 3], rec [B, H, K, V])`` views of those buffers, one per
+    token: ``KDAState.rollback(i)`` copies from them as it does from the torch path's clones. The layer's conv
+    weights are concatenated once here (at bind), so weights changed after binding need a re-bind. Raises
+    BackendError as :func:`fused_kda` does, and for a conv kernel size other than 4.
     """
     max_tokens = MAX_TOKENS
 
@@ -287,7 +291,7 @@ class FusedKDA:
         hist = state.history is not None
         ch = rh = None
         if hist:
-            ch, rh = history_buffers(state, self.max_tokens)
+            ch, rh = history_buffers(state, qkv.shape[1])
         o = fused_kda(qkv, f, gate, b, self.conv_weight, state.conv, self.a_log, self.dt_bias, state.rec,
                       m.o_norm.weight, m.o_norm.eps, m.lower_bound, out_dtype, ch, rh)
         if hist:

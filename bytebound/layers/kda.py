@@ -33,9 +33,9 @@ class KDAState:
     # rejected draft rolls back to an exact committed boundary without replaying anything.
     history: list | None = None
     _conv_before: torch.Tensor | None = None   # conv window before a recorded forward (rebuilds per-token windows)
-    # Per-token history buffers ``(conv [N, B, 3D, k-1], rec [N, B, H, K, V])`` that the fused kernel writes
-    # (``kernels.triton_kda.history_buffers``); ``history`` then holds views of them instead of clones.
-    hist_buf: tuple | None = None
+    # Per-token history buffers ``[(conv [N, B, 3D, k-1], rec [N, B, H, K, V]), ...]`` (last pair current) that
+    # the fused kernel writes (``kernels.triton_kda.history_buffers``); ``history`` then holds views, not clones.
+    hist_buf: list | None = None
 
     def clone(self) -> "KDAState":
         return KDAState(self.conv.clone(), self.rec.clone())
