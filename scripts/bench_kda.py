@@ -7,7 +7,8 @@ Rows (median device time of one graph replay, CUDA events):
 * ``layer``: the whole layer forward ``x -> o_proj(...)`` with the FP8 projections (q|k|v|f|g fused, b_proj, o_proj
   on the CUDA default linear backend), for ``--backends`` (default ``fla,triton``);
 * ``projections``: q|k|v|f|g + b_proj + o_proj alone, so ``layer - projections`` is the cost between them;
-* ``fused kernel``: ``triton_kda.fused_kda`` alone (the part the layer's glue + recurrence becomes);
+* ``fused kernel``: ``triton_kda.fused_kda`` alone (the part the layer's glue + recurrence becomes), at its
+  default launch width and at each ``--warps`` value;
 * ``fla fused_recurrent`` (M = 1): fla-core's recurrence kernel alone, on pre-computed q, k, v, g, beta: the
   same-run yardstick of the recurrence by itself.
 
@@ -103,6 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,4", help="M values (verify rows record the per-token history)")
     ap.add_argument("--backends", default="fla,triton", help="kda backends for the layer rows")
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--warps", default="4,8,16", help="num_warps values to time the fused kernel at (besides its "
+                    "default); empty: only the default")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -151,7 +154,10 @@ def main(argv=None) -> int:
                 if hist:
                     st.history = []
                 return fk(qkv, f, gate, b, st, torch.bfloat16)
-            add("fused kernel" + (" (history)" if hist else ""), m, graph_ms(fused, a.reps), kernels_per_call(fused))
+            for nw in [None] + [int(w) for w in a.warps.split(",") if w]:
+                fk.num_warps = nw
+                add("fused kernel" + (" (history)" if hist else "") + (f" num_warps={nw}" if nw else ""), m,
+                    graph_ms(fused, a.reps), kernels_per_call(fused) if nw is None else None)
             if m == 1:
                 from bytebound.kernels.fla_kda import make_kda_fn
                 fla = make_kda_fn(inplace=True)

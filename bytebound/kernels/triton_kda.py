@@ -281,7 +281,8 @@ class FusedKDA:
             raise BackendError(f"kda[triton]: the fused kernel takes short_conv_kernel_size {CONV_KERNEL}, the "
                                f"model has {layer.kernel}")
         self.layer = layer
-        self.conv_weight = layer.conv_weight().reshape(-1, layer.kernel).float().contiguous()
+        self.num_warps = None           # fused_kda's default; scripts/bench_kda.py --warps sweeps it
+        self.conv_weight = layer.conv_weight().detach().reshape(-1, layer.kernel).float().contiguous()
         # float32 views (the same tensors when already float32 and contiguous): no per-call cast kernels
         self.a_log = layer.A_log.detach().float().contiguous()
         self.dt_bias = layer.dt_bias.detach().float().contiguous()
@@ -293,7 +294,7 @@ class FusedKDA:
         if hist:
             ch, rh = history_buffers(state, qkv.shape[1])
         o = fused_kda(qkv, f, gate, b, self.conv_weight, state.conv, self.a_log, self.dt_bias, state.rec,
-                      m.o_norm.weight, m.o_norm.eps, m.lower_bound, out_dtype, ch, rh)
+                      m.o_norm.weight, m.o_norm.eps, m.lower_bound, out_dtype, ch, rh, self.num_warps)
         if hist:
             state.history = [(ch[i], rh[i]) for i in range(qkv.shape[1])]
         return o
