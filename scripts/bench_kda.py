@@ -62,11 +62,12 @@ def ling_kda_layer(cfg: LingConfig, dev, dtype=torch.bfloat16, seed: int = 0) ->
             else:
                 p.normal_(0, 0.02)
     lin, _ = resolve("linear", "triton", torch.device(dev))
-    for m in layer.modules():
-        if isinstance(m, QLinear):
-            m.fn = lin.bind(m, dtype)
-    fused = fuse_rows([layer.q_proj, layer.k_proj, layer.v_proj, layer.f_proj, layer.g_proj])
+    parts = [layer.q_proj, layer.k_proj, layer.v_proj, layer.f_proj, layer.g_proj]
+    fused = fuse_rows(parts)
     layer.proj_fn = lin.bind(fused, dtype) if fused is not None else None
+    for m in layer.modules():
+        if isinstance(m, QLinear) and (fused is None or all(m is not p for p in parts)):
+            m.fn = lin.bind(m, dtype)
     return layer
 
 
@@ -139,10 +140,12 @@ def main(argv=None) -> int:
                 add(label, m, graph_ms(call, a.reps), kernels_per_call(call))
             bind_kda(layer, "fla")
 
+            o_in = (torch.randn(1, m, layer.dim, device=dev) * 0.5).to(torch.bfloat16)
+
             def proj():
-                y = layer.proj_fn(x)
+                layer.proj_fn(x)
                 layer.b_proj(x)
-                return layer.o_proj(y[..., :layer.dim])
+                return layer.o_proj(o_in)
             add("projections (qkvfg + b + o)", m, graph_ms(proj, a.reps), kernels_per_call(proj))
             fk = triton_kda.FusedKDA(layer)
             y = layer.proj_fn(x)

@@ -109,11 +109,12 @@ def ling_layer(seed=0):
             else:
                 prm.normal_(0, 0.02)
     lin, _ = resolve("linear", "triton", torch.device(DEV))
-    for mod in layer.modules():
-        if isinstance(mod, QLinear):
-            mod.fn = lin.bind(mod, torch.bfloat16)
-    fused = fuse_rows([layer.q_proj, layer.k_proj, layer.v_proj, layer.f_proj, layer.g_proj])
+    parts = [layer.q_proj, layer.k_proj, layer.v_proj, layer.f_proj, layer.g_proj]
+    fused = fuse_rows(parts)
     layer.proj_fn = lin.bind(fused, torch.bfloat16) if fused is not None else None
+    for mod in layer.modules():
+        if isinstance(mod, QLinear) and (fused is None or all(mod is not p for p in parts)):
+            mod.fn = lin.bind(mod, torch.bfloat16)
     return layer
 
 
