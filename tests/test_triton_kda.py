@@ -318,3 +318,26 @@ def test_backend_resolution_is_named():
     else:
         impl, res = resolve("kda", "triton", torch.device("cuda"))
         assert res.resolved == "triton" and "fused kernel" in impl.prefill
+
+
+def test_history_tensors_are_the_kernel_buffers(tk):
+    """After a recorded fused forward, ``KDAState.history_tensors`` returns the kernel's buffers themselves (same
+    memory, no stack) with the same values as the list; after a torch-path forward it stacks the clones."""
+    layer = tiny_layer(torch.float32)
+    x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(4)).to(DEV)
+    st = layer.new_state(1, DEV)
+    with torch.no_grad():
+        layer.fused_fn = tk.FusedKDA(layer)
+        st.history = []
+        layer(x, st)
+        conv_h, rec_h = st.history_tensors()
+        assert rec_h.data_ptr() == st.hist_buf[-1][1].data_ptr() and rec_h.shape[0] == 3
+        for i, (c, r) in enumerate(st.history):
+            assert torch.equal(conv_h[i], c) and torch.equal(rec_h[i], r)
+        layer.fused_fn = None
+        st.history = []
+        layer(x, st)
+        conv_t, rec_t = st.history_tensors()
+        assert rec_t.data_ptr() != st.hist_buf[-1][1].data_ptr()
+        for i, (c, r) in enumerate(st.history):
+            assert torch.equal(conv_t[i], c) and torch.equal(rec_t[i], r)

@@ -47,6 +47,17 @@ class KDAState:
         self.rec.copy_(rec)
         self.history = None
 
+    def history_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The recorded per-token states as ``(conv [T, B, 3D, k-1], rec [T, B, H, K, V])``: the fused kernel's
+        history buffers themselves when it wrote them (no copy; rollback is then an index into them), else a stack
+        of the recorded clones."""
+        n = len(self.history)
+        if self.hist_buf and n:
+            c, r = self.hist_buf[-1]
+            if n <= r.shape[0] and self.history[0][1].data_ptr() == r.data_ptr():
+                return c[:n], r[:n]
+        return torch.stack([c for c, _ in self.history]), torch.stack([s for _, s in self.history])
+
     def copy_(self, other: "KDAState") -> None:
         self.conv.copy_(other.conv)
         self.rec.copy_(other.rec)
