@@ -184,15 +184,17 @@ def _bf16_close(got, want):
     assert (got != want).float().mean() < 0.05
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,m", [(torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 2),
+                                     (torch.float32, 3), (torch.bfloat16, 6)])
 @pytest.mark.parametrize("safe", [True, False])
-def test_layer_fused_equals_torch_path_with_rollback(tk, dtype, safe):
-    """Decode (M = 1) then a recorded 4-token verify through ``layer.fused_fn``, against the same steps through the
-    torch path: outputs, states, and each history entry (``KDAState.rollback(i)`` lands on the same state)."""
+def test_layer_fused_equals_torch_path_with_rollback(tk, dtype, m, safe):
+    """Decode (M = 1) then a recorded M-token verify through ``layer.fused_fn``, against the same steps through the
+    torch path (``_stepwise``): outputs, states, and each history entry (``KDAState.rollback(i)`` lands on the
+    same state)."""
     layer = tiny_layer(dtype, safe)
     fused = tk.FusedKDA(layer)
     g = torch.Generator().manual_seed(1)
-    xs = [torch.randn(1, n, layer.q_proj.in_features, generator=g).to(dtype).to(DEV) for n in (1, 4)]
+    xs = [torch.randn(1, n, layer.q_proj.in_features, generator=g).to(dtype).to(DEV) for n in (1, m)]
     st_ref = layer.new_state(1, DEV)
     with torch.no_grad():
         st_ref.rec.copy_(torch.randn(st_ref.rec.shape, generator=g).to(DEV) * 0.3)
@@ -217,7 +219,7 @@ def test_layer_fused_equals_torch_path_with_rollback(tk, dtype, safe):
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(st.rec, st_ref.rec, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(st.conv, st_ref.conv, rtol=0, atol=0)
-    assert len(st.history) == len(st_ref.history) == 4
+    assert len(st.history) == len(st_ref.history) == m
     for (c, r), (cr, rr) in zip(st.history, st_ref.history):
         torch.testing.assert_close(c, cr, rtol=0, atol=0)
         torch.testing.assert_close(r, rr, rtol=1e-5, atol=1e-5)
