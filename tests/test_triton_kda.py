@@ -265,6 +265,12 @@ def test_refusals_are_named_errors(tk):
                      p["a_log"].to(DEV), p["dt_bias"].to(DEV), st["rec"], p["norm_weight"].to(DEV), 1e-6, -5.0,
                      torch.float32, torch.zeros(1, *st["conv"].shape, device=DEV),
                      torch.zeros(1, *st["rec"].shape, device=DEV))
+    if DEV == "cuda":
+        st = {k: v.to(DEV) for k, v in s.items()}
+        with pytest.raises(BackendError, match="A_log not on"):
+            tk.fused_kda(*(x[k].to(DEV) for k in ("qkv", "f", "gate", "b")), p["conv_weight"].to(DEV), st["conv"],
+                         p["a_log"], p["dt_bias"].to(DEV), st["rec"], p["norm_weight"].to(DEV), 1e-6, -5.0,
+                         torch.float32)
     layer = tiny_layer(torch.float32)
     layer.kernel = 3
     with pytest.raises(BackendError, match="short_conv_kernel_size"):

@@ -234,6 +234,11 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
             raise BackendError(f"kda[triton]: history buffers hold {n} tokens, the call has {t}")
         _f32_contig(conv_hist, "conv_hist", (n, bsz, c, CONV_KERNEL - 1))
         _f32_contig(rec_hist, "rec_hist", (n, bsz, h, dk, dv))
+    tensors = dict(qkv=qkv, f=f, gate=gate, b=b, conv_weight=conv_weight, conv=conv, A_log=a_log, dt_bias=dt_bias,
+                   rec=rec, norm_weight=norm_weight, conv_hist=conv_hist, rec_hist=rec_hist)
+    off = [k for k, v in tensors.items() if v is not None and v.device != qkv.device]
+    if off:
+        raise BackendError(f"kda[triton]: {', '.join(off)} not on {qkv.device} (where qkv is)")
     o = torch.empty(bsz, t, h * dv, dtype=out_dtype, device=qkv.device)
     if num_warps is None:
         num_warps = 4 if dk * dv <= 4096 else 8
