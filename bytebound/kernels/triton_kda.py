@@ -16,7 +16,11 @@ Per head, for each of the M tokens in order (``layers.kda``; Kimi Linear, arXiv 
 One program per (batch row, head) holds that head's state ``[K, V]`` in registers for all M tokens: the state is
 read and written once per call, not once per token. The V dimension is not split across programs because the
 gated RMSNorm needs the whole V row of ``o``; at Ling's shape (32 heads x 128) that is 32 programs of 64 KB state
-each. With a history request the kernel also writes, after each token i, the conv window to ``conv_hist[i]`` and
+each. The program works in two phases: first the key side of all M tokens (q/k conv + SiLU, L2 norms, gate) as
+1-D vectors, written to a small float32 scratch; then, after a barrier, the value-side conv, the delta rule and
+the norm on the state. In the state's register layout every K-vector is replicated over the lanes that hold
+different V columns, so building the ~20 key-side vectors there makes ptxas spill; passing the three results
+(q, k, exp(g)) through the scratch keeps the state phase within the register file. With a history request the kernel also writes, after each token i, the conv window to ``conv_hist[i]`` and
 the recurrent state to ``rec_hist[i]`` (MTP verify: rollback to token i is a copy from, or an index into, those
 buffers; no Python loop, no clones).
 
@@ -52,7 +56,7 @@ if tl is not None:
     def _fused_kda_kernel(
             qkv_ptr, s_qkv_b, s_qkv_t, f_ptr, s_f_b, s_f_t, gate_ptr, s_gate_b, s_gate_t, b_ptr, s_b_b, s_b_t,
             convw_ptr, conv_ptr, alog_ptr, dtb_ptr, rec_ptr, normw_ptr, o_ptr, s_o_b, s_o_t,
-            conv_hist_ptr, rec_hist_ptr, lower_bound, eps, scale,
+            conv_hist_ptr, rec_hist_ptr, scratch_ptr, lower_bound, eps, scale,
             B, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
             M: tl.constexpr, SAFE_GATE: tl.constexpr, HIST: tl.constexpr):
         pid = tl.program_id(0)
@@ -60,15 +64,17 @@ if tl is not None:
         h = pid % H
         DQK: tl.constexpr = H * K
         C: tl.constexpr = 2 * H * K + H * V          # conv channels q|k|v
+        conv_b = conv_ptr + bi * C * 3
+        # This program's scratch [M, 3, BK] float32: l2-normalised scaled q, l2-normalised k, decay exp(g).
+        scr = scratch_ptr + pid.to(tl.int64) * (M * 3 * BK)
+
+        # ---- phase 1: the key-side vectors of all M tokens (conv + SiLU, L2 norms, gate), 1-D over K ----
+        # Kept apart from the [K, V] phase on purpose (module docstring): there a K-vector is replicated over the
+        # lanes that hold different V columns, so building these ~20 vectors there spills registers.
         ck = tl.arange(0, BK)
-        cv = tl.arange(0, BV)
         mk = ck < K
-        mv = cv < V
-        # conv channels of this head: q at h*K, k at DQK + h*K, v at 2*DQK + h*V
         chq = h * K + ck
         chk = DQK + h * K + ck
-        chv = 2 * DQK + h * V + cv
-        conv_b = conv_ptr + bi * C * 3
         # conv weights [C, 4] and windows [C, 3] (oldest first), float32
         cq0 = tl.load(convw_ptr + chq * 4 + 0, mask=mk, other=0.0)
         cq1 = tl.load(convw_ptr + chq * 4 + 1, mask=mk, other=0.0)
@@ -78,38 +84,26 @@ if tl is not None:
         ck1 = tl.load(convw_ptr + chk * 4 + 1, mask=mk, other=0.0)
         ck2 = tl.load(convw_ptr + chk * 4 + 2, mask=mk, other=0.0)
         ck3 = tl.load(convw_ptr + chk * 4 + 3, mask=mk, other=0.0)
-        cv0 = tl.load(convw_ptr + chv * 4 + 0, mask=mv, other=0.0)
-        cv1 = tl.load(convw_ptr + chv * 4 + 1, mask=mv, other=0.0)
-        cv2 = tl.load(convw_ptr + chv * 4 + 2, mask=mv, other=0.0)
-        cv3 = tl.load(convw_ptr + chv * 4 + 3, mask=mv, other=0.0)
         wq0 = tl.load(conv_b + chq * 3 + 0, mask=mk, other=0.0)
         wq1 = tl.load(conv_b + chq * 3 + 1, mask=mk, other=0.0)
         wq2 = tl.load(conv_b + chq * 3 + 2, mask=mk, other=0.0)
         wk0 = tl.load(conv_b + chk * 3 + 0, mask=mk, other=0.0)
         wk1 = tl.load(conv_b + chk * 3 + 1, mask=mk, other=0.0)
         wk2 = tl.load(conv_b + chk * 3 + 2, mask=mk, other=0.0)
-        wv0 = tl.load(conv_b + chv * 3 + 0, mask=mv, other=0.0)
-        wv1 = tl.load(conv_b + chv * 3 + 1, mask=mv, other=0.0)
-        wv2 = tl.load(conv_b + chv * 3 + 2, mask=mv, other=0.0)
         rate = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
         dtb = tl.load(dtb_ptr + h * K + ck, mask=mk, other=0.0).to(tl.float32)
-        nw = tl.load(normw_ptr + cv, mask=mv, other=0.0).to(tl.float32)
-        m2 = mk[:, None] & mv[None, :]
-        soff = ck[:, None] * V + cv[None, :]
-        rec_bh = rec_ptr + (bi * H + h) * K * V
-        s = tl.load(rec_bh + soff, mask=m2, other=0.0)
         for t in tl.static_range(M):
             xrow = qkv_ptr + bi * s_qkv_b + t * s_qkv_t
             xq = tl.load(xrow + chq, mask=mk, other=0.0).to(tl.float32)
             xk = tl.load(xrow + chk, mask=mk, other=0.0).to(tl.float32)
-            xv = tl.load(xrow + chv, mask=mv, other=0.0).to(tl.float32)
             q = _conv_silu_step(xq, wq0, wq1, wq2, cq0, cq1, cq2, cq3)
             k = _conv_silu_step(xk, wk0, wk1, wk2, ck0, ck1, ck2, ck3)
-            v = _conv_silu_step(xv, wv0, wv1, wv2, cv0, cv1, cv2, cv3)
             wq0, wq1, wq2 = wq1, wq2, xq
             wk0, wk1, wk2 = wk1, wk2, xk
-            wv0, wv1, wv2 = wv1, wv2, xv
-            # gate (kda_ref.kda_gate) and beta
+            # L2 norms (x / sqrt(sum x^2 + 1e-6), fla's form) and the K^-0.5 scale
+            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+            # gate (kda_ref.kda_gate)
             fx = tl.load(f_ptr + bi * s_f_b + t * s_f_t + h * K + ck, mask=mk, other=0.0).to(tl.float32) + dtb
             if SAFE_GATE:
                 g = lower_bound * tl.sigmoid(rate * fx)
@@ -117,15 +111,55 @@ if tl is not None:
                 # softplus as torch computes it (threshold 20), in the overflow-free form for the rest
                 sp = tl.maximum(fx, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(fx)))
                 g = -rate * tl.where(fx > 20.0, fx, sp)
+            tl.store(scr + (t * 3 + 0) * BK + ck, q, mask=mk)
+            tl.store(scr + (t * 3 + 1) * BK + ck, k, mask=mk)
+            tl.store(scr + (t * 3 + 2) * BK + ck, tl.exp(g), mask=mk)
+            if HIST:
+                hc = conv_hist_ptr + (t * B + bi) * C * 3
+                tl.store(hc + chq * 3 + 0, wq0, mask=mk)
+                tl.store(hc + chq * 3 + 1, wq1, mask=mk)
+                tl.store(hc + chq * 3 + 2, wq2, mask=mk)
+                tl.store(hc + chk * 3 + 0, wk0, mask=mk)
+                tl.store(hc + chk * 3 + 1, wk1, mask=mk)
+                tl.store(hc + chk * 3 + 2, wk2, mask=mk)
+        tl.store(conv_b + chq * 3 + 0, wq0, mask=mk)
+        tl.store(conv_b + chq * 3 + 1, wq1, mask=mk)
+        tl.store(conv_b + chq * 3 + 2, wq2, mask=mk)
+        tl.store(conv_b + chk * 3 + 0, wk0, mask=mk)
+        tl.store(conv_b + chk * 3 + 1, wk1, mask=mk)
+        tl.store(conv_b + chk * 3 + 2, wk2, mask=mk)
+        tl.debug_barrier()          # phase 2 reads the scratch that other threads of this program wrote
+
+        # ---- phase 2: value-side conv, the delta rule on the [K, V] state, the gated RMSNorm ----
+        rk = tl.arange(0, BK)
+        rmk = rk < K
+        cv = tl.arange(0, BV)
+        mv = cv < V
+        chv = 2 * DQK + h * V + cv
+        cv0 = tl.load(convw_ptr + chv * 4 + 0, mask=mv, other=0.0)
+        cv1 = tl.load(convw_ptr + chv * 4 + 1, mask=mv, other=0.0)
+        cv2 = tl.load(convw_ptr + chv * 4 + 2, mask=mv, other=0.0)
+        cv3 = tl.load(convw_ptr + chv * 4 + 3, mask=mv, other=0.0)
+        wv0 = tl.load(conv_b + chv * 3 + 0, mask=mv, other=0.0)
+        wv1 = tl.load(conv_b + chv * 3 + 1, mask=mv, other=0.0)
+        wv2 = tl.load(conv_b + chv * 3 + 2, mask=mv, other=0.0)
+        nw = tl.load(normw_ptr + cv, mask=mv, other=0.0).to(tl.float32)
+        m2 = rmk[:, None] & mv[None, :]
+        soff = rk[:, None] * V + cv[None, :]
+        rec_bh = rec_ptr + (bi * H + h) * K * V
+        s = tl.load(rec_bh + soff, mask=m2, other=0.0)
+        for t in tl.static_range(M):
+            xv = tl.load(qkv_ptr + bi * s_qkv_b + t * s_qkv_t + chv, mask=mv, other=0.0).to(tl.float32)
+            v = _conv_silu_step(xv, wv0, wv1, wv2, cv0, cv1, cv2, cv3)
+            wv0, wv1, wv2 = wv1, wv2, xv
             beta = tl.sigmoid(tl.load(b_ptr + bi * s_b_b + t * s_b_t + h).to(tl.float32))
-            # L2 norms (x / sqrt(sum x^2 + 1e-6), fla's form) and the K^-0.5 scale
-            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-            # delta rule: decay each key channel, predict, rank-1 update
-            s = s * tl.exp(g)[:, None]
+            # delta rule: decay each key channel, predict, rank-1 update (key-side vectors from phase 1)
+            s = s * tl.load(scr + (t * 3 + 2) * BK + rk, mask=rmk, other=0.0)[:, None]
+            k = tl.load(scr + (t * 3 + 1) * BK + rk, mask=rmk, other=0.0)
             pred = tl.sum(k[:, None] * s, axis=0)
             delta = (v - pred) * beta
             s = s + k[:, None] * delta[None, :]
+            q = tl.load(scr + (t * 3 + 0) * BK + rk, mask=rmk, other=0.0)
             o = tl.sum(q[:, None] * s, axis=0)
             # gated RMSNorm over V (RMSNormGated: float32 statistics, one rounding at the store)
             gt = tl.load(gate_ptr + bi * s_gate_b + t * s_gate_t + h * V + cv, mask=mv, other=0.0).to(tl.float32)
@@ -135,23 +169,11 @@ if tl is not None:
                      o.to(o_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mv)
             if HIST:
                 hc = conv_hist_ptr + (t * B + bi) * C * 3
-                tl.store(hc + chq * 3 + 0, wq0, mask=mk)
-                tl.store(hc + chq * 3 + 1, wq1, mask=mk)
-                tl.store(hc + chq * 3 + 2, wq2, mask=mk)
-                tl.store(hc + chk * 3 + 0, wk0, mask=mk)
-                tl.store(hc + chk * 3 + 1, wk1, mask=mk)
-                tl.store(hc + chk * 3 + 2, wk2, mask=mk)
                 tl.store(hc + chv * 3 + 0, wv0, mask=mv)
                 tl.store(hc + chv * 3 + 1, wv1, mask=mv)
                 tl.store(hc + chv * 3 + 2, wv2, mask=mv)
                 tl.store(rec_hist_ptr + ((t * B + bi) * H + h) * K * V + soff, s, mask=m2)
         tl.store(rec_bh + soff, s, mask=m2)
-        tl.store(conv_b + chq * 3 + 0, wq0, mask=mk)
-        tl.store(conv_b + chq * 3 + 1, wq1, mask=mk)
-        tl.store(conv_b + chq * 3 + 2, wq2, mask=mk)
-        tl.store(conv_b + chk * 3 + 0, wk0, mask=mk)
-        tl.store(conv_b + chk * 3 + 1, wk1, mask=mk)
-        tl.store(conv_b + chk * 3 + 2, wk2, mask=mk)
         tl.store(conv_b + chv * 3 + 0, wv0, mask=mv)
         tl.store(conv_b + chv * 3 + 1, wv1, mask=mv)
         tl.store(conv_b + chv * 3 + 2, wv2, mask=mv)
@@ -174,7 +196,7 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
               conv: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, rec: torch.Tensor,
               norm_weight: torch.Tensor, eps: float, lower_bound: float | None, out_dtype: torch.dtype,
               conv_hist: torch.Tensor | None = None, rec_hist: torch.Tensor | None = None,
-              num_warps: int | None = None) -> torch.Tensor:
+              num_warps: int | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """One KDA layer's work between its projections for ``T <= MAX_TOKENS`` tokens, in one kernel launch.
 
     Args:
@@ -193,6 +215,9 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
         conv_hist, rec_hist: both or neither; ``[>= T, B, 2HK + HV, 3]`` and ``[>= T, B, H, K, V]`` float32,
             contiguous: entry ``i`` receives the conv window and the recurrent state after token ``i``.
         num_warps: launch width (default 4 for K*V <= 4096, else 8).
+        scratch: float32 workspace of >= ``B * H * T * 3 * next_pow2(K)`` elements (the key-side vectors passed
+            from the kernel's first phase to its second); allocated per call when None (:class:`FusedKDA` passes
+            a persistent one, so a captured graph allocates nothing).
 
     Returns:
         ``o [B, T, HV]`` in ``out_dtype``: the gated-RMSNormed KDA output, ready for ``o_proj``.
@@ -240,16 +265,36 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
     if off:
         raise BackendError(f"kda[triton]: {', '.join(off)} not on {qkv.device} (where qkv is)")
     o = torch.empty(bsz, t, h * dv, dtype=out_dtype, device=qkv.device)
+    need = bsz * h * t * 3 * triton.next_power_of_2(dk)
+    if scratch is None:
+        scratch = torch.empty(need, dtype=torch.float32, device=qkv.device)
+    elif scratch.dtype != torch.float32 or not scratch.is_contiguous() or scratch.numel() < need \
+            or scratch.device != qkv.device:
+        raise BackendError(f"kda[triton]: scratch must be contiguous float32 with >= {need} elements on "
+                           f"{qkv.device}, got {scratch.dtype} {tuple(scratch.shape)} on {scratch.device}")
     if num_warps is None:
         num_warps = 4 if dk * dv <= 4096 else 8
     _fused_kda_kernel[(bsz * h,)](
         qkv, qkv.stride(0), qkv.stride(1), f, f.stride(0), f.stride(1), gate, gate.stride(0), gate.stride(1),
         b, b.stride(0), b.stride(1), conv_weight, conv, a_log, dt_bias, rec, norm_weight, o, o.stride(0), o.stride(1),
-        conv_hist if hist else conv, rec_hist if hist else rec,
+        conv_hist if hist else conv, rec_hist if hist else rec, scratch,
         float(lower_bound) if lower_bound is not None else 0.0, float(eps), dk ** -0.5,
         bsz, H=h, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=triton.next_power_of_2(dv), M=t,
         SAFE_GATE=lower_bound is not None, HIST=hist, num_warps=num_warps)
     return o
+
+
+_SCRATCH: dict[str, list[torch.Tensor]] = {}
+
+
+def _scratch(device: torch.device, numel: int) -> torch.Tensor:
+    """The fused kernel's workspace on ``device``, shared by all layers (they run one after another on one stream):
+    allocated once, grown when a call needs more; earlier buffers stay referenced, as a captured graph may still
+    use them."""
+    bufs = _SCRATCH.setdefault(str(device), [])
+    if not bufs or bufs[-1].numel() < numel:
+        bufs.append(torch.empty(numel, dtype=torch.float32, device=device))
+    return bufs[-1]
 
 
 def history_buffers(state, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,7 +344,9 @@ class FusedKDA:
         if hist:
             ch, rh = history_buffers(state, qkv.shape[1])
         o = fused_kda(qkv, f, gate, b, self.conv_weight, state.conv, self.a_log, self.dt_bias, state.rec,
-                      m.o_norm.weight, m.o_norm.eps, m.lower_bound, out_dtype, ch, rh, self.num_warps)
+                      m.o_norm.weight, m.o_norm.eps, m.lower_bound, out_dtype, ch, rh, self.num_warps,
+                      _scratch(qkv.device, qkv.shape[0] * m.heads * self.max_tokens * 3 *
+                               triton.next_power_of_2(m.head_dim)))
         if hist:
             state.history = [(ch[i], rh[i]) for i in range(qkv.shape[1])]
         return o
