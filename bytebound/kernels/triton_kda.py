@@ -20,12 +20,13 @@ each. The program works in two phases: first the key side of all M tokens (q/k c
 1-D vectors, written to a small float32 scratch; then, after a barrier, the value-side conv, the delta rule and
 the norm on the state. In the state's register layout every K-vector is replicated over the lanes that hold
 different V columns, so building the ~20 key-side vectors there makes ptxas spill; passing the three results
-(q, k, exp(g)) through the scratch keeps the state phase within the register file. With a history request the kernel also writes, after each token i, the conv window to ``conv_hist[i]`` and
-the recurrent state to ``rec_hist[i]`` (MTP verify: rollback to token i is a copy from, or an index into, those
-buffers; no Python loop, no clones).
+(q, k, exp(g)) through the scratch keeps the state phase within the register file. With a history request the
+kernel also writes, after each token i, the conv window to ``conv_hist[i]`` and the recurrent state to
+``rec_hist[i]`` (MTP verify: rollback to token i is a copy from, or an index into, those buffers; no Python loop,
+no clones).
 
-The wrapper :func:`fused_kda` allocates only its output ``o`` (the history buffers are the caller's, allocated
-once), makes no host sync and launches one kernel: it is CUDA-graph capturable. The float32 rounding points are
+The wrapper :func:`fused_kda` allocates only its output ``o`` (the history buffers and, through
+:class:`FusedKDA`, the scratch are allocated once), makes no host sync and launches one kernel: it is CUDA-graph capturable. The float32 rounding points are
 those of the torch path (``layers.kda`` with ``kda_ref``), so the only rounding to the model dtype is the final
 store of ``o``. Tested against the layer's torch path, fla-core's naive KDA and a float64 derivation in Triton's
 interpreter on CPU (tests/test_triton_kda.py) and at Ling's full shape on the GPU (tests/gpu/test_kda_gpu.py).
