@@ -28,8 +28,9 @@ no clones).
 The wrapper :func:`fused_kda` allocates only its output ``o`` (the history buffers and, through
 :class:`FusedKDA`, the scratch are allocated once), makes no host sync and launches one kernel: it is CUDA-graph
 capturable. The float32 rounding points are those of the torch path (``layers.kda`` with ``kda_ref``), so the
-only rounding to the model dtype is the final store of ``o``. Tested against the layer's torch path, fla-core's naive KDA and a float64 derivation in Triton's
-interpreter on CPU (tests/test_triton_kda.py) and at Ling's full shape on the GPU (tests/gpu/test_kda_gpu.py).
+only rounding to the model dtype is the final store of ``o``. Tested against the layer's torch path, fla-core's
+naive KDA and a float64 derivation in Triton's interpreter on CPU (tests/test_triton_kda.py) and at Ling's full
+shape on the GPU (tests/gpu/test_kda_gpu.py).
 """
 
 from __future__ import annotations
