@@ -18,7 +18,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-fp32-lm-head", action="store_true", help="alias of --lm-head fp32")
     p.add_argument("--moe-backend", default=None, help="routed-MoE backend: torch | triton | humming")
     p.add_argument("--linear-backend", default=None, help="dense projection backend: torch | triton")
-    p.add_argument("--kda-backend", default=None, help="KDA backend: torch | fla")
+    p.add_argument("--kda-backend", default=None, help="KDA backend: torch | fla | triton (fused decode/verify kernel)")
     p.add_argument("--allow-fallback", action="store_true",
                    help="substitute the torch backend when a requested one is unusable (recorded and printed)")
     p.add_argument("--speculative-algorithm", default=None, choices=["NEXTN"], help="NEXTN = MTP drafting (default off)")

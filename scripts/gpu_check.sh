@@ -31,7 +31,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -69,6 +69,13 @@ section_kernels() {      # GPU kernel tests vs torch / float64 references
         -v -p no:cacheprovider --durations=15 \
         -rfE --tb=short $(pytest_timeout) \
         --junitxml="$OUT/kernels_junit.xml" ${PYTEST_K:+-k "$PYTEST_K"}
+}
+
+section_kda() {          # the fused KDA decode/verify kernel (kda backend 'triton'): tests at Ling's shape, then one
+    # layer's fused path vs today's fla + glue path at M = 1 and 4 under CUDA graphs (JSON in $OUT)
+    run_step pytest python3 -m pytest tests/gpu/test_kda_gpu.py tests/test_triton_kda.py -v -p no:cacheprovider \
+        -rfE --tb=short $(pytest_timeout) --junitxml="$OUT/kda_junit.xml" ${PYTEST_K:+-k "$PYTEST_K"}
+    run_step bench python3 scripts/bench_kda.py --out "$OUT/bench_kda.json"
 }
 
 section_bench_moe() {    # per-layer MoE microbenchmark (+ triton config sweep), JSON in $OUT

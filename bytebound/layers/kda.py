@@ -33,6 +33,9 @@ class KDAState:
     # rejected draft rolls back to an exact committed boundary without replaying anything.
     history: list | None = None
     _conv_before: torch.Tensor | None = None   # conv window before a recorded forward (rebuilds per-token windows)
+    # Per-token history buffers ``[(conv [N, B, 3D, k-1], rec [N, B, H, K, V]), ...]`` (last pair current) that
+    # the fused kernel writes (``kernels.triton_kda.history_buffers``); ``history`` then holds views, not clones.
+    hist_buf: list | None = None
 
     def clone(self) -> "KDAState":
         return KDAState(self.conv.clone(), self.rec.clone())
@@ -43,6 +46,17 @@ class KDAState:
         self.conv.copy_(conv)
         self.rec.copy_(rec)
         self.history = None
+
+    def history_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The recorded per-token states as ``(conv [T, B, 3D, k-1], rec [T, B, H, K, V])``: the fused kernel's
+        history buffers themselves when it wrote them (no copy; rollback is then an index into them), else a stack
+        of the recorded clones."""
+        n = len(self.history)
+        if self.hist_buf and n:
+            c, r = self.hist_buf[-1]
+            if n <= r.shape[0] and self.history[0][1].data_ptr() == r.data_ptr():
+                return c[:n], r[:n]
+        return torch.stack([c for c, _ in self.history]), torch.stack([s for _, s in self.history])
 
     def copy_(self, other: "KDAState") -> None:
         self.conv.copy_(other.conv)
@@ -89,6 +103,9 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = RMSNormGated(d, cfg.rms_norm_eps)
         self.kda_fn = torch_kda
         self.proj_fn = None          # fused q|k|v|f|g projection, set by runner.backends.bind_model
+        # decode/verify (T <= fused_fn.max_tokens, with a state): conv, gates, recurrence and gated norm in one
+        # kernel (kda backend 'triton', kernels.triton_kda.FusedKDA); None: the path below
+        self.fused_fn = None
 
     def new_state(self, batch: int, device) -> KDAState:
         return KDAState(torch.zeros(batch, 3 * self.dim, self.kernel - 1, device=device),
@@ -136,6 +153,8 @@ class KimiDeltaAttention(nn.Module):
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
             f, gate = self.f_proj(x), self.g_proj(x)
+        if self.fused_fn is not None and state is not None and t <= self.fused_fn.max_tokens:
+            return self.o_proj(self.fused_fn(qkv, f, gate, self.b_proj(x), state, x.dtype))
         q, k, v = self.short_conv(qkv, state).split(self.dim, -1)
         shape = (b, t, self.heads, self.head_dim)
         g = kda_gate(f, self.A_log, self.dt_bias, self.lower_bound, self.head_dim)

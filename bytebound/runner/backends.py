@@ -109,6 +109,8 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
     for op in ("moe", "linear", "lm_head", "kda", "mla"):
         impl[op], plan.resolutions[op] = resolve(op, plan.requested[op], device, plan.allow_fallback)
     plan.resolutions["sampling"] = Resolution("sampling", plan.requested.get("sampling", "torch"), "torch")
+    if getattr(impl["kda"], "prefill", None):       # kda 'triton': the fused kernel's M limit and who runs prefill
+        plan.resolutions["kda"].prefill = impl["kda"].prefill
     model.lm_head.configure(lm_head_mode)
     for flag, on in (("--fused-router", fused_router), ("--fused-router-gemv", router_gemv),
                      ("--fused-norm", fused_norm)):
@@ -145,6 +147,9 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
                                                    f"M > {m.fn.max_tokens})")
         elif isinstance(m, KimiDeltaAttention):
             m.kda_fn = impl["kda"].bind(m, dtype)
+            # decode/verify as one fused kernel where the backend has one (kda 'triton'); None keeps the layer path
+            bind_fused = getattr(impl["kda"], "bind_fused", None)
+            m.fused_fn = bind_fused(m, dtype) if bind_fused is not None else None
             # q|k|v|f|g read the same input: one launch instead of five, and no concat for the conv
             parts = [m.q_proj, m.k_proj, m.v_proj, m.f_proj, m.g_proj]
             fused = fuse_rows(parts)

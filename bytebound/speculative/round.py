@@ -12,7 +12,8 @@ integer. Here both are made static:
   ``i`` writes slot ``pos + i - 1`` and reads slots ``<= pos + i - 1``, and the next round's extend rewrites
   ``pos .. pos + k`` (so e.g. slot ``pos + k - 1`` after ``j = 0`` is never read while stale).
 * **On-device rollback.** The verify records the KDA state after every token (``KDAState.history``). The state
-  after token ``j`` is selected with ``index_select`` and copied back in place.
+  after token ``j`` is selected with ``index_select`` and copied back in place (with kda=triton straight from the
+  fused kernel's per-token buffers, ``KDAState.history_tensors``).
 * **Next inputs in place.** The round writes ``y`` (its bonus token), the extend ids and hiddens, ``j`` and
   ``pos`` into the buffers the next replay reads. The host reads one small tensor per round, ``out = [d_1..d_k,
   bonus, j]``, to emit tokens. That read is the round's only sync.
@@ -96,8 +97,9 @@ class StaticRound:
         # 5. KDA rollback to the state after token j (MLA slots past the new pos are rewritten before use)
         sel = j.view(1)
         for st in self.kda:
-            st.conv.copy_(torch.stack([c for c, _ in st.history]).index_select(0, sel)[0])
-            st.rec.copy_(torch.stack([s for _, s in st.history]).index_select(0, sel)[0])
+            conv_h, rec_h = st.history_tensors()       # the fused kda kernel's buffers as they are, else a stack
+            st.conv.copy_(conv_h.index_select(0, sel)[0])
+            st.rec.copy_(rec_h.index_select(0, sel)[0])
             st.history = None
         # 6. the next round's inputs: token after position pos+t is d[t] for t < j and the bonus at t = j
         self.out.copy_(torch.cat([d, bonus.view(1), j.view(1)]))

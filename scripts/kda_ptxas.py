@@ -1,0 +1,65 @@
+"""Compile the fused KDA kernel (``kernels.triton_kda``) for a GPU target without a GPU and print ptxas' resource
+usage (registers, stack = spills) per (M, history, num_warps): a register-pressure check that runs on a CPU machine.
+
+Pointers and row strides are declared 16-divisible, as Triton specialises them at a real launch on the engine's
+tensors (the layout, and so the register count, depends on it). Needs Triton with its bundled ptxas/cuobjdump.
+
+    python scripts/kda_ptxas.py [--arch 90] [--heads 32 --head-dim 128] [--tokens 1,4,6,8] [--warps 4,8,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def resource_usage(m: int, hist: bool, warps: int, heads: int, d: int, arch: int, safe: bool = True) -> str:
+    """ptxas' ``REG:.. STACK:..`` line for one specialisation of ``_fused_kda_kernel``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from bytebound.kernels import triton_kda as tk
+    fn = tk._fused_kda_kernel
+    f32, bf16 = "*fp32", "*bf16"
+    types = dict(qkv_ptr=bf16, f_ptr=bf16, gate_ptr=bf16, b_ptr=bf16, o_ptr=bf16, lower_bound="fp32", eps="fp32",
+                 scale="fp32", B="i32")
+    const = dict(H=heads, K=d, V=d, BK=triton.next_power_of_2(d), BV=triton.next_power_of_2(d), M=m, SAFE_GATE=safe,
+                 HIST=hist)
+    sig, attrs = {}, {}
+    for i, n in enumerate(fn.arg_names):
+        sig[n] = "constexpr" if n in const else types.get(n, f32 if n.endswith("_ptr") else "i32")
+        if sig[n].startswith("*") or n.startswith("s_"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                       target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    return next((ln.strip() for ln in out.splitlines() if "REG:" in ln), out.strip()[-200:])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--tokens", default="1,4,6,8")
+    ap.add_argument("--warps", default="4,8,16")
+    a = ap.parse_args(argv)
+    for m in (int(x) for x in a.tokens.split(",")):
+        for w in (int(x) for x in a.warps.split(",")):
+            print(f"M={m} history={m > 1} num_warps={w}: "
+                  f"{resource_usage(m, m > 1, w, a.heads, a.head_dim, a.arch)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
