@@ -21,6 +21,12 @@ ROOT = TESTS.parent
 NANO_TOKENIZER = ROOT / "models" / "ling-nano"
 sys.path.insert(0, str(TESTS))          # tests/hf_ref.py is importable as ``hf_ref`` from every test module
 
+# Without a GPU, Triton kernels can only run in its interpreter, and Triton's own jitted library functions
+# (tl.zeros, tl.sigmoid, ...) are built for the mode Triton was first imported in: set the mode before anything
+# imports Triton, so a kernel test works whatever ran before it in the session.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The tiny models run thousands of microsecond-sized ops: one intra-op thread is fastest, and with two threads on
 # a busy 2-core machine every op waits for the other thread (measured 2.7 ms vs 400 ms per decode step).
 torch.set_num_threads(1)
