@@ -412,7 +412,7 @@ def test_nextn_layer_absent_loads_without_draft(tmp_path, own_model):
 def test_mtp_on_a_config_without_nextn_is_a_named_error(tmp_path):
     from bytebound.engine.engine import Engine
     d = _write(make_model(tiny_config(num_nextn_predict_layers=0), seed=1), tmp_path / "zero")
-    with pytest.raises(ConfigError, match="num_nextn_predict_layers is 0"):
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers = 0"):
         Engine(model=str(d), speculative_steps=1)
 
 

@@ -247,7 +247,7 @@ class Engine:
         if cfg.speculative_steps and self.model.nextn is None:
             why = ("the config says num_nextn_predict_layers: 1 but the checkpoint holds no model.layers."
                    f"{self.model.cfg.num_hidden_layers}.* tensors (transformers' save_pretrained drops them)"
-                   if getattr(self.model, "nextn_absent", False) else "num_nextn_predict_layers is 0")
+                   if getattr(self.model, "nextn_absent", False) else "num_nextn_predict_layers = 0")
             raise ConfigError(f"MTP (--speculative-algorithm NEXTN, speculative_steps={cfg.speculative_steps}) "
                               f"needs the checkpoint's NEXTN layer, and {cfg.model} has none: {why}; "
                               "run without speculative decoding")
