@@ -176,10 +176,24 @@ def _worker(rank: int, fn: Callable, world: int, port: int, device: str, args: t
         dist.destroy_process_group()
 
 
-def launch(fn: Callable, world: int, args: tuple = (), device: str = "cpu") -> None:
+def launch(fn: Callable, world: int, args: tuple = (), device: str = "cpu", grace_s: float = 10.0) -> None:
     """Run ``fn(rank, *args)`` in ``world`` fresh processes (spawn), each already in the group (gloo on CPU,
-    NCCL on CUDA, one GPU per rank). Returns when all return; when one raises, the others are stopped and a
-    ``torch.multiprocessing.ProcessRaisedException`` names it. ``fn`` must be importable (module level)."""
+    NCCL on CUDA, one GPU per rank). Returns when all return. When one raises, the others are stopped and a
+    ``torch.multiprocessing.ProcessRaisedException`` names it; when rank 0 returns and a follower is still
+    waiting for it ``grace_s`` seconds later (rank 0 gave up on a request before telling the others, e.g. a
+    refused prompt), the follower is stopped. ``fn`` must be importable (module level)."""
+    import time
     import torch.multiprocessing as mp
-    mp.start_processes(_worker, args=(fn, world, free_port(), device, args), nprocs=world, join=True,
-                       start_method="spawn")
+    ctx = mp.start_processes(_worker, args=(fn, world, free_port(), device, args), nprocs=world, join=False,
+                             start_method="spawn")
+    lead_done = None
+    while not ctx.join(timeout=0.2):
+        if lead_done is None and not ctx.processes[0].is_alive() and ctx.processes[0].exitcode == 0:
+            lead_done = time.monotonic()
+        if lead_done is not None and time.monotonic() - lead_done > grace_s:
+            for proc in ctx.processes[1:]:
+                if proc.is_alive():
+                    proc.terminate()
+            for proc in ctx.processes[1:]:
+                proc.join()
+            return
