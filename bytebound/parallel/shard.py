@@ -126,7 +126,7 @@ def _shard_experts(ex: RoutedExperts, r: int, n: int, name: str) -> None:
         if hasattr(ex, p):
             setattr(ex, p, _param(getattr(ex, p).data[e0:e1]))
     ex.n, ex.first = e1 - e0, e0
-    inner = ex.forward
+    inner = ex.local_forward = ex.forward      # local expert ids (the start-up canary calls it directly)
 
     def forward(x, ids, w, _inner=inner, _lo=e0, _n=e1 - e0):
         """Global expert ids -> this rank's: other ranks' experts get weight 0 (on local expert 0, whose finite
