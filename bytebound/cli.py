@@ -47,6 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture the decode step in a graph")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="N processes, one shard of the model each (heads, experts, vocabulary; gloo on CPU, NCCL on "
+                        "CUDA with one GPU per rank); bytebound starts them itself, or runs as a rank under torchrun")
 
 
 def engine_config(a):
@@ -68,7 +71,8 @@ def engine_config(a):
                         load_format=a.load_format, enforce_eager=a.enforce_eager,
                         spec_static_round=a.spec_static_round, kv_buckets=a.decode_kv_buckets,
                         fused_router=a.fused_router, fused_norm=a.fused_norm,
-                        fused_shared=a.fused_shared_expert, fused_router_gemv=a.fused_router_gemv)
+                        fused_shared=a.fused_shared_expert, fused_router_gemv=a.fused_router_gemv,
+                        tensor_parallel_size=a.tensor_parallel_size)
 
 
 def print_fallbacks(engine) -> None:
@@ -177,6 +181,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from bytebound.errors import ByteboundError
     try:
+        if getattr(a, "tensor_parallel_size", 1) != 1:
+            return _parallel(a, sys.argv[1:] if argv is None else list(argv))
         return a.fn(a)
     except ByteboundError as e:          # a named, expected failure: one clear line, no traceback
         print(f"bytebound: error: {type(e).__name__}: {e}", file=sys.stderr)
@@ -184,6 +190,48 @@ def main(argv=None) -> int:
     except OSError as e:                 # a path the user gave that cannot be read or written (names the path)
         print(f"bytebound: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+
+
+# Commands that run SPMD under tensor parallelism: every rank runs the same command, rank 0 decides and prints.
+TP_COMMANDS = ("generate", "verify", "demo")
+
+
+def _parallel(a, argv: list[str]) -> int:
+    """``--tensor-parallel-size N``: as a rank under torchrun (``WORLD_SIZE`` set), join the group and run the
+    command; otherwise start N ranks of this command line (``bytebound.parallel.launch``) and return rank 0's
+    exit status. The other ranks' stdout and stderr are discarded."""
+    import os
+    import tempfile
+    from bytebound.errors import ConfigError
+    from bytebound.parallel import current_group, init_from_env, launch
+    n = a.tensor_parallel_size
+    if n < 1:
+        raise ConfigError(f"--tensor-parallel-size must be >= 1, got {n}")
+    if a.cmd not in TP_COMMANDS:
+        raise ConfigError(f"--tensor-parallel-size > 1 is available for {', '.join(TP_COMMANDS)}; "
+                          f"not yet for {a.cmd}")
+    if current_group() is not None or "WORLD_SIZE" in os.environ:
+        tp = init_from_env(a.device)
+        if tp.world != n:
+            raise ConfigError(f"--tensor-parallel-size {n} but WORLD_SIZE is {tp.world}")
+        if tp.rank:        # rank 0 prints; a follower's failure reaches the launcher as an exception
+            sys.stdout = sys.stderr = open(os.devnull, "w")
+        return a.fn(a)
+    with tempfile.TemporaryDirectory() as d:
+        rc_file = os.path.join(d, "rc")
+        launch(_rank_main, n, (argv, rc_file), device=a.device)
+        try:
+            with open(rc_file) as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            return 1
+
+
+def _rank_main(rank: int, argv: list[str], rc_file: str) -> None:
+    rc = main(argv)
+    if rank == 0:
+        with open(rc_file, "w") as f:
+            f.write(str(rc))
 
 
 if __name__ == "__main__":

@@ -69,6 +69,9 @@ class EngineConfig:
     spec_static_round: bool | None = None  # MTP rounds with static shapes (speculative.round): on CUDA one graph
     #                                        replay per greedy round
     cpu_threads: int | None = 1       # batch-1 CPU steps are many tiny ops: one thread avoids sync overhead
+    # N processes, one shard each (bytebound.parallel): the process must already be rank r of an N-process group
+    # (bytebound's --tensor-parallel-size launcher or torchrun, bytebound.parallel.init_from_env).
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -206,6 +209,24 @@ class Engine:
         if cfg.speculative_steps < 0:
             raise ConfigError(f"--speculative-num-steps must be >= 0, got {cfg.speculative_steps}")
         cuda = dev.type == "cuda"
+        self.tp = None
+        if cfg.tensor_parallel_size != 1:
+            from bytebound.parallel import current_group
+            tp = current_group()
+            if cfg.tensor_parallel_size < 1:
+                raise ConfigError(f"--tensor-parallel-size must be >= 1, got {cfg.tensor_parallel_size}")
+            if tp is None or tp.world != cfg.tensor_parallel_size:
+                raise ConfigError(f"--tensor-parallel-size {cfg.tensor_parallel_size}: this process is "
+                                  + ("in no process group" if tp is None else f"rank {tp.rank} of {tp.world}")
+                                  + " (the bytebound command line starts the processes itself; from Python use "
+                                    "bytebound.parallel.launch, or torchrun + init_from_env)")
+            if cfg.spec_static_round:
+                raise ConfigError("--spec-static-round is not available with --tensor-parallel-size > 1 (its "
+                                  "on-device acceptance would let the ranks decide apart); MTP rounds run eagerly")
+            if tp.device.type != dev.type:
+                raise ConfigError(f"--device {cfg.device}: the process group runs on {tp.device.type}")
+            self.tp, dev = tp, tp.device
+            cfg = self.config = replace(cfg, spec_static_round=False)
         # None = the device's default: on with CUDA, off on CPU (where the Triton kernels and graphs do not run)
         self.config = cfg = replace(cfg, **{k: cuda for k in ("spec_static_round", "fused_router", "fused_norm",
                                                               "fused_router_gemv", "kv_buckets")
@@ -251,6 +272,10 @@ class Engine:
             raise ConfigError(f"MTP (--speculative-algorithm NEXTN, speculative_steps={cfg.speculative_steps}) "
                               f"needs the checkpoint's NEXTN layer, and {cfg.model} has none: {why}; "
                               "run without speculative decoding")
+        self.sharding = {"size": 1, "rank": 0}
+        if self.tp is not None:        # before binding: every backend prepares the rank's slices only
+            from bytebound.parallel import shard_model
+            self.sharding = shard_model(self.model, self.tp)
         clock.lap("load_s", dev)
         plan = BackendPlan.default(dev, **cfg.backends)
         plan.allow_fallback = cfg.allow_fallback
@@ -259,6 +284,7 @@ class Engine:
         self.plan.check_speculative(cfg.speculative_steps)     # ConfigError: a verify wider than the fast paths
         self.runner = ModelRunner(self.model, cfg.max_model_len, dev,
                                   pow2_buckets(cfg.max_model_len) if cfg.kv_buckets else None)
+        self.runner.tp = self.tp         # the MTP rounds take rank 0's drafts and accept decision
         if dev.type == "cuda" and not cfg.enforce_eager:
             from bytebound.runner.graphs import capture_decode
             capture_decode(self.runner)
@@ -335,7 +361,8 @@ class Engine:
         r = self.runner
         logits = r.logits(r.prefill(ids.to(self.device))[-1:])
         while True:
-            tok = int(sample(logits, p, gen)[0])
+            tok = sample(logits, p, gen)[:1]
+            tok = int(tok[0] if self.tp is None else self.tp.from_rank0(tok)[0])   # every rank runs rank 0's token
             yield tok, 0
             logits = r.logits(r.forward(torch.tensor([tok], device=self.device)))
 
@@ -355,10 +382,17 @@ class Engine:
         """Generate for one prompt, yielding text deltas. Stops on EOS/stop ids (not emitted), stop strings
         (output truncated before them) or ``max_tokens``; token ids, text and usage end at the same place."""
         p = params or SamplingParams()
-        ids = self.encode_prompt(prompt, chat)
+        follower = self.tp is not None and not self.tp.lead
+        if follower:            # rank > 0: rank 0's request (its prompt and settings), never our own
+            req = self.tp.sync_request(None, None)
+            if req is None:
+                return
+            ids, p = req
+        else:
+            ids = self.encode_prompt(prompt, chat)
         if not ids:
             raise RequestError("empty prompt")
-        if p.max_tokens > self.max_new_tokens(len(ids)):
+        if not follower and p.max_tokens > self.max_new_tokens(len(ids)):
             spare = self.config.speculative_steps if self.drafter else 0
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) needs "
                                f"{len(ids) + p.max_tokens - 1 + spare} cache slots"
@@ -379,7 +413,11 @@ class Engine:
         t0 = time.perf_counter()
         t_first = t_last = None
         finish = None
+        if self.tp is not None and not follower:
+            self.tp.sync_request(ids, p)
         source = self._tokens(torch.tensor(ids), p, gen, stats)
+        if self.tp is not None:         # rank 0 says when to stop; the others run until it does
+            source = self.tp.follow_tokens(source) if follower else self.tp.lead_tokens(source)
         try:
             for tok, rnd in source:
                 now = time.perf_counter()
@@ -427,6 +465,18 @@ class Engine:
             self.spec_totals.add(stats)
         out = RequestOutput(text, out_ids, finish or "length", len(ids), n, (t_first or end) - t0, tpot, end - t0, spec)
         yield StreamChunk(text[sent:], out_ids[reported:], finish or "length", out)
+
+    def follow(self) -> None:
+        """Tensor parallel, ranks > 0: run rank 0's requests (:meth:`stream` on rank 0, e.g. the server's) until
+        rank 0 calls :meth:`close`. No-op on rank 0 and without tensor parallelism."""
+        while self.tp is not None and not self.tp.lead and not self.tp.closed:
+            for _ in self.stream(None):
+                pass
+
+    def close(self) -> None:
+        """Tensor parallel, rank 0: release the followers waiting in :meth:`follow`. No-op elsewhere."""
+        if self.tp is not None and self.tp.lead:
+            self.tp.shutdown()
 
     def generate(self, prompts, params: SamplingParams | None = None, chat: bool = False) -> list[RequestOutput]:
         """Run each prompt (a string, token-id list, or a list of those) to completion, in order."""

@@ -121,6 +121,13 @@ class MTPDrafter:
         return h[0]
 
 
+def _from_rank0(runner, t: torch.Tensor) -> torch.Tensor:
+    """Tensor parallel (``runner.tp`` set by the engine): rank 0's ``t`` on every rank, so every rank verifies the
+    same drafts and keeps the same tokens; ``t`` itself otherwise."""
+    tp = getattr(runner, "tp", None)
+    return t if tp is None else tp.from_rank0(t)
+
+
 def nextn_prefix(drafter, ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor, state) -> None:
     """Fill the NEXTN cache over a prompt prefix (outputs unused), in chunks of ``runner.PREFILL_CHUNK`` tokens
     like the target's prefill, so a long prompt's attention memory stays bounded."""
@@ -139,7 +146,7 @@ def mtp_tokens(runner, drafter: MTPDrafter, prompt: torch.Tensor, p: SamplingPar
     """
     dev = runner.device
     hid = runner.prefill(prompt.to(dev))                                  # [P, H]
-    y = sample(runner.logits(hid[-1:]), p, gen).view(1)                   # [1] on the device
+    y = _from_rank0(runner, sample(runner.logits(hid[-1:]), p, gen).view(1))   # [1] on the device
     yield int(y), 0
     ext_ids = torch.cat([prompt[1:].to(dev), y])
     ext_hidden, ext_pos = hid, torch.arange(0, prompt.shape[0], device=dev)
@@ -162,12 +169,14 @@ def mtp_tokens(runner, drafter: MTPDrafter, prompt: torch.Tensor, p: SamplingPar
             dpos = torch.arange(runner.pos + i - 1, runner.pos + i, device=dev)
             dh = drafter.hidden(drafts[-1], dh, dpos, runner.state, span)
             drafts.append(drafter.logits(dh).argmax(-1))
-        d = torch.cat(drafts)                                             # [k]
+        d = _from_rank0(runner, torch.cat(drafts))                        # [k]
         t1 = time.perf_counter()
         vpos = torch.arange(runner.pos, runner.pos + k + 1, device=dev)
         vh = runner.verify(torch.cat([y, d]))
         j_t, bonus_t = accept_chain_device(runner.logits(vh), d, p, gen)
-        out = torch.cat([d, bonus_t.view(1), j_t.view(1)]).tolist()       # the round's one host sync
+        out_t = _from_rank0(runner, torch.cat([d, bonus_t.view(1), j_t.view(1)]))   # rank 0 decides
+        bonus_t = out_t[-2:-1]
+        out = out_t.tolist()                                              # the round's one host sync
         j, bonus = out[-1], out[-2]
         t2 = time.perf_counter()
         runner.commit(j + 1, k + 1)

@@ -191,6 +191,11 @@ def canary_draft_params_loaded(engine, ctx) -> CanaryResult:
         return _na(name, lever, "not applicable (no NEXTN layer in the checkpoint)")
     if engine.config.load_format == "dummy":
         return _na(name, lever, "not applicable (dummy weights: no checkpoint files to compare)")
+    if getattr(engine, "tp", None) is not None:
+        # the rank holds slices (bytebound.parallel.shard_model), not the files' rows; draft_sharing and
+        # draft_head_bitwise still check the draft's identity with the target on this rank
+        return _na(name, lever, f"not applicable (tensor parallel rank {engine.tp.rank}: the rank holds slices "
+                   "of the NEXTN tensors, not whole rows of the files)")
     from safetensors import safe_open
     from bytebound.checkpoint.layout import expected_tensors
     prefix = f"model.layers.{cfg.num_hidden_layers}."
@@ -354,13 +359,17 @@ def canary_moe_vs_reference(engine, ctx) -> CanaryResult:
         h = ex.hidden
         x = torch.randn(MOE_ROWS + 1, h, generator=g).to(dev, dt)
         ids_r, w_r = moe.router(x[:1])                                        # a router-chosen decode row
+        # expert parallel (bytebound.parallel): the rank holds ex.n experts from ex.first; check its own experts
+        # through the unwrapped call (local ids), router-chosen ids folded into its range
+        ids_r = ids_r % ex.n
+        call = getattr(ex, "local_forward", ex)
         k = ids_r.shape[1]
         ids = torch.stack([torch.randperm(ex.n, generator=g)[:k] for _ in range(MOE_ROWS)]).to(dev)
         w = torch.rand(MOE_ROWS, k, generator=g).to(dev)
         w = w / w.sum(-1, keepdim=True)
         errs = []
         for xs, i_, w_ in ((x[:1], ids_r, w_r), (x[1:], ids, w)):
-            y = ex(xs, i_, w_).float()
+            y = call(xs, i_, w_).float()
             ref = moe_reference(_RawExperts(ex), xs.float(), i_, w_.float())
             if ex.shared_in(xs.shape[0], k):        # the kernels ran the shared expert too (MoEKernel.bind_shared)
                 ref = ref + shared_expert_reference(moe.shared_experts, xs.float())
@@ -400,11 +409,28 @@ def canary_logits_finite(engine, ctx) -> CanaryResult:
 
 
 @torch.inference_mode()
+class _RankHead:
+    """A vocabulary-parallel head seen through this rank's columns ``[v0, v1)`` of its gathered logits."""
+
+    def __init__(self, head, v0: int, v1: int):
+        self._head, self._v = head, (v0, v1)
+
+    def __getattr__(self, k):
+        return getattr(self._head, k)
+
+    def __call__(self, x):
+        return self._head(x)[..., self._v[0]:self._v[1]]
+
+
 def canary_lm_head(engine, ctx) -> CanaryResult:
     from bytebound.layers.lm_head import bf16_logits
     name, lever = "lm_head_path", "lm_head"
     head = engine.model.lm_head
     x, labels = ctx.head_rows()
+    tp = getattr(engine, "tp", None)
+    if tp is not None:      # vocabulary-parallel head: compare this rank's rows of the gathered logits
+        v = head.weight.shape[0]
+        head = _RankHead(head, tp.rank * v, (tp.rank + 1) * v)
     if head.mode == "fp8":
         meas = {"mode": "fp8", "rows": len(labels), "large_norm_rows": labels[-len(LARGE_NORM_FACTORS):],
                 "scale_granularity": scale_granularity(head.weight, head.w_scale),

@@ -286,6 +286,8 @@ def build_manifest(engine) -> dict:
         "watchdog": wstate,
         "not_checked": not_checked,
         "startup": getattr(engine, "startup", None),
+        # tensor parallelism (bytebound.parallel.shard_model's description; this rank's view)
+        "tensor_parallel": getattr(engine, "sharding", None),
     }
 
 
@@ -318,6 +320,11 @@ def format_manifest(man: dict) -> str:
         lines.append(f"  canaries ({man['canary_seconds']:.3f} s):")
         for r in man["canaries"]:
             lines.append(f"    {r['status'].upper():<4} {r['name']:<20} {r['seconds'] * 1e3:8.1f} ms  {r['message']}")
+    tp = man.get("tensor_parallel")
+    if tp and tp.get("size", 1) > 1:
+        lines.append(f"  tensor parallel: N={tp['size']} ({tp.get('backend')}; rank {tp['rank']} shown): "
+                     f"{tp['attention']}; {tp['moe']}; {tp['mlp']}; {tp['lm_head']}; "
+                     f"{tp['allreduces_per_step']} all-reduces per decode step")
     st = man.get("startup")
     if st:
         phases = ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in st.items() if k.endswith("_s") and k != "total_s")
