@@ -23,8 +23,9 @@ mla = triton_module_fixture("mla", "bytebound.kernels.triton_mla", bf16_round_ne
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 YARN = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 131072}
-# tiny tilings so that the interpreter runs several key blocks, several splits and empty splits
-SMALL = {"BN": 16, "split": 32}
+# tiny tilings so that the interpreter runs several key blocks, several splits (some empty, some partly past the
+# span) and several split chunks in the merge (a partial one when the split count is odd)
+SMALL = {"BN": 16, "split": 32, "combine_SB": 2}
 
 
 def make_layer(heads: int, nope: int, vdim: int, seed: int = 0) -> GatedMLA:
@@ -178,7 +179,7 @@ def test_span_and_split_do_not_change_the_result(mla):
     positions = torch.arange(70, 73, device=DEV)
     outs = [run(mla, layer, q, ckv, gate, positions, kv.clone(), n, cfg)
             for n, cfg in [(73, {"BN": 16, "split": 16}), (128, {"BN": 16, "split": 16}), (None, {"BN": 32}),
-                           (80, {"BN": 16, "split": 80})]]
+                           (80, {"BN": 16, "split": 80, "combine_BK": 64, "combine_BV": 16})]]
     assert torch.equal(outs[0], outs[1])
     for o in outs[2:]:
         assert rel(o, outs[0]) < 4e-3, rel(o, outs[0])

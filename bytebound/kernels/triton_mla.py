@@ -49,8 +49,8 @@ LOG2E = 1.4426950408889634
 # Triton's interpreter multiplies BF16 operands of tl.dot as their raw 16-bit patterns: there the products run on
 # the same BF16 values widened to float32 (exact products, float32 sums, as the tensor cores do).
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
-DEFAULT_CFG = {"BM": 32, "BN": 32, "num_warps": 4, "num_stages": 2, "combine_BV": 64, "combine_SB": 16,
-               "combine_warps": 4, "target_programs": None, "split": None}
+DEFAULT_CFG = {"BM": 32, "BN": 32, "num_warps": 8, "num_stages": 2, "min_split": 64, "target_programs": None,
+               "split": None, "combine_BV": 64, "combine_BK": 128, "combine_SB": 16, "combine_warps": 4}
 
 
 def available(dev) -> str | None:
@@ -162,40 +162,53 @@ if tl is not None:
     @triton.jit
     def _mla_combine_out(o_ptr, lse_ptr, g_ptr, wv_ptr, out_ptr, B, s_g_t, s_out_t, NS: tl.constexpr,
                          T: tl.constexpr, H: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
-                         TP: tl.constexpr, BV: tl.constexpr, SB: tl.constexpr, DOT_F32: tl.constexpr):
-        """Program ``(h, v block, b)``: merge the splits of the T rows of head h, gate, multiply by W_vc[h]^T."""
+                         TP: tl.constexpr, BV: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
+                         DOT_F32: tl.constexpr):
+        """Program ``(h, v block, b)``: merge the splits of the T rows of head h, gate, multiply by W_vc[h]^T.
+
+        The latent output is built ``BK`` columns at a time (registers: ``[SB, BK]`` partials, ``[BK, BV]`` of
+        W_vc), so the v absorption is a K-loop of small tensor-core products."""
         h = tl.program_id(0)
         vb = tl.program_id(1)
         b = tl.program_id(2).to(tl.int64)
-        r = tl.arange(0, R)
         tt = tl.arange(0, TP)
         sb = tl.arange(0, SB)
-        ol = tl.zeros([TP, R], tl.float32)
-        for t in tl.static_range(T):
-            row = t * H + h
-            m = tl.full([1], float("-inf"), tl.float32)
-            den = tl.zeros([1], tl.float32)
-            acc = tl.zeros([R], tl.float32)
-            for s0 in range(0, NS, SB):
-                sm = (s0 + sb) < NS
-                prow = ((s0 + sb).to(tl.int64) * B + b) * (T * H) + row
-                lse = tl.load(lse_ptr + prow, mask=sm, other=float("-inf"))
-                m_new = tl.maximum(m, tl.max(lse, axis=0))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                a = tl.exp2(m - m_use)
-                wgt = tl.exp2(lse - m_use)
-                o = tl.load(o_ptr + prow[:, None] * R + r[None, :], mask=sm[:, None], other=0.0)
-                acc = acc * a + tl.sum(wgt[:, None] * o, axis=0)
-                den = den * a + tl.sum(wgt, axis=0)
-                m = m_new
-            gate = tl.sigmoid(tl.load(g_ptr + (b * T + t) * s_g_t + h).to(tl.float32))
-            o_t = acc * (gate / tl.where(den > 0, den, 1.0))
-            ol = tl.where(tt[:, None] == t, o_t[None, :], ol)
+        trow = tt < T
+        # pass 1, log2-sum-exp of the splits per row (lse only): the weight of split s is 2^(lse_s - m) / den
+        m = tl.full([TP], float("-inf"), tl.float32)
+        den = tl.zeros([TP], tl.float32)
+        for s0 in range(0, NS, SB):
+            sm = (s0 + sb) < NS
+            prow = ((s0 + sb[None, :]).to(tl.int64) * B + b) * (T * H) + tt[:, None] * H + h
+            lse = tl.load(lse_ptr + prow, mask=trow[:, None] & sm[None, :], other=float("-inf"))
+            m_new = tl.maximum(m, tl.max(lse, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            den = den * tl.exp2(m - m_use) + tl.sum(tl.exp2(lse - m_use[:, None]), axis=1)
+            m = m_new
+        m = tl.where(m == float("-inf"), 0.0, m)
+        gate = tl.sigmoid(tl.load(g_ptr + (b * T + tt) * s_g_t + h, mask=trow, other=0.0).to(tl.float32))
+        scl = gate / tl.where(den > 0, den, 1.0)               # head gate folded into the normalisation
         v = vb * BV + tl.arange(0, BV)
-        wv = tl.load(wv_ptr + h * (V * R) + v[None, :] * R + r[:, None])         # [R, BV] = W_vc[h]^T block
-        y = _dot(ol.to(wv.dtype), wv, DOT_F32)                                     # [TP, BV] float32
+        k = tl.arange(0, BK)
+        y = tl.zeros([TP, BV], tl.float32)
+        # pass 2, per BK-column chunk of the latent output: weighted sum of the partials, then times W_vc^T
+        for k0 in tl.static_range(0, R, BK):
+            ol = tl.zeros([TP, BK], tl.float32)
+            for t in tl.static_range(T):
+                m_t = tl.sum(tl.where(tt == t, m, 0.0), axis=0)
+                s_t = tl.sum(tl.where(tt == t, scl, 0.0), axis=0)
+                acc = tl.zeros([BK], tl.float32)
+                for s0 in range(0, NS, SB):
+                    sm = (s0 + sb) < NS
+                    prow = ((s0 + sb).to(tl.int64) * B + b) * (T * H) + t * H + h
+                    wgt = tl.exp2(tl.load(lse_ptr + prow, mask=sm, other=float("-inf")) - m_t)
+                    o = tl.load(o_ptr + prow[:, None] * R + k0 + k[None, :], mask=sm[:, None], other=0.0)
+                    acc += tl.sum(wgt[:, None] * o, axis=0)
+                ol = tl.where(tt[:, None] == t, (acc * s_t)[None, :], ol)
+            wv = tl.load(wv_ptr + h * (V * R) + v[None, :] * R + k0 + k[:, None])  # [BK, BV] of W_vc[h]^T
+            y += _dot(ol.to(wv.dtype), wv, DOT_F32)
         dst = out_ptr + (b * T + tt[:, None]) * s_out_t + h * V + v[None, :]
-        tl.store(dst, y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=tt[:, None] < T)
+        tl.store(dst, y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=trow[:, None])
 
 
 def _pow2(n: int) -> bool:
@@ -205,9 +218,10 @@ def _pow2(n: int) -> bool:
 def split_plan(span: int, rows: int, batch: int, cfg: dict, device) -> tuple[int, int, int]:
     """``(BM, split, n_splits)`` for a static span of ``span`` slots and ``rows = M * H`` query rows.
 
-    Enough splits that ``batch * row blocks * splits`` fills the GPU (``cfg["target_programs"]``, default two
-    programs per SM; one on CPU) with each split a whole number of ``BN`` key blocks. ``cfg["split"]`` forces the
-    split length (tests)."""
+    Enough splits that ``batch * row blocks * splits`` reaches ``cfg["target_programs"]`` (default one program
+    per SM; 1 on a CPU) so long contexts use the whole GPU, each split at least ``cfg["min_split"]`` keys (more
+    splits cost partial outputs of ``rows * 2 KiB`` each, written and merged through L2) and a whole number of
+    ``BN`` key blocks. ``cfg["split"]`` forces the split length (tests)."""
     bm = max(16, min(cfg["BM"], triton.next_power_of_2(rows)))
     bn = cfg["BN"]
     n_rb = -(-rows // bm)
@@ -216,10 +230,10 @@ def split_plan(span: int, rows: int, batch: int, cfg: dict, device) -> tuple[int
     else:
         target = cfg.get("target_programs")
         if target is None:
-            target = (2 * torch.cuda.get_device_properties(device).multi_processor_count
+            target = (torch.cuda.get_device_properties(device).multi_processor_count
                       if torch.device(device).type == "cuda" else 1)
         per = max(1, target // max(1, batch * n_rb))
-        split = -(-span // per)
+        split = max(-(-span // per), int(cfg.get("min_split") or bn))
     split = max(bn, -(-split // bn) * bn)
     return bm, split, -(-span // split)
 
@@ -291,7 +305,8 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
     bv = bv if bv >= 16 else vdim
     _mla_combine_out[(h, vdim // bv, b)](o_part, lse, g2, wvc, out, b, g2.stride(0), h * vdim, NS=ns,
                                          T=t, H=h, R=rank, V=vdim, TP=max(16, triton.next_power_of_2(t)), BV=bv,
-                                         SB=cfg["combine_SB"], DOT_F32=_DOT_F32, num_warps=cfg["combine_warps"])
+                                         SB=cfg["combine_SB"], BK=min(cfg["combine_BK"], rank),
+                                         DOT_F32=_DOT_F32, num_warps=cfg["combine_warps"])
     return out
 
 
