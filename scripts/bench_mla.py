@@ -38,42 +38,43 @@ from bytebound.bench.report import git_commit  # noqa: E402
 from bytebound.runner.graphs import capture_graph  # noqa: E402
 
 
-def make_case(n_layers: int, ctx: int, m: int, seed: int = 0):
+def make_case(n_layers: int, ctx: int, m: int, seed: int = 0, device: str = "cuda"):
     """``n_layers`` Ling-shape GatedMLA layers with stubbed projections, filled caches and static inputs."""
     from bytebound.config import LING3_FLASH_CONFIG, LingConfig
     from bytebound.layers.mla import GatedMLA, MLAState
     cfg = LingConfig.from_file(LING3_FLASH_CONFIG)
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     layers, states = [], []
     for _ in range(n_layers):
-        layer = GatedMLA(cfg, lambda name: "plain", dtype=torch.bfloat16, device="cuda").to("cuda")
+        layer = GatedMLA(cfg, lambda name: "plain", dtype=torch.bfloat16, device=device).to(device)
         with torch.no_grad():
             w = layer.kv_b_proj.weight
-            w.copy_(torch.randn(w.shape, generator=g, device="cuda") / w.shape[1] ** 0.5)
-            layer.kv_a_layernorm.weight.copy_(torch.rand(layer.rank, generator=g, device="cuda") + 0.5)
+            w.copy_(torch.randn(w.shape, generator=g, device=device) / w.shape[1] ** 0.5)
+            layer.kv_a_layernorm.weight.copy_(torch.rand(layer.rank, generator=g, device=device) + 0.5)
         layer.prepare(torch.bfloat16)
         h = layer.heads
-        q = torch.randn(1, m, h * (layer.nope + layer.rope_dim), generator=g, device="cuda").to(torch.bfloat16)
-        ckv = torch.randn(1, m, layer.rank + layer.rope_dim, generator=g, device="cuda").to(torch.bfloat16)
-        gl = torch.randn(1, m, h, generator=g, device="cuda").to(torch.bfloat16)
+        q = torch.randn(1, m, h * (layer.nope + layer.rope_dim), generator=g, device=device).to(torch.bfloat16)
+        ckv = torch.randn(1, m, layer.rank + layer.rope_dim, generator=g, device=device).to(torch.bfloat16)
+        gl = torch.randn(1, m, h, generator=g, device=device).to(torch.bfloat16)
         layer.q_proj.fn = lambda x, q=q: q
         layer.kv_a_proj_with_mqa.fn = lambda x, c=ckv: c
         layer.g_proj.fn = lambda x, t=gl: t
         layer.dense.fn = lambda y: y
-        kv = torch.zeros(1, ctx, layer.rank + layer.rope_dim, device="cuda", dtype=torch.bfloat16)
+        kv = torch.zeros(1, ctx, layer.rank + layer.rope_dim, device=device, dtype=torch.bfloat16)
         kv[:, : ctx - m].normal_(generator=g)
         layers.append(layer)
         states.append(MLAState(kv))
-    x = torch.zeros(1, m, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-    positions = torch.arange(ctx - m, ctx, device="cuda")
+    x = torch.zeros(1, m, cfg.hidden_size, device=device, dtype=torch.bfloat16)
+    positions = torch.arange(ctx - m, ctx, device=device)
     return layers, states, x, positions
 
 
-def bench_case(backend: str, layers, states, x, positions, ctx: int, reps: int) -> dict:
+def bench_case(backend: str, layers, states, x, positions, ctx: int, reps: int, cfg: dict | None = None,
+               profile_kernels: bool = True) -> dict:
     from bytebound.analysis.bandwidth import cuda_event_times
     from bytebound.kernels.triton_mla import TritonMLA
     for layer in layers:
-        layer.attn_fn = TritonMLA().bind(layer, torch.bfloat16) if backend == "triton" else None
+        layer.attn_fn = TritonMLA(cfg).bind(layer, torch.bfloat16) if backend == "triton" else None
 
     def one(i):
         return layers[i](x, positions, states[i], ctx)
@@ -85,6 +86,9 @@ def bench_case(backend: str, layers, states, x, positions, ctx: int, reps: int) 
         out0 = one(0).clone()
         graph, _ = capture_graph(all_layers, warmup=2)
         t = statistics.median(cuda_event_times(graph.replay, reps)) / len(layers)
+        del graph
+        if not profile_kernels:
+            return {"us": t * 1e6, "out": out0}
         from torch.profiler import ProfilerActivity, profile
         g1, _ = capture_graph(lambda: one(0), warmup=1)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -99,6 +103,37 @@ def bench_case(backend: str, layers, states, x, positions, ctx: int, reps: int) 
             "out": out0}
 
 
+SWEEP_ATTN = [dict(BM=bm, BN=bn, num_warps=w, target_programs=tp) for bm in (32, 64) for bn in (32, 64)
+              for w in (4, 8) for tp in (None, "2x")]
+SWEEP_COMBINE = [dict(combine_BV=bv, combine_warps=w) for bv in (32, 64, 128) for w in (4, 8)]
+
+
+def sweep(layers, states, x, positions, ctx: int, reps: int, ref: torch.Tensor, log) -> dict:
+    """``--sweep``: the attention kernel's tilings (combine at its default), then the merge kernel's with the
+    best of those; a config whose output is off the torch path by more than 1e-2 relative is dropped."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    best: dict = {}
+    tried = []
+    for stage in (SWEEP_ATTN, SWEEP_COMBINE):
+        best_t, best_c = None, best
+        for c in stage:
+            c = {**best, **c}
+            if c.get("target_programs") == "2x":
+                c["target_programs"] = 2 * sms
+            try:
+                r = bench_case("triton", layers, states, x, positions, ctx, reps, c, profile_kernels=False)
+            except Exception as e:           # an unsupported tiling (shared memory, registers) is skipped
+                log(f"  skip {c}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            err = float((r["out"].double() - ref.double()).norm() / ref.double().norm())
+            tried.append({"cfg": c, "us": r["us"], "rel_err": err})
+            if err < 1e-2 and (best_t is None or r["us"] < best_t):
+                best_t, best_c = r["us"], c
+        best = best_c
+    log(f"  best {best}: {best_t:.2f} us" if best_t is not None else "  no config passed")
+    return {"best": best, "best_us": best_t, "tried": tried}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 32768])
@@ -106,6 +141,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--backends", nargs="+", default=["torch", "triton"])
+    ap.add_argument("--sweep", action="store_true", help="also sweep the triton tilings per case (SWEEP_ATTN, "
+                    "then SWEEP_COMBINE) and report the best")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -129,6 +166,10 @@ def main() -> None:
             if "torch" in res and "triton" in res:
                 a, ref = res["triton"]["out"].double(), res["torch"]["out"].double()
                 row["triton_rel_err_vs_torch"] = float((a - ref).norm() / ref.norm())
+                if args.sweep:
+                    print(f"sweep ctx {ctx} M {m}", flush=True)
+                    row["sweep"] = sweep(layers, states, x, positions, ctx, args.reps, res["torch"]["out"],
+                                         lambda s: print(s, flush=True))
             rows.append(row)
             del layers, states
             torch.cuda.empty_cache()
@@ -136,7 +177,10 @@ def main() -> None:
                                                           for b in args.backends) + "  rel err")
     for r in rows:
         cells = " ".join(f"{r[b]['us']:10.2f} {r[b]['kernels']:10d}" for b in args.backends)
-        print(f"{r['ctx']:6d} {r['m']:2d} {r['floor_us']:9.2f} {cells}  {r.get('triton_rel_err_vs_torch', '')}")
+        sw = r.get("sweep")
+        best = f"  sweep best {sw['best_us']:.2f} us {sw['best']}" if sw and sw["best_us"] is not None else ""
+        print(f"{r['ctx']:6d} {r['m']:2d} {r['floor_us']:9.2f} {cells}  {r.get('triton_rel_err_vs_torch', '')}"
+              f"{best}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_mla.json").write_text(json.dumps({"device": dev, "commit": commit, "read_gbps": bw,
