@@ -1,23 +1,24 @@
-"""Gated-MLA decode/verify (M <= ``layers.mla.ABSORB_MAX_T`` new tokens) as three Triton kernels and one BF16 GEMM.
+"""Gated-MLA decode/verify (M <= ``layers.mla.ABSORB_MAX_T`` new tokens) in three Triton kernels.
 
 The torch reference (``GatedMLA._absorbed_attn``) runs the absorbed form as float32 einsums plus about twenty
 glue ops per layer. This backend runs the same maths (DeepSeek-V2 arXiv 2405.04434 section 2.1.2, FlashMLA's
-latent-space decode) in four launches between the layer's projections:
+latent-space decode) in three launches between the layer's projections (q_proj, kv_a_proj_with_mqa, g_proj
+before, dense after):
 
-1. ``_mla_prep``: per new token, kv_a RMSNorm of the latent (float32 statistics, rounded where
-   ``layers.norm.RMSNorm`` rounds), interleaved RoPE/YaRN of k_pe (cos/sin computed in-kernel from ``inv_freq``
-   and the position, as ``Rope.cos_sin``), the write of ``[latent | rope(k_pe)]`` into the 576-wide cache at the
-   token's position, and RoPE of every head's q_pe.
-2. q absorption ``q_lat[h] = q_nope[h] W_kc[h]`` as one batched BF16 GEMM (``torch.bmm``, the reference also
-   rounds ``q_lat`` to BF16).
-3. ``_mla_attn_split``: flash-decoding over the latent cache. Program ``(split, row block, batch)``; a row is
+1. ``_mla_prep``, two roles in one grid. Per new token: kv_a RMSNorm of the latent (float32 statistics, rounded
+   where ``layers.norm.RMSNorm`` rounds), interleaved RoPE/YaRN of k_pe (cos/sin computed in-kernel from
+   ``inv_freq`` and the position, as ``Rope.cos_sin``), the write of ``[latent | rope(k_pe)]`` into the 576-wide
+   cache at the token's position, and RoPE of every head's q_pe. Per (head, 128 latent columns): the q
+   absorption ``q_lat[h] = q_nope[h] W_kc[h]`` for all new tokens (BF16 tensor cores, float32 accumulate, BF16
+   out, as the reference's BF16 einsum).
+2. ``_mla_attn_split``: flash-decoding over the latent cache. Program ``(split, row block, batch)``; a row is
    one (token, head) pair, so all heads of a token share one read of the cache (latent MLA is multi-query).
    Scores ``q_lat . latent + q_rope . k_rope`` on tensor cores (BF16 in, float32 accumulate), online softmax in
    float32 (exp2 with ``scale * log2 e`` folded in), causal mask ``key position <= query position`` per row, so
    the M verify tokens are causal among themselves. Each split writes its normalised partial output
-   ``[rows, 512]`` and its log2-sum-exp (FlashDecoding, Dao et al. 2023). The loop stops at the largest query
-   position: slots of the static span past it are never read.
-4. ``_mla_combine_out``: merges the splits per row (log-sum-exp weights), applies the head gate
+   ``[rows, 512]`` float32 and its log2-sum-exp (FlashDecoding, Dao et al. 2023). Key blocks past the largest
+   query position are masked off (no bytes move), so a static span larger than the sequence costs no reads.
+3. ``_mla_combine_out``: merges the splits per row (log-sum-exp weights), applies the head gate
    ``sigmoid(g_proj x)`` on the latent output (a per-head scalar commutes with the v absorption), and multiplies
    by ``W_vc[h]^T`` (BF16 tensor cores, float32 accumulate), writing ``[B, M, H, v]`` in the layout ``dense``
    reads.
@@ -27,10 +28,12 @@ depends on the position and nothing syncs with the host: graph-capturable, and r
 eager. Rounding differs from the reference where BF16 tensor cores replace float32 einsums: the softmax
 probabilities and the gated latent output are rounded to BF16 before their GEMMs (as FlashAttention does).
 
-Shapes: any head count, ``kv_lora_rank`` and rope width powers of two (Ling: 512 / 64), v head dim a multiple of
-16; BF16 model only. CUDA with compute capability >= 8.0 (BF16 ``mma``). Tested against the layer's torch path
-and a float64 expanded-form reference in Triton's interpreter (tests/test_triton_mla.py) and at Ling shapes on a
-GPU (tests/gpu/test_mla_gpu.py).
+Shapes: any head count; ``kv_lora_rank``, qk_nope and rope widths powers of two (Ling: 512 / 128 / 64), v head dim
+a multiple of 16; BF16 model only. Trip counts are constexprs of the static span (key blocks per split, number
+of splits): one compiled variant per (M, span bucket). CUDA with compute capability >= 8.0 (BF16 ``mma``).
+Tested against the layer's torch path and a float64 expanded-form reference in Triton's interpreter
+(tests/test_triton_mla.py; there ``tl.dot`` runs on the BF16 values widened to float32) and at Ling shapes on a
+GPU (tests/gpu/test_mla_gpu.py). Not the CUDA default (``--mla-backend triton``).
 """
 
 from __future__ import annotations
@@ -49,8 +52,12 @@ LOG2E = 1.4426950408889634
 # Triton's interpreter multiplies BF16 operands of tl.dot as their raw 16-bit patterns: there the products run on
 # the same BF16 values widened to float32 (exact products, float32 sums, as the tensor cores do).
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
+# Tilings (``TritonMLA(cfg)`` overrides; untuned, scripts/bench_mla.py --sweep measures the alternatives):
+# BM query rows and BN keys per attention block, split sizing (split_plan), absorb_BC latent columns per
+# q-absorption program, combine_BV v columns / combine_BK latent columns per merge step / combine_SB splits per load.
 DEFAULT_CFG = {"BM": 32, "BN": 32, "num_warps": 8, "num_stages": 2, "min_split": 64, "target_programs": None,
-               "split": None, "combine_BV": 64, "combine_BK": 128, "combine_SB": 16, "combine_warps": 4}
+               "split": None, "absorb_BC": 128, "combine_BV": 64, "combine_BK": 128, "combine_SB": 16,
+               "combine_warps": 4}
 
 
 def available(dev) -> str | None:
@@ -71,43 +78,63 @@ if tl is not None:
         return tl.dot(a, b)
 
     @triton.jit
-    def _mla_prep(ckv_ptr, q_ptr, qr_ptr, kv_ptr, pos_ptr, nw_ptr, inv_ptr, eps, att,
-                  s_ckv_t, s_q_t, s_q_h, s_kv_b, s_kv_l,
+    def _mla_prep(ckv_ptr, q_ptr, qr_ptr, ql_ptr, wk_ptr, kv_ptr, pos_ptr, nw_ptr, inv_ptr, eps, att,
+                  s_ckv_t, s_q_t, s_q_h, s_kv_b, s_kv_l, BT,
                   T: tl.constexpr, H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, NOPE: tl.constexpr,
-                  HP: tl.constexpr):
-        """One program per new token ``(b, t)``: norm + rope + cache write, and rope of the H q_pe heads."""
-        bt = tl.program_id(0).to(tl.int64)
-        b = bt // T
-        t = bt % T
-        pos = tl.load(pos_ptr + t)
-        # kv_a RMSNorm, rounded as layers.norm.RMSNorm: dtype(w * dtype(x * rsqrt(mean(x^2) + eps)))
-        r = tl.arange(0, R)
-        x = tl.load(ckv_ptr + bt * s_ckv_t + r).to(tl.float32)
-        inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / R + eps)
-        w = tl.load(nw_ptr + r).to(tl.float32)
-        dt = kv_ptr.dtype.element_ty
-        lat = w * (x * inv_rms).to(dt, fp_downcast_rounding="rtne").to(tl.float32)
-        dst = kv_ptr + b * s_kv_b + pos * s_kv_l
-        tl.store(dst + r, lat.to(dt, fp_downcast_rounding="rtne"))
-        # interleaved (GPT-J) RoPE: pairs (x[2i], x[2i+1]) rotate by pos * inv_freq[i]; YaRN amplitude ``att``
-        i = tl.arange(0, P // 2)
-        ang = pos.to(tl.float32) * tl.load(inv_ptr + i)
-        cos = tl.cos(ang) * att
-        sin = tl.sin(ang) * att
-        k1 = tl.load(ckv_ptr + bt * s_ckv_t + R + 2 * i).to(tl.float32)
-        k2 = tl.load(ckv_ptr + bt * s_ckv_t + R + 2 * i + 1).to(tl.float32)
-        tl.store(dst + R + 2 * i, (k1 * cos - k2 * sin).to(dt, fp_downcast_rounding="rtne"))
-        tl.store(dst + R + 2 * i + 1, (k2 * cos + k1 * sin).to(dt, fp_downcast_rounding="rtne"))
-        # q_pe of all heads -> q_rope [B*T, H, P] (rounded to the model dtype like Rope.apply)
-        h = tl.arange(0, HP)
-        hm = h[:, None] < H
-        qb = q_ptr + bt * s_q_t + h[:, None] * s_q_h + NOPE + 2 * i[None, :]
-        q1 = tl.load(qb, mask=hm, other=0.0).to(tl.float32)
-        q2 = tl.load(qb + 1, mask=hm, other=0.0).to(tl.float32)
-        ob = qr_ptr + (bt * H + h[:, None]) * P + 2 * i[None, :]
-        qdt = qr_ptr.dtype.element_ty
-        tl.store(ob, (q1 * cos[None, :] - q2 * sin[None, :]).to(qdt, fp_downcast_rounding="rtne"), mask=hm)
-        tl.store(ob + 1, (q2 * cos[None, :] + q1 * sin[None, :]).to(qdt, fp_downcast_rounding="rtne"), mask=hm)
+                  HP: tl.constexpr, TP: tl.constexpr, BRC: tl.constexpr, DOT_F32: tl.constexpr):
+        """Two roles in one launch. Programs ``0 .. BT-1``, one per new token ``(b, t)``: kv_a norm + rope + cache
+        write, and rope of the H q_pe heads. Programs ``BT + h * (R / BRC) + c``: q absorption of head h, latent
+        columns ``[c * BRC, +BRC)``, for all BT tokens (W_kc read once)."""
+        pid = tl.program_id(0)
+        if pid < BT:
+            bt = pid.to(tl.int64)
+            b = bt // T
+            t = bt % T
+            pos = tl.load(pos_ptr + t)
+            # kv_a RMSNorm, rounded as layers.norm.RMSNorm: dtype(w * dtype(x * rsqrt(mean(x^2) + eps)))
+            r = tl.arange(0, R)
+            x = tl.load(ckv_ptr + bt * s_ckv_t + r).to(tl.float32)
+            inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / R + eps)
+            w = tl.load(nw_ptr + r).to(tl.float32)
+            dt = kv_ptr.dtype.element_ty
+            lat = w * (x * inv_rms).to(dt, fp_downcast_rounding="rtne").to(tl.float32)
+            dst = kv_ptr + b * s_kv_b + pos * s_kv_l
+            tl.store(dst + r, lat.to(dt, fp_downcast_rounding="rtne"))
+            # interleaved (GPT-J) RoPE: pairs (x[2i], x[2i+1]) rotate by pos * inv_freq[i]; YaRN amplitude ``att``
+            i = tl.arange(0, P // 2)
+            ang = pos.to(tl.float32) * tl.load(inv_ptr + i)
+            cos = tl.cos(ang) * att
+            sin = tl.sin(ang) * att
+            k1 = tl.load(ckv_ptr + bt * s_ckv_t + R + 2 * i).to(tl.float32)
+            k2 = tl.load(ckv_ptr + bt * s_ckv_t + R + 2 * i + 1).to(tl.float32)
+            tl.store(dst + R + 2 * i, (k1 * cos - k2 * sin).to(dt, fp_downcast_rounding="rtne"))
+            tl.store(dst + R + 2 * i + 1, (k2 * cos + k1 * sin).to(dt, fp_downcast_rounding="rtne"))
+            # q_pe of all heads -> q_rope [B*T, H, P] (rounded to the model dtype like Rope.apply)
+            h = tl.arange(0, HP)
+            hm = h[:, None] < H
+            qb = q_ptr + bt * s_q_t + h[:, None] * s_q_h + NOPE + 2 * i[None, :]
+            q1 = tl.load(qb, mask=hm, other=0.0).to(tl.float32)
+            q2 = tl.load(qb + 1, mask=hm, other=0.0).to(tl.float32)
+            ob = qr_ptr + (bt * H + h[:, None]) * P + 2 * i[None, :]
+            qdt = qr_ptr.dtype.element_ty
+            tl.store(ob, (q1 * cos[None, :] - q2 * sin[None, :]).to(qdt, fp_downcast_rounding="rtne"), mask=hm)
+            tl.store(ob + 1, (q2 * cos[None, :] + q1 * sin[None, :]).to(qdt, fp_downcast_rounding="rtne"),
+                     mask=hm)
+        else:
+            # q_lat[h, bt, cols] = q_nope[bt, h, :] @ W_kc[h][:, cols]: BF16 in, float32 accumulate, BF16 out (the
+            # reference's q_lat is a BF16 einsum too)
+            j = pid - BT
+            hh = j // (R // BRC)
+            c0 = (j % (R // BRC)) * BRC
+            rr = tl.arange(0, TP)
+            n = tl.arange(0, NOPE)
+            cols = c0 + tl.arange(0, BRC)
+            qn = tl.load(q_ptr + rr[:, None].to(tl.int64) * s_q_t + hh * s_q_h + n[None, :],
+                         mask=rr[:, None] < BT, other=0.0)                               # [TP, NOPE]
+            wk = tl.load(wk_ptr + hh * (NOPE * R) + n[:, None] * R + cols[None, :])      # [NOPE, BRC]
+            ql = _dot(qn, wk, DOT_F32)
+            tl.store(ql_ptr + (hh * BT + rr[:, None]) * R + cols[None, :],
+                     ql.to(ql_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=rr[:, None] < BT)
 
     @triton.jit
     def _mla_attn_split(ql_ptr, qr_ptr, kv_ptr, pos_ptr, o_ptr, lse_ptr, qk_scale, L,
@@ -270,9 +297,10 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
     pdim = qd - nope
     if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16 or ckv.dtype != torch.bfloat16:
         raise BackendError(f"mla[triton] runs in bf16 (q {q.dtype}, cache {kv.dtype}, kv_a {ckv.dtype})")
-    if not (_pow2(rank) and _pow2(pdim) and pdim >= 2 and vdim % 16 == 0 and rank >= 16):
-        raise BackendError(f"mla[triton]: needs power-of-two kv_lora_rank/rope dims and v_head_dim % 16 == 0 "
-                           f"(rank {rank}, rope {pdim}, v {vdim})")
+    if not (_pow2(rank) and _pow2(pdim) and _pow2(nope) and pdim >= 2 and min(rank, nope) >= 16
+            and vdim % 16 == 0):
+        raise BackendError(f"mla[triton]: needs power-of-two kv_lora_rank, qk_nope and qk_rope dims (>= 16, rope "
+                           f">= 2) and v_head_dim % 16 == 0 (rank {rank}, nope {nope}, rope {pdim}, v {vdim})")
     if (ckv.shape != (b, t, rank + pdim) or kv.shape[0] != b or kv.shape[2] != rank + pdim
             or wkc.shape[0] != h or wvc.shape != (h, vdim, rank) or g.shape != (b, t, h)
             or positions.shape != (t,)):
@@ -287,10 +315,13 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
     q2, ckv2, g2 = q.reshape(b * t, h, qd), ckv.reshape(b * t, rank + pdim), g.reshape(b * t, h)
     dev = q.device
     q_rope = torch.empty(b * t, h, pdim, dtype=q.dtype, device=dev)
-    _mla_prep[(b * t,)](ckv2, q2, q_rope, kv, positions, norm_w, inv_freq, float(eps), float(att),
-                        ckv2.stride(0), q2.stride(0), q2.stride(1), kv.stride(0), kv.stride(1),
-                        T=t, H=h, R=rank, P=pdim, NOPE=nope, HP=triton.next_power_of_2(h), num_warps=4)
-    q_lat = torch.bmm(q2[:, :, :nope].transpose(0, 1), wkc)                     # [H, B*T, R] BF16
+    q_lat = torch.empty(h, b * t, rank, dtype=q.dtype, device=dev)
+    brc = min(cfg["absorb_BC"], rank)
+    _mla_prep[(b * t + h * (rank // brc),)](
+        ckv2, q2, q_rope, q_lat, wkc, kv, positions, norm_w, inv_freq, float(eps), float(att),
+        ckv2.stride(0), q2.stride(0), q2.stride(1), kv.stride(0), kv.stride(1), b * t,
+        T=t, H=h, R=rank, P=pdim, NOPE=nope, HP=triton.next_power_of_2(h),
+        TP=max(16, triton.next_power_of_2(b * t)), BRC=brc, DOT_F32=_DOT_F32, num_warps=4)
     rows = t * h
     bm, split, ns = split_plan(span, rows, b, cfg, dev)
     o_part = torch.empty(ns, b, rows, rank, dtype=torch.float32, device=dev)
