@@ -103,23 +103,24 @@ def bench_case(backend: str, layers, states, x, positions, ctx: int, reps: int, 
             "out": out0}
 
 
-SWEEP_ATTN = [dict(BM=bm, BN=bn, num_warps=w, target_programs=tp) for bm in (32, 64) for bn in (32, 64)
-              for w in (4, 8) for tp in (None, "2x")]
+SWEEP_ATTN = [dict(BM=bm, BN=bn, num_warps=w) for bm in (32, 64) for bn in (32, 64) for w in (4, 8)]
+SWEEP_SPLIT = [dict(target_programs=tp, min_split=ms) for tp in (None, "2x", "half") for ms in (32, 64, 128, 256)]
 SWEEP_COMBINE = [dict(combine_BV=bv, combine_warps=w) for bv in (32, 64, 128) for w in (4, 8)]
 
 
 def sweep(layers, states, x, positions, ctx: int, reps: int, ref: torch.Tensor, log) -> dict:
-    """``--sweep``: the attention kernel's tilings (combine at its default), then the merge kernel's with the
-    best of those; a config whose output is off the torch path by more than 1e-2 relative is dropped."""
+    """``--sweep``, in stages, each keeping the best of the previous: the attention kernel's tilings, the split
+    sizing (programs per SM: one, two, half; minimum keys per split), the merge kernel's tiling. A config whose
+    output is off the torch path by more than 1e-2 relative is dropped."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     best: dict = {}
     tried = []
-    for stage in (SWEEP_ATTN, SWEEP_COMBINE):
+    for stage in (SWEEP_ATTN, SWEEP_SPLIT, SWEEP_COMBINE):
         best_t, best_c = None, best
         for c in stage:
             c = {**best, **c}
-            if c.get("target_programs") == "2x":
-                c["target_programs"] = 2 * sms
+            c["target_programs"] = {"2x": 2 * sms, "half": sms // 2}.get(c.get("target_programs"),
+                                                                          c.get("target_programs"))
             try:
                 r = bench_case("triton", layers, states, x, positions, ctx, reps, c, profile_kernels=False)
             except Exception as e:           # an unsupported tiling (shared memory, registers) is skipped
@@ -141,8 +142,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--backends", nargs="+", default=["torch", "triton"])
-    ap.add_argument("--sweep", action="store_true", help="also sweep the triton tilings per case (SWEEP_ATTN, "
-                    "then SWEEP_COMBINE) and report the best")
+    ap.add_argument("--sweep", action="store_true", help="also sweep the triton tilings per case (SWEEP_ATTN, SWEEP_SPLIT, "
+                    "SWEEP_COMBINE in turn) and report the best")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     if not torch.cuda.is_available():
