@@ -142,8 +142,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--backends", nargs="+", default=["torch", "triton"])
-    ap.add_argument("--sweep", action="store_true", help="also sweep the triton tilings per case (SWEEP_ATTN, SWEEP_SPLIT, "
-                    "SWEEP_COMBINE in turn) and report the best")
+    ap.add_argument("--sweep", action="store_true", help="also sweep the triton tilings per case (SWEEP_ATTN, "
+                    "SWEEP_SPLIT, SWEEP_COMBINE in turn) and report the best")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     if not torch.cuda.is_available():
