@@ -31,7 +31,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor mla)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -216,6 +216,16 @@ section_e2e() {          # the engine's CUDA defaults end to end (after each cha
 section_floor() {        # issue 5: what pure streaming reads reach at the MoE layer's byte counts (one kernel; the three
     #                        phases as three launches), next to the layer's kernels in the same run
     run_step bench_moe python3 scripts/bench_moe.py --out "$OUT" --backends triton --floor --router --layers 4 --reps 20
+}
+
+section_mla() {          # issue 19: the triton MLA decode/verify backend (mla=triton): kernel tests at Ling shapes and
+    #                        the small-shape suite compiled for real, the attention-part benchmark (BENCH_MLA_ARGS,
+    #                        e.g. "--sweep"), and decode at 2K/32K with the backend
+    run_step pytest python3 -m pytest tests/gpu/test_mla_gpu.py tests/test_triton_mla.py -v -p no:cacheprovider \
+        -rfE --tb=short -s $(pytest_timeout) --junitxml="$OUT/mla_junit.xml" ${PYTEST_K:+-k "$PYTEST_K"}
+    run_step bench_mla python3 scripts/bench_mla.py --out "$OUT" ${BENCH_MLA_ARGS:-}
+    run_step decode python3 scripts/bench_decode.py --out "$OUT" --name decode-mla --contexts 2048,32768 --ttft-len 0 \
+        --moe-backends triton --heads fp8 --mla-backend triton
 }
 
 section_env() {          # what the machine has
