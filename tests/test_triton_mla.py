@@ -18,7 +18,6 @@ from bytebound.errors import BackendError
 from bytebound.layers.mla import GatedMLA
 from conftest import needs_triton, triton_module_fixture
 
-pytestmark = needs_triton
 mla = triton_module_fixture("mla", "bytebound.kernels.triton_mla", bf16_round_nearest=True)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,6 +115,7 @@ def run(mla, layer, q, ckv, gate, positions, kv, kv_len, cfg):
 @pytest.mark.parametrize("heads,nope,vdim", [(4, 128, 128), (3, 64, 48)])
 @pytest.mark.parametrize("t,pos,kv_len", [(1, 0, None), (1, 37, 64), (2, 50, 96), (3, 77, 80), (4, 100, 128),
                                           (4, 29, None)])
+@needs_triton
 @torch.no_grad()
 def test_kernel_matches_float64(mla, heads, nope, vdim, t, pos, kv_len):
     layer = make_layer(heads, nope, vdim)
@@ -139,6 +139,7 @@ def test_kernel_matches_float64(mla, heads, nope, vdim, t, pos, kv_len):
     assert torch.equal(kv[:, other], before[:, other])
 
 
+@needs_triton
 @pytest.mark.parametrize("t,pos", [(1, 45), (4, 60)])
 @torch.no_grad()
 def test_layer_matches_torch_path(mla, t, pos):
@@ -169,6 +170,7 @@ def test_layer_matches_torch_path(mla, t, pos):
     assert (st_tri.kv != st_ref.kv).float().mean() < 0.01
 
 
+@needs_triton
 def test_span_and_split_do_not_change_the_result(mla):
     """Keys past the last position are masked: with the same split length any static span >= pos + T gives the
     same bits (the extra splits are empty and weigh exactly 0), so the runner's buckets change nothing. Another
@@ -190,6 +192,7 @@ def test_span_and_split_do_not_change_the_result(mla):
     assert torch.isfinite(o).all() and torch.equal(o, outs[1])
 
 
+@needs_triton
 def test_bad_input_is_a_named_error(mla):
     layer = make_layer(4, 128, 128)
     kv = filled_cache(layer, 8, 32)
@@ -205,6 +208,7 @@ def test_bad_input_is_a_named_error(mla):
         mla.TritonMLA().bind(make_layer(4, 128, 128).float(), torch.float32)
 
 
+@needs_triton
 @torch.no_grad()
 def test_model_decode_and_verify_match_torch(mla):
     """The tiny model (latent 32, rope 8) with every MLA layer bound to the backend: prefill (torch, T > 8),
@@ -230,3 +234,13 @@ def test_model_decode_and_verify_match_torch(mla):
     assert rel(h_tri, h_ref) < 1e-2, rel(h_tri, h_ref)
     for a, b in zip(kv_tri, kv_ref):           # the NEXTN layer's cache stays empty without MTP
         assert rel(a, b) < 1e-2 if b.any() else not a.any()
+
+
+def test_backend_is_registered_and_cuda_only():
+    """``mla=triton`` resolves on CUDA only: elsewhere a named BackendError, or the recorded torch fallback."""
+    from bytebound.kernels.registry import backends, resolve
+    assert "triton" in backends("mla")
+    with pytest.raises(BackendError, match="needs a CUDA device"):
+        resolve("mla", "triton", torch.device("cpu"))
+    impl, res = resolve("mla", "triton", torch.device("cpu"), allow_fallback=True)
+    assert (res.resolved, res.fallback_from) == ("torch", "triton") and impl.bind(None, torch.float32) is None
