@@ -114,7 +114,7 @@ def run(mla, layer, q, ckv, gate, positions, kv, kv_len, cfg):
 # (heads, nope, v): real Ling per-head widths, and a non-power-of-two head count with narrower heads
 @pytest.mark.parametrize("heads,nope,vdim", [(4, 128, 128), (3, 64, 48)])
 @pytest.mark.parametrize("t,pos,kv_len", [(1, 0, None), (1, 37, 64), (2, 50, 96), (3, 77, 80), (4, 100, 128),
-                                          (4, 29, None)])
+                                          (4, 29, None), (8, 40, 64)])
 @needs_triton
 @torch.no_grad()
 def test_kernel_matches_float64(mla, heads, nope, vdim, t, pos, kv_len):
@@ -190,6 +190,21 @@ def test_span_and_split_do_not_change_the_result(mla):
     kv2[:, 73:] = float("nan")
     o = run(mla, layer, q, ckv, gate, positions, kv2, 128, {"BN": 16, "split": 16})
     assert torch.isfinite(o).all() and torch.equal(o, outs[1])
+
+
+@needs_triton
+@torch.no_grad()
+def test_batch_rows_are_independent(mla):
+    """B = 2 (each row its own cache) gives each row's B = 1 result: the batch strides are right."""
+    layer = make_layer(4, 128, 128, seed=6)
+    kv = torch.cat([filled_cache(layer, 40, 64, seed=s) for s in (1, 2)])
+    qs, cs, gs = zip(*(inputs(layer, 2, seed=s) for s in (3, 4)))
+    positions = torch.arange(40, 42, device=DEV)
+    both = run(mla, layer, torch.cat(qs), torch.cat(cs), torch.cat(gs), positions, kv.clone(), 64, SMALL)
+    for i in range(2):
+        kv1 = kv[i:i + 1].clone()
+        one = run(mla, layer, qs[i], cs[i], gs[i], positions, kv1, 64, SMALL)
+        assert torch.equal(both[i:i + 1], one)
 
 
 @needs_triton

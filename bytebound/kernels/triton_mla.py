@@ -141,7 +141,7 @@ if tl is not None:
                         s_ql_h, s_ql_t, s_kv_b, s_kv_l, B,
                         T: tl.constexpr, H: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, DOT_F32: tl.constexpr):
-        """Program ``(split, row block, b)``: partial softmax(QK^T)V over keys ``[split*SPLIT, +SPLIT)``."""
+        """Program ``(split, row block, b)``: partial softmax(QK^T)V over keys ``[split * NT * BN, +NT * BN)``."""
         sp = tl.program_id(0)
         b = tl.program_id(2).to(tl.int64)
         rows = tl.program_id(1) * BM + tl.arange(0, BM)
