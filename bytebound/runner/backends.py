@@ -11,7 +11,7 @@ from bytebound.errors import BackendError, ConfigError
 from bytebound.kernels.registry import Resolution, resolve
 from bytebound.layers.kda import KimiDeltaAttention
 from bytebound.layers.linear import QLinear, fuse_rows
-from bytebound.layers.mla import GatedMLA
+from bytebound.layers.mla import ABSORB_MAX_T, GatedMLA
 from bytebound.layers.moe import MoE, RoutedExperts
 from bytebound.layers.norm import RMSNorm, RMSNormGated
 
@@ -135,7 +135,7 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
         elif isinstance(m, RMSNorm):
             m.fn = norm_fn
     if plan.resolutions["mla"].resolved != "torch":
-        plan.resolutions["mla"].prefill = "torch (T > 8 tokens: expanded form, SDPA)"
+        plan.resolutions["mla"].prefill = f"torch (T > {ABSORB_MAX_T} tokens: expanded form, SDPA)"
     plan.resolutions["moe"].shared = "dense"
     if fused_shared is None and torch.device(device).type == "cuda":
         _bind_shared(model, plan, strict=False)
