@@ -219,6 +219,12 @@ def test_bad_input_is_a_named_error(mla):
         run(mla, layer, q, ckv, gate, pos, kv, 64, None)
     with pytest.raises(BackendError, match="inconsistent shapes"):
         run(mla, layer, q, ckv[..., :512], gate, pos, kv, None, None)
+    with pytest.raises(BackendError, match=">= 16"):                # a rope width too narrow for tensor cores
+        small = make_layer(4, 128, 128)
+        wkc, wvc = small.absorbed(torch.bfloat16)
+        n = small.kv_a_layernorm
+        mla.mla_decode(q[..., :136], ckv[..., :520], gate, pos, kv[..., :520], None, wkc, wvc, n.weight, n.eps,
+                       small.rope.inv_freq[:4], 1.0, 0.1)
     with pytest.raises(BackendError, match="bf16"):
         mla.TritonMLA().bind(make_layer(4, 128, 128).float(), torch.float32)
 
@@ -226,11 +232,11 @@ def test_bad_input_is_a_named_error(mla):
 @needs_triton
 @torch.no_grad()
 def test_model_decode_and_verify_match_torch(mla):
-    """The tiny model (latent 32, rope 8) with every MLA layer bound to the backend: prefill (torch, T > 8),
+    """The tiny model (latent 32, rope 16) with every MLA layer bound to the backend: prefill (torch, T > 8),
     decode steps and a 4-token verify give the hidden states of the torch path, to BF16 accuracy."""
     from bytebound.checkpoint.synthetic import random_model
     from bytebound.runner.runner import ModelRunner
-    model = random_model(tiny_config(rope_scaling=YARN), seed=4, dtype=torch.bfloat16).to(DEV)
+    model = random_model(tiny_config(rope_scaling=YARN, qk_rope_head_dim=16), seed=4, dtype=torch.bfloat16).to(DEV)
     model.finish_load()
     mlas = [m for m in model.modules() if isinstance(m, GatedMLA)]
     assert len(mlas) == 3                                 # two decoder layers and the NEXTN layer's attention

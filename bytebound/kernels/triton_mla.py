@@ -28,8 +28,8 @@ depends on the position and nothing syncs with the host: graph-capturable, and r
 eager. Rounding differs from the reference where BF16 tensor cores replace float32 einsums: the softmax
 probabilities and the gated latent output are rounded to BF16 before their GEMMs (as FlashAttention does).
 
-Shapes: any head count; ``kv_lora_rank``, qk_nope and rope widths powers of two (Ling: 512 / 128 / 64), v head dim
-a multiple of 16; BF16 model only. Trip counts are constexprs of the static span (key blocks per split, number
+Shapes: any head count; ``kv_lora_rank``, qk_nope and rope widths powers of two >= 16 (Ling: 512 / 128 / 64), v
+head dim a multiple of 16; BF16 model only. Trip counts are constexprs of the static span (key blocks per split, number
 of splits): one compiled variant per (M, span bucket). CUDA with compute capability >= 8.0 (BF16 ``mma``).
 Tested against the layer's torch path and a float64 expanded-form reference in Triton's interpreter
 (tests/test_triton_mla.py; there ``tl.dot`` runs on the BF16 values widened to float32) and at Ling shapes on a
@@ -297,10 +297,10 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
     pdim = qd - nope
     if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16 or ckv.dtype != torch.bfloat16:
         raise BackendError(f"mla[triton] runs in bf16 (q {q.dtype}, cache {kv.dtype}, kv_a {ckv.dtype})")
-    if not (_pow2(rank) and _pow2(pdim) and _pow2(nope) and pdim >= 2 and min(rank, nope) >= 16
-            and vdim % 16 == 0):
-        raise BackendError(f"mla[triton]: needs power-of-two kv_lora_rank, qk_nope and qk_rope dims (>= 16, rope "
-                           f">= 2) and v_head_dim % 16 == 0 (rank {rank}, nope {nope}, rope {pdim}, v {vdim})")
+    # tensor-core products need every dimension >= 16
+    if not (_pow2(rank) and _pow2(pdim) and _pow2(nope) and min(rank, nope, pdim) >= 16 and vdim % 16 == 0):
+        raise BackendError(f"mla[triton]: needs power-of-two kv_lora_rank, qk_nope and qk_rope dims >= 16 and "
+                           f"v_head_dim % 16 == 0 (rank {rank}, nope {nope}, rope {pdim}, v {vdim})")
     if (ckv.shape != (b, t, rank + pdim) or kv.shape[0] != b or kv.shape[2] != rank + pdim
             or wkc.shape[0] != h or wvc.shape != (h, vdim, rank) or g.shape != (b, t, h)
             or positions.shape != (t,)):
