@@ -273,7 +273,8 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
     Args:
         q: ``[B, T, H, nope + P]`` BF16 (q_proj output, rope part un-rotated). ckv: ``[B, T, R + P]`` BF16
             (kv_a_proj_with_mqa output, latent not yet normed). g: ``[B, T, H]`` (g_proj output, pre-sigmoid).
-        positions: ``[T]`` int64 on the device, the tokens' cache slots (read on the device, no host sync).
+        positions: ``[T]`` int64 on the device, the tokens' cache slots (read on the device, no host sync, so
+            not range-checked here: the runner keeps them below ``max_len``).
         kv: ``[B, max_len, R + P]`` BF16 latent cache (``MLAState.kv``), updated in place at ``positions``.
         kv_len: static span of slots attended (the runner's bucket), default ``max_len``; keys past each row's
             position are masked, so any span ``> positions[-1]`` gives the same result.
@@ -310,8 +311,10 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
     span = kv.shape[1] if kv_len is None else int(kv_len)
     if not 0 < span <= kv.shape[1]:
         raise BackendError(f"mla[triton]: span {span} outside the cache (1..{kv.shape[1]} slots)")
-    if q.stride(3) != 1 or ckv.stride(2) != 1 or kv.stride(2) != 1 or g.stride(2) != 1:
-        raise BackendError("mla[triton]: the last dim of q, kv_a, gate and cache must be contiguous")
+    if (q.stride(3) != 1 or ckv.stride(2) != 1 or kv.stride(2) != 1 or g.stride(2) != 1
+            or not (wkc.is_contiguous() and wvc.is_contiguous())):
+        raise BackendError("mla[triton]: the last dim of q, kv_a, gate and cache must be contiguous, and W_kc, "
+                           "W_vc contiguous")
     q2, ckv2, g2 = q.reshape(b * t, h, qd), ckv.reshape(b * t, rank + pdim), g.reshape(b * t, h)
     dev = q.device
     q_rope = torch.empty(b * t, h, pdim, dtype=q.dtype, device=dev)
