@@ -19,6 +19,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-backend", default=None, help="routed-MoE backend: torch | triton | humming")
     p.add_argument("--linear-backend", default=None, help="dense projection backend: torch | triton")
     p.add_argument("--kda-backend", default=None, help="KDA backend: torch | fla | triton (fused decode/verify kernel)")
+    p.add_argument("--mla-backend", default=None, help="MLA decode/verify backend: torch | triton")
     p.add_argument("--allow-fallback", action="store_true",
                    help="substitute the torch backend when a requested one is unusable (recorded and printed)")
     p.add_argument("--speculative-algorithm", default=None, choices=["NEXTN"], help="NEXTN = MTP drafting (default off)")
@@ -64,7 +65,8 @@ def engine_config(a):
             raise ConfigError("--speculative-num-draft-tokens must equal --speculative-num-steps + 1 (chain, top-k 1)")
     if a.spec_static_round is True and a.speculative_algorithm != "NEXTN":
         raise ConfigError("--spec-static-round needs --speculative-algorithm NEXTN")
-    backends = {k: v for k, v in (("moe", a.moe_backend), ("linear", a.linear_backend), ("kda", a.kda_backend)) if v}
+    backends = {k: v for k, v in (("moe", a.moe_backend), ("linear", a.linear_backend), ("kda", a.kda_backend),
+                                  ("mla", a.mla_backend)) if v}
     return EngineConfig(model=a.model, device=a.device, dtype=a.dtype,
                         lm_head="fp32" if a.enable_fp32_lm_head else a.lm_head, backends=backends,
                         allow_fallback=a.allow_fallback, speculative_steps=steps, max_model_len=a.max_model_len,

@@ -216,6 +216,8 @@ def round_cost(model, runner, ctx: int, steps: int = 3) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", default=str(LING3_FLASH_CONFIG))
+    ap.add_argument("--mla-backend", default=None, help="MLA decode/verify backend: torch | triton (default: the "
+                    "engine's CUDA default)")
     ap.add_argument("--moe-backends", default="triton,torch,humming",
                     help="humming last: its repacked expert copy needs +1.6 GB per layer")
     ap.add_argument("--heads", default="bf16,fp8")
@@ -288,7 +290,7 @@ def main() -> int:
         router_gemv = True if "gemv" in opts else False if "nogemv" in opts else a.fused_router_gemv
         pdl = [int(o[3]) for o in opts if o.startswith("pdl")]
         for head in a.heads.split(","):
-            plan = BackendPlan.default(dev, moe=moe_b)
+            plan = BackendPlan.default(dev, moe=moe_b, mla=a.mla_backend)
             try:
                 t = time.perf_counter()
                 bind_model(model, plan, dev, head, a.fused_router, a.fused_norm, fused_shared, router_gemv)
@@ -353,7 +355,7 @@ def main() -> int:
             dump()
     if a.ttft_len:
         try:
-            plan = BackendPlan.default(dev, moe=a.moe_backends.split(",")[0])
+            plan = BackendPlan.default(dev, moe=a.moe_backends.split(",")[0], mla=a.mla_backend)
             bind_model(model, plan, dev, "fp8", a.fused_router, a.fused_norm)
             runner = ModelRunner(model, a.ttft_len + 64, dev)
             ids = torch.randint(0, cfg.vocab_size, (a.ttft_len,), device=dev)

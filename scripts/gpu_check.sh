@@ -31,7 +31,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -242,6 +242,16 @@ section_fp8gemm() {      # issue 20: prefill FP8 block GEMMs (Triton FP8 tensor 
     run_step pytest python3 -m pytest tests/gpu/test_fp8_gemm_gpu.py tests/test_triton_fp8_gemm.py -q -s \
         -p no:cacheprovider -rfEs --tb=short $(pytest_timeout) --junitxml="$OUT/fp8gemm_junit.xml"
     run_step bench python3 scripts/bench_fp8_gemm.py --out "$OUT" ${BENCH_FP8_ARGS:-}
+}
+
+section_mla() {          # issue 19: the triton MLA decode/verify backend (mla=triton): kernel tests at Ling shapes and
+    #                        the small-shape suite compiled for real, the attention-part benchmark (BENCH_MLA_ARGS,
+    #                        e.g. "--sweep"), and decode at 2K/32K with the backend
+    run_step pytest python3 -m pytest tests/gpu/test_mla_gpu.py tests/test_triton_mla.py -v -p no:cacheprovider \
+        -rfE --tb=short -s $(pytest_timeout) --junitxml="$OUT/mla_junit.xml" ${PYTEST_K:+-k "$PYTEST_K"}
+    run_step bench_mla python3 scripts/bench_mla.py --out "$OUT" ${BENCH_MLA_ARGS:-}
+    run_step decode python3 scripts/bench_decode.py --out "$OUT" --name decode-mla --contexts 2048,32768 --ttft-len 0 \
+        --moe-backends triton --heads fp8 --mla-backend triton
 }
 
 section_env() {          # what the machine has

@@ -133,7 +133,7 @@ def _load_optional() -> None:
     import importlib
     for mod in ("bytebound.kernels.torch_ref", "bytebound.kernels.triton_moe", "bytebound.kernels.triton_fp8",
                 "bytebound.kernels.humming_moe", "bytebound.kernels.fla_kda",
-                "bytebound.kernels.triton_kda"):
+                "bytebound.kernels.triton_kda", "bytebound.kernels.triton_mla"):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as e:  # only our own optional modules may be absent

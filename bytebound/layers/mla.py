@@ -57,6 +57,9 @@ class GatedMLA(nn.Module):
         self.rope = Rope(self.rope_dim, cfg.rope_theta, cfg.rope_scaling)
         self.scale = mla_softmax_scale(self.nope + self.rope_dim, cfg.rope_scaling)
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
+        # decode/verify attention bound at load (``kernels.triton_mla``): ``attn_fn(q [B,T,H,192], kv_a [B,T,576],
+        # g [B,T,H], positions, cache, kv_len) -> gated [B,T,H,v]``; None runs the torch code below
+        self.attn_fn = None
 
     def new_state(self, batch: int, max_len: int, dtype, device) -> MLAState:
         return MLAState(torch.zeros(batch, max_len, self.rank + self.rope_dim, dtype=dtype, device=device))
@@ -83,9 +86,13 @@ class GatedMLA(nn.Module):
         what CUDA-graph replay uses).
         """
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.nope + self.rope_dim).transpose(1, 2)  # [B,H,T,192]
-        q_nope, q_pe = q.split([self.nope, self.rope_dim], -1)
+        q = self.q_proj(x).view(b, t, self.heads, self.nope + self.rope_dim)
         ckv = self.kv_a_proj_with_mqa(x)
+        if self.attn_fn is not None and state is not None and t <= ABSORB_MAX_T:
+            out = self.attn_fn(q, ckv, self.g_proj(x), positions, state.kv, kv_len)   # norm, rope, cache, gate
+            return self.dense(out.reshape(b, t, self.heads * self.vdim))
+        q = q.transpose(1, 2)                                                  # [B,H,T,192]
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], -1)
         latent, k_pe = ckv.split([self.rank, self.rope_dim], -1)
         latent = self.kv_a_layernorm(latent)
         cos, sin = self.rope.cos_sin(positions)

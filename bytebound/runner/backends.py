@@ -12,6 +12,7 @@ from bytebound.kernels.limits import MAX_VERIFY_M, verify_width
 from bytebound.kernels.registry import Resolution, resolve
 from bytebound.layers.kda import KimiDeltaAttention
 from bytebound.layers.linear import QLinear, fuse_rows
+from bytebound.layers.mla import ABSORB_MAX_T, GatedMLA
 from bytebound.layers.moe import MoE, RoutedExperts
 from bytebound.layers.norm import RMSNorm, RMSNormGated
 
@@ -158,10 +159,15 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
                 fused_parts.update(id(x) for x in parts)
         elif isinstance(m, MoE):
             m.route_fn, m.gemv_route_fn = route_fn, gemv_fn
+        elif isinstance(m, GatedMLA):
+            # decode/verify (T <= ABSORB_MAX_T with a cache); the torch backend binds None (the layer's own code)
+            m.attn_fn = impl["mla"].bind(m, dtype)
         elif isinstance(m, RMSNormGated):
             m.fn = gated_fn
         elif isinstance(m, RMSNorm):
             m.fn = norm_fn
+    if plan.resolutions["mla"].resolved != "torch":
+        plan.resolutions["mla"].prefill = f"torch (T > {ABSORB_MAX_T} tokens: expanded form, SDPA)"
     plan.resolutions["moe"].shared = "dense"
     if fused_shared is None and torch.device(device).type == "cuda":
         _bind_shared(model, plan, strict=False)

@@ -175,14 +175,15 @@ def test_graph_replay_equals_eager_across_kv_buckets():
 
 
 @pytest.mark.parametrize("path", ["engine_defaults", "no_fused", "fused_moe", "fused_router", "fused_norm", "fused_shared",
-                                  "router_gemv", "kv_buckets"])
+                                  "router_gemv", "kv_buckets", "mla_triton"])
 @torch.inference_mode()
 def test_verify_equals_sequential_decode_full_width(full_width_model, path):
     """The MTP verify forward (4 tokens, KDA states recorded) gives the logits of 4 sequential decode steps, at
     Ling-3.0-flash widths: with the engine's CUDA defaults (fused router and RMSNorm, the router GEMV + routing as
     one kernel, the shared expert inside the MoE kernels, kv buckets, the committed MoE table, whose H200 entries are the two-kernel ``split`` variant), with
     none of the fused paths, with the
-    one-launch fused MoE kernel (int64 atomics) at M = 1 and 4 instead, and with each fused path alone.
+    one-launch fused MoE kernel (int64 atomics) at M = 1 and 4 instead, with each fused path alone, and with the
+    triton MLA decode/verify backend (``mla_triton``).
 
     BF16, so not bit equality. The bar is the same argmax and an error no larger than the yardstick measured in
     the same test: the same 4 decode steps (same state, same tokens) with the torch MoE and torch linears, two
@@ -202,7 +203,8 @@ def test_verify_equals_sequential_decode_full_width(full_width_model, path):
                  fused_norm=path in ("engine_defaults", "fused_norm"),
                  fused_shared=None if path in ("engine_defaults", "fused_shared") else False,
                  router_gemv=path in ("engine_defaults", "router_gemv"))
-    bind_model(model, BackendPlan.default("cuda"), "cuda", "fp8", **fused)
+    bind_model(model, BackendPlan.default("cuda", mla="triton" if path == "mla_triton" else None), "cuda", "fp8",
+               **fused)
     saved = {}
     if path == "fused_moe":      # the one-launch fused kernel (int64 fixed-point atomics) instead of 'split'
         from bytebound.kernels.triton_moe import DEFAULT_CONFIG

@@ -1,0 +1,367 @@
+"""Gated-MLA decode/verify (M <= ``layers.mla.ABSORB_MAX_T`` new tokens) in three Triton kernels.
+
+The torch reference (``GatedMLA._absorbed_attn``) runs the absorbed form as float32 einsums plus about twenty
+glue ops per layer. This backend runs the same maths (DeepSeek-V2 arXiv 2405.04434 section 2.1.2, FlashMLA's
+latent-space decode) in three launches between the layer's projections (q_proj, kv_a_proj_with_mqa, g_proj
+before, dense after):
+
+1. ``_mla_prep``, two roles in one grid. Per new token: kv_a RMSNorm of the latent (float32 statistics, rounded
+   where ``layers.norm.RMSNorm`` rounds), interleaved RoPE/YaRN of k_pe (cos/sin computed in-kernel from
+   ``inv_freq`` and the position, as ``Rope.cos_sin``), the write of ``[latent | rope(k_pe)]`` into the 576-wide
+   cache at the token's position, and RoPE of every head's q_pe. Per (head, 128 latent columns): the q
+   absorption ``q_lat[h] = q_nope[h] W_kc[h]`` for all new tokens (BF16 tensor cores, float32 accumulate, BF16
+   out, as the reference's BF16 einsum).
+2. ``_mla_attn_split``: flash-decoding over the latent cache. Program ``(split, row block, batch)``; a row is
+   one (token, head) pair, so all heads of a token share one read of the cache (latent MLA is multi-query).
+   Scores ``q_lat . latent + q_rope . k_rope`` on tensor cores (BF16 in, float32 accumulate), online softmax in
+   float32 (exp2 with ``scale * log2 e`` folded in), causal mask ``key position <= query position`` per row, so
+   the M verify tokens are causal among themselves. Each split writes its normalised partial output
+   ``[rows, 512]`` float32 and its log2-sum-exp (FlashDecoding, Dao et al. 2023). Key blocks past the largest
+   query position are masked off (no bytes move), so a static span larger than the sequence costs no reads.
+3. ``_mla_combine_out``: merges the splits per row (log-sum-exp weights), applies the head gate
+   ``sigmoid(g_proj x)`` on the latent output (a per-head scalar commutes with the v absorption), and multiplies
+   by ``W_vc[h]^T`` (BF16 tensor cores, float32 accumulate), writing ``[B, M, H, v]`` in the layout ``dense``
+   reads.
+
+Static shapes: the span is the runner's static ``kv_len`` bucket (``kv.shape[1]`` when None), so the grid never
+depends on the position and nothing syncs with the host: graph-capturable, and replay runs the same kernels as
+eager. Rounding differs from the reference where BF16 tensor cores replace float32 einsums: the softmax
+probabilities and the gated latent output are rounded to BF16 before their GEMMs (as FlashAttention does).
+
+Shapes: any head count; ``kv_lora_rank``, qk_nope and rope widths powers of two >= 16 (Ling: 512 / 128 / 64), v
+head dim a multiple of 16; BF16 model only. Trip counts are constexprs of the static span (key blocks per split, number
+of splits): one compiled variant per (M, span bucket). CUDA with compute capability >= 8.0 (BF16 ``mma``).
+Tested against the layer's torch path and a float64 expanded-form reference in Triton's interpreter
+(tests/test_triton_mla.py; there ``tl.dot`` runs on the BF16 values widened to float32) and at Ling shapes on a
+GPU (tests/gpu/test_mla_gpu.py). Not the CUDA default (``--mla-backend triton``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from bytebound.errors import BackendError
+from bytebound.kernels.registry import cuda_only, optional_triton, register
+
+triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machines without Triton
+
+LOG2E = 1.4426950408889634
+# Triton's interpreter multiplies BF16 operands of tl.dot as their raw 16-bit patterns: there the products run on
+# the same BF16 values widened to float32 (exact products, float32 sums, as the tensor cores do).
+_DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
+# Tilings (``TritonMLA(cfg)`` overrides; untuned, scripts/bench_mla.py --sweep measures the alternatives):
+# BM query rows and BN keys per attention block, split sizing (split_plan), absorb_BC latent columns per
+# q-absorption program, combine_BV v columns / combine_BK latent columns per merge step / combine_SB splits per load.
+DEFAULT_CFG = {"BM": 32, "BN": 32, "num_warps": 8, "num_stages": 2, "min_split": 64, "target_programs": None,
+               "split": None, "absorb_BC": 128, "combine_BV": 64, "combine_BK": 128, "combine_SB": 16,
+               "combine_warps": 4}
+
+
+def available(dev) -> str | None:
+    why = cuda_only(dev) or _TRITON_ERR
+    if why:
+        return why
+    major, _ = torch.cuda.get_device_capability(torch.device(dev))
+    if major < 8:
+        return f"needs compute capability >= 8.0 (bf16 mma), got {major}.x"
+    return None
+
+
+if tl is not None:
+    @triton.jit
+    def _dot(a, b, F32: tl.constexpr):
+        if F32:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _mla_prep(ckv_ptr, q_ptr, qr_ptr, ql_ptr, wk_ptr, kv_ptr, pos_ptr, nw_ptr, inv_ptr, eps, att,
+                  s_ckv_t, s_q_t, s_q_h, s_kv_b, s_kv_l, BT,
+                  T: tl.constexpr, H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, NOPE: tl.constexpr,
+                  HP: tl.constexpr, TP: tl.constexpr, BRC: tl.constexpr, DOT_F32: tl.constexpr):
+        """Two roles in one launch. Programs ``0 .. BT-1``, one per new token ``(b, t)``: kv_a norm + rope + cache
+        write, and rope of the H q_pe heads. Programs ``BT + h * (R / BRC) + c``: q absorption of head h, latent
+        columns ``[c * BRC, +BRC)``, for all BT tokens (W_kc read once)."""
+        pid = tl.program_id(0)
+        if pid < BT:
+            bt = pid.to(tl.int64)
+            b = bt // T
+            t = bt % T
+            pos = tl.load(pos_ptr + t)
+            # kv_a RMSNorm, rounded as layers.norm.RMSNorm: dtype(w * dtype(x * rsqrt(mean(x^2) + eps)))
+            r = tl.arange(0, R)
+            x = tl.load(ckv_ptr + bt * s_ckv_t + r).to(tl.float32)
+            inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / R + eps)
+            w = tl.load(nw_ptr + r).to(tl.float32)
+            dt = kv_ptr.dtype.element_ty
+            lat = w * (x * inv_rms).to(dt, fp_downcast_rounding="rtne").to(tl.float32)
+            dst = kv_ptr + b * s_kv_b + pos * s_kv_l
+            tl.store(dst + r, lat.to(dt, fp_downcast_rounding="rtne"))
+            # interleaved (GPT-J) RoPE: pairs (x[2i], x[2i+1]) rotate by pos * inv_freq[i]; YaRN amplitude ``att``
+            i = tl.arange(0, P // 2)
+            ang = pos.to(tl.float32) * tl.load(inv_ptr + i)
+            cos = tl.cos(ang) * att
+            sin = tl.sin(ang) * att
+            k1 = tl.load(ckv_ptr + bt * s_ckv_t + R + 2 * i).to(tl.float32)
+            k2 = tl.load(ckv_ptr + bt * s_ckv_t + R + 2 * i + 1).to(tl.float32)
+            tl.store(dst + R + 2 * i, (k1 * cos - k2 * sin).to(dt, fp_downcast_rounding="rtne"))
+            tl.store(dst + R + 2 * i + 1, (k2 * cos + k1 * sin).to(dt, fp_downcast_rounding="rtne"))
+            # q_pe of all heads -> q_rope [B*T, H, P] (rounded to the model dtype like Rope.apply)
+            h = tl.arange(0, HP)
+            hm = h[:, None] < H
+            qb = q_ptr + bt * s_q_t + h[:, None] * s_q_h + NOPE + 2 * i[None, :]
+            q1 = tl.load(qb, mask=hm, other=0.0).to(tl.float32)
+            q2 = tl.load(qb + 1, mask=hm, other=0.0).to(tl.float32)
+            ob = qr_ptr + (bt * H + h[:, None]) * P + 2 * i[None, :]
+            qdt = qr_ptr.dtype.element_ty
+            tl.store(ob, (q1 * cos[None, :] - q2 * sin[None, :]).to(qdt, fp_downcast_rounding="rtne"), mask=hm)
+            tl.store(ob + 1, (q2 * cos[None, :] + q1 * sin[None, :]).to(qdt, fp_downcast_rounding="rtne"),
+                     mask=hm)
+        else:
+            # q_lat[h, bt, cols] = q_nope[bt, h, :] @ W_kc[h][:, cols]: BF16 in, float32 accumulate, BF16 out (the
+            # reference's q_lat is a BF16 einsum too)
+            j = pid - BT
+            hh = j // (R // BRC)
+            c0 = (j % (R // BRC)) * BRC
+            rr = tl.arange(0, TP)
+            n = tl.arange(0, NOPE)
+            cols = c0 + tl.arange(0, BRC)
+            qn = tl.load(q_ptr + rr[:, None].to(tl.int64) * s_q_t + hh * s_q_h + n[None, :],
+                         mask=rr[:, None] < BT, other=0.0)                               # [TP, NOPE]
+            wk = tl.load(wk_ptr + hh * (NOPE * R) + n[:, None] * R + cols[None, :])      # [NOPE, BRC]
+            ql = _dot(qn, wk, DOT_F32)
+            tl.store(ql_ptr + (hh * BT + rr[:, None]) * R + cols[None, :],
+                     ql.to(ql_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=rr[:, None] < BT)
+
+    @triton.jit
+    def _mla_attn_split(ql_ptr, qr_ptr, kv_ptr, pos_ptr, o_ptr, lse_ptr, qk_scale, L,
+                        s_ql_h, s_ql_t, s_kv_b, s_kv_l, B,
+                        T: tl.constexpr, H: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, DOT_F32: tl.constexpr):
+        """Program ``(split, row block, b)``: partial softmax(QK^T)V over keys ``[split * NT * BN, +NT * BN)``."""
+        sp = tl.program_id(0)
+        b = tl.program_id(2).to(tl.int64)
+        rows = tl.program_id(1) * BM + tl.arange(0, BM)
+        row_ok = rows < T * H
+        t = rows // H
+        h = rows % H
+        qpos = tl.load(pos_ptr + t, mask=row_ok, other=-1)
+        r = tl.arange(0, R)
+        p = tl.arange(0, P)
+        tok = b * T + t
+        q = tl.load(ql_ptr + h[:, None] * s_ql_h + tok[:, None] * s_ql_t + r[None, :], mask=row_ok[:, None],
+                    other=0.0)
+        qp = tl.load(qr_ptr + (tok[:, None] * H + h[:, None]) * P + p[None, :], mask=row_ok[:, None], other=0.0)
+        start = sp * (NT * BN)
+        # keys past the last query position are masked for every row: their loads are masked off (no bytes
+        # move). The trip count is a constexpr (NT key blocks per split): the static span fixes it, not the data.
+        end = tl.minimum(tl.minimum(start + NT * BN, L), tl.max(qpos, axis=0) + 1)
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, R], tl.float32)
+        kvb = kv_ptr + b * s_kv_b
+        for i in range(NT):
+            offs = start + i * BN + tl.arange(0, BN)
+            kmask = offs < end
+            lat = tl.load(kvb + offs[:, None] * s_kv_l + r[None, :], mask=kmask[:, None], other=0.0)
+            kp = tl.load(kvb + offs[:, None] * s_kv_l + R + p[None, :], mask=kmask[:, None], other=0.0)
+            s = _dot(q, tl.trans(lat), DOT_F32) + _dot(qp, tl.trans(kp), DOT_F32)
+            s = s * qk_scale
+            valid = (offs[None, :] <= qpos[:, None]) & kmask[None, :]
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)     # a row with no key yet: no NaN
+            alpha = tl.exp2(m_i - m_use)
+            pr = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            acc = acc * alpha[:, None] + _dot(pr.to(lat.dtype), lat, DOT_F32)
+            m_i = m_new
+        has = l_i > 0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        prow = (sp * B + b) * (T * H) + rows
+        tl.store(o_ptr + prow[:, None] * R + r[None, :], o, mask=row_ok[:, None])
+        tl.store(lse_ptr + prow, lse, mask=row_ok)
+
+    @triton.jit
+    def _mla_combine_out(o_ptr, lse_ptr, g_ptr, wv_ptr, out_ptr, B, s_g_t, s_out_t, NS: tl.constexpr,
+                         T: tl.constexpr, H: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
+                         TP: tl.constexpr, BV: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
+                         DOT_F32: tl.constexpr):
+        """Program ``(h, v block, b)``: merge the splits of the T rows of head h, gate, multiply by W_vc[h]^T.
+
+        The latent output is built ``BK`` columns at a time (registers: ``[SB, BK]`` partials, ``[BK, BV]`` of
+        W_vc), so the v absorption is a K-loop of small tensor-core products."""
+        h = tl.program_id(0)
+        vb = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        tt = tl.arange(0, TP)
+        sb = tl.arange(0, SB)
+        trow = tt < T
+        # pass 1, log2-sum-exp of the splits per row (lse only): the weight of split s is 2^(lse_s - m) / den
+        m = tl.full([TP], float("-inf"), tl.float32)
+        den = tl.zeros([TP], tl.float32)
+        for s0 in range(0, NS, SB):
+            sm = (s0 + sb) < NS
+            prow = ((s0 + sb[None, :]).to(tl.int64) * B + b) * (T * H) + tt[:, None] * H + h
+            lse = tl.load(lse_ptr + prow, mask=trow[:, None] & sm[None, :], other=float("-inf"))
+            m_new = tl.maximum(m, tl.max(lse, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            den = den * tl.exp2(m - m_use) + tl.sum(tl.exp2(lse - m_use[:, None]), axis=1)
+            m = m_new
+        m = tl.where(m == float("-inf"), 0.0, m)
+        gate = tl.sigmoid(tl.load(g_ptr + (b * T + tt) * s_g_t + h, mask=trow, other=0.0).to(tl.float32))
+        scl = gate / tl.where(den > 0, den, 1.0)               # head gate folded into the normalisation
+        v = vb * BV + tl.arange(0, BV)
+        k = tl.arange(0, BK)
+        y = tl.zeros([TP, BV], tl.float32)
+        # pass 2, per BK-column chunk of the latent output: weighted sum of the partials, then times W_vc^T
+        for k0 in tl.static_range(0, R, BK):
+            ol = tl.zeros([TP, BK], tl.float32)
+            for t in tl.static_range(T):
+                m_t = tl.sum(tl.where(tt == t, m, 0.0), axis=0)
+                s_t = tl.sum(tl.where(tt == t, scl, 0.0), axis=0)
+                acc = tl.zeros([BK], tl.float32)
+                for s0 in range(0, NS, SB):
+                    sm = (s0 + sb) < NS
+                    prow = ((s0 + sb).to(tl.int64) * B + b) * (T * H) + t * H + h
+                    wgt = tl.exp2(tl.load(lse_ptr + prow, mask=sm, other=float("-inf")) - m_t)
+                    o = tl.load(o_ptr + prow[:, None] * R + k0 + k[None, :], mask=sm[:, None], other=0.0)
+                    acc += tl.sum(wgt[:, None] * o, axis=0)
+                ol = tl.where(tt[:, None] == t, (acc * s_t)[None, :], ol)
+            wv = tl.load(wv_ptr + h * (V * R) + v[None, :] * R + k0 + k[:, None])  # [BK, BV] of W_vc[h]^T
+            y += _dot(ol.to(wv.dtype), wv, DOT_F32)
+        dst = out_ptr + (b * T + tt[:, None]) * s_out_t + h * V + v[None, :]
+        tl.store(dst, y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=trow[:, None])
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def split_plan(span: int, rows: int, batch: int, cfg: dict, device) -> tuple[int, int, int]:
+    """``(BM, split, n_splits)`` for a static span of ``span`` slots and ``rows = M * H`` query rows.
+
+    Enough splits that ``batch * row blocks * splits`` reaches ``cfg["target_programs"]`` (default one program
+    per SM; 1 on a CPU) so long contexts use the whole GPU, each split at least ``cfg["min_split"]`` keys (more
+    splits cost partial outputs of ``rows * 2 KiB`` each, written and merged through L2) and a whole number of
+    ``BN`` key blocks. ``cfg["split"]`` forces the split length (tests)."""
+    bm = max(16, min(cfg["BM"], triton.next_power_of_2(rows)))
+    bn = cfg["BN"]
+    n_rb = -(-rows // bm)
+    if cfg.get("split"):
+        split = int(cfg["split"])
+    else:
+        target = cfg.get("target_programs")
+        if target is None:
+            target = (torch.cuda.get_device_properties(device).multi_processor_count
+                      if torch.device(device).type == "cuda" else 1)
+        per = max(1, target // max(1, batch * n_rb))
+        split = max(-(-span // per), int(cfg.get("min_split") or bn))
+    split = max(bn, -(-split // bn) * bn)
+    return bm, split, -(-span // split)
+
+
+def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
+               kv_len: int | None, wkc: torch.Tensor, wvc: torch.Tensor, norm_w: torch.Tensor, eps: float,
+               inv_freq: torch.Tensor, att: float, scale: float, cfg: dict | None = None) -> torch.Tensor:
+    """Gated latent attention of ``T`` new tokens against the cache, writing their latents into it.
+
+    Args:
+        q: ``[B, T, H, nope + P]`` BF16 (q_proj output, rope part un-rotated). ckv: ``[B, T, R + P]`` BF16
+            (kv_a_proj_with_mqa output, latent not yet normed). g: ``[B, T, H]`` (g_proj output, pre-sigmoid).
+        positions: ``[T]`` int64 on the device, the tokens' cache slots (read on the device, no host sync, so
+            not range-checked here: the runner keeps them below ``max_len``).
+        kv: ``[B, max_len, R + P]`` BF16 latent cache (``MLAState.kv``), updated in place at ``positions``.
+        kv_len: static span of slots attended (the runner's bucket), default ``max_len``; keys past each row's
+            position are masked, so any span ``> positions[-1]`` gives the same result.
+        wkc, wvc: ``[H, nope, R]`` and ``[H, v, R]`` BF16, contiguous (``GatedMLA.absorbed``).
+        norm_w: ``[R]`` kv_a_layernorm weight; eps its epsilon. inv_freq: ``[P/2]`` float32 rope inverse
+            frequencies, att the YaRN cos/sin amplitude (``Rope``). scale: softmax scale (``mla_softmax_scale``).
+        cfg: tiling overrides of :data:`DEFAULT_CFG`.
+
+    Returns:
+        ``[B, T, H, v]`` BF16: ``sigmoid(g) * softmax(q.k * scale) V`` per head (the input of ``dense``).
+
+    Raises:
+        BackendError: Triton missing, a dtype other than BF16, or shapes this kernel does not take.
+    """
+    if _TRITON_ERR:
+        raise BackendError(f"mla[triton]: {_TRITON_ERR}")
+    cfg = {**DEFAULT_CFG, **(cfg or {})}
+    b, t, h, qd = q.shape
+    _, nope, rank = wkc.shape
+    vdim = wvc.shape[1]
+    pdim = qd - nope
+    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16 or ckv.dtype != torch.bfloat16:
+        raise BackendError(f"mla[triton] runs in bf16 (q {q.dtype}, cache {kv.dtype}, kv_a {ckv.dtype})")
+    # tensor-core products need every dimension >= 16
+    if not (_pow2(rank) and _pow2(pdim) and _pow2(nope) and min(rank, nope, pdim) >= 16 and vdim % 16 == 0):
+        raise BackendError(f"mla[triton]: needs power-of-two kv_lora_rank, qk_nope and qk_rope dims >= 16 and "
+                           f"v_head_dim % 16 == 0 (rank {rank}, nope {nope}, rope {pdim}, v {vdim})")
+    if (ckv.shape != (b, t, rank + pdim) or kv.shape[0] != b or kv.shape[2] != rank + pdim
+            or wkc.shape[0] != h or wvc.shape != (h, vdim, rank) or g.shape != (b, t, h)
+            or positions.shape != (t,)):
+        raise BackendError(f"mla[triton]: inconsistent shapes q {tuple(q.shape)}, kv_a {tuple(ckv.shape)}, "
+                           f"cache {tuple(kv.shape)}, W_kc {tuple(wkc.shape)}, W_vc {tuple(wvc.shape)}, "
+                           f"gate {tuple(g.shape)}, positions {tuple(positions.shape)}")
+    span = kv.shape[1] if kv_len is None else int(kv_len)
+    if not 0 < span <= kv.shape[1]:
+        raise BackendError(f"mla[triton]: span {span} outside the cache (1..{kv.shape[1]} slots)")
+    if (q.stride(3) != 1 or ckv.stride(2) != 1 or kv.stride(2) != 1 or g.stride(2) != 1
+            or not (wkc.is_contiguous() and wvc.is_contiguous())):
+        raise BackendError("mla[triton]: the last dim of q, kv_a, gate and cache must be contiguous, and W_kc, "
+                           "W_vc contiguous")
+    q2, ckv2, g2 = q.reshape(b * t, h, qd), ckv.reshape(b * t, rank + pdim), g.reshape(b * t, h)
+    dev = q.device
+    q_rope = torch.empty(b * t, h, pdim, dtype=q.dtype, device=dev)
+    q_lat = torch.empty(h, b * t, rank, dtype=q.dtype, device=dev)
+    brc = min(cfg["absorb_BC"], rank)
+    _mla_prep[(b * t + h * (rank // brc),)](
+        ckv2, q2, q_rope, q_lat, wkc, kv, positions, norm_w, inv_freq, float(eps), float(att),
+        ckv2.stride(0), q2.stride(0), q2.stride(1), kv.stride(0), kv.stride(1), b * t,
+        T=t, H=h, R=rank, P=pdim, NOPE=nope, HP=triton.next_power_of_2(h),
+        TP=max(16, triton.next_power_of_2(b * t)), BRC=brc, DOT_F32=_DOT_F32, num_warps=4)
+    rows = t * h
+    bm, split, ns = split_plan(span, rows, b, cfg, dev)
+    o_part = torch.empty(ns, b, rows, rank, dtype=torch.float32, device=dev)
+    lse = torch.empty(ns, b, rows, dtype=torch.float32, device=dev)
+    _mla_attn_split[(ns, -(-rows // bm), b)](
+        q_lat, q_rope, kv, positions, o_part, lse, float(scale) * LOG2E, span,
+        q_lat.stride(0), q_lat.stride(1), kv.stride(0), kv.stride(1), b,
+        T=t, H=h, R=rank, P=pdim, BM=bm, BN=cfg["BN"], NT=split // cfg["BN"], DOT_F32=_DOT_F32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    out = torch.empty(b, t, h, vdim, dtype=q.dtype, device=dev)
+    bv = math.gcd(cfg["combine_BV"], vdim)
+    bv = bv if bv >= 16 else vdim
+    _mla_combine_out[(h, vdim // bv, b)](o_part, lse, g2, wvc, out, b, g2.stride(0), h * vdim, NS=ns,
+                                         T=t, H=h, R=rank, V=vdim, TP=max(16, triton.next_power_of_2(t)), BV=bv,
+                                         SB=cfg["combine_SB"], BK=min(cfg["combine_BK"], rank),
+                                         DOT_F32=_DOT_F32, num_warps=cfg["combine_warps"])
+    return out
+
+
+@register("mla", "triton", available)
+class TritonMLA:
+    """Binds :func:`mla_decode` to a ``GatedMLA`` layer (``layer.attn_fn``) for decode/verify; prefill and the
+    stateless forward keep the layer's torch code. ``cfg``: tiling overrides (:data:`DEFAULT_CFG`)."""
+    name = "triton"
+
+    def __init__(self, cfg: dict | None = None):
+        self.cfg = cfg
+
+    def bind(self, layer, dtype):
+        """Returns ``fn(q, ckv, g, positions, kv, kv_len) -> [B, T, H, v]`` (see :func:`mla_decode`).
+        Raises BackendError for a model dtype other than BF16."""
+        if dtype != torch.bfloat16:
+            raise BackendError(f"mla[triton] runs in bf16, model dtype is {dtype}")
+        wkc, wvc = (w.contiguous() for w in layer.absorbed(dtype))
+        norm, rope, cfg = layer.kv_a_layernorm, layer.rope, self.cfg
+
+        def fn(q, ckv, g, positions, kv, kv_len):
+            return mla_decode(q, ckv, g, positions, kv, kv_len, wkc, wvc, norm.weight, norm.eps, rope.inv_freq,
+                              rope.attention_factor, layer.scale, cfg)
+        return fn

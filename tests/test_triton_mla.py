@@ -1,0 +1,267 @@
+"""The Triton MLA decode/verify path (``kernels.triton_mla``) against the layer's torch code and a float64 reference.
+
+The float64 reference is the *expanded* form (keys and values expanded per head from the latents through
+``kv_b_proj``, DeepSeek-V2 eq. 9-11), so it also checks the absorption algebra, not only the kernels. Small head
+counts with the real 512-wide latent and 64-wide rope; YaRN rope as in Ling-3.0. On a CPU machine the kernels run
+in Triton's interpreter (TRITON_INTERPRET=1); CI has no Triton and skips with that reason. Full Ling shapes, graph
+replay and 32K contexts run on the GPU (tests/gpu/test_mla_gpu.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from bytebound.config import tiny_config
+from bytebound.errors import BackendError
+from bytebound.layers.mla import GatedMLA
+from conftest import needs_triton, triton_module_fixture
+
+mla = triton_module_fixture("mla", "bytebound.kernels.triton_mla", bf16_round_nearest=True)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+YARN = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 131072}
+# tiny tilings so that the interpreter runs several key blocks, several splits (some empty, some partly past the
+# span) and several split chunks in the merge (a partial one when the split count is odd)
+SMALL = {"BN": 16, "split": 32, "combine_SB": 2}
+
+
+def make_layer(heads: int, nope: int, vdim: int, seed: int = 0) -> GatedMLA:
+    cfg = tiny_config(num_attention_heads=heads, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=nope,
+                      v_head_dim=vdim, hidden_size=64, rope_scaling=YARN)
+    layer = GatedMLA(cfg, lambda name: "plain", dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+        layer.kv_a_layernorm.weight.copy_(torch.rand(512, generator=g) + 0.5)
+    layer = layer.to(device=DEV, dtype=torch.bfloat16)
+    layer.prepare(torch.bfloat16)
+    return layer
+
+
+def filled_cache(layer: GatedMLA, n: int, max_len: int, seed: int = 1) -> torch.Tensor:
+    """A cache whose first ``n`` slots hold plausible latents (unit-RMS-ish latent, rope part of norm ~1)."""
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.zeros(1, max_len, 576)
+    kv[:, :n, :512] = torch.randn(1, n, 512, generator=g) * (torch.rand(512, generator=g) + 0.5)
+    kv[:, :n, 512:] = torch.randn(1, n, 64, generator=g)
+    return kv.to(DEV, torch.bfloat16)
+
+
+def inputs(layer: GatedMLA, t: int, seed: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    h, qd = layer.heads, layer.nope + layer.rope_dim
+    q = (torch.randn(1, t, h, qd, generator=g) * 1.5).to(DEV, torch.bfloat16)
+    ckv = (torch.randn(1, t, 576, generator=g) * 2).to(DEV, torch.bfloat16)
+    gate = torch.randn(1, t, h, generator=g).to(DEV, torch.bfloat16)
+    return q, ckv, gate
+
+
+def ref64(layer: GatedMLA, q, ckv, gate, positions, kv):
+    """float64 expanded-form gated attention and the new cache rows (latent normed, k_pe rotated), unrounded."""
+    d = torch.float64
+    h, nope, rank = layer.heads, layer.nope, layer.rank
+    t = q.shape[1]
+    w = layer.kv_b_proj.weight.to(d).view(h, nope + layer.vdim, rank)
+    wk, wv = w[:, :nope], w[:, nope:]
+    lat = ckv[0, :, :rank].to(d)
+    lat = lat * torch.rsqrt(lat.pow(2).mean(-1, keepdim=True) + layer.kv_a_layernorm.eps)
+    lat = lat * layer.kv_a_layernorm.weight.to(d)
+    ang = positions.to(d)[:, None] * layer.rope.inv_freq.to(d)[None, :]
+    cos, sin = ang.cos() * layer.rope.attention_factor, ang.sin() * layer.rope.attention_factor
+
+    def rope(x):                                  # x [..., T, 64] interleaved pairs
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).flatten(-2)
+    kpe = rope(ckv[0, :, rank:].to(d))
+    new = torch.cat([lat, kpe], -1)                                      # [T, 576]
+    cache = kv[0].to(d).clone()
+    cache[positions] = new
+    n = int(positions[-1]) + 1
+    c_lat, c_pe = cache[:n, :rank], cache[:n, rank:]
+    k_nope = torch.einsum("hnr,lr->hln", wk, c_lat)                      # expanded keys / values
+    v = torch.einsum("hvr,lr->hlv", wv, c_lat)
+    qh = q[0].to(d).transpose(0, 1)                                      # [H, T, 192]
+    q_pe = rope(qh[..., nope:])
+    s = (torch.einsum("htn,hln->htl", qh[..., :nope], k_nope) + torch.einsum("htp,lp->htl", q_pe, c_pe))
+    s = s * layer.scale
+    mask = torch.arange(n, device=q.device)[None, :] <= positions[:, None]
+    s = s.masked_fill(~mask, float("-inf"))
+    o = torch.einsum("htl,hlv->thv", torch.softmax(s, -1), v)           # [T, H, v]
+    return (o * torch.sigmoid(gate[0].to(d))[..., None])[None], new
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def bf16_steps(got, want) -> torch.Tensor:
+    """|got - want| in units of want's BF16 spacing (elementwise)."""
+    ulp = torch.exp2(torch.floor(torch.log2(want.double().abs().clamp(min=1e-30))) - 7)
+    return (got.double() - want.double()).abs() / ulp
+
+
+def run(mla, layer, q, ckv, gate, positions, kv, kv_len, cfg):
+    wkc, wvc = layer.absorbed(torch.bfloat16)
+    n = layer.kv_a_layernorm
+    return mla.mla_decode(q, ckv, gate, positions, kv, kv_len, wkc, wvc, n.weight, n.eps, layer.rope.inv_freq,
+                          layer.rope.attention_factor, layer.scale, cfg)
+
+
+# (heads, nope, v): real Ling per-head widths, and a non-power-of-two head count with narrower heads
+@pytest.mark.parametrize("heads,nope,vdim", [(4, 128, 128), (3, 64, 48)])
+@pytest.mark.parametrize("t,pos,kv_len", [(1, 0, None), (1, 37, 64), (2, 50, 96), (3, 77, 80), (4, 100, 128),
+                                          (4, 29, None), (8, 40, 64)])
+@needs_triton
+@torch.no_grad()
+def test_kernel_matches_float64(mla, heads, nope, vdim, t, pos, kv_len):
+    layer = make_layer(heads, nope, vdim)
+    kv = filled_cache(layer, pos, 128)
+    q, ckv, gate = inputs(layer, t, seed=pos + t)
+    positions = torch.arange(pos, pos + t, device=DEV)
+    want, new = ref64(layer, q, ckv, gate, positions, kv)
+    before = kv.clone()
+    got = run(mla, layer, q, ckv, gate, positions, kv, kv_len, SMALL)
+    assert got.shape == (1, t, heads, vdim) and got.dtype == torch.bfloat16
+    # BF16 inputs to the tensor-core products (q_lat, the probabilities, the gated latent output) and the BF16 cache
+    # rows against an unrounded float64 reference: ~3.5e-3 relative, the size of the final BF16 rounding alone
+    assert rel(got, want) < 6e-3, rel(got, want)
+    # the new rows are written at the positions; nothing else in the cache changes. The latent is rounded twice
+    # (the normalised value, then times the weight, as RMSNorm), the rotated k_pe once (half a BF16 step)
+    steps = bf16_steps(kv[0, positions], new)
+    assert (steps[:, :512] <= 2.01).all(), float(steps[:, :512].max())
+    assert (steps[:, 512:] <= 0.6).all(), float(steps[:, 512:].max())
+    other = torch.ones(kv.shape[1], dtype=torch.bool, device=DEV)
+    other[positions] = False
+    assert torch.equal(kv[:, other], before[:, other])
+
+
+@needs_triton
+@pytest.mark.parametrize("t,pos", [(1, 45), (4, 60)])
+@torch.no_grad()
+def test_layer_matches_torch_path(mla, t, pos):
+    """GatedMLA.forward with the backend bound == its torch absorbed path (both BF16) == float64, cache too."""
+    layer = make_layer(4, 128, 128, seed=3)
+    from bytebound.layers.mla import MLAState
+    kv = filled_cache(layer, pos, 96)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(1, t, 64, generator=g).to(DEV, torch.bfloat16)
+    positions = torch.arange(pos, pos + t, device=DEV)
+    st_ref, st_tri = MLAState(kv.clone()), MLAState(kv.clone())
+    want = layer(x, positions, st_ref, 96)
+    layer.attn_fn = mla.TritonMLA(SMALL).bind(layer, torch.bfloat16)
+    try:
+        got = layer(x, positions, st_tri, 96)
+    finally:
+        layer.attn_fn = None
+    # float64 of the whole layer from the same projections: the reference path's own error is the yardstick
+    q = layer.q_proj(x).view(1, t, 4, 192)
+    ckv = layer.kv_a_proj_with_mqa(x)
+    o64, _ = ref64(layer, q, ckv, layer.g_proj(x), positions, kv)
+    want64 = o64.reshape(1, t, -1) @ layer.dense.weight.double().t()
+    e_ref, e_tri = rel(want, want64), rel(got, want64)
+    assert e_ref < 6e-3 and e_tri < 1.5 * e_ref, (e_tri, e_ref)
+    assert rel(got, want) < 6e-3
+    # identical cache rows up to one BF16 step (float32 statistics in another summation order)
+    assert (bf16_steps(st_tri.kv, st_ref.kv) <= 1.01).all()
+    assert (st_tri.kv != st_ref.kv).float().mean() < 0.01
+
+
+@needs_triton
+def test_span_and_split_do_not_change_the_result(mla):
+    """Keys past the last position are masked: with the same split length any static span >= pos + T gives the
+    same bits (the extra splits are empty and weigh exactly 0), so the runner's buckets change nothing. Another
+    split length rounds the probabilities to BF16 against other running maxima: equal to BF16 accuracy."""
+    layer = make_layer(4, 128, 128, seed=5)
+    kv = filled_cache(layer, 70, 128)
+    q, ckv, gate = inputs(layer, 3)
+    positions = torch.arange(70, 73, device=DEV)
+    outs = [run(mla, layer, q, ckv, gate, positions, kv.clone(), n, cfg)
+            for n, cfg in [(73, {"BN": 16, "split": 16}), (128, {"BN": 16, "split": 16}), (None, {"BN": 32}),
+                           (80, {"BN": 16, "split": 80, "combine_BK": 64, "combine_BV": 16})]]
+    assert torch.equal(outs[0], outs[1])
+    for o in outs[2:]:
+        assert rel(o, outs[0]) < 4e-3, rel(o, outs[0])
+    # a stale (nonzero) slot past the positions is never read: poison it
+    kv2 = kv.clone()
+    kv2[:, 73:] = float("nan")
+    o = run(mla, layer, q, ckv, gate, positions, kv2, 128, {"BN": 16, "split": 16})
+    assert torch.isfinite(o).all() and torch.equal(o, outs[1])
+
+
+@needs_triton
+@torch.no_grad()
+def test_batch_rows_are_independent(mla):
+    """B = 2 (each row its own cache) gives each row's B = 1 result: the batch strides are right."""
+    layer = make_layer(4, 128, 128, seed=6)
+    kv = torch.cat([filled_cache(layer, 40, 64, seed=s) for s in (1, 2)])
+    qs, cs, gs = zip(*(inputs(layer, 2, seed=s) for s in (3, 4)))
+    positions = torch.arange(40, 42, device=DEV)
+    both = run(mla, layer, torch.cat(qs), torch.cat(cs), torch.cat(gs), positions, kv.clone(), 64, SMALL)
+    for i in range(2):
+        kv1 = kv[i:i + 1].clone()
+        one = run(mla, layer, qs[i], cs[i], gs[i], positions, kv1, 64, SMALL)
+        assert torch.equal(both[i:i + 1], one)
+
+
+@needs_triton
+def test_bad_input_is_a_named_error(mla):
+    layer = make_layer(4, 128, 128)
+    kv = filled_cache(layer, 8, 32)
+    q, ckv, gate = inputs(layer, 1)
+    pos = torch.tensor([8], device=DEV)
+    with pytest.raises(BackendError, match="bf16"):
+        run(mla, layer, q.float(), ckv, gate, pos, kv, None, None)
+    with pytest.raises(BackendError, match="span"):
+        run(mla, layer, q, ckv, gate, pos, kv, 64, None)
+    with pytest.raises(BackendError, match="inconsistent shapes"):
+        run(mla, layer, q, ckv[..., :512], gate, pos, kv, None, None)
+    with pytest.raises(BackendError, match=">= 16"):                # a rope width too narrow for tensor cores
+        small = make_layer(4, 128, 128)
+        wkc, wvc = small.absorbed(torch.bfloat16)
+        n = small.kv_a_layernorm
+        mla.mla_decode(q[..., :136], ckv[..., :520], gate, pos, kv[..., :520], None, wkc, wvc, n.weight, n.eps,
+                       small.rope.inv_freq[:4], 1.0, 0.1)
+    with pytest.raises(BackendError, match="bf16"):
+        mla.TritonMLA().bind(make_layer(4, 128, 128).float(), torch.float32)
+
+
+@needs_triton
+@torch.no_grad()
+def test_model_decode_and_verify_match_torch(mla):
+    """The tiny model (latent 32, rope 16) with every MLA layer bound to the backend: prefill (torch, T > 8),
+    decode steps and a 4-token verify give the hidden states of the torch path, to BF16 accuracy."""
+    from bytebound.checkpoint.synthetic import random_model
+    from bytebound.runner.runner import ModelRunner
+    model = random_model(tiny_config(rope_scaling=YARN, qk_rope_head_dim=16), seed=4, dtype=torch.bfloat16).to(DEV)
+    model.finish_load()
+    mlas = [m for m in model.modules() if isinstance(m, GatedMLA)]
+    assert len(mlas) == 3                                 # two decoder layers and the NEXTN layer's attention
+    ids = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(0)).to(DEV)
+    outs = []
+    for bound in (False, True):
+        for m in mlas:
+            m.attn_fn = mla.TritonMLA({"BN": 16, "split": 16}).bind(m, torch.bfloat16) if bound else None
+        r = ModelRunner(model, max_len=48, device=DEV)
+        hs = [r.prefill(ids[:12])[-1:]] + [r.forward(ids[i:i + 1]) for i in range(12, 15)]
+        hs.append(r.verify(ids[15:19]))
+        outs.append((torch.cat(hs), [s.kv.clone() for s in r.state if not hasattr(s, "rec")]))
+    for m in mlas:
+        m.attn_fn = None
+    (h_ref, kv_ref), (h_tri, kv_tri) = outs
+    assert rel(h_tri, h_ref) < 1e-2, rel(h_tri, h_ref)
+    for a, b in zip(kv_tri, kv_ref):           # the NEXTN layer's cache stays empty without MTP
+        assert rel(a, b) < 1e-2 if b.any() else not a.any()
+
+
+def test_backend_is_registered_and_cuda_only():
+    """``mla=triton`` resolves on CUDA only: elsewhere a named BackendError, or the recorded torch fallback."""
+    from bytebound.kernels.registry import backends, resolve
+    assert "triton" in backends("mla")
+    with pytest.raises(BackendError, match="needs a CUDA device"):
+        resolve("mla", "triton", torch.device("cpu"))
+    impl, res = resolve("mla", "triton", torch.device("cpu"), allow_fallback=True)
+    assert (res.resolved, res.fallback_from) == ("torch", "triton") and impl.bind(None, torch.float32) is None
