@@ -408,7 +408,6 @@ def canary_logits_finite(engine, ctx) -> CanaryResult:
     return _ok(name, lever, f"all logits finite ({', '.join(bad)})", nonfinite=bad)
 
 
-@torch.inference_mode()
 class _RankHead:
     """A vocabulary-parallel head seen through this rank's columns ``[v0, v1)`` of its gathered logits."""
 
@@ -422,6 +421,7 @@ class _RankHead:
         return self._head(x)[..., self._v[0]:self._v[1]]
 
 
+@torch.inference_mode()
 def canary_lm_head(engine, ctx) -> CanaryResult:
     from bytebound.layers.lm_head import bf16_logits
     name, lever = "lm_head_path", "lm_head"
