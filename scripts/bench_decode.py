@@ -74,6 +74,27 @@ def decode_tpot(runner, ctx: int, steps: int = 64) -> tuple[float, float]:
     return tpot[len(tpot) // 2], step[len(step) // 2]
 
 
+def kernels_per_step(runner, ctx: int, steps: int = 3):
+    """GPU kernels per decode step with the LM head (torch.profiler over ``steps`` graph replays, as the engine
+    runs a step: replay + head); None on CPU."""
+    if runner.device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    capture_decode(runner)
+    tok = torch.tensor([17], device=runner.device)
+    with torch.inference_mode():
+        runner.model.logits(runner.graph.replay(tok, ctx))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(steps):
+                runner.model.logits(runner.graph.replay(tok, ctx + 1 + i))
+            torch.cuda.synchronize()
+    runner.graph = None
+    n = sum(e.count for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")
+            and e.self_device_time_total > 0)
+    return n / steps
+
+
 def what_ran(plan) -> dict:
     """The backends a measurement ran with: each op's resolved backend, and where the MoE layers' shared expert
     and routing ran."""
@@ -216,6 +237,8 @@ def round_cost(model, runner, ctx: int, steps: int = 3) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", default=str(LING3_FLASH_CONFIG))
+    ap.add_argument("--kda-backend", default=None, help="KDA backend: fla | triton | torch (default: the CUDA "
+                    "default; '+kda' in --moe-backends picks triton for one variant)")
     ap.add_argument("--mla-backend", default=None, help="MLA decode/verify backend: torch | triton (default: the "
                     "engine's CUDA default)")
     ap.add_argument("--moe-backends", default="triton,torch,humming",
@@ -281,16 +304,18 @@ def main() -> int:
         # "triton+shared" / "triton+dense": the triton backend with the shared expert inside its kernels or as a
         # dense MLP (EngineConfig.fused_shared True / False); "+gemv" / "+nogemv": the router GEMV + routing as one
         # kernel or not (EngineConfig.fused_router_gemv); "+pdl0" / "+pdl1" / "+pdl2": the split kernels' pdl_in
+        # "+mla" / "+kda": the mla / kda backend 'triton' (fused decode/verify kernels) for this variant
         moe_b, *opts = moe.split("+")
-        known = {"shared", "dense", "gemv", "nogemv", "pdl0", "pdl1", "pdl2"}
+        known = {"shared", "dense", "gemv", "nogemv", "pdl0", "pdl1", "pdl2", "mla", "kda"}
         if set(opts) - known or {"shared", "dense"} <= set(opts) or {"gemv", "nogemv"} <= set(opts):
             ap.error(f"--moe-backends {moe!r}: a backend name with optional +shared or +dense, +gemv or +nogemv, "
-                     "and +pdl0 / +pdl1 / +pdl2")
+                     "+pdl0 / +pdl1 / +pdl2, +mla, +kda")
+        extra = {k: "triton" for k in ("mla", "kda") if k in opts}
         fused_shared = True if "shared" in opts else False if "dense" in opts else a.fused_shared
         router_gemv = True if "gemv" in opts else False if "nogemv" in opts else a.fused_router_gemv
         pdl = [int(o[3]) for o in opts if o.startswith("pdl")]
         for head in a.heads.split(","):
-            plan = BackendPlan.default(dev, moe=moe_b, mla=a.mla_backend)
+            plan = BackendPlan.default(dev, **{"moe": moe_b, "mla": a.mla_backend, "kda": a.kda_backend, **extra})
             try:
                 t = time.perf_counter()
                 bind_model(model, plan, dev, head, a.fused_router, a.fused_norm, fused_shared, router_gemv)
@@ -313,6 +338,7 @@ def main() -> int:
             for ctx in ctxs:
                 try:
                     ms, step_ms = decode_tpot(runner, ctx)
+                    kernels = kernels_per_step(runner, ctx)
                 except Exception as e:  # report, keep measuring the other variants
                     print(f"FAIL moe={moe} head={head} ctx={ctx}: {type(e).__name__}: {e}", flush=True)
                     results.append({"moe": moe, "head": head, "ctx": ctx, "error": f"{type(e).__name__}: {e}"})
@@ -320,6 +346,7 @@ def main() -> int:
                 kv = led.kv_bytes_per_token() * ctx
                 b = led.bytes + kv + led.state_bytes()
                 r = {"moe": moe, "head": head, "ctx": ctx, "tpot_ms": ms, "step_ms_without_head": step_ms,
+                     "kernels_per_step": kernels,
                      "head_ms": head_ms, "head_GB": head_bytes / 1e9,
                      "tok_s": 1e3 / ms, "bind_s": bind_s,
                      "ledger_GB": b / 1e9, "floor_ms": b / (bw * 1e9) * 1e3,
@@ -374,11 +401,12 @@ def main() -> int:
     if info["fp8_head_saving"]:
         print("FP8 head saving:", json.dumps(info["fp8_head_saving"]), flush=True)
     dump()
-    print("\n| MoE | head | ctx | TPOT ms | tok/s | ledger GB | floor ms | U |\n|---|---|---|---|---|---|---|---|")
+    print("\n| variant | head | ctx | TPOT ms | tok/s | kernels/step | ledger GB | floor ms | U |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "tpot_ms" in r:
             print(f"| {r['moe']} | {r['head']} | {r['ctx']} | {r['tpot_ms']:.3f} | {r['tok_s']:.1f} | "
-                  f"{r['ledger_GB']:.3f} | {r['floor_ms']:.3f} | {r['U']:.2f} |")
+                  f"{r['kernels_per_step']} | {r['ledger_GB']:.3f} | {r['floor_ms']:.3f} | {r['U']:.2f} |")
     return 0
 
 
