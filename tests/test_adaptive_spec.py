@@ -344,3 +344,27 @@ def test_bundled_model_gsm8k_adaptive_equals_plain():
     assert forced.adaptive.counts["to_plain"] >= 2 and forced.adaptive.counts["to_mtp"] >= 2
     # the trained draft still drafts well after plain phases (the NEXTN saw their positions)
     assert forced.spec_totals.accept_length > 1.5
+
+
+def test_server_reports_adaptive_decision(quant_ckpt, reference):
+    """Through the HTTP server: the non-streaming response carries the speculative stats with the adaptive
+    decision, and /metrics its gauges and counters."""
+    from fastapi.testclient import TestClient
+
+    from bytebound.server.app import create_app
+    p = next(k for k in reference if len(k) == 17)
+    eng = Engine(model=str(quant_ckpt), max_model_len=256, speculative_steps=STEPS, speculative_adaptive=True,
+                 adaptive_window=4, adaptive_probe_every=16, adaptive_calibration=2)
+    eng.adaptive.cost_model = lambda kind, s: 5.0 if kind == "round" else 1.0     # a <= k + 1 = 4: a/c < 1
+    with TestClient(create_app(eng, served_model_name="t")) as c:
+        r = c.post("/v1/completions", json={"model": "t", "prompt": list(p), "max_tokens": MAX_NEW,
+                                            "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["token_ids"] == reference[p]
+        ad = body["speculative"]["adaptive"]
+        assert ad["to_plain"] >= 1 and ad["plain_steps"] > 0
+        text = c.get("/metrics").text
+    assert 'bytebound_spec_adaptive_switches_total{to="plain"} ' + f"{float(ad['to_plain'])}" in text
+    assert f"bytebound_spec_adaptive_plain_steps_total {float(ad['plain_steps'])}" in text
+    assert f'bytebound_spec_adaptive_mode{{mode="{ad["mode"]}"}} 1.0' in text
