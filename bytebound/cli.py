@@ -45,6 +45,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-static-round", action=onoff, default=None,
                    help="MTP rounds with static shapes: on CUDA each greedy round is one graph replay with acceptance "
                         "on the device (default: on with CUDA)")
+    p.add_argument("--speculative-adaptive", action="store_true",
+                   help="with NEXTN: run MTP rounds only while the measured accept length / round cost pays, "
+                        "decode plainly otherwise and probe back periodically (default off)")
+    p.add_argument("--adaptive-window", type=int, default=16, help="adaptive speculation: rounds per decision")
+    p.add_argument("--adaptive-margin", type=float, default=0.05,
+                   help="adaptive speculation: fall back below a/c = 1 - margin (back on at a/c >= 1)")
+    p.add_argument("--adaptive-probe-every", type=int, default=64,
+                   help="adaptive speculation: plain tokens before a probe (doubles after each failed probe)")
+    p.add_argument("--adaptive-probe-max", type=int, default=1024,
+                   help="adaptive speculation: the longest plain phase between probes [tokens]")
+    p.add_argument("--adaptive-probe-rounds", type=int, default=4, help="adaptive speculation: MTP rounds per probe")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture the decode step in a graph")
@@ -65,6 +76,13 @@ def engine_config(a):
             raise ConfigError("--speculative-num-draft-tokens must equal --speculative-num-steps + 1 (chain, top-k 1)")
     if a.spec_static_round is True and a.speculative_algorithm != "NEXTN":
         raise ConfigError("--spec-static-round needs --speculative-algorithm NEXTN")
+    if getattr(a, "speculative_adaptive", False) and a.speculative_algorithm != "NEXTN":
+        raise ConfigError("--speculative-adaptive needs --speculative-algorithm NEXTN")
+    adaptive = {}
+    if hasattr(a, "speculative_adaptive"):
+        adaptive = dict(speculative_adaptive=a.speculative_adaptive, adaptive_window=a.adaptive_window,
+                        adaptive_margin=a.adaptive_margin, adaptive_probe_every=a.adaptive_probe_every,
+                        adaptive_probe_max=a.adaptive_probe_max, adaptive_probe_rounds=a.adaptive_probe_rounds)
     backends = {k: v for k, v in (("moe", a.moe_backend), ("linear", a.linear_backend), ("kda", a.kda_backend),
                                   ("mla", a.mla_backend)) if v}
     return EngineConfig(model=a.model, device=a.device, dtype=a.dtype,
@@ -74,7 +92,7 @@ def engine_config(a):
                         spec_static_round=a.spec_static_round, kv_buckets=a.decode_kv_buckets,
                         fused_router=a.fused_router, fused_norm=a.fused_norm,
                         fused_shared=a.fused_shared_expert, fused_router_gemv=a.fused_router_gemv,
-                        tensor_parallel_size=a.tensor_parallel_size)
+                        tensor_parallel_size=a.tensor_parallel_size, **adaptive)
 
 
 def print_fallbacks(engine) -> None:
@@ -112,6 +130,10 @@ def cmd_generate(a) -> int:
            f"TPOT {out.tpot_s * 1e3:.2f} ms, decode {out.decode_tok_s:.1f} tok/s")
     if out.spec:
         msg += f", accept length {out.spec['accept_length']:.2f}"
+        ad = out.spec.get("adaptive")
+        if ad:
+            msg += (f", adaptive: {ad['plain_steps']} plain steps, {ad['rounds']} rounds, ended {ad['mode']}"
+                    f" ({ad['reason']})")
     print(msg + "]", file=sys.stderr)
     return 0
 

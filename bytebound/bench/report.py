@@ -166,6 +166,12 @@ def summarize(outputs) -> dict:
         rounds = sum(sp["rounds"] for sp in specs)
         s["accept_length"] = {"aggregate": sum(sp["committed"] for sp in specs) / rounds if rounds else 0.0,
                               "per_request": dist([sp["accept_length"] for sp in specs]), "rounds": rounds}
+        ads = [sp["adaptive"] for sp in specs if sp.get("adaptive")]
+        if ads:      # adaptive speculation: how the tokens were made and where it ended
+            s["adaptive"] = {k: sum(a[k] for a in ads) for k in ("plain_steps", "rounds", "to_plain", "to_mtp",
+                                                                 "probes")}
+            s["adaptive"].update(final_mode=ads[-1]["mode"], reason=ads[-1]["reason"],
+                                 last_decision=ads[-1].get("last_decision"))
     return s
 
 
@@ -210,6 +216,11 @@ def latency_table(s: dict) -> list[str]:
         a = s["accept_length"]
         rows.append(f"Accept length (MTP): **{fmt(a['aggregate'])}** tokens per verify round over {a['rounds']} rounds "
                     f"(per-request mean {fmt(a['per_request']['mean'])}).")
+    if "adaptive" in s:
+        ad = s["adaptive"]
+        rows.append(f"Adaptive speculation: {ad['plain_steps']} plain decode steps and {ad['rounds']} MTP rounds, "
+                    f"{ad['to_plain']} fallbacks to plain, {ad['to_mtp']} switches back, {ad['probes']} probes; "
+                    f"ended in mode **{ad['final_mode']}** ({ad['reason']}).")
     return rows
 
 

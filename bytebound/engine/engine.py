@@ -23,6 +23,7 @@ from bytebound.errors import BackendError, CheckpointError, ConfigError, Request
 from bytebound.runner.backends import BackendPlan, bind_model
 from bytebound.runner.runner import ModelRunner, pow2_buckets
 from bytebound.sampling import SamplingParams, make_generator, sample
+from bytebound.speculative.adaptive import AdaptiveSpeculation, adaptive_tokens, check_knobs
 from bytebound.speculative.mtp import MTPDrafter, SpecStats, mtp_tokens
 from bytebound.speculative.round import StaticRound, static_mtp_tokens
 from bytebound.verify.watchdog import AcceptWatchdog, watch_rounds
@@ -72,6 +73,17 @@ class EngineConfig:
     # N processes, one shard each (bytebound.parallel): the process must already be rank r of an N-process group
     # (bytebound's --tensor-parallel-size launcher or torchrun, bytebound.parallel.init_from_env).
     tensor_parallel_size: int = 1
+    # Adaptive speculation (speculative.adaptive): MTP rounds only while the measured accept length a over the
+    # measured round cost c (round time / plain step time) pays; plain decoding with periodic probes otherwise.
+    # Opt-in (needs MTP): the GPU evidence that it keeps the bundled model's speed-up is not in yet.
+    speculative_adaptive: bool = False
+    adaptive_window: int = 16         # MTP rounds in the decision window
+    adaptive_margin: float = 0.05     # fall back below a/c = 1 - margin; back on at a/c >= 1
+    adaptive_probe_every: int = 64    # plain tokens before the first probe after a fallback (doubles per failure)
+    adaptive_probe_max: int = 1024    # ... up to this many
+    adaptive_probe_rounds: int = 4    # MTP rounds per probe
+    adaptive_calibration: int = 8     # plain steps timed at start (and per refresh) before MTP
+    adaptive_refresh_rounds: int = 512  # MTP rounds before the plain step is timed again (cost grows with context)
 
 
 @dataclass
@@ -208,6 +220,10 @@ class Engine:
             raise ConfigError(f"--max-model-len must be >= 2, got {cfg.max_model_len}")
         if cfg.speculative_steps < 0:
             raise ConfigError(f"--speculative-num-steps must be >= 0, got {cfg.speculative_steps}")
+        check_knobs(cfg)
+        adaptive = (AdaptiveSpeculation(cfg.adaptive_window, cfg.adaptive_margin, cfg.adaptive_probe_every,
+                                        cfg.adaptive_probe_max, cfg.adaptive_probe_rounds, cfg.adaptive_calibration,
+                                        cfg.adaptive_refresh_rounds) if cfg.speculative_adaptive else None)
         cuda = dev.type == "cuda"
         self.tp = None
         if cfg.tensor_parallel_size != 1:
@@ -296,6 +312,7 @@ class Engine:
         self.device = dev
         self.watchdog = (AcceptWatchdog(cfg.watchdog_window, cfg.watchdog_threshold, cfg.strict)
                          if self.drafter is not None else None)
+        self.adaptive = adaptive        # AdaptiveSpeculation (engine lifetime), None unless speculative_adaptive
         self.canaries = None
         clock.lap("bind_capture_s", dev)
         self.startup = clock.times
@@ -350,6 +367,14 @@ class Engine:
 
     def _tokens(self, ids: torch.Tensor, p: SamplingParams, gen, stats: SpecStats | None):
         """Raw token source: plain decode or MTP rounds; yields ``(token, round)``."""
+        if self.drafter is not None and self.adaptive is not None:
+            rnd = None
+            if self.config.spec_static_round:
+                rnd = (self.spec_round if (p.greedy and self.spec_round is not None)
+                       else StaticRound(self.runner, self.drafter, p, gen))
+            src = adaptive_tokens(self.runner, self.drafter, ids, p, gen, stats, self.adaptive, rnd)
+            yield from watch_rounds(src, stats, self.watchdog)
+            return
         if self.drafter is not None:
             if self.config.spec_static_round:
                 rnd = self.spec_round if (p.greedy and self.spec_round is not None) else None
@@ -401,6 +426,8 @@ class Engine:
         self.runner.reset()
         gen = make_generator(p, self.device)
         stats = SpecStats(self.config.speculative_steps) if self.drafter else None
+        if self.adaptive is not None:
+            self.adaptive.begin_request()
         stop_ids = self.stop_ids(p)
         out_ids: list[int] = []
         rounds: list[int] = []          # verify round of each emitted token (0 = from prefill)
@@ -462,6 +489,8 @@ class Engine:
             # Accept length counts the tokens the request kept: EOS and text cut by a stop string do not count.
             stats.committed = sum(1 for r in rounds[:n] if r > 0)
             spec = stats.to_dict()
+            if self.adaptive is not None:
+                spec["adaptive"] = self.adaptive.request_dict()
             self.spec_totals.add(stats)
         out = RequestOutput(text, out_ids, finish or "length", len(ids), n, (t_first or end) - t0, tpot, end - t0, spec)
         yield StreamChunk(text[sent:], out_ids[reported:], finish or "length", out)

@@ -117,6 +117,45 @@ class Metrics:
                                  "complete: client_disconnected | shutdown", ["reason"], registry=r)
         self.queued = Gauge("bytebound_num_queued_requests", "Requests waiting for the engine", registry=r)
         self.running = Gauge("bytebound_num_running_requests", "Requests on the engine (0 or 1)", registry=r)
+        # adaptive speculation (speculative.adaptive; set by sync_adaptive, absent values are NaN)
+        self.adaptive_mode = Gauge("bytebound_spec_adaptive_mode", "Adaptive speculation: 1 for the current mode "
+                                   "(mtp | plain | probe | calibrate)", ["mode"], registry=r)
+        self.adaptive_a = Gauge("bytebound_spec_adaptive_accept_length", "Adaptive speculation: accept length a "
+                                "(committed tokens per round) at the last decision", registry=r)
+        self.adaptive_c = Gauge("bytebound_spec_adaptive_round_cost", "Adaptive speculation: round cost c (round "
+                                "time / plain decode step time) at the last decision", registry=r)
+        self.adaptive_s = Gauge("bytebound_spec_adaptive_speedup", "Adaptive speculation: a / c at the last "
+                                "decision (MTP pays above 1)", registry=r)
+        self.adaptive_switches = Counter("bytebound_spec_adaptive_switches", "Adaptive speculation: switches to "
+                                         "plain decoding (fallbacks, failed probes) and back to MTP", ["to"],
+                                         registry=r)
+        self.adaptive_plain = Counter("bytebound_spec_adaptive_plain_steps", "Adaptive speculation: tokens "
+                                      "decoded by plain steps", registry=r)
+        self.adaptive_probes = Counter("bytebound_spec_adaptive_probes", "Adaptive speculation: probes (MTP "
+                                       "rounds tried while decoding plainly)", registry=r)
+        self._synced: dict = {}
+        self._sync_lock = threading.Lock()
+
+    def sync_adaptive(self, ctrl) -> None:
+        """Copy an ``AdaptiveSpeculation``'s state into the adaptive gauges and counters (counters advance by
+        what changed since the last sync). Any thread."""
+        st = ctrl.state()
+        dec = st["last_decision"] or {}
+        nan = float("nan")
+        with self._sync_lock:
+            for mode in ("mtp", "plain", "probe", "calibrate"):
+                self.adaptive_mode.labels(mode).set(1.0 if st["mode"] == mode else 0.0)
+            for g, key in ((self.adaptive_a, "accept_length"), (self.adaptive_c, "round_cost"),
+                           (self.adaptive_s, "speedup")):
+                v = dec.get(key)
+                g.set(nan if v is None else v)
+            for key, counter in (("to_plain", self.adaptive_switches.labels("plain")),
+                                 ("to_mtp", self.adaptive_switches.labels("mtp")),
+                                 ("plain_steps", self.adaptive_plain), ("probes", self.adaptive_probes)):
+                delta = st[key] - self._synced.get(key, 0)
+                if delta > 0:
+                    counter.inc(delta)
+                self._synced[key] = st[key]
 
     def error(self, e: "APIError") -> None:
         """Count one error answer; the reason's values are the fixed codes and parameter names of this module,
@@ -255,6 +294,8 @@ class EngineWorker:
                 if out.spec["rounds"] > 0:
                     m.accept.observe(out.spec["accept_length"])
                 m.accept_avg.set(eng.spec_totals.accept_length)
+        if getattr(eng, "adaptive", None) is not None:
+            m.sync_adaptive(eng.adaptive)
 
     def close(self, grace: float) -> None:
         """Shutdown has begun (on the loop, before uvicorn waits for connections): refuse new work and give the
@@ -594,6 +635,8 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
     async def prom():
         if engine.drafter is not None:
             metrics.accept_avg.set(engine.spec_totals.accept_length)
+        if getattr(engine, "adaptive", None) is not None:
+            metrics.sync_adaptive(engine.adaptive)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/server_info")
@@ -655,7 +698,9 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
         if want_ids:
             choice["token_ids"] = out.token_ids
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now, "model": name,
-                "choices": [choice], "usage": _usage(out)}
+                "choices": [choice], "usage": _usage(out),
+                # extension with MTP on: accept length, rounds and (adaptive speculation) the mode decisions
+                **({"speculative": out.spec} if out.spec else {})}
 
     def _log_cancelled(request: Request, job: Job, tokens: int | None) -> None:
         """One line and one count for a request that ended before its output was complete (the access line

@@ -149,14 +149,30 @@ def mtp_tokens(runner, drafter: MTPDrafter, prompt: torch.Tensor, p: SamplingPar
     y = _from_rank0(runner, sample(runner.logits(hid[-1:]), p, gen).view(1))   # [1] on the device
     yield int(y), 0
     ext_ids = torch.cat([prompt[1:].to(dev), y])
-    ext_hidden, ext_pos = hid, torch.arange(0, prompt.shape[0], device=dev)
+    yield from mtp_rounds(runner, drafter, y, ext_ids, hid, torch.arange(0, prompt.shape[0], device=dev), p, gen,
+                          stats)
+
+
+@torch.inference_mode()
+def mtp_rounds(runner, drafter: MTPDrafter, y: torch.Tensor, ext_ids: torch.Tensor, ext_hidden: torch.Tensor,
+               ext_pos: torch.Tensor, p: SamplingParams, gen, stats: SpecStats, rnd: int = 0, cursor=None):
+    """The rounds of :func:`mtp_tokens` from any committed point: ``y [1]`` int64 is the last committed token, not
+    yet run, at ``runner.pos``; ``ext_ids [E]`` / ``ext_hidden [E, H]`` / ``ext_pos [E]`` are the NEXTN inputs not
+    yet in its cache (token ``t + 1`` with the target hidden of position ``t``, for ``E >= 1`` consecutive positions
+    ending at ``runner.pos - 1``): after a prefill the whole prompt, after plain decode steps the positions they
+    decoded (:mod:`bytebound.speculative.adaptive`). Yields ``(token, round)`` with round ids ``rnd + 1, ...``.
+
+    ``cursor`` (optional): an object whose ``round_done(j, y, ext_ids, ext_hidden, ext_pos, seconds)`` is called
+    after each round's commit, before its tokens are yielded, with the next round's inputs (the caller may stop
+    after any round and continue from them by plain decoding).
+    """
+    dev = runner.device
     # The first draft-extend covers the whole prompt: run all but its last chunk now, and leave the last chunk
     # to the first round.
     cut = (ext_ids.shape[0] - 1) // runner_mod.PREFILL_CHUNK * runner_mod.PREFILL_CHUNK
     nextn_prefix(drafter, ext_ids[:cut], ext_hidden[:cut], ext_pos[:cut], runner.state)
     ext_ids, ext_hidden, ext_pos = ext_ids[cut:], ext_hidden[cut:], ext_pos[cut:]
     k = drafter.steps
-    rnd = 0
     while True:
         rnd += 1
         t0 = time.perf_counter()
@@ -185,6 +201,9 @@ def mtp_tokens(runner, drafter: MTPDrafter, prompt: torch.Tensor, p: SamplingPar
         stats.verify_s += t2 - t1
         stats.rollback_s += t3 - t2
         stats.add_round(j)
+        if cursor is not None:
+            cursor.round_done(j, bonus_t.view(1), torch.cat([d[:j], bonus_t.view(1)]), vh[: j + 1], vpos[: j + 1],
+                              t3 - t0)
         emitted = out[:j] + [bonus]
         for tok in emitted:
             stats.committed += 1

@@ -134,16 +134,33 @@ class StaticRound:
         """Set the buffers after a prefill of ``prompt [P]`` (``P >= k + 2``) with hiddens ``hid [P, H]`` and first
         token ``y [1]``: the NEXTN runs eagerly over positions ``0 .. P-k-2``, the rest is the first replay's
         extend."""
+        dev = self.r.device
+        self.seed(torch.cat([prompt[1:].to(dev), y.view(1)]), hid, 0, y)
+
+    def seed(self, ext_ids: torch.Tensor, ext_hidden: torch.Tensor, first: int, y: torch.Tensor) -> None:
+        """Set the buffers from any committed point: ``ext_ids [E]`` / ``ext_hidden [E, H]`` are the NEXTN inputs
+        not yet in its cache for positions ``first .. first + E - 1`` (token ``t + 1``, target hidden of ``t``),
+        ending at ``runner.pos - 1``, with ``E >= k + 1``; ``y [1]`` the last committed token, not yet run. The NEXTN
+        runs eagerly over all but the last ``k + 1`` positions; those become the next replay's extend (as if the
+        previous round had accepted all ``k`` drafts). After a prefill ``first = 0`` (:meth:`start`); after plain
+        decode steps, the positions they decoded (:mod:`bytebound.speculative.adaptive`).
+
+        Raises:
+            ValueError: fewer than ``k + 1`` positions, or positions that do not end at ``runner.pos - 1``.
+        """
         k, dev = self.k, self.r.device
-        p_len = prompt.shape[0]
-        n0 = p_len - k - 1
-        prompt = prompt.to(dev)
-        nextn_prefix(self.dr, prompt[1:n0 + 1], hid[:n0], torch.arange(n0, device=dev), self.r.state)
-        self.ext_ids.copy_(torch.cat([prompt[n0 + 1:], y.view(1)]))
-        self.ext_hidden.copy_(hid[n0:])
+        e = ext_ids.shape[0]
+        if e < k + 1 or first + e != self.r.pos:
+            raise ValueError(f"seeding an MTP round needs >= {k + 1} pending NEXTN positions ending at "
+                             f"{self.r.pos - 1}, got {e} from {first}")
+        n0 = e - k - 1
+        nextn_prefix(self.dr, ext_ids[:n0], ext_hidden[:n0], torch.arange(first, first + n0, device=dev),
+                     self.r.state)
+        self.ext_ids.copy_(ext_ids[n0:])
+        self.ext_hidden.copy_(ext_hidden[n0:])
         self.y.copy_(y.view(1))
         self.j.fill_(k)
-        self.pos.fill_(p_len)
+        self.pos.fill_(self.r.pos)
 
     @torch.inference_mode()
     def step(self) -> list[int]:

@@ -8,7 +8,8 @@ server and stored with bench results). Levers:
   backend reports it (``module.jit_info = {"cache": "hit"|"miss", ...}`` set at bind; otherwise "unknown").
 * ``lm_head``: path (bf16 | fp32 | fp8), bound backend, weight dtype, logits dtype and, for FP8, the weight
   scale granularity (per output channel / per tensor / block) and the activation quantisation.
-* ``mtp``: on/off, steps, draft tokens per verify.
+* ``mtp``: on/off, steps, draft tokens per verify, and adaptive speculation's state (mode, accept length a, round
+  cost c, a / c, switches, the reason of the last decision; ``fell_back``: decoding plainly because MTP did not pay).
 * ``draft_sharing``: whether the draft's embedding and LM head are the target's *objects* (identity, ``is``),
   and whether the head's weight tensor is merely aliased (the seed's silent failure).
 * ``cuda_graphs``: ``runner.graph`` and its captured shapes, or eager.
@@ -150,7 +151,9 @@ def _mtp_lever(engine) -> dict:
             "steps": got, "draft_tokens": got + 1 if got else 0,
             "nextn_layer": cfg.num_hidden_layers if cfg.num_nextn_predict_layers else None,
             # the widest verify the bound fast paths serve (None: any) and the paths that set it
-            "max_verify_m": getattr(plan, "max_verify_m", None), "fast_paths": dict(getattr(plan, "fast_paths", {}))}
+            "max_verify_m": getattr(plan, "max_verify_m", None), "fast_paths": dict(getattr(plan, "fast_paths", {})),
+            # adaptive speculation (speculative.adaptive): its mode, a, c, a/c, switches and why, at build time
+            "adaptive": ad.state() if (ad := getattr(engine, "adaptive", None)) is not None else {"on": False}}
 
 
 def draft_sharing_facts(engine) -> dict:
@@ -337,6 +340,13 @@ def format_manifest(man: dict) -> str:
         w = man["watchdog"]
         lines.append(f"  watchdog: window={w['window']} threshold={w['threshold']} rounds={w['rounds']} "
                      f"rolling={w['rolling_accept_length']} alarm={w['alarm']}")
+    ad = man["levers"].get("mtp", {}).get("adaptive") or {}
+    if ad.get("on"):
+        dec = ad.get("last_decision") or {}
+        back = " (FELL BACK to plain decoding)" if ad["fell_back"] else ""
+        lines.append(f"  adaptive speculation: mode={ad['mode']}{back} a={dec.get('accept_length')}"
+                     f" c={dec.get('round_cost')} a/c={dec.get('speedup')}"
+                     f" to_plain={ad['to_plain']} to_mtp={ad['to_mtp']} probes={ad['probes']}: {ad['reason']}")
     for s in man["not_checked"]:
         lines.append(f"  not checked: {s}")
     return "\n".join(lines)
