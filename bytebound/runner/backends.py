@@ -18,7 +18,8 @@ from bytebound.layers.norm import RMSNorm, RMSNormGated
 
 DEFAULTS_CPU = {"moe": "torch", "linear": "torch", "lm_head": "torch", "kda": "torch", "mla": "torch",
                 "sampling": "torch"}
-DEFAULTS_CUDA = {"moe": "triton", "linear": "triton", "lm_head": "triton", "kda": "fla", "mla": "torch",
+# CUDA: the fused decode/verify kernels for KDA and MLA (prefill: fla-core's chunked KDA, the layer's expanded MLA)
+DEFAULTS_CUDA = {"moe": "triton", "linear": "triton", "lm_head": "triton", "kda": "triton", "mla": "triton",
                  "sampling": "torch"}
 
 
@@ -177,9 +178,10 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
     model.lm_head.backend = plan.resolutions["lm_head"].resolved
     plan.fast_paths = _fast_paths(model, plan, route_fn is not None or gemv_fn is not None)
     plan.resolutions["moe"].tuning = _moe_tuning(model)
-    if plan.resolutions["kda"].resolved == "fla":
+    if plan.resolutions["kda"].resolved in ("fla", "triton"):       # triton's prefill is fla-core's chunk_kda
         from bytebound.kernels import fla_kda
-        plan.resolutions["kda"].tuning = {"fla_autotune": fla_kda.CONFIGS}
+        if fla_kda.CONFIGS:
+            plan.resolutions["kda"].tuning = {"fla_autotune": fla_kda.CONFIGS}
     return plan
 
 
