@@ -429,6 +429,9 @@ def scaled_mm_variant(dev) -> str | None:
     return f"{api} ({'padded' if padded else 'unpadded'} weight scales)"
 
 
+SCALED_MM_ROWS = 16        # block-scaled cuBLASLt calls get a row count padded to a multiple of this
+
+
 def scaled_mm_block_gemm(x2: torch.Tensor, weight: torch.Tensor, scale_b: torch.Tensor, block=(128, 128),
                          out_dtype=torch.bfloat16) -> torch.Tensor:
     """``y [M, N] = x2 @ W.T`` through cuBLASLt's FP8 block scaling (``torch._scaled_mm``, DeepSeek-V3 recipe):
@@ -440,8 +443,13 @@ def scaled_mm_block_gemm(x2: torch.Tensor, weight: torch.Tensor, scale_b: torch.
     why = scaled_mm_available(x2.device, block)
     if why:
         raise BackendError(f"linear[triton]: prefill 'scaled_mm': {why}")
-    q, sx = quantize_fp8_groups(x2, 128)
-    return _scaled_mm_call(_SCALED_MM[_cuda_dev(x2.device)][0][0], q, sx, weight, scale_b, out_dtype)
+    m = x2.shape[0]
+    # cuBLASLt finds no block-scaled algorithm for row counts off a multiple of 16 (M = 5 on the H200 with
+    # torch 2.11: CUBLAS_STATUS_NOT_SUPPORTED): pad with zero rows, whose products are zero, and drop them
+    pad = -m % SCALED_MM_ROWS
+    q, sx = quantize_fp8_groups(torch.nn.functional.pad(x2, (0, 0, 0, pad)) if pad else x2, 128)
+    y = _scaled_mm_call(_SCALED_MM[_cuda_dev(x2.device)][0][0], q, sx, weight, scale_b, out_dtype)
+    return y[:m] if pad else y
 
 def fp8_block_linear(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128),
                      cfg: dict | None = None, prefill: str = "dequant", scale_b=None) -> torch.Tensor:
