@@ -105,7 +105,7 @@ def bench_case(backend: str, layers, states, x, positions, ctx: int, reps: int, 
 
 SWEEP_ATTN = [dict(BM=bm, BN=bn, num_warps=w) for bm in (32, 64) for bn in (32, 64) for w in (4, 8)]
 SWEEP_SPLIT = [dict(target_programs=tp, min_split=ms) for tp in (None, "2x", "half") for ms in (32, 64, 128, 256)]
-SWEEP_COMBINE = [dict(combine_BV=bv, combine_warps=w) for bv in (32, 64, 128) for w in (4, 8)]
+SWEEP_COMBINE = [dict(combine_BV=bv, combine_BK=bk) for bv in (32, 64) for bk in (64, 128)]
 
 
 def sweep(layers, states, x, positions, ctx: int, reps: int, ref: torch.Tensor, log) -> dict:

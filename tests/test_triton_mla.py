@@ -16,7 +16,7 @@ import torch
 from bytebound.config import tiny_config
 from bytebound.errors import BackendError
 from bytebound.layers.mla import GatedMLA
-from conftest import needs_triton, triton_module_fixture
+from conftest import ROOT, needs_triton, triton_module_fixture
 
 mla = triton_module_fixture("mla", "bytebound.kernels.triton_mla", bf16_round_nearest=True)
 
@@ -265,3 +265,47 @@ def test_backend_is_registered_and_cuda_only():
         resolve("mla", "triton", torch.device("cpu"))
     impl, res = resolve("mla", "triton", torch.device("cpu"), allow_fallback=True)
     assert (res.resolved, res.fallback_from) == ("torch", "triton") and impl.bind(None, torch.float32) is None
+
+
+@needs_triton
+@pytest.mark.parametrize("t", [1, 4])
+def test_kernels_compile_for_sm90(t):
+    """The three kernels compile for an H100/H200 (sm_90) at Ling shapes with the default tiling, offline (Triton's
+    own ptxas, no GPU needed), within the 227 KiB of shared memory a block may use: the GPU-only code path (BF16
+    tensor-core ``tl.dot``) that the interpreter tests replace with float32 products."""
+    import importlib.util
+    import os
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    # a private copy of the module, decorated without TRITON_INTERPRET (the fixture's copy is the interpreter's)
+    from bytebound.kernels import registry
+    old, entries = os.environ.pop("TRITON_INTERPRET", None), dict(registry._REGISTRY["mla"])
+    try:
+        spec = importlib.util.spec_from_file_location("_triton_mla_sm90", ROOT / "bytebound/kernels/triton_mla.py")
+        M = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(M)
+    finally:
+        registry._REGISTRY["mla"].update(entries)         # the copy's @register must not replace the backend
+        if old is not None:
+            os.environ["TRITON_INTERPRET"] = old
+    cfg = M.DEFAULT_CFG
+    c = dict(T=t, H=32, R=512)
+    kernels = [
+        (M._mla_prep, dict(c, P=64, NOPE=128, HP=32, TP=16, BRC=cfg["absorb_BC"], DOT_F32=False), 4,
+         dict(ckv_ptr="*bf16", q_ptr="*bf16", qr_ptr="*bf16", ql_ptr="*bf16", wk_ptr="*bf16", kv_ptr="*bf16",
+              pos_ptr="*i64", nw_ptr="*bf16", inv_ptr="*fp32", eps="fp32", att="fp32", s_ckv_t="i32", s_q_t="i32",
+              s_q_h="i32", s_kv_b="i32", s_kv_l="i32", BT="i32")),
+        (M._mla_attn_split, dict(c, P=64, BM=cfg["BM"], BN=cfg["BN"], NT=8, DOT_F32=False), cfg["num_warps"],
+         dict(ql_ptr="*bf16", qr_ptr="*bf16", kv_ptr="*bf16", pos_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32",
+              qk_scale="fp32", L="i32", s_ql_h="i32", s_ql_t="i32", s_kv_b="i32", s_kv_l="i32", B="i32")),
+        (M._mla_combine_out, dict(NS=128, **c, V=128, BV=cfg["combine_BV"], SB=cfg["combine_SB"],
+                                  BK=cfg["combine_BK"]), cfg["combine_warps"],
+         dict(o_ptr="*fp32", lse_ptr="*fp32", g_ptr="*bf16", wv_ptr="*bf16", out_ptr="*bf16", B="i32",
+              s_g_t="i32", s_out_t="i32")),
+    ]
+    for fn, consts, warps, sig in kernels:
+        sig = {**sig, **{k: "constexpr" for k in consts}}
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps, "num_stages": cfg["num_stages"]})
+        assert k.asm.get("cubin") and k.metadata.shared <= 227 * 1024, (fn, k.metadata.shared)

@@ -19,14 +19,17 @@ before, dense after):
    ``[rows, 512]`` float32 and its log2-sum-exp (FlashDecoding, Dao et al. 2023). Key blocks past the largest
    query position are masked off (no bytes move), so a static span larger than the sequence costs no reads.
 3. ``_mla_combine_out``: merges the splits per row (log-sum-exp weights), applies the head gate
-   ``sigmoid(g_proj x)`` on the latent output (a per-head scalar commutes with the v absorption), and multiplies
-   by ``W_vc[h]^T`` (BF16 tensor cores, float32 accumulate), writing ``[B, M, H, v]`` in the layout ``dense``
+   ``sigmoid(g_proj x)`` (a per-head scalar commutes with the v absorption), and multiplies by ``W_vc[h]^T``
+   (float32 FMAs on the float32 latent output; BF16 weights), writing ``[B, M, H, v]`` in the layout ``dense``
    reads.
 
 Static shapes: the span is the runner's static ``kv_len`` bucket (``kv.shape[1]`` when None), so the grid never
 depends on the position and nothing syncs with the host: graph-capturable, and replay runs the same kernels as
 eager. Rounding differs from the reference where BF16 tensor cores replace float32 einsums: the softmax
-probabilities and the gated latent output are rounded to BF16 before their GEMMs (as FlashAttention does).
+probabilities are rounded to BF16 before the product with the latents (as FlashAttention does).
+
+Register budget (sm_90, compiled offline with Triton 3.6's ptxas): the defaults keep every kernel free of spills;
+an unrolled loop over the latent chunks of the merge, or 4 warps for a 32-row attention block, spill.
 
 Shapes: any head count; ``kv_lora_rank``, qk_nope and rope widths powers of two >= 16 (Ling: 512 / 128 / 64), v
 head dim a multiple of 16; BF16 model only. Trip counts are constexprs of the static span (key blocks per split, number
@@ -189,53 +192,53 @@ if tl is not None:
     @triton.jit
     def _mla_combine_out(o_ptr, lse_ptr, g_ptr, wv_ptr, out_ptr, B, s_g_t, s_out_t, NS: tl.constexpr,
                          T: tl.constexpr, H: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
-                         TP: tl.constexpr, BV: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
-                         DOT_F32: tl.constexpr):
-        """Program ``(h, v block, b)``: merge the splits of the T rows of head h, gate, multiply by W_vc[h]^T.
+                         BV: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr):
+        """Program ``(h, v block, b * T + t)``: merge the splits of row (t, h), gate, multiply by W_vc[h]^T.
 
-        The latent output is built ``BK`` columns at a time (registers: ``[SB, BK]`` partials, ``[BK, BV]`` of
-        W_vc), so the v absorption is a K-loop of small tensor-core products."""
+        The latent output is built ``BK`` columns at a time and multiplied into that ``[BK, BV]`` block of W_vc
+        (float32 FMAs: one row is too few for tensor cores). One row per program keeps the tiles small; the M
+        verify rows of a head re-read its W_vc block, from L2."""
         h = tl.program_id(0)
         vb = tl.program_id(1)
-        b = tl.program_id(2).to(tl.int64)
-        tt = tl.arange(0, TP)
+        bt = tl.program_id(2).to(tl.int64)
+        b = bt // T
+        t = bt % T
+        row = t * H + h
         sb = tl.arange(0, SB)
-        trow = tt < T
-        # pass 1, log2-sum-exp of the splits per row (lse only): the weight of split s is 2^(lse_s - m) / den
-        m = tl.full([TP], float("-inf"), tl.float32)
-        den = tl.zeros([TP], tl.float32)
+        # pass 1, log2-sum-exp of the splits (lse only): the weight of split s is 2^(lse_s - m) / den
+        m = tl.full([SB], float("-inf"), tl.float32)
+        for s0 in range(0, NS, SB):                  # elementwise running max over the chunks, then one max
+            sm = (s0 + sb) < NS
+            lse = tl.load(lse_ptr + ((s0 + sb).to(tl.int64) * B + b) * (T * H) + row, mask=sm,
+                          other=float("-inf"))
+            m = tl.maximum(m, lse)
+        m_max = tl.max(m, axis=0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        den = tl.zeros([SB], tl.float32)
         for s0 in range(0, NS, SB):
             sm = (s0 + sb) < NS
-            prow = ((s0 + sb[None, :]).to(tl.int64) * B + b) * (T * H) + tt[:, None] * H + h
-            lse = tl.load(lse_ptr + prow, mask=trow[:, None] & sm[None, :], other=float("-inf"))
-            m_new = tl.maximum(m, tl.max(lse, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            den = den * tl.exp2(m - m_use) + tl.sum(tl.exp2(lse - m_use[:, None]), axis=1)
-            m = m_new
-        m = tl.where(m == float("-inf"), 0.0, m)
-        gate = tl.sigmoid(tl.load(g_ptr + (b * T + tt) * s_g_t + h, mask=trow, other=0.0).to(tl.float32))
-        scl = gate / tl.where(den > 0, den, 1.0)               # head gate folded into the normalisation
+            lse = tl.load(lse_ptr + ((s0 + sb).to(tl.int64) * B + b) * (T * H) + row, mask=sm,
+                          other=float("-inf"))
+            den += tl.exp2(lse - m_max)
+        den_s = tl.sum(den, axis=0)
+        gate = tl.sigmoid(tl.load(g_ptr + bt * s_g_t + h).to(tl.float32))
+        scl = gate / tl.where(den_s > 0, den_s, 1.0)           # head gate folded into the normalisation
         v = vb * BV + tl.arange(0, BV)
         k = tl.arange(0, BK)
-        y = tl.zeros([TP, BV], tl.float32)
-        # pass 2, per BK-column chunk of the latent output: weighted sum of the partials, then times W_vc^T
-        for k0 in tl.static_range(0, R, BK):
-            ol = tl.zeros([TP, BK], tl.float32)
-            for t in tl.static_range(T):
-                m_t = tl.sum(tl.where(tt == t, m, 0.0), axis=0)
-                s_t = tl.sum(tl.where(tt == t, scl, 0.0), axis=0)
-                acc = tl.zeros([BK], tl.float32)
-                for s0 in range(0, NS, SB):
-                    sm = (s0 + sb) < NS
-                    prow = ((s0 + sb).to(tl.int64) * B + b) * (T * H) + t * H + h
-                    wgt = tl.exp2(tl.load(lse_ptr + prow, mask=sm, other=float("-inf")) - m_t)
-                    o = tl.load(o_ptr + prow[:, None] * R + k0 + k[None, :], mask=sm[:, None], other=0.0)
-                    acc += tl.sum(wgt[:, None] * o, axis=0)
-                ol = tl.where(tt[:, None] == t, (acc * s_t)[None, :], ol)
-            wv = tl.load(wv_ptr + h * (V * R) + v[None, :] * R + k0 + k[:, None])  # [BK, BV] of W_vc[h]^T
-            y += _dot(ol.to(wv.dtype), wv, DOT_F32)
-        dst = out_ptr + (b * T + tt[:, None]) * s_out_t + h * V + v[None, :]
-        tl.store(dst, y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=trow[:, None])
+        y = tl.zeros([BV], tl.float32)
+        # pass 2, per BK latent columns: weighted sum of the partials, times that block of W_vc^T
+        for k0 in range(0, R, BK):             # a loop, not unrolled: unrolled copies spill registers
+            acc = tl.zeros([BK], tl.float32)
+            for s0 in range(0, NS, SB):
+                sm = (s0 + sb) < NS
+                prow = ((s0 + sb).to(tl.int64) * B + b) * (T * H) + row
+                wgt = tl.exp2(tl.load(lse_ptr + prow, mask=sm, other=float("-inf")) - m_max)
+                o = tl.load(o_ptr + prow[:, None] * R + k0 + k[None, :], mask=sm[:, None], other=0.0)
+                acc += tl.sum(wgt[:, None] * o, axis=0)
+            wv = tl.load(wv_ptr + h * (V * R) + v[None, :] * R + k0 + k[:, None]).to(tl.float32)  # [BK, BV]
+            y += tl.sum(acc[:, None] * wv, axis=0)
+        y = y * scl
+        tl.store(out_ptr + bt * s_out_t + h * V + v, y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"))
 
 
 def _pow2(n: int) -> bool:
@@ -335,12 +338,10 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
         T=t, H=h, R=rank, P=pdim, BM=bm, BN=cfg["BN"], NT=split // cfg["BN"], DOT_F32=_DOT_F32,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     out = torch.empty(b, t, h, vdim, dtype=q.dtype, device=dev)
-    bv = math.gcd(cfg["combine_BV"], vdim)
-    bv = bv if bv >= 16 else vdim
-    _mla_combine_out[(h, vdim // bv, b)](o_part, lse, g2, wvc, out, b, g2.stride(0), h * vdim, NS=ns,
-                                         T=t, H=h, R=rank, V=vdim, TP=max(16, triton.next_power_of_2(t)), BV=bv,
-                                         SB=cfg["combine_SB"], BK=min(cfg["combine_BK"], rank),
-                                         DOT_F32=_DOT_F32, num_warps=cfg["combine_warps"])
+    bv = math.gcd(cfg["combine_BV"], vdim)          # a power of two dividing v (cfg values are powers of two)
+    _mla_combine_out[(h, vdim // bv, b * t)](o_part, lse, g2, wvc, out, b, g2.stride(0), h * vdim, NS=ns,
+                                             T=t, H=h, R=rank, V=vdim, BV=bv, SB=cfg["combine_SB"],
+                                             BK=min(cfg["combine_BK"], rank), num_warps=cfg["combine_warps"])
     return out
 
 
