@@ -21,6 +21,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fn is not None:
             return self.fn(x, self.weight, self.eps)
+        w = self.weight
+        if x.dtype == torch.float32 and w.dtype == torch.float32:
+            # float32 throughout (CPU): the same ops as below without the conversions, which would all be no-ops
+            return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         # The weight may be stored in another dtype (float32 norms in a bf16 model): the result keeps x's dtype.
