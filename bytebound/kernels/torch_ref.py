@@ -56,14 +56,19 @@ def _moe_rows_cpu(ex, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> to
     dtype, limit = x.dtype, ex.limit
     rows = []
     for t, (row_ids, row_w) in enumerate(zip(ids.tolist(), w.tolist())):
-        xt = x[t:t + 1]
+        xt = x if len(ids) == 1 else x[t:t + 1]
         acc = None
         for e, we in zip(row_ids, row_w):
             w13, w2 = experts[e]
             g, u = F.linear(xt, w13).chunk(2, -1)
-            o = F.linear(swiglu(g, u, limit), w2).float()
-            # float32 weight (exact as a Python float): o * w, then the running sum in slot order
-            acc = o * we if acc is None else acc + o * we
+            a = swiglu(g, u, limit)
+            if dtype == torch.float32:
+                # acc + w * (a W2^T) in one product (w: a float32 value, exact as a Python float); with beta = 0
+                # the first slot ignores the input tensor it is handed for its shape
+                acc = torch.addmm(xt if acc is None else acc, a, w2.t(), beta=0 if acc is None else 1, alpha=we)
+            else:
+                o = F.linear(a, w2).float() * we
+                acc = o if acc is None else acc + o
         rows.append(acc)
     return (rows[0] if len(rows) == 1 else torch.cat(rows, 0)).to(dtype)
 
