@@ -137,7 +137,8 @@ def test_fp32_norms_match_float64():
     with torch.no_grad():
         n.weight.copy_(torch.randn(96, generator=g))
         gn.weight.copy_(torch.randn(32, generator=g))
-    x, o, z = torch.randn(3, 96, generator=g) * 4, torch.randn(2, 5, 32, generator=g), torch.randn(2, 5, 32, generator=g)
+    x = torch.randn(3, 96, generator=g) * 4
+    o, z = torch.randn(2, 5, 32, generator=g), torch.randn(2, 5, 32, generator=g)
     xd, od = x.double(), o.double()
     ref = n.weight.double() * xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
     gref = gn.weight.double() * od / torch.sqrt(od.pow(2).mean(-1, keepdim=True) + 1e-6) * torch.sigmoid(z.double())

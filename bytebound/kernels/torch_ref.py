@@ -29,13 +29,14 @@ def _resident(ex) -> bool:
 
 
 class _PlainExperts:
-    """``experts[e] -> (w13[e], w2[e])`` of plain parameters, indexed at use (autograd sees the parameters)."""
+    """``experts[e] -> (w13[e] [2I, H], w2[e]^T [I, H])`` of plain parameters, indexed at each use (so autograd
+    sees the parameters)."""
 
     def __init__(self, ex):
         self.ex = ex
 
     def __getitem__(self, e: int):
-        return self.ex.w13[e], self.ex.w2[e]
+        return self.ex.w13[e], self.ex.w2[e].t()
 
 
 def _moe_rows_cpu(ex, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -46,10 +47,10 @@ def _moe_rows_cpu(ex, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> to
     ``W2``, then the float32 sum over the k slots weighted by ``w``. ``x [M, H]``, ``ids [M, k]`` int64,
     ``w [M, k]`` float32 -> ``[M, H]`` in x's dtype. Each row's arithmetic is independent of M."""
     deq = getattr(ex, "_deq", None)
-    if deq is not None:             # per-expert (w13 [2I, H], w2 [H, I]) views of the bind-time copy, built once
+    if deq is not None:             # per-expert (w13 [2I, H], w2^T [I, H]) views of the bind-time copy, built once
         views = ex.__dict__.get("_cpu_views")
         if views is None or views[0] is not deq:
-            views = ex.__dict__["_cpu_views"] = (deq, [(deq[0][e], deq[1][e]) for e in range(ex.n)])
+            views = ex.__dict__["_cpu_views"] = (deq, [(deq[0][e], deq[1][e].t()) for e in range(ex.n)])
         experts = views[1]
     else:                           # plain parameters (may be trained): index them per call
         experts = _PlainExperts(ex)
@@ -59,15 +60,15 @@ def _moe_rows_cpu(ex, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> to
         xt = x if len(ids) == 1 else x[t:t + 1]
         acc = None
         for e, we in zip(row_ids, row_w):
-            w13, w2 = experts[e]
+            w13, w2t = experts[e]
             g, u = F.linear(xt, w13).chunk(2, -1)
             a = swiglu(g, u, limit)
             if dtype == torch.float32:
                 # acc + w * (a W2^T) in one product (w: a float32 value, exact as a Python float); with beta = 0
                 # the first slot ignores the input tensor it is handed for its shape
-                acc = torch.addmm(xt if acc is None else acc, a, w2.t(), beta=0 if acc is None else 1, alpha=we)
+                acc = torch.addmm(xt if acc is None else acc, a, w2t, beta=0 if acc is None else 1, alpha=we)
             else:
-                o = F.linear(a, w2).float() * we
+                o = (a @ w2t).float() * we
                 acc = o if acc is None else acc + o
         rows.append(acc)
     return (rows[0] if len(rows) == 1 else torch.cat(rows, 0)).to(dtype)
