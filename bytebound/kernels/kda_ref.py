@@ -27,13 +27,23 @@ def kda_recurrent(q, k, v, g, beta, state: torch.Tensor | None = None, normalize
     b, t, h, dk = k.shape
     q = q * dk ** -0.5
     s = torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float32, device=q.device) if state is None else state.float()
+    if t == 1:
+        # one decode token: the loop body below on [B, H, *, *] views (fewer ops; the same products and order)
+        dv = v.shape[-1]
+        s = s * g.exp().reshape(b, h, dk, 1)                                 # decay each key channel
+        delta = (v.reshape(b, h, 1, dv) - k.reshape(b, h, 1, dk) @ s) * beta.reshape(b, h, 1, 1)  # b (v - S'^T k)
+        s = s + k.reshape(b, h, dk, 1) * delta                               # rank-1 update
+        return (q.reshape(b, h, 1, dk) @ s).reshape(b, 1, h, dv), s
+    decay = g.exp()
+    # [B, H, T, 1, K] rows for the matrix-vector products with S (batched matmuls: fewer ops than einsum per token)
+    qr, kr = q.transpose(1, 2)[..., None, :], k.transpose(1, 2)[..., None, :]
     outs = []
     for i in range(t):
-        s = s * g[:, i].exp()[..., None]                                    # decay each key channel
-        pred = torch.einsum("bhk,bhkv->bhv", k[:, i], s)                    # S'^T k
+        s = s * decay[:, i, :, :, None]                                      # decay each key channel
+        pred = (kr[:, :, i] @ s)[:, :, 0]                                    # S'^T k
         delta = (v[:, i] - pred) * beta[:, i, :, None]                       # b (v - S'^T k)
         s = s + k[:, i, :, :, None] * delta[:, :, None, :]                   # rank-1 update
-        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, i], s))
+        outs.append((qr[:, :, i] @ s)[:, :, 0])
     return torch.stack(outs, 1), s
 
 

@@ -23,6 +23,57 @@ def _expert_weights(ex, idx: torch.Tensor, dtype):
             dequantize_mxfp4(ex.w2[idx], ex.w2_scale[idx], dtype, check=False))
 
 
+def _resident(ex) -> bool:
+    """Whether every expert's weights are stored in the compute form (plain, or dequantised once at bind)."""
+    return ex.fmt == "plain" or getattr(ex, "_deq", None) is not None
+
+
+class _PlainExperts:
+    """``experts[e] -> (w13[e] [2I, H], w2[e]^T [I, H])`` of plain parameters, indexed at each use (so autograd
+    sees the parameters)."""
+
+    def __init__(self, ex):
+        self.ex = ex
+
+    def __getitem__(self, e: int):
+        return self.ex.w13[e], self.ex.w2[e].t()
+
+
+def _moe_rows_cpu(ex, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """CPU form of the few-row routed sum: one GEMV pair per (token, slot) on *views* of the resident expert
+    weights, accumulated in slot order. Gathering the chosen experts first (the sync-free CUDA form) copies
+    ``k * 3 * H * I`` weights per call, which on a CPU costs more than the products themselves, while reading the
+    expert ids on the host costs nothing there. Same maths as the gather form: per row SwiGLU of ``x W13^T``, then
+    ``W2``, then the float32 sum over the k slots weighted by ``w``. ``x [M, H]``, ``ids [M, k]`` int64,
+    ``w [M, k]`` float32 -> ``[M, H]`` in x's dtype. Each row's arithmetic is independent of M."""
+    deq = getattr(ex, "_deq", None)
+    if deq is not None:             # per-expert (w13 [2I, H], w2^T [I, H]) views of the bind-time copy, built once
+        views = ex.__dict__.get("_cpu_views")
+        if views is None or views[0] is not deq:
+            views = ex.__dict__["_cpu_views"] = (deq, [(deq[0][e], deq[1][e].t()) for e in range(ex.n)])
+        experts = views[1]
+    else:                           # plain parameters (may be trained): index them per call
+        experts = _PlainExperts(ex)
+    dtype, limit = x.dtype, ex.limit
+    rows = []
+    for t, (row_ids, row_w) in enumerate(zip(ids.tolist(), w.tolist())):
+        xt = x if len(ids) == 1 else x[t:t + 1]
+        acc = None
+        for e, we in zip(row_ids, row_w):
+            w13, w2t = experts[e]
+            g, u = F.linear(xt, w13).chunk(2, -1)
+            a = swiglu(g, u, limit)
+            if dtype == torch.float32:
+                # acc + w * (a W2^T) in one product (w: a float32 value, exact as a Python float); with beta = 0
+                # the first slot ignores the input tensor it is handed for its shape
+                acc = torch.addmm(xt if acc is None else acc, a, w2t, beta=0 if acc is None else 1, alpha=we)
+            else:
+                o = (a @ w2t).float() * we
+                acc = o if acc is None else acc + o
+        rows.append(acc)
+    return (rows[0] if len(rows) == 1 else torch.cat(rows, 0)).to(dtype)
+
+
 def moe_reference(ex, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Routed-expert sum ``y[m] = sum_j w[m, j] * SwiGLU_{ids[m, j]}(x[m])``; ``x [M, H]`` -> ``[M, H]``.
 
@@ -31,6 +82,8 @@ def moe_reference(ex, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> to
     """
     m, k = ids.shape
     inter = ex.inter
+    if m * k <= GATHER_MAX_ROWS and x.device.type == "cpu" and _resident(ex):
+        return _moe_rows_cpu(ex, x, ids, w)
     if m * k <= GATHER_MAX_ROWS:
         w13, w2 = _expert_weights(ex, ids.reshape(-1), x.dtype)            # [Mk,2I,H], [Mk,H,I]
         xs = x.repeat_interleave(k, 0)

@@ -23,6 +23,8 @@ from bytebound.kernels.kda_ref import kda_chunked, kda_gate, kda_recurrent
 from bytebound.layers.linear import QLinear
 from bytebound.layers.norm import RMSNormGated
 
+CONV_WINDOW_MAX_T = 8       # CPU: up to this many tokens the short conv runs as window products (short_conv)
+
 
 @dataclass
 class KDAState:
@@ -141,7 +143,13 @@ class KimiDeltaAttention(nn.Module):
             state.conv.copy_(full[..., -(self.kernel - 1):])
         else:
             full = F.pad(xt, (self.kernel - 1, 0))
-        y = F.conv1d(full, self.conv_weight(), groups=3 * self.dim)[..., -t:]
+        if t <= CONV_WINDOW_MAX_T and not full.is_cuda:
+            # CPU decode/verify: products over each token's window, summed over the kernel taps. Three small ops
+            # where F.conv1d costs far more on a CPU at T = 1, and every output element is reduced the same way
+            # whatever T is, so a decode step reproduces the matching row of a verify forward.
+            y = (full.unfold(-1, self.kernel, 1) * self.conv_weight()).sum(-1)   # [B, 3D, T, kernel] -> [B, 3D, T]
+        else:
+            y = F.conv1d(full, self.conv_weight(), groups=3 * self.dim)[..., -t:]
         return F.silu(y).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, state: KDAState | None = None) -> torch.Tensor:

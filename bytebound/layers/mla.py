@@ -130,10 +130,15 @@ class GatedMLA(nn.Module):
     def _absorbed_attn(self, q_nope, q_pe, latent, k_pe, qpos, kpos):
         """Latent-space attention: reads the 576-wide cache only. Returns ``[B, T, H, v]``."""
         wkc, wvc = self.absorbed(q_nope.dtype)
-        q_lat = torch.einsum("bhtn,hnr->bhtr", q_nope, wkc)                   # [B,H,T,R]
-        s = (torch.einsum("bhtr,blr->bhtl", q_lat.float(), latent.float())
-             + torch.einsum("bhtp,blp->bhtl", q_pe.float(), k_pe.float())) * self.scale
-        s = s.masked_fill(~self._mask(qpos, kpos), float("-inf"))
+        # The contractions einsum would plan, written as the batched products it would run (heads and query
+        # tokens folded into the rows of one product with the shared latent cache): no per-call planning or
+        # permutes, which dominate a decode step's tiny products on a CPU.
+        b, h, t, _ = q_nope.shape
+        lat = latent.float()
+        q_lat = torch.matmul(q_nope, wkc).float().reshape(b, h * t, self.rank)           # [B,H*T,R]
+        s = (torch.bmm(q_lat, lat.transpose(1, 2))
+             + torch.bmm(q_pe.float().reshape(b, h * t, self.rope_dim), k_pe.float().transpose(1, 2))) * self.scale
+        s = s.view(b, h, t, -1).masked_fill(~self._mask(qpos, kpos), float("-inf"))        # [B,H,T,L]
         p = torch.softmax(s, -1)
-        o_lat = torch.einsum("bhtl,blr->bhtr", p, latent.float())
-        return torch.einsum("bhtr,hvr->bthv", o_lat, wvc.float()).to(q_nope.dtype)
+        o_lat = torch.bmm(p.view(b, h * t, -1), lat).view(b, h, t, self.rank)            # [B,H,T,R]
+        return torch.matmul(o_lat, wvc.float().transpose(1, 2)).transpose(1, 2).to(q_nope.dtype)   # [B,T,H,v]

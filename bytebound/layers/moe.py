@@ -57,8 +57,14 @@ class DenseMLP(nn.Module):
         self.up_proj = QLinear(hidden, inter, lin_fmt("up_proj"), block, dtype, device)
         self.down_proj = QLinear(inter, hidden, lin_fmt("down_proj"), block, dtype, device)
         self.limit = limit
+        # gate|up as one projection (rows of one weight, ``linear.fuse_rows``), bound at load on CPU by
+        # ``runner.backends.bind_model``: one product of the shared input instead of two; None: two projections
+        self.gate_up_fn = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_fn is not None:
+            gate, up = self.gate_up_fn(x).chunk(2, -1)
+            return self.down_proj(swiglu(gate, up, self.limit))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 

@@ -13,7 +13,7 @@ from bytebound.kernels.registry import Resolution, resolve
 from bytebound.layers.kda import KimiDeltaAttention
 from bytebound.layers.linear import QLinear, fuse_rows
 from bytebound.layers.mla import ABSORB_MAX_T, GatedMLA
-from bytebound.layers.moe import MoE, RoutedExperts
+from bytebound.layers.moe import DenseMLP, MoE, RoutedExperts
 from bytebound.layers.norm import RMSNorm, RMSNormGated
 
 DEFAULTS_CPU = {"moe": "torch", "linear": "torch", "lm_head": "torch", "kda": "torch", "mla": "torch",
@@ -158,6 +158,13 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
             m.proj_fn = impl["linear"].bind(fused, dtype) if fused is not None else None
             if fused is not None:       # modules() yields the layer before its projections
                 fused_parts.update(id(x) for x in parts)
+        elif isinstance(m, DenseMLP) and torch.device(device).type == "cpu":
+            # CPU: gate|up read the same input, one product instead of two (on CUDA the MoE kernels or the GEMV
+            # backend take the shared expert as it is)
+            fused = fuse_rows([m.gate_proj, m.up_proj])
+            m.gate_up_fn = impl["linear"].bind(fused, dtype) if fused is not None else None
+            if fused is not None:
+                fused_parts.update((id(m.gate_proj), id(m.up_proj)))
         elif isinstance(m, MoE):
             m.route_fn, m.gemv_route_fn = route_fn, gemv_fn
         elif isinstance(m, GatedMLA):
