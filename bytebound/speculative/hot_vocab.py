@@ -312,7 +312,9 @@ class HotHead:
 
     def propose(self, x: torch.Tensor) -> torch.Tensor:
         """Draft tokens ``[..]`` int64 (vocabulary ids): the argmax over the hot set, on the device, no sync."""
-        return self.ids[self.logits(x).argmax(-1)]
+        i = self.logits(x).argmax(-1)
+        # index_select, not ids[i]: never a 0-d index (a host sync, which would break graph capture)
+        return self.ids.index_select(0, i.reshape(-1)).view(i.shape)
 
     def facts(self) -> dict:
         """Manifest facts: size, share of V, bytes per draft step vs the full head's, provenance."""
