@@ -286,3 +286,29 @@ def test_cli_flag_reaches_the_engine_config():
     assert cfg.draft_vocab == "0.99" and cfg.speculative_steps == 3
     with pytest.raises(ConfigError, match="needs --speculative-algorithm NEXTN"):
         engine_config(ap.parse_args(["--speculative-draft-vocab", "512"]))
+
+
+def test_round_body_with_hot_head_has_no_host_sync(quant_ckpt, monkeypatch):
+    """The static round with a hot head (as captured on CUDA) reads no device data on the host: its body runs on
+    the ``meta`` device, where any such read raises (as test_mtp_static's check of the full-head round)."""
+    import bytebound.kernels.torch_ref as torch_ref
+    from bytebound.engine.engine import Engine
+    from bytebound.runner.backends import BackendPlan, bind_model
+    from bytebound.runner.runner import ModelRunner
+    from bytebound.sampling import SamplingParams
+    from bytebound.speculative.mtp import MTPDrafter
+    from bytebound.speculative.round import StaticRound
+    monkeypatch.setattr(torch_ref, "MATERIALIZE_MAX_BYTES", 0)
+    model = Engine(model=str(quant_ckpt), max_model_len=128).model.to("meta")
+    bind_model(model, BackendPlan.default("cpu"), torch.device("meta"), "fp8")
+    for mod in model.modules():
+        if hasattr(mod, "_absorbed"):
+            mod.prepare(model.dtype)
+    runner = ModelRunner(model, 128, "meta")
+    runner.static_kv = True
+    hot = HotHead(model.lm_head, list(range(0, model.cfg.vocab_size, 3)))
+    assert hot.w_fp8.device.type == "meta"
+    rnd = StaticRound(runner, MTPDrafter(model, 3, hot=hot), SamplingParams())
+    with torch.inference_mode():
+        rnd._body(rnd.span())
+    assert rnd.out.device.type == "meta"
