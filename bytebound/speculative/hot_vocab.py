@@ -270,6 +270,7 @@ class HotHead:
 
     @property
     def n(self) -> int:
+        """N, the number of hot tokens (fixed at load: the captured round's shapes depend on it)."""
         return self.ids.numel()
 
     def build(self) -> None:
