@@ -25,6 +25,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-algorithm", default=None, choices=["NEXTN"], help="NEXTN = MTP drafting (default off)")
     p.add_argument("--speculative-num-steps", type=int, default=3)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=4)
+    p.add_argument("--speculative-draft-vocab", default=None, metavar="N|COVERAGE|FILE",
+                   help="hot-vocabulary draft head (opt-in): the draft steps score only N tokens of the target's LM "
+                        "head - N, a coverage in (0, 1) of the checkpoint's token-frequency ranking (e.g. 0.99), or "
+                        "a token-id file; the verify always uses the full head (default: full head)")
     onoff = argparse.BooleanOptionalAction
     p.add_argument("--fused-router", action=onoff, default=None,
                    help="CUDA: MoE routing for decode/verify as one Triton kernel (default: on with CUDA; "
@@ -76,6 +80,8 @@ def engine_config(a):
             raise ConfigError("--speculative-num-draft-tokens must equal --speculative-num-steps + 1 (chain, top-k 1)")
     if a.spec_static_round is True and a.speculative_algorithm != "NEXTN":
         raise ConfigError("--spec-static-round needs --speculative-algorithm NEXTN")
+    if a.speculative_draft_vocab not in (None, "", "0") and a.speculative_algorithm != "NEXTN":
+        raise ConfigError("--speculative-draft-vocab needs --speculative-algorithm NEXTN")
     if getattr(a, "speculative_adaptive", False) and a.speculative_algorithm != "NEXTN":
         raise ConfigError("--speculative-adaptive needs --speculative-algorithm NEXTN")
     adaptive = {}
@@ -92,7 +98,8 @@ def engine_config(a):
                         spec_static_round=a.spec_static_round, kv_buckets=a.decode_kv_buckets,
                         fused_router=a.fused_router, fused_norm=a.fused_norm,
                         fused_shared=a.fused_shared_expert, fused_router_gemv=a.fused_router_gemv,
-                        tensor_parallel_size=a.tensor_parallel_size, **adaptive)
+                        tensor_parallel_size=a.tensor_parallel_size, draft_vocab=a.speculative_draft_vocab,
+                        **adaptive)
 
 
 def print_fallbacks(engine) -> None:

@@ -177,18 +177,19 @@ def test_weight_only_refusal_message_matches_the_head(ckpt):
 
 
 def test_verify_strict_readme_counts_what_cpu_runs(tmp_path, capsys):
-    """The README's ``verify --lm-head fp8 --speculative-algorithm NEXTN --strict`` line states how many canaries
-    apply and how many a CPU runs: count them in a real run on the bundled model."""
+    """The README's ``verify --lm-head fp8 --speculative-algorithm NEXTN --speculative-draft-vocab 0.99 --strict``
+    line states how many canaries apply and how many a CPU runs: count them in a real run on the bundled model."""
     path = tmp_path / "m.json"
-    assert main(["verify", "--model", str(NANO), "--lm-head", "fp8", "--speculative-algorithm", "NEXTN", "--strict",
-                 "--json", str(path)]) == 0
+    assert main(["verify", "--model", str(NANO), "--lm-head", "fp8", "--speculative-algorithm", "NEXTN",
+                 "--speculative-draft-vocab", "0.99", "--strict", "--json", str(path)]) == 0
     capsys.readouterr()
     can = json.loads(path.read_text())["canaries"]
     ran = [c["name"] for c in can if c["passed"] is not None]
     skipped = [c["name"] for c in can if c["passed"] is None]
     assert all(c["passed"] for c in can if c["passed"] is not None)
-    words = {9: "nine", 10: "ten"}
+    words = {9: "nine", 10: "ten", 11: "eleven"}
     line = next(ln for ln in (ROOT / "README.md").read_text().splitlines()
-                if ln.startswith("bytebound verify --lm-head fp8 --speculative-algorithm NEXTN --strict"))
+                if ln.startswith("bytebound verify --lm-head fp8 --speculative-algorithm NEXTN --speculative-draft-vocab "
+                                 "0.99 --strict"))
     assert f"all {words[len(can)]} apply" in line and f"CPU runs {words[len(ran)]}" in line, line
     assert all(name in line for name in skipped), (line, skipped)

@@ -71,6 +71,9 @@ class OracleDrafter:
         out[0, tok] = 0.0
         return out
 
+    def propose(self, hidden):
+        return self.logits(hidden).argmax(-1)
+
 
 @pytest.mark.parametrize("p_wrong", [0.0, 0.25])
 def test_accepted_drafts_commit_correctly(engines, reference, p_wrong):

@@ -84,3 +84,57 @@ def test_biased_sampler_would_fail():
     for _ in range(n):                                           # wrong rule: accept the draft w.p. 0.9
         counts[draft if torch.rand(1, generator=gen) < 0.9 else int(torch.multinomial(target[y], 1, generator=gen))] += 1
     assert chi2_pvalue(counts, target[y] * n) < 1e-6
+
+
+def test_chain_acceptance_is_lossless_with_a_hot_vocabulary_draft():
+    """The hot-vocabulary draft head (``speculative.hot_vocab.HotHead``) proposes only hot tokens: q = delta(x)
+    with x the argmax over the hot set, so q = 0 on every cold token. The unchanged acceptance rule must still
+    emit exactly the target's distribution, the cold tokens coming only from the residual / bonus draws. The
+    drafts are the real HotHead's over an LMHead whose rows score a per-token hidden state (a stand-in NEXTN)."""
+    from bytebound.layers.lm_head import LMHead
+    from bytebound.speculative.hot_vocab import HotHead
+    g = torch.Generator().manual_seed(5)
+    table = torch.randn(V, V, generator=g) * 2.5
+    p = SamplingParams(temperature=0.6, top_p=0.95, top_k=29)
+    target = probs(table, p)
+    h = 16
+    head = LMHead(V, h)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, h, generator=g))
+    head.configure("fp32")
+    hot_ids = torch.randperm(V, generator=g)[:12]
+    hot = HotHead(head, hot_ids)
+    hidden = torch.randn(V, h, generator=g)                       # the draft's hidden state after token t
+    nxt = hot.propose(hidden).tolist()                            # the hot draft after each token, all at once
+    hot_set = set(hot.ids.tolist())
+    assert set(nxt) <= hot_set
+    y = 7
+    cold_mass = float(target[y][[t for t in range(V) if t not in hot_set]].sum())
+    assert cold_mass > 0.2, "the target must put real mass outside the hot set"
+    gen = torch.Generator().manual_seed(6)
+    first = torch.zeros(V, dtype=torch.long)
+    second = torch.zeros(V, dtype=torch.long)
+    accepted = 0
+    for _ in range(N):
+        out, last = [], y
+        while len(out) < 2:
+            drafts, cur = [], last
+            for _ in range(STEPS):
+                cur = nxt[cur]
+                drafts.append(cur)
+            j, bonus = accept_chain(table[[last] + drafts], drafts, p, gen)
+            accepted += j
+            out += drafts[:j] + [bonus]
+            last = out[-1]
+        first[out[0]] += 1
+        second[out[1]] += 1
+    assert accepted > 0.05 * N, "the test must exercise both acceptance and rejection"
+    cold = [t for t in range(V) if t not in hot_set]
+    assert int(first[cold].sum()) > 0.15 * N                      # cold tokens do appear (residual draws)
+    exp1 = target[y] * N
+    exp2 = (target[y][:, None] * target).sum(0) * N
+    p1, p2 = chi2_pvalue(first, exp1), chi2_pvalue(second, exp2)
+    assert p1 > 0.01, p1
+    assert p2 > 0.01, p2
+    tv1 = 0.5 * (first.double() / N - target[y].double()).abs().sum()
+    assert tv1 < 0.02, tv1

@@ -105,10 +105,11 @@ def test_healthy_engine_passes_every_canary_and_manifest_is_json(ckpt):
     res = run_canaries(eng, strict=True)
     assert {r.name for r in res} == {"levers_resolved", "draft_params_loaded", "draft_sharing", "expert_scale_layout",
                                      "moe_vs_reference", "logits_finite", "lm_head_path", "draft_head_bitwise",
-                                     "graph_replay", "spec_vs_plain"}
+                                     "draft_hot_rows", "graph_replay", "spec_vs_plain"}
     assert all(r.passed is not False for r in res), [r.to_dict() for r in res if r.passed is False]
     skipped = {r.name: r.message for r in res if r.passed is None}
-    assert skipped == {"graph_replay": "not applicable (eager: no CUDA graph captured)"}
+    assert skipped == {"graph_replay": "not applicable (eager: no CUDA graph captured)",
+                       "draft_hot_rows": "not applicable (full draft head: no --speculative-draft-vocab)"}
     man = json.loads(json.dumps(build_manifest(eng)))
     assert man["status"] == "healthy" and not man["failed"] and not man["problems"]
     lv = man["levers"]

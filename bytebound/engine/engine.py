@@ -45,6 +45,11 @@ class EngineConfig:
     max_model_len: int = 4096
     load_format: str = "auto"
     draft_share: str = "module"       # "weight-only" exists only to reproduce the seed's failure in tests
+    # Hot-vocabulary draft head (speculative.hot_vocab; opt-in): the draft steps score only N rows of the target's
+    # LM-head module. None / 0 = the full head; an int N = the N most frequent tokens of the checkpoint's ranking
+    # (draft_vocab.json, else counted at load); a float in (0, 1) = the tokens covering that share of the counted
+    # mass; a path = a token-id file. The verify always uses the full head.
+    draft_vocab: int | float | str | None = None
     verify: bool = False              # run the start-up canaries (bytebound.verify) and print the manifest
     strict: bool = False              # a failed canary / unresolved lever / watchdog alarm raises VerificationError
     watchdog_window: int = 64         # rolling accept-length watchdog (MTP only): rounds in the window
@@ -304,7 +309,16 @@ class Engine:
         if dev.type == "cuda" and not cfg.enforce_eager:
             from bytebound.runner.graphs import capture_decode
             capture_decode(self.runner)
-        self.drafter = MTPDrafter(self.model, cfg.speculative_steps, cfg.draft_share) if cfg.speculative_steps else None
+        hot = None
+        draft_vocab_on = cfg.draft_vocab not in (None, 0, "", "0")
+        if cfg.speculative_steps and draft_vocab_on:
+            from bytebound.speculative.hot_vocab import HotHead, resolve_draft_vocab
+            got = resolve_draft_vocab(cfg.draft_vocab, cfg.model, self.model.cfg.vocab_size)
+            hot = HotHead(self.model.lm_head, *got) if got is not None else None
+        elif draft_vocab_on:
+            raise ConfigError("--speculative-draft-vocab (draft_vocab) needs MTP (--speculative-algorithm NEXTN)")
+        self.drafter = (MTPDrafter(self.model, cfg.speculative_steps, cfg.draft_share, hot)
+                        if cfg.speculative_steps else None)
         self.spec_round = None          # the captured greedy MTP round (CUDA, spec_static_round)
         if self.drafter is not None and cfg.spec_static_round and dev.type == "cuda" and not cfg.enforce_eager:
             self.spec_round = StaticRound(self.runner, self.drafter, SamplingParams(), None, capture=True)

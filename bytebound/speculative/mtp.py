@@ -8,7 +8,9 @@ Round (steps = 3, 4 verified positions), with ``y`` the last committed, not yet 
   4. accept the longest matching prefix j + one bonus token (``accept.accept_chain_device``, on the device); keep
      j + 1 tokens; the runner rolls the KDA states back to after the last kept one.
 The draft holds the target's **LM-head module object** and embedding (shared, never copied): whatever path
-the head uses (BF16, FP32 logits, online FP8), drafts use the same one.
+the head uses (BF16, FP32 logits, online FP8), drafts use the same one. With a hot-vocabulary draft head
+(``hot``, :mod:`bytebound.speculative.hot_vocab`) the draft steps score a fixed row subset of that module;
+the verify always scores the full head.
 """
 
 from __future__ import annotations
@@ -81,11 +83,15 @@ class MTPDrafter:
     *tensor*; with the online FP8 head that tensor holds FP8 bytes which the BF16 path reads without their
     scales (issue 7 must refuse it at start-up).
 
+    ``hot``: an optional :class:`~bytebound.speculative.hot_vocab.HotHead` of ``model.lm_head`` (the draft steps
+    take the argmax over its N rows, mapped back to vocabulary ids); None = the full head.
+
     Raises:
-        ConfigError: the model has no NEXTN layer, or ``share`` is neither "module" nor "weight-only".
+        ConfigError: the model has no NEXTN layer, ``share`` is neither "module" nor "weight-only", or ``hot`` is
+            not derived from this model's LM-head module (or combined with ``share="weight-only"``).
     """
 
-    def __init__(self, model, steps: int = 3, share: str = "module"):
+    def __init__(self, model, steps: int = 3, share: str = "module", hot=None):
         if model.nextn is None:
             raise ConfigError("the checkpoint has no NEXTN layer (num_nextn_predict_layers = 0): MTP unavailable")
         self.model, self.steps, self.share = model, steps, share
@@ -104,12 +110,23 @@ class MTPDrafter:
             self.lm_head = alias
         else:
             raise ConfigError(f"draft_share must be 'module' or 'weight-only', got {share!r}")
+        if hot is not None and (share != "module" or hot.head is not model.lm_head):
+            raise ConfigError("a hot-vocabulary draft head must be derived from the target's own LM-head module "
+                              "(draft_share='module')")
+        self.hot = hot
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.share == "weight-only":
             # A BF16 matmul over whatever bytes the aliased tensor holds (FP8 values, scales dropped).
             return torch.nn.functional.linear(hidden.float(), self.lm_head.weight.float())
         return self.lm_head(hidden)
+
+    def propose(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft tokens ``[..]`` int64 for NEXTN hiddens ``[.., H]``: the argmax of the full head's logits, or of
+        the hot rows' (mapped back to vocabulary ids). Stays on the device (no host sync)."""
+        if self.hot is not None:
+            return self.hot.propose(hidden)
+        return self.logits(hidden).argmax(-1)
 
     def hidden(self, ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor, state,
                kv_len: int | None = None) -> torch.Tensor:
@@ -180,11 +197,11 @@ def mtp_rounds(runner, drafter: MTPDrafter, y: torch.Tensor, ext_ids: torch.Tens
         # a static attention span (CUDA) also spares the MLA a host read of the last position
         span = runner.kv_span(runner.pos + k) if runner.static_kv else None
         dh = drafter.hidden(ext_ids, ext_hidden, ext_pos, runner.state, span)[-1:]
-        drafts = [drafter.logits(dh).argmax(-1)]
+        drafts = [drafter.propose(dh)]
         for i in range(1, k):
             dpos = torch.arange(runner.pos + i - 1, runner.pos + i, device=dev)
             dh = drafter.hidden(drafts[-1], dh, dpos, runner.state, span)
-            drafts.append(drafter.logits(dh).argmax(-1))
+            drafts.append(drafter.propose(dh))
         d = _from_rank0(runner, torch.cat(drafts))                        # [k]
         t1 = time.perf_counter()
         vpos = torch.arange(runner.pos, runner.pos + k + 1, device=dev)

@@ -82,11 +82,11 @@ class StaticRound:
         # 1. draft-extend over the previous verify's k+1 positions; continue from row j
         eh = dr.hidden(self.ext_ids, self.ext_hidden, self.pos - self.j - 1 + ar, state, kv_len)
         dh = eh.index_select(0, self.j.view(1))                                 # [1, H]
-        drafts = [dr.logits(dh).argmax(-1)]
+        drafts = [dr.propose(dh)]        # full head, or the hot rows (fixed N: static shapes)
         # 2. k - 1 draft steps; draft i sits at pos + i - 1
         for i in range(1, k):
             dh = dr.hidden(drafts[-1], dh, (self.pos + (i - 1)).view(1), state, kv_len)
-            drafts.append(dr.logits(dh).argmax(-1))
+            drafts.append(dr.propose(dh))
         d = torch.cat(drafts)                                                   # [k]
         # 3. verify [y, d] at pos..pos+k, KDA state recorded after every token
         for st in self.kda:

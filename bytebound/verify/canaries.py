@@ -16,6 +16,9 @@ measured values, message, seconds). ``run_canaries(engine, strict)`` runs them a
                           (top-1 agreement outside near-ties, relative error bound, and not bit-equal = really
                           FP8); fp32: matches a float32 reference; bf16: matches the BF16 reference
 * ``draft_head_bitwise``  the draft's head path vs the target's on the same hidden states: bit-identical
+* ``draft_hot_rows``      hot-vocabulary draft head only: it is derived from the target's LM-head module (same
+                          object, mode and backend), its rows (FP8 + per-channel scales, or BF16) equal the full
+                          head's rows at its ids bit for bit, and its logits equal the full head's at those ids
 * ``graph_replay``        graph replay vs eager on one decode step from the same state (``runner.graph``)
 * ``spec_vs_plain``       speculative vs plain greedy on a short prompt: same tokens, or a divergence that starts at
                           a logit near-tie or a routing near-tie (``verify.routing``)
@@ -505,6 +508,64 @@ def canary_draft_head(engine, ctx) -> CanaryResult:
     return _ok(name, lever, f"draft and target head logits bit-identical on {len(labels)} rows", **meas)
 
 
+HOT_LOGIT_RTOL = {"float32": 1e-5, "fp8": 1e-4, "bf16": 1e-2}   # x max |logit|: summation order / BF16 output
+
+
+@torch.inference_mode()
+def canary_draft_hot_rows(engine, ctx) -> CanaryResult:
+    """The hot-vocabulary draft head (``speculative.hot_vocab.HotHead``) is a row subset of the target's LM-head
+    module: same object, mode and backend; ``w_fp8[ids]`` / ``w_scale[ids]`` (fp8) or ``weight[ids]`` equal the
+    head's rows byte for byte; on real hidden states its logits equal the full head's columns ``ids`` within the
+    product's rounding (``HOT_LOGIT_RTOL`` x max |logit|: a different GEMM shape may sum in another order)."""
+    name, lever = "draft_hot_rows", "draft_sharing"
+    dr = engine.drafter
+    hot = getattr(dr, "hot", None)
+    if hot is None:
+        return _na(name, lever, "not applicable (MTP off)" if dr is None else
+                   "not applicable (full draft head: no --speculative-draft-vocab)")
+    head = engine.model.lm_head
+    v = head.weight.shape[0]
+    ids = hot.ids
+    bad = []
+    if hot.head is not head or dr.lm_head is not head:
+        bad.append("the hot head is not derived from the target's LM-head module")
+    if hot.mode != head.mode or hot.backend != head.backend:
+        bad.append(f"hot head path {hot.mode}/{hot.backend} differs from the head's {head.mode}/{head.backend}")
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= v or (ids.numel() > 1 and
+                                                                      not bool((ids[1:] > ids[:-1]).all())):
+        bad.append("hot ids are not sorted, unique ids in [0, V)")
+        return _bad(name, lever, "; ".join(bad), n=ids.numel())
+
+    def rows_equal(sub, full) -> bool:
+        if sub is None or full is None:
+            return False
+        want = full.detach().index_select(0, ids)
+        return (sub.shape == want.shape and sub.dtype == want.dtype
+                and torch.equal(sub.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)))
+    if head.mode == "fp8":
+        checks = {"w_fp8_rows_equal": rows_equal(hot.w_fp8, head.w_fp8),
+                  "w_scale_rows_equal": rows_equal(hot.w_scale.view(-1, 1), head.w_scale.view(-1, 1))}
+    else:
+        checks = {"weight_rows_equal": rows_equal(hot.weight, head.weight)}
+    bad += [f"{k.replace('_rows_equal', '')} rows differ from the head's rows at the hot ids" for k, ok in checks.items()
+            if not ok]
+    x, labels = ctx.head_rows()
+    full = engine.model.logits(x).index_select(-1, ids)
+    got = hot.logits(x)
+    kind = "fp8" if head.mode == "fp8" else "float32" if (head.mode == "fp32" or head.weight.dtype == torch.float32) \
+        else "bf16"
+    err = float((got.float() - full.float()).abs().max() / full.float().abs().max().clamp_min(1e-30))
+    if got.shape != full.shape or not err <= HOT_LOGIT_RTOL[kind]:
+        bad.append(f"hot logits vs the full head's at the hot ids: rel err {err:.3g} > {HOT_LOGIT_RTOL[kind]:g}")
+    meas = {"n": hot.n, "vocab_size": v, "share": hot.n / v, "head_mode": head.mode, "backend": head.backend,
+            **checks, "logit_rel_err": err, "rows": len(labels), "bytes_per_draft_step": hot.bytes_per_call(),
+            "full_head_bytes": head.bytes_per_call()}
+    if bad:
+        return _bad(name, lever, "; ".join(bad), **meas)
+    return _ok(name, lever, f"hot draft head: {hot.n} of {v} rows of the target's {head.mode} head, rows"
+               f"{' and scales' if head.mode == 'fp8' else ''} bit-identical, logits within {err:.1e}", **meas)
+
+
 def snapshot_state(runner) -> tuple:
     """Copies of the runner's per-layer state (MLA caches: the slots ``[0, pos)`` only) and ``pos``."""
     pos, snap = runner.pos, []
@@ -682,7 +743,7 @@ def canary_spec_vs_plain(engine, ctx) -> CanaryResult:
 
 CANARIES = (canary_levers, canary_draft_params_loaded, canary_draft_sharing, canary_expert_scale_layout,
             canary_moe_vs_reference, canary_logits_finite, canary_lm_head, canary_draft_head,
-            canary_graph_replay, canary_spec_vs_plain)
+            canary_draft_hot_rows, canary_graph_replay, canary_spec_vs_plain)
 _NAMES = {canary_levers: ("levers_resolved", "all"),
           canary_draft_params_loaded: ("draft_params_loaded", "mtp"),
           canary_draft_sharing: ("draft_sharing", "draft_sharing"),
@@ -691,6 +752,7 @@ _NAMES = {canary_levers: ("levers_resolved", "all"),
           canary_logits_finite: ("logits_finite", "lm_head"),
           canary_lm_head: ("lm_head_path", "lm_head"),
           canary_draft_head: ("draft_head_bitwise", "draft_sharing"),
+          canary_draft_hot_rows: ("draft_hot_rows", "draft_sharing"),
           canary_graph_replay: ("graph_replay", "cuda_graphs"),
           canary_spec_vs_plain: ("spec_vs_plain", "mtp")}
 

@@ -32,9 +32,12 @@ LEVER_CANARIES = {
     "moe": ("expert_scale_layout", "moe_vs_reference"),
     "lm_head": ("lm_head_path", "logits_finite"),
     "mtp": ("draft_params_loaded", "spec_vs_plain"),
-    "draft_sharing": ("draft_sharing", "draft_head_bitwise"),
+    "draft_sharing": ("draft_sharing", "draft_head_bitwise", "draft_hot_rows"),
     "cuda_graphs": ("graph_replay",),
 }
+# Canaries of an opt-in part of a lever (the hot-vocabulary draft head): not applicable = nothing to vouch for, not
+# a lever "partly" checked.
+OPTIONAL_CANARIES = ("draft_hot_rows",)
 
 
 def _dt(t) -> str | None:
@@ -153,7 +156,9 @@ def _mtp_lever(engine) -> dict:
             # the widest verify the bound fast paths serve (None: any) and the paths that set it
             "max_verify_m": getattr(plan, "max_verify_m", None), "fast_paths": dict(getattr(plan, "fast_paths", {})),
             # adaptive speculation (speculative.adaptive): its mode, a, c, a/c, switches and why, at build time
-            "adaptive": ad.state() if (ad := getattr(engine, "adaptive", None)) is not None else {"on": False}}
+            "adaptive": ad.state() if (ad := getattr(engine, "adaptive", None)) is not None else {"on": False},
+            # the hot-vocabulary draft head (None: the draft steps score the full head)
+            "draft_vocab": (dr.hot.facts() if getattr(dr, "hot", None) is not None else None)}
 
 
 def draft_sharing_facts(engine) -> dict:
@@ -243,7 +248,8 @@ def build_manifest(engine) -> dict:
     recs = [c.to_dict() for c in canaries] if canaries is not None else None
     by_name = {r["name"]: r for r in recs or []}
     for lever, names in LEVER_CANARIES.items():
-        st = [by_name[n]["status"] for n in names if n in by_name]
+        st = [by_name[n]["status"] for n in names if n in by_name
+              and not (n in OPTIONAL_CANARIES and by_name[n]["status"] == "skip")]
         if "fail" in st:
             v = "fail"
         elif "pass" in st:
