@@ -230,3 +230,28 @@ def test_shared_fusion_needs_a_split_config(tmp_path):
             assert plan.resolutions["moe"].shared.startswith("dense; not fused: the triton MoE configs")
             with pytest.raises(BackendError, match="no 'split' variant"):
                 _bind_shared(model, plan, strict=True)
+
+
+def test_default_backend_that_cannot_serve_a_shape_falls_back_recorded(monkeypatch):
+    """A device-default backend whose bind refuses the model's shape (as the Triton MLA kernels refuse latent widths
+    that are not powers of two) leaves the layer on its own torch path and records a fallback with the reason; the
+    same backend named by the user raises the named error."""
+    from bytebound.checkpoint.synthetic import dummy_model
+    from bytebound.config import LingConfig
+    from bytebound.kernels import registry
+    from bytebound.layers.mla import GatedMLA
+    from bytebound.runner import backends
+
+    class Picky:
+        def bind(self, layer, dtype):
+            raise BackendError("mla[picky]: needs power-of-two widths")
+    monkeypatch.setitem(registry._REGISTRY["mla"], "picky", registry._Entry(Picky, lambda dev: None))
+    monkeypatch.setitem(backends.DEFAULTS_CPU, "mla", "picky")
+    model = dummy_model(LingConfig.from_file("models/ling-nano/config.json"), torch.device("cpu"), torch.float32)
+    plan = backends.bind_model(model, backends.BackendPlan.default("cpu"), "cpu")
+    r = plan.resolutions["mla"]
+    assert (r.requested, r.resolved, r.fallback_from) == ("picky", "torch", "picky")
+    assert "power-of-two" in r.reason and "not requested" in r.reason
+    assert all(m.attn_fn is None for m in model.modules() if isinstance(m, GatedMLA))
+    with pytest.raises(BackendError, match="power-of-two"):
+        backends.bind_model(model, backends.BackendPlan.default("cpu", mla="picky"), "cpu")

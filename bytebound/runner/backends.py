@@ -34,6 +34,9 @@ class BackendPlan:
     allow_fallback: bool = False
     resolutions: dict[str, Resolution] = field(default_factory=dict)
     fast_paths: dict[str, int] = field(default_factory=dict)
+    # ops the user named; the others are the device's defaults, and a default backend that cannot serve a layer's
+    # shape falls back to torch with the reason recorded (a named backend raises instead)
+    explicit: set = field(default_factory=set)
 
     @property
     def max_verify_m(self) -> int | None:
@@ -59,8 +62,11 @@ class BackendPlan:
     @classmethod
     def default(cls, device, **overrides) -> "BackendPlan":
         base = dict(DEFAULTS_CUDA if torch.device(device).type == "cuda" else DEFAULTS_CPU)
-        base.update({k: v for k, v in overrides.items() if v})
-        return cls(base)
+        given = {k: v for k, v in overrides.items() if v}
+        base.update(given)
+        plan = cls(base)
+        plan.explicit = set(given)
+        return plan
 
     def fallbacks(self) -> list[Resolution]:
         return [r for r in self.resolutions.values() if r.fallback_from]
@@ -151,7 +157,8 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
             m.kda_fn = impl["kda"].bind(m, dtype)
             # decode/verify as one fused kernel where the backend has one (kda 'triton'); None keeps the layer path
             bind_fused = getattr(impl["kda"], "bind_fused", None)
-            m.fused_fn = bind_fused(m, dtype) if bind_fused is not None else None
+            m.fused_fn = (_bind_or_fall_back(plan, "kda", "fla", lambda: bind_fused(m, dtype))
+                          if bind_fused is not None else None)
             # q|k|v|f|g read the same input: one launch instead of five, and no concat for the conv
             parts = [m.q_proj, m.k_proj, m.v_proj, m.f_proj, m.g_proj]
             fused = fuse_rows(parts)
@@ -169,7 +176,7 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
             m.route_fn, m.gemv_route_fn = route_fn, gemv_fn
         elif isinstance(m, GatedMLA):
             # decode/verify (T <= ABSORB_MAX_T with a cache); the torch backend binds None (the layer's own code)
-            m.attn_fn = impl["mla"].bind(m, dtype)
+            m.attn_fn = _bind_or_fall_back(plan, "mla", "torch", lambda: impl["mla"].bind(m, dtype))
         elif isinstance(m, RMSNormGated):
             m.fn = gated_fn
         elif isinstance(m, RMSNorm):
@@ -231,6 +238,21 @@ def _moe_tuning(model) -> dict | None:
                     out[f"M={mm}"] = f"unusable: {e}"
             return out
     return None
+
+
+def _bind_or_fall_back(plan: BackendPlan, op: str, instead: str, bind):
+    """``bind()``, or None (the layer's own path, ``instead``) when it raises BackendError for an op the user did not
+    name (``plan.explicit``) or with ``allow_fallback``: the device default cannot serve this model's shape (e.g. the
+    Triton MLA kernels need power-of-two latent widths), which the resolution records as a fallback."""
+    try:
+        return bind()
+    except BackendError as e:
+        if op in plan.explicit and not plan.allow_fallback:
+            raise
+        r = plan.resolutions[op]
+        if r.fallback_from is None:
+            r.fallback_from, r.resolved, r.reason = r.resolved, instead, f"{e} (the default backend, not requested)"
+        return None
 
 
 def _bind_shared(model, plan: BackendPlan, strict: bool) -> None:
