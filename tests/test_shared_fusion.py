@@ -255,3 +255,15 @@ def test_default_backend_that_cannot_serve_a_shape_falls_back_recorded(monkeypat
     assert all(m.attn_fn is None for m in model.modules() if isinstance(m, GatedMLA))
     with pytest.raises(BackendError, match="power-of-two"):
         backends.bind_model(model, backends.BackendPlan.default("cpu", mla="picky"), "cpu")
+
+
+def test_triton_mla_refuses_unsupported_widths_at_bind():
+    """The Triton MLA backend checks the latent widths when it binds (so the device default can fall back at load),
+    with the same named error its launcher raises."""
+    from bytebound.config import tiny_config
+    from bytebound.kernels.triton_mla import TritonMLA
+    from bytebound.layers.mla import GatedMLA
+    cfg = tiny_config()            # qk_rope_head_dim 8: below the tensor-core minimum of 16
+    layer = GatedMLA(cfg, lambda name: "plain", torch.bfloat16)
+    with pytest.raises(BackendError, match=r"power-of-two kv_lora_rank.*rope 8"):
+        TritonMLA().bind(layer, torch.bfloat16)

@@ -356,9 +356,14 @@ class TritonMLA:
 
     def bind(self, layer, dtype):
         """Returns ``fn(q, ckv, g, positions, kv, kv_len) -> [B, T, H, v]`` (see :func:`mla_decode`).
-        Raises BackendError for a model dtype other than BF16."""
+        Raises BackendError for a model dtype other than BF16, or widths the kernels do not take (checked here,
+        at load, with the same rule as :func:`mla_decode`)."""
         if dtype != torch.bfloat16:
             raise BackendError(f"mla[triton] runs in bf16, model dtype is {dtype}")
+        rank, nope, pdim, vdim = layer.rank, layer.nope, layer.rope_dim, layer.vdim
+        if not (_pow2(rank) and _pow2(pdim) and _pow2(nope) and min(rank, nope, pdim) >= 16 and vdim % 16 == 0):
+            raise BackendError(f"mla[triton]: needs power-of-two kv_lora_rank, qk_nope and qk_rope dims >= 16 and "
+                               f"v_head_dim % 16 == 0 (rank {rank}, nope {nope}, rope {pdim}, v {vdim})")
         wkc, wvc = (w.contiguous() for w in layer.absorbed(dtype))
         norm, rope, cfg = layer.kv_a_layernorm, layer.rope, self.cfg
 
