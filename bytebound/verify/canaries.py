@@ -547,8 +547,8 @@ def canary_draft_hot_rows(engine, ctx) -> CanaryResult:
                   "w_scale_rows_equal": rows_equal(hot.w_scale.view(-1, 1), head.w_scale.view(-1, 1))}
     else:
         checks = {"weight_rows_equal": rows_equal(hot.weight, head.weight)}
-    bad += [f"{k.replace('_rows_equal', '')} rows differ from the head's rows at the hot ids" for k, ok in checks.items()
-            if not ok]
+    bad += [f"{k.replace('_rows_equal', '')} rows differ from the head's rows at the hot ids"
+            for k, ok in checks.items() if not ok]
     x, labels = ctx.head_rows()
     full = engine.model.logits(x).index_select(-1, ids)
     got = hot.logits(x)
