@@ -272,9 +272,20 @@ def test_backend_is_registered_and_cuda_only():
 def test_kernels_compile_for_sm90(t):
     """The three kernels compile for an H100/H200 (sm_90) at Ling shapes with the default tiling, offline (Triton's
     own ptxas, no GPU needed), within the 227 KiB of shared memory a block may use: the GPU-only code path (BF16
-    tensor-core ``tl.dot``) that the interpreter tests replace with float32 products."""
+    tensor-core ``tl.dot``) that the interpreter tests replace with float32 products. Runs in a subprocess
+    without the interpreter (this session's Triton is in interpreter mode: conftest)."""
     import importlib.util
     import os
+    import subprocess
+    import sys
+    if os.environ.get("BYTEBOUND_TRITON_COMPILE_ONLY") != "1":
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["BYTEBOUND_TRITON_COMPILE_ONLY"] = "1"
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            f"{__file__}::test_kernels_compile_for_sm90[{t}]"], env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+        return
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -75,6 +75,12 @@ def cuda_only(dev: torch.device) -> str | None:
     return None
 
 
+def needs_capability(dev: torch.device, major: int, what: str) -> str | None:
+    """None when CUDA device ``dev`` has compute capability >= ``major``.0, else the reason (``what`` needs it)."""
+    got, _ = torch.cuda.get_device_capability(torch.device(dev))
+    return None if got >= major else f"needs compute capability >= {major}.0 ({what}), got {got}.x"
+
+
 def pinned_package(dist: str, pinned: str) -> str | None:
     """None when distribution ``dist`` is installed at exactly ``pinned``, else the reason."""
     try:

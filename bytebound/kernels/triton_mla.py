@@ -47,7 +47,7 @@ import os
 import torch
 
 from bytebound.errors import BackendError
-from bytebound.kernels.registry import cuda_only, optional_triton, register
+from bytebound.kernels.registry import cuda_only, needs_capability, optional_triton, register
 
 triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machines without Triton
 
@@ -64,13 +64,7 @@ DEFAULT_CFG = {"BM": 32, "BN": 32, "num_warps": 8, "num_stages": 2, "min_split":
 
 
 def available(dev) -> str | None:
-    why = cuda_only(dev) or _TRITON_ERR
-    if why:
-        return why
-    major, _ = torch.cuda.get_device_capability(torch.device(dev))
-    if major < 8:
-        return f"needs compute capability >= 8.0 (bf16 mma), got {major}.x"
-    return None
+    return cuda_only(dev) or _TRITON_ERR or needs_capability(dev, 8, "bf16 mma")
 
 
 if tl is not None:

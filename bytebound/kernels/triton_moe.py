@@ -60,7 +60,7 @@ import torch
 
 from bytebound.errors import BackendError
 from bytebound.kernels.limits import MAX_VERIFY_M as MAX_M     # the one verify-width limit (kernels/limits.py)
-from bytebound.kernels.registry import cuda_only, optional_triton, register
+from bytebound.kernels.registry import cuda_only, needs_capability, optional_triton, register
 
 # Deterministic accumulation: partial sums enter the workspace as int64 fixed point (value * 2^28), and integer
 # addition does not depend on the order the programs arrive in, so the output is bit-identical run to run (float32
@@ -88,13 +88,7 @@ FIXED_ONE = tl.constexpr(float(1 << FIXED_SHIFT)) if tl is not None else None
 
 
 def available(dev) -> str | None:
-    why = cuda_only(dev) or _TRITON_ERR
-    if why:
-        return why
-    major, _ = torch.cuda.get_device_capability(torch.device(dev))
-    if major < 8:
-        return f"needs compute capability >= 8.0 (mma.m16n8k16 bf16), got {major}.x"
-    return None
+    return cuda_only(dev) or _TRITON_ERR or needs_capability(dev, 8, "mma.m16n8k16 bf16")
 
 
 # E2M1 -> BF16 lookup tables for PRMT (bytes 0..7 = magnitude codes 0..7):

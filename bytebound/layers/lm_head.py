@@ -50,14 +50,20 @@ class LMHead(nn.Module):
         return v * h + 4 * v if self.mode == "fp8" else v * h * self.weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if self.fn is not None:
-            out = self.fn(x2)
-        else:
-            from bytebound.kernels.torch_ref import lm_head_reference
-            out = lm_head_reference(self, x2)
-        return out.view(*shape[:-1], out.shape[-1])
+        return head_logits(self, x)
+
+
+def head_logits(head, x: torch.Tensor) -> torch.Tensor:
+    """Logits ``[.., N]`` float32 of ``x [.., H]`` through ``head``'s bound backend (``head.fn``), else the torch
+    reference of its mode: :class:`LMHead` and the hot-vocabulary draft head (``speculative.hot_vocab.HotHead``)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if head.fn is not None:
+        out = head.fn(x2)
+    else:
+        from bytebound.kernels.torch_ref import lm_head_reference
+        out = lm_head_reference(head, x2)
+    return out.view(*shape[:-1], out.shape[-1])
 
 
 def bf16_logits(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

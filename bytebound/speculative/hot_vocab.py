@@ -302,14 +302,8 @@ class HotHead:
         """Hot-set logits ``[.., N]`` float32 for ``x [.., H]``, column i for vocabulary id ``ids[i]``."""
         if self.mode != self.head.mode:
             self.build()
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if self.fn is not None:
-            out = self.fn(x2)
-        else:
-            from bytebound.kernels.torch_ref import lm_head_reference
-            out = lm_head_reference(self, x2)
-        return out.view(*shape[:-1], out.shape[-1])
+        from bytebound.layers.lm_head import head_logits
+        return head_logits(self, x)
 
     def propose(self, x: torch.Tensor) -> torch.Tensor:
         """Draft tokens ``[..]`` int64 (vocabulary ids): the argmax over the hot set, on the device, no sync."""
