@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from bytebound.analysis.bandwidth import cuda_event_times  # noqa: E402
 from bytebound.bench.report import git_commit  # noqa: E402
+from bytebound.checkpoint.synthetic import dummy_fill_  # noqa: E402
 from bytebound.config import LING3_FLASH_CONFIG, LingConfig  # noqa: E402
 from bytebound.kernels.registry import resolve  # noqa: E402
 from bytebound.layers.kda import KimiDeltaAttention  # noqa: E402
@@ -46,21 +47,7 @@ def ling_kda_layer(cfg: LingConfig, dev, dtype=torch.bfloat16, seed: int = 0) ->
     torch.manual_seed(seed)
     with torch.device("meta"):
         layer = KimiDeltaAttention(cfg, _lin_fmt(cfg, f"model.layers.{cfg.kda_layers[0]}.attention"), dtype)
-    layer = layer.to_empty(device=dev)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if p.dtype == torch.float8_e4m3fn:
-                p.copy_((torch.randn(p.shape, device=dev, dtype=torch.bfloat16) * 8).to(torch.float8_e4m3fn))
-            elif name.endswith("weight_scale_inv"):
-                p.fill_(2.0 ** -9)
-            elif name.endswith("A_log"):
-                p.uniform_(0, 2.7)
-            elif name.endswith("dt_bias"):
-                p.uniform_(-5, -2)
-            elif name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0, 0.02)
+    layer = dummy_fill_(layer.to_empty(device=dev), dev)
     lin, _ = resolve("linear", "triton", torch.device(dev))
     parts = [layer.q_proj, layer.k_proj, layer.v_proj, layer.f_proj, layer.g_proj]
     fused = fuse_rows(parts)

@@ -56,8 +56,16 @@ def dummy_model(cfg: LingConfig, device="cuda", dtype=torch.bfloat16, seed: int 
     with torch.device("meta"):
         model = model_class(cfg)(cfg, dtype)
     model = model.to_empty(device=device)
+    dummy_fill_(model, device)
+    model.finish_load()
+    return model
+
+
+def dummy_fill_(module: torch.nn.Module, device) -> torch.nn.Module:
+    """Fill every parameter of ``module`` (materialised on ``device``) with the ``dummy`` load format's random
+    values (see :func:`dummy_model`); in place, returns ``module``. Also used for single-layer benchmarks."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in module.named_parameters():
             if p.dtype == torch.float8_e4m3fn:
                 p.copy_((torch.randn(p.shape, device=device, dtype=torch.bfloat16) * 8).to(torch.float8_e4m3fn))
             elif name.endswith("weight_scale_inv"):
@@ -76,5 +84,4 @@ def dummy_model(cfg: LingConfig, device="cuda", dtype=torch.bfloat16, seed: int 
                 p.zero_()
             else:
                 p.normal_(0, 0.02)
-    model.finish_load()
-    return model
+    return module
