@@ -109,7 +109,7 @@ section_bisect() {       # the full-scale canaries once per GPU path: engine def
     canaries eager_rounds BYTEBOUND_FULLSCALE_ENGINE='{"spec_static_round": false}'
     local tab="$OUT/moe_fused.json"
     run_step fused_moe_table python3 -c 'import json, sys
-from bytebound.kernels.triton_moe import DEFAULT_CONFIG, load_configs
+from bytebound.kernels.moe_host import DEFAULT_CONFIG, load_configs
 t = load_configs()
 n = 0
 for gpu, table in t.items():
