@@ -173,7 +173,7 @@ def git_commit() -> str:
 def _precompile(jobs):
     """Worker: compile (and so cache on disk) each (n, k, m, cfg) by one call."""
     from bytebound.kernels.triton_fp8 import fp8_block_gemv
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
     done = 0
     for n, k, m, cfg in jobs:
         w, s = make_weights(n, k, 1, dev)[0]
@@ -210,8 +210,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop the sweep after this many seconds")
     a = ap.parse_args(argv)
     from bytebound.kernels import triton_fp8 as tf
-    dev = torch.device("cuda")
-    torch.cuda.set_device(dev)
+    dev = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(dev)
     arch = "sm_%d%d" % torch.cuda.get_device_capability(dev)
     l2 = getattr(props, "L2_cache_size", 50 << 20)

@@ -358,15 +358,20 @@ def gemv_key(n: int, k: int, m: int) -> str:
     return f"N{n}_K{k}_M{m}"
 
 
-@functools.lru_cache(maxsize=None)
 def gemv_table(path: str | None = None) -> dict:
-    """The launch-config table ``{architecture ("sm_90"): {gemv_key: config}}`` (``configs/triton_fp8_gemv.json``,
-    written from ``scripts/bench_gemv.py --sweep``; keys starting with ``_`` are notes). Raises ConfigError on a
-    file that is not such a table."""
-    with open(path or GEMV_CONFIG_PATH) as f:
+    """The launch-config table ``{architecture ("sm_90"): {gemv_key: config}}``: ``path``, else the file named by
+    ``BYTEBOUND_GEMV_CONFIG`` (e.g. the ``gemv_table.json`` a sweep just wrote), else the committed
+    ``configs/triton_fp8_gemv.json`` (written from ``scripts/bench_gemv.py --sweep``; keys starting with ``_`` are
+    notes). Read once per path. Raises ConfigError on a file that is not such a table."""
+    return _read_gemv_table(str(path or os.environ.get("BYTEBOUND_GEMV_CONFIG") or GEMV_CONFIG_PATH))
+
+
+@functools.lru_cache(maxsize=None)
+def _read_gemv_table(path: str) -> dict:
+    with open(path) as f:
         table = json.load(f)
     if not isinstance(table, dict) or any(not isinstance(v, dict) for k, v in table.items() if not k.startswith("_")):
-        raise ConfigError(f"{path or GEMV_CONFIG_PATH}: not a {{arch: {{shape: config}}}} table")
+        raise ConfigError(f"{path}: not a {{arch: {{shape: config}}}} table")
     return {k: v for k, v in table.items() if not k.startswith("_")}
 
 
