@@ -31,7 +31,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -242,6 +242,18 @@ section_fp8gemm() {      # issue 20: prefill FP8 block GEMMs (Triton FP8 tensor 
     run_step pytest python3 -m pytest tests/gpu/test_fp8_gemm_gpu.py tests/test_triton_fp8_gemm.py -q -s \
         -p no:cacheprovider -rfEs --tb=short $(pytest_timeout) --junitxml="$OUT/fp8gemm_junit.xml"
     run_step bench python3 scripts/bench_fp8_gemm.py --out "$OUT" ${BENCH_FP8_ARGS:-}
+}
+
+section_gemv() {         # issue 19: the decode/verify FP8 GEMV (linear=triton, M <= 4): the config sweep first (its
+    #                        best per shape and M -> $OUT/gemv_table.json), then the GPU tests and the final bench
+    #                        with that table (BYTEBOUND_GEMV_CONFIG) against the same-bytes read (GEMV_SWEEP_ARGS)
+    run_step sweep python3 scripts/bench_gemv.py --sweep --jobs 12 --out "$OUT/gemv_sweep" ${GEMV_SWEEP_ARGS:-}
+    local table="$OUT/gemv_sweep/gemv_table.json"
+    [ -s "$table" ] && export BYTEBOUND_GEMV_CONFIG="$table"
+    run_step pytest python3 -m pytest tests/gpu/test_gemv_gpu.py tests/gpu/test_kernels_gpu.py -k "gemv or fp8_linear" \
+        -q -p no:cacheprovider -rfEs --tb=short $(pytest_timeout) --junitxml="$OUT/gemv_junit.xml"
+    run_step bench python3 scripts/bench_gemv.py --out "$OUT"
+    unset BYTEBOUND_GEMV_CONFIG
 }
 
 section_mla() {          # issue 19: the triton MLA decode/verify backend (mla=triton): kernel tests at Ling shapes and
