@@ -3,8 +3,8 @@
 For each of the first ``--limit`` GSM8K test questions (chat prompt): the non-speculative greedy output and
 the speculative (NEXTN, 3 steps, 4 verified positions) greedy output must be identical token for token (with
 ``--speculative-draft-vocab`` the draft steps score only the hot vocabulary; the verify keeps the full head, so
-parity must still hold); then accept length and per-position acceptance rates are measured for greedy and for T 0.6 / top-p 0.95 /
-top-k 29 sampling. Writes NAME.json to ``--out`` (default ``out/mtp_accept``; the committed figures are copies in
+parity must still hold); then accept length and per-position acceptance rates are measured for greedy and for
+T 0.6 / top-p 0.95 / top-k 29 sampling. Writes NAME.json to ``--out`` (default ``out/mtp_accept``; the committed figures are copies in
 docs/perf with their own write-ups).
 """
 

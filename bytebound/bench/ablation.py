@@ -295,7 +295,7 @@ def run_ablation(base, workload, baseline_moe: str = "torch", kernel_moe: str = 
     labels = list(cases) if cases is not None else [None]
     enforce = tpot_rule == "enforce" and not cpu
     steps, regressions, prev_cfg, stop = [], [], None, None
-    prev_tpot: dict = {}                  # case -> TPOT of the last active compared step
+    prev_tpot: dict = {}                  # case -> TPOT of the previous step that ran
     base_tpot: dict = {}
 
     def result(status: str) -> dict:
