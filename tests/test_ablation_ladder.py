@@ -203,6 +203,29 @@ def test_partial_reports_after_every_step_and_a_failing_case(monkeypatch):
     assert st["active"] is False and [c["case"] for c in st["cases"]] == ["2048"]
 
 
+def test_allow_fallback_keeps_going_past_a_failing_case(monkeypatch):
+    """--allow-fallback: a case that fails (out of memory at 32K on the baseline) is a failed row; the other case
+    and the later steps still run and are compared; a step where every case fails still stops the ladder."""
+    monkeypatch.setattr(ab, "check_lever", lambda step, eng, outputs=None: (True, "fake"))
+
+    def work(cfg, case):
+        if cfg.lm_head == "fp32" and cfg.backends["moe"] == "torch" and case == 32768:
+            raise RuntimeError("CUDA out of memory")
+        return [_out(8.0 if cfg.backends["moe"] == "torch" else 4.0)], {}
+
+    kw = dict(cases=[2048, 32768], make_engine=lambda c: c, log=lambda *_: None, manifest=lambda eng: {})
+    r = ab.run_ablation(EngineConfig(device="cuda"), work, allow_fallback=True, **kw)
+    assert r["status"] == "complete" and len(r["steps"]) == 4
+    b = r["steps"][0]
+    assert b["active"] and [c["case"] for c in b["cases"]] == ["2048", "32768"]
+    assert "out of memory" in b["cases"][1]["error"] and b["cases"][1]["tpot_ms"] is None
+    assert b["tpot_ms"] == 8.0                                   # the top level is the case that ran
+    k = r["steps"][1]["cases"]
+    assert k[0]["change_pct"] == pytest.approx(-50.0) and "change_pct" not in k[1]    # nothing to compare 32K with
+    r = ab.run_ablation(EngineConfig(device="cuda"), lambda cfg, case: 1 / 0, allow_fallback=True, **kw)
+    assert r["status"] == "stopped" and r["stop"]["reason"] == "step failed" and r["stop"]["step"] == "baseline"
+
+
 def test_reprice_adds_rows_from_stored_rounds(monkeypatch):
     tpots = [{2048: 9.7, 32768: 10.5}, {2048: 4.0, 32768: 4.4}, {2048: 3.9, 32768: 4.3}, {2048: 9.5, 32768: 10.4}]
     r, _ = _ladder(monkeypatch, tpots, {2048: 9.36, 32768: 10.32})

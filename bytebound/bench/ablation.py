@@ -19,7 +19,9 @@ Rules:
   holds the target's LM-head *module* and ran verify rounds. A lever that is not active stops the ladder with
   a message naming the step, unless ``--allow-fallback`` is given: then the step runs with the lever off
   (the engine's recorded fallback, or the previous step's config when the engine cannot start with it),
-  is marked ``inactive`` and is not compared.
+  is marked ``inactive`` and is not compared. A step that fails while running its workload stops the ladder;
+  with ``--allow-fallback`` a failing *case* (e.g. out of memory at the longest prompt) is a failed row and the
+  step's other cases and the later steps go on.
 * **TPOT check.** An active step whose mean TPOT (in any case) is worse than the previous step's by more than
   ``--tpot-tolerance`` (default 1 %) stops the ladder, naming the step, the case and the change in percent and
   ms. ``tpot_rule="record"`` (``--tpot-rule record``) records such a rise in the row and in ``regressions``
@@ -359,10 +361,21 @@ def run_ablation(base, workload, baseline_moe: str = "torch", kernel_moe: str = 
             break
         rec["cases"], all_outputs, by_case, failed = [], [], {}, None
         for case in labels:
+            err = None
             try:
                 outputs, extra = workload(eng) if case is None else workload(eng, case)
             except Exception as e:   # a kernel that binds but fails at run time: report it, do not lose the ladder
-                failed = (case, f"{type(e).__name__}: {e}")
+                err = f"{type(e).__name__}: {e}"
+            if err is not None and allow_fallback and case is not None:
+                # --allow-fallback: this case is a failed row (e.g. out of memory at the longest prompt); the
+                # step's other cases still count and the ladder goes on
+                log(f"[ablation] {name} [{case}]: FAILED ({err}); --allow-fallback: recorded, going on")
+                rec["cases"].append({"case": str(case), "summary": {}, "tpot_ms": None, "error": err,
+                                     "note": f"FAILED: {err}"})
+                _free()                      # what the failed request held (the exception is gone by now)
+                continue
+            if err is not None:
+                failed = (case, err)
                 break
             all_outputs += outputs
             by_case[None if case is None else str(case)] = outputs
@@ -370,6 +383,8 @@ def run_ablation(base, workload, baseline_moe: str = "torch", kernel_moe: str = 
             crec = {"case": None if case is None else str(case), "summary": s, "tpot_ms": s["tpot_ms"]["mean"],
                     "note": "", **extra}
             rec["cases"].append(crec)
+        if failed is None and rec["cases"] and all("error" in c for c in rec["cases"]):
+            failed = (rec["cases"][0]["case"], rec["cases"][0]["error"])      # no case ran: nothing to go on with
         if failed is not None:
             where = "" if failed[0] is None else f" (case {failed[0]})"
             rec.update(active=False, check=f"{failed[1]}{where}", manifest=manifest(eng))
@@ -398,7 +413,7 @@ def run_ablation(base, workload, baseline_moe: str = "torch", kernel_moe: str = 
             if base_tpot.get(key) and tpot:
                 crec["change_vs_baseline_pct"] = 100 * (tpot - base_tpot[key]) / base_tpot[key]
             if name == "+mtp" and rec["active"]:
-                rnd = round_cost(by_case[key], prev_tpot.get(key))
+                rnd = round_cost(by_case.get(key, []), prev_tpot.get(key))
                 if rnd:
                     crec["round"] = rnd
                     if synthetic:
@@ -459,7 +474,7 @@ def _note(rec: dict, text: str) -> None:
 def _top(rec: dict) -> None:
     """The first case's figures at the step's top level (one-case ladders read them there)."""
     if rec.get("cases"):
-        c0 = rec["cases"][0]
+        c0 = next((c for c in rec["cases"] if "error" not in c), rec["cases"][0])
         for k in ("summary", "tpot_ms", "change_pct", "change_ms", "change_vs_baseline_pct", "accuracy"):
             if k in c0:
                 rec[k] = c0[k]
