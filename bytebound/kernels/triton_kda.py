@@ -38,8 +38,8 @@ bit-identical run to run and graph replay == eager. ``V_SPLIT`` and ``num_warps`
 ``configs/triton_kda.json`` (:func:`resolve_launch`; written from ``scripts/bench_kda.py``'s sweep), else a default
 that fills the SMs once.
 
-The wrapper :func:`fused_kda` allocates only its output ``o`` (the history buffers and, through
-:class:`FusedKDA`, the scratch and the tickets are allocated once), makes no host sync and launches one kernel: it is CUDA-graph
+The wrapper :func:`fused_kda` allocates only its output ``o`` (the history buffers and, through :class:`FusedKDA`,
+the scratch and the tickets are allocated once), makes no host sync and launches one kernel: it is CUDA-graph
 capturable. The float32 rounding points are those of the torch path (``layers.kda`` with ``kda_ref``), so the
 only rounding to the model dtype is the final store of ``o``. Tested against the layer's torch path, fla-core's
 naive KDA and a float64 derivation in Triton's interpreter on CPU (tests/test_triton_kda.py) and at Ling's full
@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -467,7 +468,8 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
         conv_hist if hist else conv, rec_hist if hist else rec, scratch, tickets,
         float(lower_bound) if lower_bound is not None else 0.0, float(eps), dk ** -0.5,
         bsz, H=h, K=dk, V=dv, BK=bk, BV=bv, M=t, SAFE_GATE=lower_bound is not None, HIST=hist, VS=v_split,
-        SCR=_scratch_per_program(t, bk, bv, v_split), FENCE=qkv.device.type == "cuda", num_warps=num_warps)
+        SCR=_scratch_per_program(t, bk, bv, v_split), FENCE=qkv.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
+        num_warps=num_warps)
     return o
 
 
