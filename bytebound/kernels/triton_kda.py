@@ -57,6 +57,7 @@ import torch
 
 from bytebound.errors import BackendError
 from bytebound.kernels.registry import cuda_only, optional_triton, register
+from bytebound.kernels import scratch as shared
 
 MAX_TOKENS = 8          # largest M of the fused kernel (MTP verify is k+1 = 4; 6-token chains fit)
 CONV_KERNEL = 4         # Ling's short_conv_kernel_size; the kernel keeps the 3-input window in registers
@@ -319,7 +320,7 @@ def resolve_launch(batch: int, heads: int, dk: int, dv: int, tokens: int, device
 
     Lookup for :func:`shape_key` in ``configs/triton_kda.json`` (or ``path``), entries ``{"v_split": n[,
     "num_warps": w]}`` as ``scripts/bench_kda.py`` prints them: the exact GPU name, then the table's
-    ``"_arch_defaults"`` GPU for this architecture (as ``triton_moe.resolve_config``), else the default: the
+    ``"_arch_defaults"`` GPU for this architecture (as ``moe_host.resolve_config``), else the default: the
     largest V_SPLIT whose ``batch * heads * V_SPLIT`` programs fit the SMs in one wave with >= 16 state columns
     each (1 off CUDA: Triton's interpreter). ``num_warps`` defaults to :func:`default_num_warps`. Cached per shape
     and device (host-side only: no sync, safe while capturing a graph).
@@ -331,7 +332,7 @@ def resolve_launch(batch: int, heads: int, dk: int, dv: int, tokens: int, device
     dev = torch.device(device)
     entry = source = None
     if dev.type == "cuda":
-        from bytebound.kernels.triton_moe import gpu_arch, gpu_name
+        from bytebound.kernels.moe_host import gpu_arch, gpu_name
         entry, source = lookup_entry(_table(str(path or CONFIG_PATH)), gpu_name(dev), gpu_arch(dev), key)
     if entry is not None:
         vs = _check_v_split(entry.get("v_split"), dv, f"table entry {key}, {source}")
@@ -486,18 +487,6 @@ def _scratch(device: torch.device, numel: int) -> torch.Tensor:
     return bufs[-1]
 
 
-_TICKETS: dict[str, list[torch.Tensor]] = {}
-
-
-def _tickets(device: torch.device, numel: int) -> torch.Tensor:
-    """The split kernel's int32 tickets on ``device``, all zero between launches (each launch resets the ones it
-    took), shared by all layers as :func:`_scratch` is; allocated once, grown for a larger batch."""
-    bufs = _TICKETS.setdefault(str(device), [])
-    if not bufs or bufs[-1].numel() < numel:
-        bufs.append(torch.zeros(numel, dtype=torch.int32, device=device))
-    return bufs[-1]
-
-
 def history_buffers(state, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token history buffers of a ``layers.kda.KDAState`` for a ``tokens``-token call: ``conv_hist [n, B, C, 3]``
     and ``rec_hist [n, B, H, K, V]`` float32 with ``n >= tokens``, allocated on first use and kept on the state
@@ -525,7 +514,7 @@ class FusedKDA:
     weights are concatenated once here (at bind), so weights changed after binding need a re-bind. ``v_split`` and
     ``num_warps`` (None: :func:`resolve_launch` per call shape) override the launch table, for benchmarks. The
     workspace (:func:`_scratch`, sized for ``max_tokens`` and the largest V_SPLIT, so it never grows inside a graph
-    capture) and the tickets are shared by all layers of a device. Raises BackendError as :func:`fused_kda`
+    capture) and the tickets (``kernels.scratch``, name ``kda_tickets``) are shared by all layers of a device. Raises BackendError as :func:`fused_kda`
     does, and for a conv kernel size other than 4.
     """
     max_tokens = MAX_TOKENS
@@ -554,7 +543,7 @@ class FusedKDA:
                       m.o_norm.weight, m.o_norm.eps, m.lower_bound, out_dtype, ch, rh, self.num_warps,
                       _scratch(qkv.device, max(scratch_numel(bsz, h, self.max_tokens, dk, dv, vs)
                                                for vs in V_SPLITS if vs <= vs_max)),
-                      self.v_split, _tickets(qkv.device, bsz * h))
+                      self.v_split, shared.scratch(qkv.device, "kda_tickets", bsz * h, torch.int32))
         if hist:
             state.history = [(ch[i], rh[i]) for i in range(qkv.shape[1])]
         return o
