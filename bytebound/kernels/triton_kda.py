@@ -103,7 +103,8 @@ if tl is not None:
         BVS: tl.constexpr = BV // VS
         conv_b = conv_ptr + bi * C * 3
         # This program's scratch (SCR floats): [M, 3, BK] l2-normalised scaled q, l2-normalised k, decay exp(g);
-        # with VS > 1 then [M, BVS] its slice of the un-normalised o and [M] its partial sums of squares.
+        # with VS > 1 then, from offset PO, [M, BVS] its slice of the un-normalised o and [M] its sums of squares.
+        PO: tl.constexpr = M * 3 * BK
         scr = scratch_ptr + (pid * VS + vs).to(tl.int64) * SCR
 
         # ---- phase 1: the key-side vectors of all M tokens (conv + SiLU, L2 norms, gate), 1-D over K ----
@@ -217,8 +218,8 @@ if tl is not None:
             else:
                 # this slice of the un-normalised o and its sum of squares, for the head's last program
                 o = tl.where(mv, o, 0.0)
-                tl.store(scr + M * 3 * BK + t * BVS + tl.arange(0, BVS), o)
-                tl.store(scr + M * 3 * BK + M * BVS + t, tl.sum(o * o, axis=0))
+                tl.store(scr + PO + t * BVS + tl.arange(0, BVS), o)
+                tl.store(scr + PO + M * BVS + t, tl.sum(o * o, axis=0))
             if HIST:
                 hc = conv_hist_ptr + (t * B + bi) * C * 3
                 tl.store(hc + chv * 3 + 0, wv0, mask=mv)
@@ -248,8 +249,8 @@ if tl is not None:
                 cf = tl.arange(0, BV)
                 mf = cf < V
                 # slice j of the row lives in program (pid, j)'s scratch; .cg: read L2, not a stale L1 line
-                part = scratch_ptr + (pid * VS + cf // BVS).to(tl.int64) * SCR + M * 3 * BK + cf % BVS
-                head = scratch_ptr + (pid * VS).to(tl.int64) * SCR + M * 3 * BK + M * BVS
+                part = scratch_ptr + (pid * VS + cf // BVS).to(tl.int64) * SCR + PO + cf % BVS
+                head = scratch_ptr + (pid * VS).to(tl.int64) * SCR + PO + M * BVS
                 nwf = tl.load(normw_ptr + cf, mask=mf, other=0.0).to(tl.float32)
                 for t in tl.static_range(M):
                     ss = tl.load(head + t, cache_modifier=".cg")
