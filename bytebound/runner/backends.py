@@ -72,8 +72,8 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
     if getattr(impl["kda"], "prefill", None):       # kda 'triton': the fused kernel's M limit and who runs prefill
         plan.resolutions["kda"].prefill = impl["kda"].prefill
     model.lm_head.configure(lm_head_mode)
-    for name, value in (("router", "gemv"), ("router", "triton"), ("norm", "triton"), ("moe_shared", "fused"),
-                        ("kv", "buckets"), ("graphs", "captured")):
+    for name, value in (("router", "gemv"), ("router", "triton"), ("norm", "triton"), ("kv", "buckets"),
+                        ("graphs", "captured")):
         if plan.requested[name] == value and not cuda:   # a plan built for another device (runner.plan checks too)
             raise BackendError(f"--backend {name}={value} needs a CUDA device")
     route_fn = gemv_fn = None
