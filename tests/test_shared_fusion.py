@@ -151,7 +151,7 @@ def test_prefill_slices_leave_the_shared_expert_to_the_layer(monkeypatch):
     """M > 4 (prefill): the kernel runs on 4-token slices (``backends.prefill_slices``) and the layer adds its
     dense shared expert, since ``shared_in`` is false there; the slices must not run it too. A ``MoEKernel``'s
     host logic on CPU, its launch replaced by a stand-in whose output is the shared expert when asked for it."""
-    from bytebound.kernels import triton_moe as tm
+    from bytebound.kernels import moe_host as tm
     from bytebound.kernels import triton_moe_split as ts
     from bytebound.runner.backends import prefill_slices
     layer = _tiny_layer(torch.bfloat16)

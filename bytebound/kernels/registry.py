@@ -137,7 +137,7 @@ def _load_optional() -> None:
         return
     _loaded = True
     import importlib
-    for mod in ("bytebound.kernels.torch_ref", "bytebound.kernels.triton_moe", "bytebound.kernels.triton_fp8",
+    for mod in ("bytebound.kernels.torch_ref", "bytebound.kernels.moe_host", "bytebound.kernels.triton_fp8",
                 "bytebound.kernels.humming_moe", "bytebound.kernels.fla_kda",
                 "bytebound.kernels.triton_kda", "bytebound.kernels.triton_mla"):
         try:

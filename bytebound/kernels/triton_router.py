@@ -35,7 +35,7 @@ import torch
 from bytebound.errors import BackendError
 from bytebound.kernels.limits import MAX_VERIFY_M as MAX_M     # the one verify-width limit (kernels/limits.py)
 from bytebound.kernels.registry import optional_triton
-from bytebound.kernels.triton_moe import scratch
+from bytebound.kernels.scratch import scratch
 
 ROUTE_WARPS = 1     # warps per routing program (fused_route): the fastest of 1, 2 and 4 on the H200 (one row's
 #                     E logits fit one warp's registers; docs/perf/history.md)

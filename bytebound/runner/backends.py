@@ -150,7 +150,8 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
             r.fallback_from, r.resolved, r.reason = "fused", "separate", plan.resolutions["moe"].shared
     model.lm_head.fn = impl["lm_head"].bind(model.lm_head, dtype)
     model.lm_head.backend = plan.resolutions["lm_head"].resolved
-    plan.fast_paths = _fast_paths(model, plan, plan.choice("router") if (route_fn or gemv_fn) else None)
+    # both router kernels are Triton ones: one key, "router[triton]", whichever the plan's router entry chose
+    plan.fast_paths = _fast_paths(model, plan, "triton" if (route_fn or gemv_fn) else None)
     plan.resolutions["moe"].tuning = _moe_tuning(model)
     if plan.resolutions["kda"].resolved in ("fla", "triton"):       # triton's prefill is fla-core's chunk_kda
         from bytebound.kernels import fla_kda

@@ -104,7 +104,7 @@ class BackendPlan:
     entries the user named (a named entry that cannot be served raises; a default falls back, recorded).
     ``resolutions``: entry -> :class:`~bytebound.kernels.registry.Resolution` after ``bind_model``.
     ``fast_paths``: each bound fast path whose kernels serve a limited number of tokens per call -> that number
-    (e.g. ``{"moe[triton]": 4, "linear[triton]": 4, "router[gemv]": 4}``; empty with the torch backends, which
+    (e.g. ``{"moe[triton]": 4, "linear[triton]": 4, "router[triton]": 4}``; empty with the torch backends, which
     serve any M); :attr:`max_verify_m` is their minimum. ``entries``: ``{entry: {regime: PlanEntry}}``, filled by
     ``bind_model``. ``steps``: NEXTN drafts per round (the verify regime's M is ``steps + 1``; 0 = no verify)."""
     requested: dict[str, str]

@@ -211,7 +211,7 @@ def test_verify_equals_sequential_decode_full_width(full_width_model, path):
                "fp8")
     saved = {}
     if path == "fused_moe":      # the one-launch fused kernel (int64 fixed-point atomics) instead of 'split'
-        from bytebound.kernels.triton_moe import DEFAULT_CONFIG
+        from bytebound.kernels.moe_host import DEFAULT_CONFIG
         for m in model.modules():
             if isinstance(m, RoutedExperts):
                 saved[id(m.fn)] = (m.fn, {mm: m.fn.configs.get(mm) for mm in (1, 4)})   # None: from the table
