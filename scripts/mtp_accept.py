@@ -106,7 +106,7 @@ def main() -> int:
     samp_stats = None if a.no_sampled else spec.spec_totals
     dev_name = __import__("torch").cuda.get_device_name() if a.device == "cuda" else a.device
     res = {"date": dt.date.today().isoformat(), "commit": git_commit(), "device": dev_name, "model": a.model,
-           "spec_static_round": spec.config.spec_static_round,
+           "spec_static_round": spec.static_round,
            "mean_tpot_ms": {k: 1e3 * sum(v) / len(v) for k, v in tpot.items() if v},
            "weights": "trained (ling-nano)", "dtype": str(base.model.dtype).removeprefix("torch."),
            "backends": {k: v.resolved for k, v in base.plan.resolutions.items()},

@@ -14,14 +14,14 @@ open, and the routed sum does not depend on it. On exact ties argmax takes the l
 makes no promise there, and with float32 sigmoid scores a tie is a measure-zero event. With :func:`fused_route`
 the router GEMV (``F.linear`` in float32) stays a launch of its own. :func:`gemv_route` does both in one launch
 (``_gemv_route_kernel``): E/``be`` programs compute ``be`` experts' logits each for every row, and the last to
-finish (an acq_rel ticket) routes all rows at once; on with CUDA by default (``EngineConfig.fused_router_gemv``;
+finish (an acq_rel ticket) routes all rows at once; the CUDA default (plan entry ``router=gemv``;
 docs/perf/moe-kernels-h200.md has its measurements). Its logits are summed in a different order than cuBLAS's, so
 a routing near-tie can break the other way.
 
 Constraints: ``E`` a power of two divisible by ``G`` (Ling: 512 experts, 8 groups); float32 logits. Tested against
 ``route`` in the Triton interpreter on CPU and on the H200 (tests/test_triton_router.py, and at Ling's routing in
 tests/gpu). It replaces a dozen launches per MoE layer (its measured effect: docs/perf/history.md). On with
-CUDA by default (``EngineConfig.fused_router`` / ``--no-fused-router``); the full-scale spec_vs_plain failure once
+CUDA as ``router=triton`` (plan entry; ``--backend router=torch`` turns both off); the full-scale spec_vs_plain failure once
 blamed on the fast paths was a routing near-tie that the committed defaults hit too (docs/perf/gpu-tests-h200.md).
 """
 
@@ -158,20 +158,30 @@ def _pdl_out(device: torch.device) -> bool:
     return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def shape_error(e: int, n_group: int) -> str | None:
+    """Why the routing kernels cannot take ``e`` experts in ``n_group`` groups (None: they can): E must be a power
+    of two divisible by the group count, and at least 4 (``gemv_route``'s experts per program). Checked once at
+    bind (``runner.backends.bind_model``), not per call."""
+    g = max(n_group, 1)
+    if e & (e - 1) or e % g or e < 4:
+        return f"needs E a power of two >= 4 divisible by n_group (got E={e}, n_group={n_group})"
+    return None
+
+
 def fused_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int, topk_group: int,
                 norm: bool, scale: float, num_warps: int = ROUTE_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits [M, E]`` float32 (M <= 4) -> ``(ids [M, k] int64, weights [M, k] float32)``, as ``moe.route``.
     One program of ``num_warps`` warps per row (a tuning knob for ``scripts/bench_moe.py --router``).
 
-    Raises BackendError when Triton is missing, M > 4, or E is not a power of two divisible by ``n_group``.
+    Which M reach it is the binding's decision (``runner.backends.bind_model``: the layer's ``route_m``), and the
+    shape is checked once there (:func:`shape_error`); one program per row, so no M overruns a buffer here.
+
+    Raises BackendError when Triton is missing.
     """
     if _TRITON_ERR:
         raise BackendError(f"router[triton]: {_TRITON_ERR}")
     m, e = logits.shape
     g = max(n_group, 1)
-    if m > MAX_M or e & (e - 1) or e % g:
-        raise BackendError(f"router[triton]: needs M <= {MAX_M} and E a power of two divisible by n_group "
-                           f"(got M={m}, E={e}, n_group={n_group})")
     logits = logits.float().contiguous()
     ids = torch.empty(m, top_k, dtype=torch.int64, device=logits.device)
     w = torch.empty(m, top_k, dtype=torch.float32, device=logits.device)
@@ -193,7 +203,11 @@ def gemv_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     as the engine runs; the MoE kernels' scratch asks the same). ``be`` experts per program (E/be programs) and
     ``num_warps`` are tuning knobs (``scripts/bench_moe.py --router``); by default the H200's best of that sweep:
     2 experts and 4 warps at M = 1, 4 experts and 8 warps at M > 1 (its times: docs/perf/history.md).
-    Raises BackendError as :func:`fused_route`."""
+    The shape is checked once at bind (:func:`shape_error`); the one per-call check left guards the logits
+    scratch of :data:`MAX_M` rows, which a wider call would overrun.
+
+    Raises BackendError when Triton is missing, M > :data:`MAX_M` (the binding routes wider calls to torch), or a
+    tuning ``be`` that is not a power of two dividing E."""
     if _TRITON_ERR:
         raise BackendError(f"router[triton]: {_TRITON_ERR}")
     m, h = x.shape
@@ -201,9 +215,9 @@ def gemv_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     g = max(n_group, 1)
     be = be or (2 if m == 1 else 4)
     num_warps = num_warps or (4 if m == 1 else 8)
-    if m > MAX_M or e & (e - 1) or e % g or e < be or be & (be - 1):
-        raise BackendError(f"router[triton]: needs M <= {MAX_M}, E a power of two divisible by n_group and by be, "
-                           f"be a power of two (got M={m}, E={e}, n_group={n_group}, be={be})")
+    if m > MAX_M or e < be or be & (be - 1):
+        raise BackendError(f"router[triton]: needs M <= {MAX_M} (the logits scratch) and be a power of two <= E "
+                           f"(got M={m}, E={e}, be={be})")
     ids = torch.empty(m, top_k, dtype=torch.int64, device=x.device)
     w = torch.empty(m, top_k, dtype=torch.float32, device=x.device)
     if m == 0:

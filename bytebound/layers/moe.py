@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bytebound.kernels.limits import MAX_VERIFY_M
 from bytebound.layers.linear import QLinear
 
 
@@ -124,9 +123,13 @@ class MoE(nn.Module):
         # stored, so routing decisions are not made on BF16-rounded weights and no per-call up-cast is needed.
         gdt = torch.float32 if str(cfg.router_dtype).lower() in ("fp32", "float32") else dtype
         self.gate.weight = nn.Parameter(torch.empty(cfg.num_experts, h, dtype=gdt, device=device))
-        self.route_fn = None    # a fused routing kernel for M <= MAX_VERIFY_M, set by runner.backends.bind_model
-        # router GEMV + routing in one kernel for M <= MAX_VERIFY_M (kernels.triton_router.gemv_route)
+        # Bound at load by runner.backends.bind_model (the plan's ``router`` entry): a routing kernel after the GEMV
+        # (``route_fn``, kernels.triton_router.fused_route) or the GEMV and the routing in one kernel
+        # (``gemv_route_fn``, gemv_route), for calls of at most ``route_m`` rows (decode, verify); wider calls
+        # (prefill) and an unbound layer run the torch GEMV and :func:`route`.
+        self.route_fn = None
         self.gemv_route_fn = None
+        self.route_m = 0
         self.gate.expert_bias = (nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32, device=device))
                                  if cfg.moe_router_enable_expert_bias else None)
         fmt = {"mxfp4": "mxfp4"}.get(cfg.quant.routed_experts, "plain")
@@ -137,14 +140,15 @@ class MoE(nn.Module):
                                if cfg.num_shared_experts else None)
 
     def router(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [M, H]`` -> ``(ids [M, k], weights [M, k])``; logits in float32. ``route_fn`` (bound at load, e.g.
-        ``kernels.triton_router.fused_route``) replaces :func:`route` for up to ``kernels.limits.MAX_VERIFY_M``
-        rows; ``gemv_route_fn`` (``kernels.triton_router.gemv_route``) replaces the GEMV and the routing together."""
-        if self.gemv_route_fn is not None and x.shape[0] <= MAX_VERIFY_M:
+        """``x [M, H]`` -> ``(ids [M, k], weights [M, k])``; logits in float32. For M <= ``route_m`` the bound
+        ``gemv_route_fn`` replaces the GEMV and the routing together, or ``route_fn`` replaces :func:`route` (the
+        binding sets at most one and ``route_m``; this is the one place that chooses by M)."""
+        fast = x.shape[0] <= self.route_m
+        if fast and self.gemv_route_fn is not None:
             return self.gemv_route_fn(x, self.gate.weight, self.gate.expert_bias, self.top_k, self.n_group,
                                       self.topk_group, self.norm, self.scale)
         logits = F.linear(x.float(), self.gate.weight.float())      # .float(): no-op for an fp32 router
-        fn = self.route_fn if (self.route_fn is not None and logits.shape[0] <= MAX_VERIFY_M) else route
+        fn = self.route_fn if (fast and self.route_fn is not None) else route
         return fn(logits, self.gate.expert_bias, self.top_k, self.n_group, self.topk_group, self.norm, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

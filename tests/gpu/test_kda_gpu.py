@@ -264,7 +264,8 @@ def test_full_width_decode_graph_replay_equals_eager_with_fused_kda():
     d = json.loads(Path(LING3_FLASH_CONFIG).read_text())
     d["num_hidden_layers"] = 6
     model = dummy_model(LingConfig.from_dict(d), "cuda", torch.bfloat16)
-    plan = bind_model(model, BackendPlan.default("cuda", kda="triton"), "cuda", "bf16")
+    from bytebound.runner.plan import PLAIN_SWITCHES
+    plan = bind_model(model, BackendPlan.default("cuda", kda="triton", **PLAIN_SWITCHES), "cuda", "bf16")
     assert plan.resolutions["kda"].resolved == "triton" and "fused kernel" in plan.resolutions["kda"].prefill
     r = ModelRunner(model, 256)
     capture_decode(r)
