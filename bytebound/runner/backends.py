@@ -51,7 +51,8 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
 
     The registry ops bind through ``kernels.registry.resolve``. The switches: ``router`` (``gemv``:
     ``kernels.triton_router.gemv_route``, ``triton``: ``fused_route`` after the GEMV; both for M up to
-    ``kernels.limits.MAX_VERIFY_M``, the layer's ``route_m``), ``norm`` (``triton``: ``kernels.triton_norm``),
+    ``kernels.limits.MAX_VERIFY_M``, the layer's ``route_m``), ``norm`` (``triton``: ``kernels.triton_norm``,
+    the residual add before a decoder norm included: ``RMSNorm.add_norm``),
     ``moe_shared`` (``fused``: ``MoEKernel.bind_shared``, the triton backend's ``split`` variant, FP8 shared
     experts). ``kv``, ``round`` and ``graphs`` are recorded here and applied by the engine (runner, MTP round,
     capture). A device default that cannot serve this model falls back, recorded; an entry the user named
@@ -90,8 +91,9 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
             route_fn = triton_router.fused_route
     plan.resolutions["moe"].router = ("triton (GEMV + routing, one launch)" if gemv_fn is not None else
                                       "triton" if route_fn is not None else "torch")
-    norm_fn = gated_fn = None
+    norm_fn = gated_fn = add_fn = None
     if plan.requested["norm"] == "triton":
+        from bytebound.kernels.triton_norm import add_rmsnorm as add_fn
         from bytebound.kernels.triton_norm import rmsnorm as norm_fn, rmsnorm_gated as gated_fn
     fused_parts = set()         # projections that run inside a fused QLinear: no binding (no dequantised copy)
     for m in model.modules():
@@ -139,7 +141,7 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
         elif isinstance(m, RMSNormGated):
             m.fn = gated_fn
         elif isinstance(m, RMSNorm):
-            m.fn = norm_fn
+            m.fn, m.add_fn = norm_fn, add_fn
     if plan.resolutions["mla"].resolved != "torch":
         plan.resolutions["mla"].prefill = f"torch (T > {ABSORB_MAX_T} tokens: expanded form, SDPA)"
     plan.resolutions["moe"].shared = "dense"
