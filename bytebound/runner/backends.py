@@ -118,6 +118,8 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
             bind_fused = getattr(impl["kda"], "bind_fused", None)
             m.fused_fn = (_bind_or_fall_back(plan, "kda", "fla", lambda: bind_fused(m, dtype))
                           if bind_fused is not None else None)
+            if m.fused_fn is not None and plan.resolutions["kda"].fused is None:
+                plan.resolutions["kda"].fused = m.fused_fn.beta       # the first layer's (they share a format)
             # q|k|v|f|g read the same input: one launch instead of five, and no concat for the conv
             parts = [m.q_proj, m.k_proj, m.v_proj, m.f_proj, m.g_proj]
             fused = fuse_rows(parts)
