@@ -94,7 +94,7 @@ def run_depth(cfg_dict: dict, layers: int, a, paths: set[str], stack) -> dict:
             elif nm is not None and isinstance(m, RMSNormGated):
                 m.fn = nm.rmsnorm_gated
             elif nm is not None and isinstance(m, RMSNorm):
-                m.fn = nm.rmsnorm
+                m.fn, m.add_fn = nm.rmsnorm, nm.add_rmsnorm
     r = ModelRunner(model, 256, dev, (16, 32) if "buckets" in paths else None)
     if dev.type == "cpu":
         r.static_kv = bool(paths & {"static", "buckets"})

@@ -53,8 +53,7 @@ class DecoderLayer(nn.Module):
             a = self.attention(x, positions, state, kv_len)
         else:
             a = self.attention(x, state)
-        x, h = self.post_attention_layernorm.add_norm(a, h)
-        return h, self.mlp(x)
+        return self.mlp.add_norm_forward(self.post_attention_layernorm, a, h)     # x, h = norm(a, h); mlp(x)
 
 
 class NextNLayer(DecoderLayer):

@@ -89,7 +89,13 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
             gemv_fn = triton_router.gemv_route
         else:
             route_fn = triton_router.fused_route
-    plan.resolutions["moe"].router = ("triton (GEMV + routing, one launch)" if gemv_fn is not None else
+    # with the fused norms too, the post-attention residual add + RMSNorm run in the router's launch
+    gemv_norm_fn = None
+    if gemv_fn is not None and plan.requested["norm"] == "triton":
+        from bytebound.kernels.triton_router import gemv_route_add_norm as gemv_norm_fn
+    plan.resolutions["moe"].router = ("triton (post-attention add + norm, GEMV + routing, one launch)"
+                                      if gemv_norm_fn is not None else
+                                      "triton (GEMV + routing, one launch)" if gemv_fn is not None else
                                       "triton" if route_fn is not None else "torch")
     norm_fn = gated_fn = add_fn = None
     if plan.requested["norm"] == "triton":
@@ -135,7 +141,7 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
                 fused_parts.update((id(m.gate_proj), id(m.up_proj)))
         elif isinstance(m, MoE):
             # the plan's decision per regime: the router kernel for M <= route_m (decode, verify), torch above
-            m.route_fn, m.gemv_route_fn = route_fn, gemv_fn
+            m.route_fn, m.gemv_route_fn, m.gemv_add_norm_fn = route_fn, gemv_fn, gemv_norm_fn
             m.route_m = MAX_VERIFY_M if (route_fn or gemv_fn) is not None else 0
         elif isinstance(m, GatedMLA):
             # decode/verify (T <= ABSORB_MAX_T with a cache); the torch backend binds None (the layer's own code)

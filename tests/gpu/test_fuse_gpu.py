@@ -4,9 +4,12 @@
   new residual bit-equal to torch's add, the normed value as the plain norm kernel on it; graph replay == eager;
 * beta's b_proj inside the fused KDA kernel (``fused_kda(x=, b_weight=)``) at 32 heads x 128, hidden 2560, M = 1..4,
   against the same kernel fed cuBLAS's b_proj output; graph replay == eager, history included;
+* the post-attention add + norm folded into the router launch (``gemv_route_add_norm``) at Ling's routing (512
+  experts, 8 groups, top-8, hidden 2560), M = 1..4, against torch's add, the norm and ``route``; graph == eager;
 * a six-layer model at full width bound as the engine binds it on CUDA: decode graph replay == eager bit for bit,
   and the kernels of one decode-graph replay counted (torch.profiler) with the fusions off and on, so the saving
-  is measured: at least one launch per residual add (2 per layer) and one per fused KDA layer.
+  is measured: at least one launch per residual add (2 per layer), one per fused KDA layer and one more per MoE
+  layer (its post-attention norm).
 """
 
 from __future__ import annotations
@@ -101,6 +104,39 @@ def test_fused_kda_beta_from_x_ling_shape(m):
     assert torch.equal(o_g, o_x) and torch.equal(st_g["rec"], st_x["rec"]) and torch.equal(rh_g, rh_x)
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_gemv_route_add_norm_ling(m):
+    from bytebound.kernels.triton_router import gemv_route_add_norm
+    from bytebound.layers.moe import route
+    from bytebound.layers.norm import RMSNorm
+    e, g, tg, k = 512, 8, 4, 8
+    gen = torch.Generator(device=DEV).manual_seed(10 + m)
+    norm = RMSNorm(HID, 1e-6).to(DEV)
+    norm.weight.data = (torch.rand(HID, generator=gen, device=DEV) + 0.5).to(torch.bfloat16)
+    wg = torch.randn(e, HID, generator=gen, device=DEV) * 0.02
+    b = torch.randn(e, generator=gen, device=DEV) * 0.1
+    h = (torch.randn(m, HID, generator=gen, device=DEV) * 3).to(torch.bfloat16)
+    delta = (torch.randn(m, HID, generator=gen, device=DEV) * 0.4).to(torch.bfloat16)
+
+    def call():
+        return gemv_route_add_norm(delta, h, norm.weight, norm.eps, wg, b, k, g, tg, True, 2.5)
+    ids, w, x, h2 = call()
+    assert torch.equal(h2, h + delta)
+    want = norm(h + delta)
+    ulp = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp(min=1e-30))) - 7)
+    assert ((x.float() - want.float()).abs() <= 2 * ulp).all() and (x != want).float().mean() < 0.01
+    rid, rw = route(torch.nn.functional.linear(x.float(), wg), b, k, g, tg, True, 2.5)
+    for i in range(m):
+        got = dict(zip(ids[i].tolist(), w[i].tolist()))
+        ref = dict(zip(rid[i].tolist(), rw[i].tolist()))
+        assert got.keys() == ref.keys()
+        assert all(abs(got[j] - ref[j]) <= 1e-4 * max(1.0, abs(ref[j])) for j in got)
+    graph, out = _graph(call)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b_) for a, b_ in zip(out, (ids, w, x, h2)))
+
+
 def _kernels_per_replay(runner, pos: int, replays: int = 3) -> float:
     """CUDA kernels in one replay of the captured decode graph (torch.profiler, as scripts/bench_decode.py counts
     ``kernels_per_step``, without the LM head: the fusions do not touch it)."""
@@ -125,6 +161,7 @@ def test_full_width_decode_fusions_graph_equals_eager_and_kernel_count():
     from bytebound.checkpoint.synthetic import dummy_model
     from bytebound.config import LING3_FLASH_CONFIG, LingConfig
     from bytebound.layers.kda import KimiDeltaAttention
+    from bytebound.layers.moe import MoE
     from bytebound.layers.norm import RMSNorm
     from bytebound.runner.backends import BackendPlan, bind_model
     from bytebound.runner.graphs import capture_decode
@@ -133,13 +170,14 @@ def test_full_width_decode_fusions_graph_equals_eager_and_kernel_count():
     d = json.loads(Path(LING3_FLASH_CONFIG).read_text())
     d["num_hidden_layers"] = 6
     model = dummy_model(LingConfig.from_dict(d), DEV, torch.bfloat16)
-    # the engine's CUDA defaults (EngineConfig: fused router, router GEMV, norms; shared expert where it can)
-    plan = bind_model(model, BackendPlan.default(DEV), DEV, "bf16", fused_router=True, fused_norm=True,
-                      fused_shared=None, router_gemv=True)
+    # the device's default plan, as the engine binds it (router=gemv, norm=triton, moe_shared=fused, kda=triton)
+    plan = bind_model(model, BackendPlan.default(DEV), DEV, "bf16")
     kda = [m for m in model.modules() if isinstance(m, KimiDeltaAttention) and m.fused_fn is not None]
     assert kda and all(m.fused_fn.beta_in_kernel for m in kda), plan.resolutions["kda"].fused
     assert plan.resolutions["kda"].fused == "b_proj inside the fused kernel"
     norms = [m for m in model.modules() if isinstance(m, RMSNorm) and m.add_fn is not None]
+    moes = [m for m in model.modules() if isinstance(m, MoE) and m.gemv_add_norm_fn is not None]
+    assert moes and "post-attention add + norm" in plan.resolutions["moe"].router
     r = ModelRunner(model, 256)
     h = r.prefill(torch.randint(0, model.cfg.vocab_size, (12,), device=DEV))
     tok = model.logits(h[-1:]).argmax(-1).view(1)
@@ -167,6 +205,8 @@ def test_full_width_decode_fusions_graph_equals_eager_and_kernel_count():
         m.add_fn_saved, m.add_fn = m.add_fn, None
     for m in kda:
         m.fused_fn.beta_in_kernel = False
+    for m in moes:
+        m.gemv_add_norm_saved, m.gemv_add_norm_fn = m.gemv_add_norm_fn, None
     try:
         unfused_out, unfused = step()
     finally:
@@ -174,14 +214,18 @@ def test_full_width_decode_fusions_graph_equals_eager_and_kernel_count():
             m.add_fn = m.add_fn_saved
         for m in kda:
             m.fused_fn.beta_in_kernel = True
+        for m in moes:
+            m.gemv_add_norm_fn = m.gemv_add_norm_saved
     L = model.cfg.num_hidden_layers
-    print(f"\nkernels per decode-graph replay ({L} layers, {len(kda)} fused KDA): unfused {unfused:.1f}, "
-          f"fused {fused:.1f}, saved {unfused - fused:.1f} (expected >= {2 * L + len(kda)})")
+    n_moe = sum(isinstance(layer.mlp, MoE) for layer in model.decoder_layers)     # (the NEXTN layer's is not run)
+    expect = 2 * L + len(kda) + n_moe
+    print(f"\nkernels per decode-graph replay ({L} layers, {len(kda)} fused KDA, {n_moe} MoE): unfused "
+          f"{unfused:.1f}, fused {fused:.1f}, saved {unfused - fused:.1f} (expected >= {expect})")
     if os.environ.get("OUT"):           # the device tool's result folder (scripts/gpu_check.sh)
         Path(os.environ["OUT"], "fuse_kernel_count.json").write_text(json.dumps(
-            {"layers": L, "fused_kda_layers": len(kda), "add_norms": len(norms), "kernels_unfused": unfused,
-             "kernels_fused": fused}, indent=2))
-    assert unfused - fused >= 2 * L + len(kda)
+            {"layers": L, "fused_kda_layers": len(kda), "moe_layers": n_moe, "add_norms": len(norms),
+             "kernels_unfused": unfused, "kernels_fused": fused}, indent=2))
+    assert unfused - fused >= expect
     # the same step either way, up to beta's bf16 rounding (summation order of the b_proj dot)
     err = ((fused_out.float() - unfused_out.float()).norm() / unfused_out.float().norm()).item()
     assert err < 2e-2, err
