@@ -156,7 +156,7 @@ def test_model_post_attention_norms_fold_into_the_router(router_rne):
             for m in norms:
                 m.fn, m.add_fn = tn.rmsnorm, counted("norm", tn.add_rmsnorm)
             for m in moes:
-                m.gemv_route_fn = router_rne.gemv_route
+                m.gemv_route_fn, m.route_m = router_rne.gemv_route, 4         # as bind_model binds router=gemv
                 m.gemv_add_norm_fn = counted("router", router_rne.gemv_route_add_norm)
             with torch.no_grad():
                 got = model(ids)
@@ -166,6 +166,7 @@ def test_model_post_attention_norms_fold_into_the_router(router_rne):
                 m.fn = m.add_fn = None
             for m in moes:
                 m.gemv_route_fn = m.gemv_add_norm_fn = None
+                m.route_m = 0
     n_moe = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers)) + 1          # + the NEXTN layer's
     assert calls["router"] == n_moe == len(moes)
     assert calls["router"] + calls["norm"] == 2 * cfg.num_hidden_layers + 2      # every add, once
