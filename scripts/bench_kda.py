@@ -143,13 +143,12 @@ def main(argv=None) -> int:
             fk = triton_kda.FusedKDA(layer)
             y = layer.proj_fn(x)
             qkv, f, gate = y[..., :3 * layer.dim], y[..., 3 * layer.dim:4 * layer.dim], y[..., 4 * layer.dim:]
-            b = layer.b_proj(x)
             st = layer.new_state(1, dev)
 
-            def fused(st=st):
+            def fused(st=st):       # beta's b_proj inside the kernel where it is plain (fk.beta)
                 if hist:
                     st.history = []
-                return fk(qkv, f, gate, b, st, torch.bfloat16)
+                return fk(qkv, f, gate, x, st, torch.bfloat16)
             vs0, nw0, src = triton_kda.resolve_launch(1, h, d, d, m, dev)
             name = "fused kernel" + (" (history)" if hist else "")
             add(f"{name} resolved V_SPLIT={vs0} num_warps={nw0} ({src})", m, graph_ms(fused, a.reps),

@@ -76,7 +76,8 @@ section_kernels() {      # GPU kernel tests vs torch / float64 references
 
 section_kda() {          # the fused KDA decode/verify kernel (kda backend 'triton'): tests at Ling's shape, then one
     # layer's fused path vs today's fla + glue path at M = 1 and 4 under CUDA graphs (JSON in $OUT)
-    run_step pytest python3 -m pytest tests/gpu/test_kda_gpu.py tests/test_triton_kda.py -v -p no:cacheprovider \
+    run_step pytest python3 -m pytest tests/gpu/test_kda_gpu.py tests/gpu/test_fuse_gpu.py tests/test_triton_kda.py \
+        -v -p no:cacheprovider \
         -rfE --tb=short $(pytest_timeout) --junitxml="$OUT/kda_junit.xml" ${PYTEST_K:+-k "$PYTEST_K"}
     run_step bench python3 scripts/bench_kda.py --out "$OUT/bench_kda.json"
 }

@@ -61,9 +61,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @contextlib.contextmanager
 def layer_outputs(model):
-    """Collect every decoder layer's output (float32 ``[T, H]``) in call order."""
+    """Collect every decoder layer's output (float32 ``[T, H]``) in call order (a layer returns ``(h, delta)``,
+    its output being ``h + delta``: the add the next norm fuses)."""
     outs: list[torch.Tensor] = []
-    hooks = [layer.register_forward_hook(lambda m, i, o: outs.append(o[0].float().clone()))
+    hooks = [layer.register_forward_hook(lambda m, i, o: outs.append((o[0] + o[1])[0].float().clone()))
              for layer in model.decoder_layers]
     try:
         yield outs
@@ -93,7 +94,7 @@ def run_depth(cfg_dict: dict, layers: int, a, paths: set[str], stack) -> dict:
             elif nm is not None and isinstance(m, RMSNormGated):
                 m.fn = nm.rmsnorm_gated
             elif nm is not None and isinstance(m, RMSNorm):
-                m.fn = nm.rmsnorm
+                m.fn, m.add_fn = nm.rmsnorm, nm.add_rmsnorm
     r = ModelRunner(model, 256, dev, (16, 32) if "buckets" in paths else None)
     if dev.type == "cpu":
         r.static_kv = bool(paths & {"static", "buckets"})

@@ -434,3 +434,127 @@ def test_history_tensors_are_the_kernel_buffers(tk):
         assert rec_t.data_ptr() != st.hist_buf[-1][1].data_ptr()
         for i, (c, r) in enumerate(st.history):
             assert torch.equal(conv_t[i], c) and torch.equal(rec_t[i], r)
+
+
+# ---- beta's b_proj inside the kernel (x and the b_proj weight instead of the b_proj output) ----
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+def test_fused_beta_from_x_matches_float64(tk, m, in_dtype):
+    """With ``x [B, T, HID]`` and the b_proj weight ``[H, HID]`` instead of ``b``: the float64 oracle fed
+    ``b = dtype(x W_b^T)`` (the torch path's b_proj output), with history. HID 96 is not a power of two (masked
+    tail); the b_proj sums over HID in float32, so its rounding to bf16 may flip against the float64 dot: the bf16
+    tolerance is that of one bf16 step of beta's logit."""
+    h, dk, hid = 2, 16, 96
+    x, p, s = make_inputs(1, m, h, dk, dk, seed=300 + m, in_dtype=in_dtype)
+    g = torch.Generator().manual_seed(m)
+    xin = (torch.randn(1, m, hid, generator=g)).to(in_dtype)
+    wb = (torch.randn(h, hid, generator=g) * 0.2).to(in_dtype)
+    x["b"] = (xin.double() @ wb.double().T).to(in_dtype)            # the b_proj output the torch path rounds to
+    o64, conv64, recs64, convs64 = reference64(x, p, s, -5.0, h, dk, dk)
+    st = {k: v.clone().to(DEV) for k, v in s.items()}
+    ch = torch.full((m, *s["conv"].shape), float("nan"), device=DEV)
+    rh = torch.full((m, *s["rec"].shape), float("nan"), device=DEV)
+    xd = {k: v.to(DEV) for k, v in x.items()}
+    pd = {k: v.to(DEV) for k, v in p.items()}
+    o = tk.fused_kda(xd["qkv"], xd["f"], xd["gate"], None, pd["conv_weight"], st["conv"], pd["a_log"],
+                     pd["dt_bias"], st["rec"], pd["norm_weight"], 1e-6, -5.0, torch.float32, ch, rh,
+                     x=xin.to(DEV), b_weight=wb.to(DEV))
+    tol = 1e-5 if in_dtype == torch.float32 else 2e-2
+    close64(o, o64, tol)
+    close64(rh, recs64, tol)
+    assert torch.equal(ch.cpu().double(), convs64) and torch.equal(st["conv"].cpu().double(), conv64)
+    # and equal, to float32 summation order, to the same call given that b_proj output
+    o_b, st_b, _, rh_b = run_kernel(tk, x, p, s, -5.0, hist=True)
+    torch.testing.assert_close(o, o_b, rtol=1e-4 if in_dtype == torch.float32 else 2e-2, atol=1e-5)
+    if in_dtype == torch.float32:
+        torch.testing.assert_close(rh, rh_b, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_beta_refusals(tk):
+    x, p, s = make_inputs(1, 2, 2, 16, 16, seed=0)
+    st = {k: v.to(DEV) for k, v in s.items()}
+    args = lambda b: (x["qkv"].to(DEV), x["f"].to(DEV), x["gate"].to(DEV), b, p["conv_weight"].to(DEV),  # noqa: E731
+                      st["conv"], p["a_log"].to(DEV), p["dt_bias"].to(DEV), st["rec"], p["norm_weight"].to(DEV),
+                      1e-6, -5.0, torch.float32)
+    xin, wb = torch.randn(1, 2, 32, device=DEV), torch.randn(2, 32, device=DEV)
+    with pytest.raises(BackendError, match="either b"):
+        tk.fused_kda(*args(x["b"].to(DEV)), x=xin, b_weight=wb)
+    with pytest.raises(BackendError, match="either b"):
+        tk.fused_kda(*args(None))
+    with pytest.raises(BackendError, match="either b"):
+        tk.fused_kda(*args(None), x=xin)
+    with pytest.raises(BackendError, match=r"b_weight must be a contiguous float \[H=2, 32\]"):
+        tk.fused_kda(*args(None), x=xin, b_weight=wb[:, :16])
+    with pytest.raises(BackendError, match="quantised"):
+        tk.fused_kda(*args(None), x=xin, b_weight=wb.to(torch.float8_e4m3fn))
+    with pytest.raises(BackendError, match="x must be"):
+        tk.fused_kda(*args(None), x=xin[:, :1], b_weight=wb)
+
+
+def _count_calls(module):
+    calls = []
+    return calls, module.register_forward_pre_hook(lambda mod, args: calls.append(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_b_proj_runs_inside_the_fused_kernel(tk, dtype):
+    """A plain b_proj (``modules_to_not_convert``, as Ling ships it) is never called on the fused path: beta comes from
+    the kernel (``FusedKDA.beta`` says so), with the same outputs and states as the torch path (decode + a 4-token
+    verify; the tolerances of test_layer_fused_equals_torch_path_with_rollback)."""
+    layer = tiny_layer(dtype)
+    fused = tk.FusedKDA(layer)
+    assert fused.beta_in_kernel and fused.beta == "b_proj inside the fused kernel"
+    g = torch.Generator().manual_seed(8)
+    xs = [torch.randn(1, n, 64, generator=g).to(dtype).to(DEV) for n in (1, 4)]
+    st_ref = layer.new_state(1, DEV)
+    st = copy.deepcopy(st_ref)
+    calls, hook = _count_calls(layer.b_proj)
+    try:
+        with torch.no_grad():
+            want = [layer(xs[0], st_ref), layer(xs[1], st_ref)]
+            assert len(calls) == 2
+            layer.fused_fn = fused
+            got = [layer(xs[0], st), layer(xs[1], st)]
+            layer.fused_fn = None
+    finally:
+        hook.remove()
+    assert len(calls) == 2, "the fused path called b_proj"
+    for a, b in zip(got, want):
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        else:
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(st.rec, st_ref.rec, rtol=1e-4 if dtype == torch.float32 else 2e-2, atol=1e-5)
+
+
+def test_layer_fp8_b_proj_keeps_its_own_launch(tk):
+    """A checkpoint that stores b_proj in FP8 (not in ``modules_to_not_convert``): the fused op keeps today's path
+    (``b_proj(x)`` then the kernel reads b), records why, and matches the layer's torch path."""
+    from bytebound.config import tiny_config
+    from bytebound.layers.kda import KimiDeltaAttention
+    layer = KimiDeltaAttention(tiny_config(), lambda name: "fp8" if name == "b_proj" else "plain")
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for prm in layer.parameters():
+            prm.copy_((torch.randn(prm.shape, generator=g) * 0.4).to(prm.dtype))
+        layer.b_proj.weight_scale_inv.fill_(0.5)
+        layer.o_norm.weight.copy_(torch.rand(layer.o_norm.weight.shape, generator=g) + 0.5)
+    layer = layer.to(DEV)
+    fused = tk.FusedKDA(layer)
+    assert not fused.beta_in_kernel and "FP8" in fused.beta
+    x = torch.randn(1, 3, 64, generator=g).to(DEV)
+    st_ref = layer.new_state(1, DEV)
+    st = copy.deepcopy(st_ref)
+    calls, hook = _count_calls(layer.b_proj)
+    try:
+        with torch.no_grad():
+            want = layer(x, st_ref)
+            layer.fused_fn = fused
+            got = layer(x, st)
+            layer.fused_fn = None
+    finally:
+        hook.remove()
+    assert len(calls) == 2
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(st.rec, st_ref.rec, rtol=1e-4, atol=1e-5)

@@ -86,11 +86,13 @@ if tl is not None:
     @triton.jit
     def _fused_kda_kernel(
             qkv_ptr, s_qkv_b, s_qkv_t, f_ptr, s_f_b, s_f_t, gate_ptr, s_gate_b, s_gate_t, b_ptr, s_b_b, s_b_t,
+            x_ptr, s_x_b, s_x_t, wb_ptr,
             convw_ptr, conv_ptr, alog_ptr, dtb_ptr, rec_ptr, normw_ptr, o_ptr, s_o_b, s_o_t,
             conv_hist_ptr, rec_hist_ptr, scratch_ptr, ticket_ptr, lower_bound, eps, scale,
             B, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
             M: tl.constexpr, SAFE_GATE: tl.constexpr, HIST: tl.constexpr, VS: tl.constexpr, SCR: tl.constexpr,
-            FENCE: tl.constexpr):
+            FENCE: tl.constexpr, BETA_X: tl.constexpr = False, HID: tl.constexpr = 1, BH: tl.constexpr = 1,
+            MP: tl.constexpr = 1):
         pid = tl.program_id(0)          # batch row x head
         if VS == 1:
             vs = 0                      # a constant: the unsplit kernel's addressing stays as simple as before
@@ -103,9 +105,28 @@ if tl is not None:
         BVS: tl.constexpr = BV // VS
         conv_b = conv_ptr + bi * C * 3
         # This program's scratch (SCR floats): [M, 3, BK] l2-normalised scaled q, l2-normalised k, decay exp(g);
-        # with VS > 1 then, from offset PO, [M, BVS] its slice of the un-normalised o and [M] its sums of squares.
-        PO: tl.constexpr = M * 3 * BK
+        # with BETA_X then [MP] beta of the M tokens; with VS > 1 then, from offset PO, [M, BVS] its slice of the
+        # un-normalised o and [M] its sums of squares.
+        PB: tl.constexpr = M * 3 * BK
+        PO: tl.constexpr = PB + (MP if BETA_X else 0)
         scr = scratch_ptr + (pid * VS + vs).to(tl.int64) * SCR
+        if BETA_X:
+            # beta = sigmoid(b_proj x) for this head and all M tokens: the dot of the normed layer input x [M, HID]
+            # with row h of the b_proj weight [H, HID], float32 sums, rounded to x's dtype as the torch path's
+            # ``b_proj(x)`` output is before ``sigmoid(.float())``. The weight row is read once for all M tokens
+            # (by each of the head's VS programs: 5 KB at Ling's width, cheaper than passing beta between them).
+            rt = tl.arange(0, MP)
+            mt = rt < M
+            acc = tl.zeros([MP, BH], tl.float32)
+            for c0 in range(0, HID, BH):
+                cols = c0 + tl.arange(0, BH)
+                mc = cols < HID
+                wv = tl.load(wb_ptr + h * HID + cols, mask=mc, other=0.0).to(tl.float32)
+                xv = tl.load(x_ptr + bi * s_x_b + rt[:, None] * s_x_t + cols[None, :],
+                             mask=mt[:, None] & mc[None, :], other=0.0).to(tl.float32)
+                acc += xv * wv[None, :]
+            bl = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+            tl.store(scr + PB + rt, tl.sigmoid(bl), mask=mt)
 
         # ---- phase 1: the key-side vectors of all M tokens (conv + SiLU, L2 norms, gate), 1-D over K ----
         # Kept apart from the [K, V] phase on purpose (module docstring): there a K-vector is replicated over the
@@ -198,7 +219,10 @@ if tl is not None:
             xv = tl.load(qkv_ptr + bi * s_qkv_b + t * s_qkv_t + chv, mask=mv, other=0.0).to(tl.float32)
             v = _conv_silu_step(xv, wv0, wv1, wv2, cv0, cv1, cv2, cv3)
             wv0, wv1, wv2 = wv1, wv2, xv
-            beta = tl.sigmoid(tl.load(b_ptr + bi * s_b_b + t * s_b_t + h).to(tl.float32))
+            if BETA_X:
+                beta = tl.load(scr + PB + t)
+            else:
+                beta = tl.sigmoid(tl.load(b_ptr + bi * s_b_b + t * s_b_t + h).to(tl.float32))
             # delta rule: decay each key channel, predict, rank-1 update (key-side vectors from phase 1)
             s = s * tl.load(scr + (t * 3 + 2) * BK + rk, mask=rmk, other=0.0)[:, None]
             k = tl.load(scr + (t * 3 + 1) * BK + rk, mask=rmk, other=0.0)
@@ -348,25 +372,29 @@ def resolve_launch(batch: int, heads: int, dk: int, dv: int, tokens: int, device
     return vs, default_num_warps(dk, dv, vs), f"default (no entry at {key})"
 
 
-def _scratch_per_program(tokens: int, bk: int, bv: int, v_split: int) -> int:
-    """float32 elements of one program's scratch: ``[T, 3, BK]`` key-side vectors, with ``v_split > 1`` then
-    ``[T, BV / v_split]`` un-normalised o and ``[T]`` sums of squares; rounded up to 16 (64-byte blocks)."""
-    n = tokens * 3 * bk + (tokens * (bv // v_split) + tokens if v_split > 1 else 0)
+def _scratch_per_program(tokens: int, bk: int, bv: int, v_split: int, beta: bool = False) -> int:
+    """float32 elements of one program's scratch: ``[T, 3, BK]`` key-side vectors, with ``beta`` then
+    ``[next_pow2(T)]`` beta, with ``v_split > 1`` then ``[T, BV / v_split]`` un-normalised o and ``[T]`` sums of
+    squares; rounded up to 16 (64-byte blocks)."""
+    n = tokens * 3 * bk + (triton.next_power_of_2(tokens) if beta else 0) + \
+        (tokens * (bv // v_split) + tokens if v_split > 1 else 0)
     return -(-n // 16) * 16
 
 
-def scratch_numel(batch: int, heads: int, tokens: int, dk: int, dv: int, v_split: int) -> int:
-    """float32 elements of :func:`fused_kda`'s workspace for a call of ``tokens`` tokens at ``v_split``."""
+def scratch_numel(batch: int, heads: int, tokens: int, dk: int, dv: int, v_split: int, beta: bool = False) -> int:
+    """float32 elements of :func:`fused_kda`'s workspace for a call of ``tokens`` tokens at ``v_split`` (``beta``:
+    the kernel computes beta from ``x``)."""
     return batch * heads * v_split * _scratch_per_program(tokens, triton.next_power_of_2(dk),
-                                                           triton.next_power_of_2(dv), v_split)
+                                                           triton.next_power_of_2(dv), v_split, beta)
 
 
-def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
-              conv: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, rec: torch.Tensor,
-              norm_weight: torch.Tensor, eps: float, lower_bound: float | None, out_dtype: torch.dtype,
-              conv_hist: torch.Tensor | None = None, rec_hist: torch.Tensor | None = None,
+def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.Tensor | None,
+              conv_weight: torch.Tensor, conv: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+              rec: torch.Tensor, norm_weight: torch.Tensor, eps: float, lower_bound: float | None,
+              out_dtype: torch.dtype, conv_hist: torch.Tensor | None = None, rec_hist: torch.Tensor | None = None,
               num_warps: int | None = None, scratch: torch.Tensor | None = None, v_split: int | None = None,
-              tickets: torch.Tensor | None = None) -> torch.Tensor:
+              tickets: torch.Tensor | None = None, x: torch.Tensor | None = None,
+              b_weight: torch.Tensor | None = None) -> torch.Tensor:
     """One KDA layer's work between its projections for ``T <= MAX_TOKENS`` tokens, in one kernel launch.
 
     Args:
@@ -374,7 +402,7 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
             engine; a column slice of the fused q|k|v|f|g output works, the channel stride must be 1).
         f: ``[B, T, HK]`` f_proj output (raw, before ``dt_bias`` and the gate).
         gate: ``[B, T, HV]`` g_proj output (the gated RMSNorm's gate, before the sigmoid).
-        b: ``[B, T, H]`` b_proj output (beta logits).
+        b: ``[B, T, H]`` b_proj output (beta logits); or None with ``x`` and ``b_weight``: the kernel computes it.
         conv_weight: ``[2HK + HV, 4]`` float32 depthwise conv weights (q|k|v), contiguous.
         conv: ``[B, 2HK + HV, 3]`` float32 conv window (oldest input first); updated in place.
         a_log: ``[H]`` float32; dt_bias: ``[HK]`` float32.
@@ -394,14 +422,18 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
             table's or the SM-filling default (:func:`resolve_launch`).
         tickets: with ``v_split > 1``, int32 ``[>= B*H]`` all zero (each launch leaves them zero); allocated per
             call when None (:class:`FusedKDA` passes a persistent one).
+        x, b_weight: instead of ``b``: the layer's normed input ``x [B, T, HID]`` (channel stride 1) and the plain
+            ``b_proj`` weight ``[H, HID]`` (contiguous, any float dtype): beta = sigmoid(dtype(x . b_weight[h])),
+            the dot summed in float32 and rounded to x's dtype as the torch path's ``b_proj(x)`` output, so the
+            b_proj is no launch of its own (``scratch`` then needs ``scratch_numel(..., beta=True)``).
 
     Returns:
         ``o [B, T, HV]`` in ``out_dtype``: the gated-RMSNormed KDA output, ready for ``o_proj``.
 
     Raises:
         BackendError: Triton missing, T outside ``1..MAX_TOKENS``, head dims above ``MAX_HEAD_DIM``, a V_SPLIT
-            outside :data:`V_SPLITS`, or any shape, dtype or layout that the kernel does not take (named in the
-            message).
+            outside :data:`V_SPLITS`, neither or both of ``b`` and ``x``/``b_weight``, or any shape, dtype or layout
+            that the kernel does not take (named in the message).
 
     The maths and its sources are in the module docstring; float32 throughout, as ``layers.kda``.
     """
@@ -419,7 +451,19 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
     qkv = _rows(qkv, "qkv", bsz, t, c)
     f = _rows(f, "f", bsz, t, h * dk)
     gate = _rows(gate, "gate", bsz, t, h * dv)
-    b = _rows(b, "b", bsz, t, h)
+    beta_x = b is None
+    if beta_x == (x is None) or (x is None) != (b_weight is None):
+        raise BackendError("kda[triton]: give either b (the b_proj output) or x with b_weight (beta in the kernel)")
+    if beta_x:
+        hid = x.shape[-1] if x.dim() == 3 else -1
+        x = _rows(x, "x", bsz, t, hid)
+        if b_weight.shape != (h, hid) or not b_weight.is_contiguous() or not b_weight.is_floating_point():
+            raise BackendError(f"kda[triton]: b_weight must be a contiguous float [H={h}, {hid}] tensor, got "
+                               f"{b_weight.dtype} {tuple(b_weight.shape)}")
+        if b_weight.element_size() < 2:
+            raise BackendError(f"kda[triton]: b_weight {b_weight.dtype} is quantised (scales not applied here)")
+    else:
+        b = _rows(b, "b", bsz, t, h)
     _f32_contig(rec, "rec", (bsz, h, dk, dv))
     _f32_contig(conv, "conv", (bsz, c, CONV_KERNEL - 1))
     _f32_contig(conv_weight, "conv_weight", (c, CONV_KERNEL))
@@ -436,8 +480,9 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
             raise BackendError(f"kda[triton]: history buffers hold {n} tokens, the call has {t}")
         _f32_contig(conv_hist, "conv_hist", (n, bsz, c, CONV_KERNEL - 1))
         _f32_contig(rec_hist, "rec_hist", (n, bsz, h, dk, dv))
-    tensors = dict(qkv=qkv, f=f, gate=gate, b=b, conv_weight=conv_weight, conv=conv, A_log=a_log, dt_bias=dt_bias,
-                   rec=rec, norm_weight=norm_weight, conv_hist=conv_hist, rec_hist=rec_hist)
+    tensors = dict(qkv=qkv, f=f, gate=gate, b=b, x=x, b_weight=b_weight, conv_weight=conv_weight, conv=conv,
+                   A_log=a_log, dt_bias=dt_bias, rec=rec, norm_weight=norm_weight, conv_hist=conv_hist,
+                   rec_hist=rec_hist)
     off = [k for k, v in tensors.items() if v is not None and v.device != qkv.device]
     if off:
         raise BackendError(f"kda[triton]: {', '.join(off)} not on {qkv.device} (where qkv is)")
@@ -448,7 +493,7 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
     if num_warps is None:
         num_warps = default_num_warps(dk, dv, v_split)
     o = torch.empty(bsz, t, h * dv, dtype=out_dtype, device=qkv.device)
-    need = scratch_numel(bsz, h, t, dk, dv, v_split)
+    need = scratch_numel(bsz, h, t, dk, dv, v_split, beta_x)
     if scratch is None:
         scratch = torch.empty(need, dtype=torch.float32, device=qkv.device)
     elif scratch.dtype != torch.float32 or not scratch.is_contiguous() or scratch.numel() < need \
@@ -464,14 +509,18 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
         raise BackendError(f"kda[triton]: tickets must be contiguous int32 with >= {bsz * h} elements on "
                            f"{qkv.device}, got {tickets.dtype} {tuple(tickets.shape)} on {tickets.device}")
     bk, bv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    bb, xx = (x, x) if beta_x else (b, b)         # the pointer the kernel does not read: any tensor of the call
+    hid = x.shape[-1] if beta_x else 1
     _fused_kda_kernel[(bsz * h, v_split)](
         qkv, qkv.stride(0), qkv.stride(1), f, f.stride(0), f.stride(1), gate, gate.stride(0), gate.stride(1),
-        b, b.stride(0), b.stride(1), conv_weight, conv, a_log, dt_bias, rec, norm_weight, o, o.stride(0), o.stride(1),
+        bb, bb.stride(0), bb.stride(1), xx, xx.stride(0), xx.stride(1), b_weight if beta_x else xx,
+        conv_weight, conv, a_log, dt_bias, rec, norm_weight, o, o.stride(0), o.stride(1),
         conv_hist if hist else conv, rec_hist if hist else rec, scratch, tickets,
         float(lower_bound) if lower_bound is not None else 0.0, float(eps), dk ** -0.5,
         bsz, H=h, K=dk, V=dv, BK=bk, BV=bv, M=t, SAFE_GATE=lower_bound is not None, HIST=hist, VS=v_split,
-        SCR=_scratch_per_program(t, bk, bv, v_split), FENCE=qkv.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
-        num_warps=num_warps)
+        SCR=_scratch_per_program(t, bk, bv, v_split, beta_x),
+        FENCE=qkv.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", BETA_X=beta_x, HID=hid,
+        BH=min(512, triton.next_power_of_2(hid)), MP=triton.next_power_of_2(t), num_warps=num_warps)
     return o
 
 
@@ -507,16 +556,18 @@ def history_buffers(state, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
 class FusedKDA:
     """The fused decode/verify op bound to one ``KimiDeltaAttention`` layer (``layer.fused_fn``).
 
-    ``fn(qkv, f, gate, b, state, out_dtype) -> o [B, T, H*V]`` in ``out_dtype``, for ``1 <= T <= max_tokens``; it
-    updates ``state.conv`` and ``state.rec`` in place. When ``state.history`` is a list (MTP verify), the kernel
-    writes every token's state into ``history_buffers(state, T)`` (8 MB per Ling layer at T = 4) and
-    ``state.history`` becomes the list of ``(conv [B, C, 3], rec [B, H, K, V])`` views of those buffers, one per
-    token: ``KDAState.rollback(i)`` copies from them as it does from the torch path's clones. The layer's conv
-    weights are concatenated once here (at bind), so weights changed after binding need a re-bind. ``v_split`` and
-    ``num_warps`` (None: :func:`resolve_launch` per call shape) override the launch table, for benchmarks. The
+    ``fn(qkv, f, gate, x, state, out_dtype) -> o [B, T, H*V]`` in ``out_dtype``, for ``1 <= T <= max_tokens``, with
+    ``x [B, T, hidden]`` the layer's normed input; it updates ``state.conv`` and ``state.rec`` in place. A plain
+    (BF16/FP32) ``b_proj`` runs inside the kernel (beta from ``x``, :func:`fused_kda`); an FP8 one (a checkpoint that
+    quantises it) keeps its own projection launch: :attr:`beta` says which and why. When ``state.history`` is a list
+    (MTP verify), the kernel writes every token's state into ``history_buffers(state, T)`` (8 MB per Ling layer at
+    T = 4) and ``state.history`` becomes the list of ``(conv [B, C, 3], rec [B, H, K, V])`` views of those buffers,
+    one per token: ``KDAState.rollback(i)`` copies from them as it does from the torch path's clones. The layer's
+    conv weights are concatenated once here (at bind), so weights changed after binding need a re-bind. ``v_split``
+    and ``num_warps`` (None: :func:`resolve_launch` per call shape) override the launch table, for benchmarks. The
     workspace (:func:`_scratch`, sized for ``max_tokens`` and the largest V_SPLIT, so it never grows inside a graph
-    capture) and the tickets (``kernels.scratch``, name ``kda_tickets``) are shared by all layers of a device. Raises BackendError as :func:`fused_kda`
-    does, and for a conv kernel size other than 4.
+    capture) and the tickets (``kernels.scratch``, name ``kda_tickets``) are shared by all layers of a device.
+    Raises BackendError as :func:`fused_kda` does, and for a conv kernel size other than 4.
     """
     max_tokens = MAX_TOKENS
 
@@ -531,8 +582,16 @@ class FusedKDA:
         # float32 views (the same tensors when already float32 and contiguous): no per-call cast kernels
         self.a_log = layer.A_log.detach().float().contiguous()
         self.dt_bias = layer.dt_bias.detach().float().contiguous()
+        bp = layer.b_proj
+        why = ("stored FP8 (not in modules_to_not_convert): its own projection, dequantised by the linear backend"
+               if bp.fmt != "plain" else
+               f"weight {tuple(bp.weight.shape)} is not [heads={layer.heads}, hidden] contiguous"
+               if bp.weight.shape != (layer.heads, bp.in_features) or not bp.weight.is_contiguous() else None)
+        self.beta_in_kernel = why is None
+        #: where beta = sigmoid(b_proj x) is computed (recorded by bind_model in the kda resolution)
+        self.beta = "b_proj inside the fused kernel" if why is None else f"b_proj separate launch: {why}"
 
-    def __call__(self, qkv, f, gate, b, state, out_dtype):
+    def __call__(self, qkv, f, gate, x, state, out_dtype):
         m = self.layer
         hist = state.history is not None
         ch = rh = None
@@ -540,11 +599,12 @@ class FusedKDA:
             ch, rh = history_buffers(state, qkv.shape[1])
         bsz, h, dk, dv = state.rec.shape
         vs_max = min(V_SPLITS[-1], triton.next_power_of_2(dv))
+        b, xb, wb = (None, x, m.b_proj.weight) if self.beta_in_kernel else (m.b_proj(x), None, None)
         o = fused_kda(qkv, f, gate, b, self.conv_weight, state.conv, self.a_log, self.dt_bias, state.rec,
                       m.o_norm.weight, m.o_norm.eps, m.lower_bound, out_dtype, ch, rh, self.num_warps,
-                      _scratch(qkv.device, max(scratch_numel(bsz, h, self.max_tokens, dk, dv, vs)
+                      _scratch(qkv.device, max(scratch_numel(bsz, h, self.max_tokens, dk, dv, vs, beta=True)
                                                for vs in V_SPLITS if vs <= vs_max)),
-                      self.v_split, shared.scratch(qkv.device, "kda_tickets", bsz * h, torch.int32))
+                      self.v_split, shared.scratch(qkv.device, "kda_tickets", bsz * h, torch.int32), x=xb, b_weight=wb)
         if hist:
             state.history = [(ch[i], rh[i]) for i in range(qkv.shape[1])]
         return o

@@ -108,11 +108,12 @@ if tl is not None:
                     HAS_BIAS, NORM, 1)
 
     @triton.jit
-    def _gemv_route_kernel(x_ptr, wg_ptr, logits_ptr, cnt_ptr, bias_ptr, ids_ptr, w_ptr, scale, H: tl.constexpr,
+    def _gemv_route_kernel(x_ptr, wg_ptr, logits_ptr, cnt_ptr, bias_ptr, ids_ptr, w_ptr, scale,
+                           d_ptr, nw_ptr, hout_ptr, xout_ptr, eps, H: tl.constexpr,
                            E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
                            KP: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, M: tl.constexpr,
                            MP: tl.constexpr, BE: tl.constexpr, HP: tl.constexpr, FENCE: tl.constexpr,
-                           PDL_OUT: tl.constexpr):
+                           PDL_OUT: tl.constexpr, ADD_NORM: tl.constexpr):
         """Router GEMV and routing in one launch: program ``pid`` computes ``logits[:, pid*BE:(pid+1)*BE]`` in
         float32 (``x [M, H]`` against the router weight ``[E, H]``), and the last program to finish (an acq_rel
         ticket) routes every row from the complete logits.
@@ -121,7 +122,13 @@ if tl is not None:
         masked): one memory round trip, not one per column chunk, which is what bounds a GEMV this small (the
         chunked loop's time: docs/perf/history.md). It also lets the next kernel launch at
         once (``griddepcontrol.launch_dependents``, PDL): the MoE kernel A (``pdl_in``) then loads the shared
-        expert's weights while this kernel runs."""
+        expert's weights while this kernel runs.
+
+        ``ADD_NORM``: ``x_ptr`` is the residual stream h and ``d_ptr`` the attention output delta; every program
+        forms ``h + delta`` and its RMSNorm (weight ``nw_ptr``) itself, rounded as ``kernels.triton_norm``'s
+        ``add_rmsnorm`` rounds (one row's statistics are a sum over its H values, so no program needs another's),
+        runs the GEMV on that normed x, and program 0 writes the new h (``hout_ptr``) and x (``xout_ptr``) for the
+        expert kernels, which start after this kernel completes (or wait for it: ``griddepcontrol.wait``)."""
         pid = tl.program_id(0)
         if PDL_OUT:     # (sm_90+ and not under TRITON_INTERPRET, which cannot run PTX)
             tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r",
@@ -131,7 +138,20 @@ if tl is not None:
         km = kk < H
         wt = tl.load(wg_ptr + e[:, None] * H + kk[None, :], mask=km[None, :], other=0.0).to(tl.float32)
         for m in tl.static_range(M):
-            xv = tl.load(x_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32)
+            if ADD_NORM:
+                hs = (tl.load(x_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32) +
+                      tl.load(d_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32))
+                hs = hs.to(hout_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+                r = tl.rsqrt(tl.sum(hs * hs, axis=0) / H + eps)
+                nw = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
+                xv = nw * (hs * r).to(xout_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+                xv = xv.to(xout_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+                if pid == 0:
+                    tl.store(hout_ptr + m * H + kk, hs.to(hout_ptr.dtype.element_ty), mask=km)
+                    tl.store(xout_ptr + m * H + kk, xv, mask=km)
+                xv = xv.to(tl.float32)
+            else:
+                xv = tl.load(x_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32)
             tl.store(logits_ptr + m * E + e, tl.sum(wt * xv[None, :], axis=1))
         if FENCE:   # (False only under TRITON_INTERPRET)
             tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [tl.arange(0, 128)],
@@ -208,6 +228,39 @@ def gemv_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
     Raises BackendError when Triton is missing, M > :data:`MAX_M` (the binding routes wider calls to torch), or a
     tuning ``be`` that is not a power of two dividing E."""
+    return _gemv_route(x, None, None, 0.0, weight, bias, top_k, n_group, topk_group, norm, scale, be, num_warps)[:2]
+
+
+def gemv_route_add_norm(delta: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int, topk_group: int,
+                        norm: bool, scale: float, be: int | None = None, num_warps: int | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The post-attention residual add and RMSNorm folded into :func:`gemv_route`'s launch.
+
+    Args:
+        delta: ``[M, H]`` the attention output; h: ``[M, H]`` the residual stream, same dtype (M <= 4);
+        norm_weight: ``[H]`` the post-attention RMSNorm's weight, eps its epsilon; the rest as :func:`gemv_route`.
+
+    Returns:
+        ``(ids [M, k] int64, weights [M, k] float32, x [M, H], h_new [M, H])``: the routing of x, x = RMSNorm(h_new)
+        and h_new = h + delta in h's dtype, rounded as ``kernels.triton_norm.add_rmsnorm`` rounds them (h_new bit-equal
+        to torch's add), for ``layers.moe.MoE.add_norm_forward``.
+
+    Raises:
+        BackendError: as :func:`gemv_route`, and for a delta of another shape or dtype than h or a norm weight not of
+            H elements.
+    """
+    if delta.shape != h.shape or delta.dtype != h.dtype or norm_weight.numel() != h.shape[-1]:
+        raise BackendError(f"router[triton]: gemv_route_add_norm needs delta of h's shape and dtype and a norm weight "
+                           f"of H elements, got {tuple(delta.shape)} {delta.dtype}, {tuple(h.shape)} {h.dtype}, "
+                           f"{norm_weight.numel()}")
+    return _gemv_route(h, delta, norm_weight, eps, weight, bias, top_k, n_group, topk_group, norm, scale, be,
+                       num_warps)
+
+
+def _gemv_route(x, delta, norm_weight, eps, weight, bias, top_k, n_group, topk_group, norm, scale, be, num_warps):
+    """:func:`gemv_route` (``delta`` None) or :func:`gemv_route_add_norm`: ``(ids, w, x_normed, h_new)``, the last
+    two None without ``delta``."""
     if _TRITON_ERR:
         raise BackendError(f"router[triton]: {_TRITON_ERR}")
     m, h = x.shape
@@ -220,17 +273,23 @@ def gemv_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                            f"(got M={m}, E={e}, be={be})")
     ids = torch.empty(m, top_k, dtype=torch.int64, device=x.device)
     w = torch.empty(m, top_k, dtype=torch.float32, device=x.device)
+    add = delta is not None
+    x = x.contiguous()
+    xo, ho = (torch.empty_like(x), torch.empty_like(x)) if add else (None, None)
     if m == 0:
-        return ids, w
+        return ids, w, xo, ho
     # grow-only, shared by every MoE layer on the device (they run one after another on one stream); a captured
     # CUDA graph keeps the addresses it saw, so an outgrown buffer stays alive
     logits = scratch(x.device, "router_logits", MAX_M * e)
     cnt = scratch(x.device, "router_ticket", 1, torch.int32)
     b = bias if bias is not None else weight
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    _gemv_route_kernel[(e // be,)](x.contiguous(), weight.contiguous(), logits, cnt, b, ids, w, float(scale),
+    d, nw, xo_, ho_ = (delta.contiguous(), norm_weight.contiguous(), xo, ho) if add else (x, x, x, x)
+    _gemv_route_kernel[(e // be,)](x, weight.contiguous(), logits, cnt, b, ids, w, float(scale),
+                                   d, nw, ho_, xo_, float(eps),
                                    H=h, E=e, G=g, TOPK_GROUP=topk_group if g > 1 else 1, K=top_k,
                                    KP=triton.next_power_of_2(top_k), HAS_BIAS=bias is not None, NORM=bool(norm),
                                    M=m, MP=triton.next_power_of_2(m), BE=be, HP=triton.next_power_of_2(h),
-                                   FENCE=not interp, PDL_OUT=_pdl_out(x.device), num_warps=num_warps)
-    return ids, w
+                                   FENCE=not interp, PDL_OUT=_pdl_out(x.device), ADD_NORM=add,
+                                   num_warps=num_warps)
+    return ids, w, xo, ho

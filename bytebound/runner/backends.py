@@ -51,7 +51,8 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
 
     The registry ops bind through ``kernels.registry.resolve``. The switches: ``router`` (``gemv``:
     ``kernels.triton_router.gemv_route``, ``triton``: ``fused_route`` after the GEMV; both for M up to
-    ``kernels.limits.MAX_VERIFY_M``, the layer's ``route_m``), ``norm`` (``triton``: ``kernels.triton_norm``),
+    ``kernels.limits.MAX_VERIFY_M``, the layer's ``route_m``), ``norm`` (``triton``: ``kernels.triton_norm``,
+    the residual add before a decoder norm included: ``RMSNorm.add_norm``),
     ``moe_shared`` (``fused``: ``MoEKernel.bind_shared``, the triton backend's ``split`` variant, FP8 shared
     experts). ``kv``, ``round`` and ``graphs`` are recorded here and applied by the engine (runner, MTP round,
     capture). A device default that cannot serve this model falls back, recorded; an entry the user named
@@ -88,10 +89,17 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
             gemv_fn = triton_router.gemv_route
         else:
             route_fn = triton_router.fused_route
-    plan.resolutions["moe"].router = ("triton (GEMV + routing, one launch)" if gemv_fn is not None else
+    # with the fused norms too, the post-attention residual add + RMSNorm run in the router's launch
+    gemv_norm_fn = None
+    if gemv_fn is not None and plan.requested["norm"] == "triton":
+        from bytebound.kernels.triton_router import gemv_route_add_norm as gemv_norm_fn
+    plan.resolutions["moe"].router = ("triton (post-attention add + norm, GEMV + routing, one launch)"
+                                      if gemv_norm_fn is not None else
+                                      "triton (GEMV + routing, one launch)" if gemv_fn is not None else
                                       "triton" if route_fn is not None else "torch")
-    norm_fn = gated_fn = None
+    norm_fn = gated_fn = add_fn = None
     if plan.requested["norm"] == "triton":
+        from bytebound.kernels.triton_norm import add_rmsnorm as add_fn
         from bytebound.kernels.triton_norm import rmsnorm as norm_fn, rmsnorm_gated as gated_fn
     fused_parts = set()         # projections that run inside a fused QLinear: no binding (no dequantised copy)
     for m in model.modules():
@@ -116,6 +124,8 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
             bind_fused = getattr(impl["kda"], "bind_fused", None)
             m.fused_fn = (_bind_or_fall_back(plan, "kda", "fla", lambda: bind_fused(m, dtype))
                           if bind_fused is not None else None)
+            if m.fused_fn is not None and plan.resolutions["kda"].fused is None:
+                plan.resolutions["kda"].fused = m.fused_fn.beta       # the first layer's (they share a format)
             # q|k|v|f|g read the same input: one launch instead of five, and no concat for the conv
             parts = [m.q_proj, m.k_proj, m.v_proj, m.f_proj, m.g_proj]
             fused = fuse_rows(parts)
@@ -131,7 +141,7 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
                 fused_parts.update((id(m.gate_proj), id(m.up_proj)))
         elif isinstance(m, MoE):
             # the plan's decision per regime: the router kernel for M <= route_m (decode, verify), torch above
-            m.route_fn, m.gemv_route_fn = route_fn, gemv_fn
+            m.route_fn, m.gemv_route_fn, m.gemv_add_norm_fn = route_fn, gemv_fn, gemv_norm_fn
             m.route_m = MAX_VERIFY_M if (route_fn or gemv_fn) is not None else 0
         elif isinstance(m, GatedMLA):
             # decode/verify (T <= ABSORB_MAX_T with a cache); the torch backend binds None (the layer's own code)
@@ -139,7 +149,7 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
         elif isinstance(m, RMSNormGated):
             m.fn = gated_fn
         elif isinstance(m, RMSNorm):
-            m.fn = norm_fn
+            m.fn, m.add_fn = norm_fn, add_fn
     if plan.resolutions["mla"].resolved != "torch":
         plan.resolutions["mla"].prefill = f"torch (T > {ABSORB_MAX_T} tokens: expanded form, SDPA)"
     plan.resolutions["moe"].shared = "dense"

@@ -114,7 +114,7 @@ def _resolution(r) -> dict:
     d = {"requested": r.requested, "resolved": r.resolved, "ok": r.fallback_from is None and r.requested == r.resolved}
     if r.fallback_from:
         d["fallback_from"], d["reason"] = r.fallback_from, r.reason
-    for extra in ("prefill", "tuning"):
+    for extra in ("prefill", "tuning", "fused"):
         if getattr(r, extra, None):
             d[extra] = getattr(r, extra)
     return d
