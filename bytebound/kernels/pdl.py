@@ -8,7 +8,8 @@ Synchronization"; PTX ISA ``griddepcontrol``). :func:`enter` issues both at the 
 load or store, so the kernel is safe whatever it follows (the caching allocator may hand it memory the
 previous kernel still reads: nothing is touched before the wait) and lets the next kernel launch early. The
 FP8 GEMVs (``triton_fp8``) additionally prefetch their weights between the two; the MoE kernels keep their own
-protocol (``triton_moe_split``).
+protocol (``triton_moe_split``). Users: the RMSNorm / add+RMSNorm kernel (``triton_norm``), the fused KDA kernel
+(``triton_kda``) and the three MLA decode/verify kernels (``triton_mla``).
 
 A kernel not launched with ``launch_pdl`` waits for full completion of the previous one, as without PDL, and
 its ``griddepcontrol.wait`` returns at once. ``BYTEBOUND_PDL=0`` in the environment turns PDL off for these

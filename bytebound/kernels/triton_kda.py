@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 
 from bytebound.errors import BackendError
+from bytebound.kernels.pdl import enabled as pdl_enabled
 from bytebound.kernels.registry import cuda_only, optional_triton, register
 from bytebound.kernels import scratch as shared
 
@@ -69,6 +70,8 @@ triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machine
 
 
 if tl is not None:
+    from bytebound.kernels.pdl import enter as pdl_enter
+
     @triton.jit
     def _conv_silu_step(x, w0, w1, w2, c0, c1, c2, c3):
         """One causal depthwise-conv output (kernel 4) + SiLU: window (w0 oldest .. w2 newest) and input x."""
@@ -92,7 +95,8 @@ if tl is not None:
             B, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
             M: tl.constexpr, SAFE_GATE: tl.constexpr, HIST: tl.constexpr, VS: tl.constexpr, SCR: tl.constexpr,
             FENCE: tl.constexpr, BETA_X: tl.constexpr = False, HID: tl.constexpr = 1, BH: tl.constexpr = 1,
-            MP: tl.constexpr = 1):
+            MP: tl.constexpr = 1, PDL: tl.constexpr = False, NTH: tl.constexpr = 128):
+        pdl_enter(PDL, NTH)             # kernels.pdl: nothing is read before the previous kernel completed
         pid = tl.program_id(0)          # batch row x head
         if VS == 1:
             vs = 0                      # a constant: the unsplit kernel's addressing stays as simple as before
@@ -511,6 +515,7 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
     bk, bv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
     bb, xx = (x, x) if beta_x else (b, b)         # the pointer the kernel does not read: any tensor of the call
     hid = x.shape[-1] if beta_x else 1
+    pdl = pdl_enabled(qkv.device)
     _fused_kda_kernel[(bsz * h, v_split)](
         qkv, qkv.stride(0), qkv.stride(1), f, f.stride(0), f.stride(1), gate, gate.stride(0), gate.stride(1),
         bb, bb.stride(0), bb.stride(1), xx, xx.stride(0), xx.stride(1), b_weight if beta_x else xx,
@@ -520,7 +525,8 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
         bsz, H=h, K=dk, V=dv, BK=bk, BV=bv, M=t, SAFE_GATE=lower_bound is not None, HIST=hist, VS=v_split,
         SCR=_scratch_per_program(t, bk, bv, v_split, beta_x),
         FENCE=qkv.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", BETA_X=beta_x, HID=hid,
-        BH=min(512, triton.next_power_of_2(hid)), MP=triton.next_power_of_2(t), num_warps=num_warps)
+        BH=min(512, triton.next_power_of_2(hid)), MP=triton.next_power_of_2(t), PDL=pdl, NTH=32 * num_warps,
+        num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
     return o
 
 

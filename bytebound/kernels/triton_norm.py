@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from bytebound.errors import BackendError
+from bytebound.kernels.pdl import enabled as pdl_enabled
 from bytebound.kernels.registry import optional_triton
 
 MAX_D = 8192
@@ -33,9 +34,13 @@ triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machine
 
 
 if tl is not None:
+    from bytebound.kernels.pdl import enter as pdl_enter
+
     @triton.jit
     def _rmsnorm_kernel(x_ptr, w_ptr, g_ptr, y_ptr, r_ptr, ro_ptr, eps, D: tl.constexpr, BD: tl.constexpr,
-                        GATED: tl.constexpr, ADD: tl.constexpr):
+                        GATED: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr = False,
+                        NTH: tl.constexpr = 128):
+        pdl_enter(PDL, NTH)         # kernels.pdl: nothing is read before the previous kernel completed
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BD)
         mask = cols < D
@@ -69,8 +74,11 @@ def _check(x: torch.Tensor, w: torch.Tensor) -> int:
 def _grid_launch(x2, w, g2, y, r2, ro, eps, gated: bool, add: bool) -> None:
     d = x2.shape[-1]
     if x2.shape[0]:
+        nw = 4 if d <= 2048 else 8
+        pdl = pdl_enabled(x2.device)
         _rmsnorm_kernel[(x2.shape[0],)](x2, w, g2, y, r2, ro, float(eps), D=d, BD=triton.next_power_of_2(d),
-                                        GATED=gated, ADD=add, num_warps=4 if d <= 2048 else 8)
+                                        GATED=gated, ADD=add, PDL=pdl, NTH=32 * nw, num_warps=nw,
+                                        **({"launch_pdl": True} if pdl else {}))
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, eps: float, gate: torch.Tensor | None) -> torch.Tensor:
