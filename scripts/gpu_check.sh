@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -342,6 +342,21 @@ sys.exit(0 if d.get("steps") and (d.get("stop") or {}).get("step") != "baseline"
             "$OUT/ablation_h200.json" --price-accept-from "$accept" "${more[@]}"
     fi
     tar -cf "$OUT/ladder-extra.tar" -C "$x" . 2>&1 | tee -a "$LOG"
+}
+
+section_integration() {  # ninth session: the merged decode fusions (add+RMSNorm, b_proj and the post-attention norm
+    #                        inside kernels, V-split KDA, PDL entries, the swept GEMV table) and the plan/state
+    #                        refactors: their GPU tests, most important first, then the kernel table of one decode
+    #                        step and one verify, then the KDA V_SPLIT timings that pick the table entry
+    local q="-q -p no:cacheprovider -rfE --tb=short $(pytest_timeout)"
+    run_step fuse python3 -m pytest tests/gpu/test_fuse_gpu.py tests/gpu/test_plan_gpu.py $q
+    run_step engine python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py $q
+    run_step kda python3 -m pytest tests/gpu/test_kda_gpu.py $q -k "graph_replay or default_launch or nano or full_width"
+    run_step mla python3 -m pytest tests/gpu/test_mla_gpu.py $q -k "graph or nano"
+    run_step profile python3 scripts/profile_decode.py --ctx 2048 --verify-m 4 --top 40 --out "$OUT" \
+        --name "profile-decode-h200-$BYTEBOUND_COMMIT"
+    run_step bench_kda python3 scripts/bench_kda.py --tokens 1,4 --backends triton --warps 4,8 --v-splits 1,2,4,8 \
+        --out "$OUT/bench_kda.json"
 }
 
 section_env() {          # what the machine has
