@@ -346,11 +346,10 @@ sys.exit(0 if d.get("steps") and (d.get("stop") or {}).get("step") != "baseline"
 
 section_integration() {  # ninth session: the merged decode fusions (add+RMSNorm, b_proj and the post-attention norm
     #                        inside kernels, V-split KDA, PDL entries, the swept GEMV table) and the plan/state
-    #                        refactors: their GPU tests, most important first, then the kernel table of one decode
-    #                        step and one verify, then the KDA V_SPLIT timings that pick the table entry
+    #                        refactors: the kernel-level GPU tests, the kernel table of one decode step and one
+    #                        verify, then the KDA V_SPLIT timings that pick the table entry (engine tests: engine)
     local q="-q -p no:cacheprovider -rfE --tb=short $(pytest_timeout)"
     run_step fuse python3 -m pytest tests/gpu/test_fuse_gpu.py tests/gpu/test_plan_gpu.py $q
-    run_step engine python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py $q
     run_step kda python3 -m pytest tests/gpu/test_kda_gpu.py $q -k "graph_replay or default_launch or nano or full_width"
     run_step mla python3 -m pytest tests/gpu/test_mla_gpu.py $q -k "graph or nano"
     run_step profile python3 scripts/profile_decode.py --ctx 2048 --verify-m 4 --top 40 --out "$OUT" \
