@@ -354,6 +354,8 @@ section_integration() {  # ninth session: the merged decode fusions (add+RMSNorm
     run_step mla python3 -m pytest tests/gpu/test_mla_gpu.py $q -k "graph or nano"
     run_step profile python3 scripts/profile_decode.py --ctx 2048 --verify-m 4 --top 40 --out "$OUT" \
         --name "profile-decode-h200-$BYTEBOUND_COMMIT"
+    run_step profile_nopdl env BYTEBOUND_PDL=0 python3 scripts/profile_decode.py --ctx 2048 --verify-m 0 --top 10 \
+        --out "$OUT" --name "profile-decode-nopdl-h200-$BYTEBOUND_COMMIT"
     run_step bench_kda python3 scripts/bench_kda.py --tokens 1,4 --backends triton --warps 4,8 --v-splits 1,2,4,8 \
         --out "$OUT/bench_kda.json"
 }

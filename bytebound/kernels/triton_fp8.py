@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from bytebound.errors import BackendError, ConfigError
 from bytebound.kernels.limits import MAX_VERIFY_M as MAX_M     # the one verify-width limit (kernels/limits.py)
+from bytebound.kernels.pdl import enabled as pdl_enabled
 from bytebound.kernels.registry import cuda_only, optional_triton, register
 
 triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machines without Triton
@@ -433,15 +434,9 @@ def gemv_scratch(device, name: str, numel: int, dtype=torch.float32) -> torch.Te
 
 
 def _gemv_pdl(device: torch.device) -> bool:
-    """PDL (``griddepcontrol``, ``launch_pdl``) on sm_90+ GPUs, never under Triton's interpreter (no PTX)."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
-        return False
-    return _sm_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+    """PDL (``griddepcontrol``, ``launch_pdl``) on sm_90+ GPUs, never under Triton's interpreter (no PTX), off
+    with ``BYTEBOUND_PDL=0`` (``kernels.pdl.enabled``)."""
+    return pdl_enabled(device)
 
 
 def _device_info(dev: torch.device) -> tuple[str | None, int]:
