@@ -286,7 +286,7 @@ def test_full_width_decode_graph_replay_equals_eager_with_fused_kda():
 
 @pytest.mark.skipif(not (NANO / "model.safetensors").exists(), reason="trained ling-nano weights not present")
 def test_nano_greedy_fused_kda_equals_fla_and_mtp_round():
-    """The bundled model on the GPU: greedy with kda=triton == greedy with kda=fla (the CUDA default), up to a
+    """The bundled model on the GPU: greedy with kda=triton (the CUDA default) == greedy with kda=fla, up to a
     near-tie of the fla run's logits at the first differing token; and with kda=triton the captured MTP round
     (verify through the fused M = 4 kernel, rollback from its history buffers) == plain greedy."""
     from bytebound.data.gsm8k import load_split
@@ -294,7 +294,7 @@ def test_nano_greedy_fused_kda_equals_fla_and_mtp_round():
     from bytebound.sampling import SamplingParams
     p = SamplingParams(max_tokens=64)
     kw = dict(model=str(NANO), device="cuda")
-    fla = Engine(**kw)
+    fla = Engine(**kw, backends={"kda": "fla"})
     fused = Engine(**kw, backends={"kda": "triton"})
     mtp = Engine(**kw, backends={"kda": "triton"}, speculative_steps=3, spec_static_round=True)
     assert fused.plan.resolutions["kda"].resolved == "triton" and fla.plan.resolutions["kda"].resolved == "fla"
