@@ -47,8 +47,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "graph per span, instead of all --max-model-len slots (CUDA; default: on with CUDA; "
                         "docs/perf/decode-h200.md)")
     p.add_argument("--spec-static-round", action=onoff, default=None,
-                   help="MTP rounds with static shapes: on CUDA each greedy round is one graph replay with acceptance "
-                        "on the device (default: on with CUDA)")
+                   help="capture the MTP round (static shapes, acceptance on the device) as a CUDA graph: each greedy "
+                        "round is one replay (default: on with CUDA; off, or on CPU: the same round runs uncaptured)")
     p.add_argument("--speculative-adaptive", action="store_true",
                    help="with NEXTN: run MTP rounds only while the measured accept length / round cost pays, "
                         "decode plainly otherwise and probe back periodically (default off)")

@@ -271,7 +271,7 @@ def test_adaptive_sampling_reproducible_and_within_vocab(quant_ckpt):
 # ---- the watchdog and the fallback -------------------------------------------------------------------------
 def _never_right(eng, sequence):
     """Drafts that are always wrong (the oracle of test_mtp_cpu, corrupted every time): a = 1 exactly."""
-    eng.drafter = OracleDrafter(eng.drafter, sequence, eng.model.cfg.vocab_size, p_wrong=1.0, seed=0)
+    eng.drafter = OracleDrafter(eng.runner, eng.drafter, sequence, eng.model.cfg.vocab_size, p_wrong=1.0, seed=0)
 
 
 def test_watchdog_alarms_without_adaptive(quant_ckpt, reference):

@@ -293,9 +293,9 @@ def test_runner_verify_commit_through_fused_kernel(tk):
             m.fused_fn = tk.FusedKDA(m) if fused else None
         r = ModelRunner(model, 64, DEV)
         outs = [r.forward(ids[:6]), r.verify(ids[6:10])]
-        r.commit(2, 4)
+        r.commit(1)                          # keep 2 of the 4
         outs += [r.forward(ids[10:11]), r.verify(ids[11:15])]
-        r.commit(4, 4)
+        r.commit(3)                          # keep all 4
         outs.append(r.forward(ids[15:16]))
         states = [(s.conv.clone(), s.rec.clone()) for s in r.state if isinstance(s, KDAState)]
         return outs, states, r.pos

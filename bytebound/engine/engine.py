@@ -24,8 +24,8 @@ from bytebound.runner.backends import BackendPlan, bind_model
 from bytebound.runner.runner import ModelRunner, pow2_buckets
 from bytebound.sampling import SamplingParams, make_generator, sample
 from bytebound.speculative.adaptive import AdaptiveSpeculation, adaptive_tokens, check_knobs
-from bytebound.speculative.mtp import MTPDrafter, SpecStats, mtp_tokens
-from bytebound.speculative.round import StaticRound, static_mtp_tokens
+from bytebound.speculative.mtp import MTPDrafter, SpecStats
+from bytebound.speculative.round import StaticRound, mtp_tokens
 from bytebound.verify.watchdog import AcceptWatchdog, watch_rounds
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "ling-nano"
@@ -72,8 +72,8 @@ class EngineConfig:
     fused_router_gemv: bool | None = None
     kv_buckets: bool | None = None    # attention spans in powers of two from 1024 (one decode graph each) instead
     #                                   of all max_model_len slots every step (CUDA)
-    spec_static_round: bool | None = None  # MTP rounds with static shapes (speculative.round): on CUDA one graph
-    #                                        replay per greedy round
+    spec_static_round: bool | None = None  # capture the MTP round (speculative.round, the one implementation:
+    #                                        static shapes) as a CUDA graph: one replay per greedy round (CUDA)
     cpu_threads: int | None = 1       # batch-1 CPU steps are many tiny ops: one thread avoids sync overhead
     # N processes, one shard each (bytebound.parallel): the process must already be rank r of an N-process group
     # (bytebound's --tensor-parallel-size launcher or torchrun, bytebound.parallel.init_from_env).
@@ -242,8 +242,9 @@ class Engine:
                                   + " (the bytebound command line starts the processes itself; from Python use "
                                     "bytebound.parallel.launch, or torchrun + init_from_env)")
             if cfg.spec_static_round:
-                raise ConfigError("--spec-static-round is not available with --tensor-parallel-size > 1 (its "
-                                  "on-device acceptance would let the ranks decide apart); MTP rounds run eagerly")
+                raise ConfigError("--spec-static-round is not available with --tensor-parallel-size > 1 (the "
+                                  "round takes rank 0's verdict, a collective a CUDA graph cannot hold); MTP rounds "
+                                  "run uncaptured")
             if tp.device.type != dev.type:
                 raise ConfigError(f"--device {cfg.device}: the process group runs on {tp.device.type}")
             self.tp, dev = tp, tp.device
@@ -381,20 +382,13 @@ class Engine:
 
     def _tokens(self, ids: torch.Tensor, p: SamplingParams, gen, stats: SpecStats | None):
         """Raw token source: plain decode or MTP rounds; yields ``(token, round)``."""
-        if self.drafter is not None and self.adaptive is not None:
-            rnd = None
-            if self.config.spec_static_round:
-                rnd = (self.spec_round if (p.greedy and self.spec_round is not None)
-                       else StaticRound(self.runner, self.drafter, p, gen))
-            src = adaptive_tokens(self.runner, self.drafter, ids, p, gen, stats, self.adaptive, rnd)
-            yield from watch_rounds(src, stats, self.watchdog)
-            return
         if self.drafter is not None:
-            if self.config.spec_static_round:
-                rnd = self.spec_round if (p.greedy and self.spec_round is not None) else None
-                src = static_mtp_tokens(self.runner, self.drafter, ids, p, gen, stats, rnd)
+            # the captured greedy round when there is one, else an uncaptured round for this request
+            rnd = self.spec_round if (p.greedy and self.spec_round is not None) else None
+            if self.adaptive is not None:
+                src = adaptive_tokens(self.runner, self.drafter, ids, p, gen, stats, self.adaptive, rnd)
             else:
-                src = mtp_tokens(self.runner, self.drafter, ids, p, gen, stats)
+                src = mtp_tokens(self.runner, self.drafter, ids, p, gen, stats, rnd)
             yield from watch_rounds(src, stats, self.watchdog)
             return
         r = self.runner
