@@ -43,7 +43,9 @@ from bytebound.checkpoint.synthetic import dummy_model  # noqa: E402
 from bytebound.config import LING3_FLASH_CONFIG, LingConfig  # noqa: E402
 from bytebound.layers.moe import MoE  # noqa: E402
 from bytebound.layers.norm import RMSNorm, RMSNormGated  # noqa: E402
+from bytebound.kernels.limits import MAX_VERIFY_M  # noqa: E402
 from bytebound.runner.backends import BackendPlan, bind_model, parse_overrides  # noqa: E402
+from bytebound.runner.plan import PLAIN_SWITCHES  # noqa: E402
 from bytebound.runner.runner import ModelRunner  # noqa: E402
 from bytebound.verify.canaries import decode_vs_verify  # noqa: E402
 from bytebound.verify.routing import first_route_flip, position_routes  # noqa: E402
@@ -59,9 +61,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @contextlib.contextmanager
 def layer_outputs(model):
-    """Collect every decoder layer's output (float32 ``[T, H]``) in call order."""
+    """Collect every decoder layer's output (float32 ``[T, H]``) in call order (a layer returns ``(h, delta)``,
+    its output being ``h + delta``: the add the next norm fuses)."""
     outs: list[torch.Tensor] = []
-    hooks = [layer.register_forward_hook(lambda m, i, o: outs.append(o[0].float().clone()))
+    hooks = [layer.register_forward_hook(lambda m, i, o: outs.append((o[0] + o[1])[0].float().clone()))
              for layer in model.decoder_layers]
     try:
         yield outs
@@ -78,18 +81,20 @@ def run_depth(cfg_dict: dict, layers: int, a, paths: set[str], stack) -> dict:
     head = "fp8" if dev.type == "cuda" and a.dtype == "bf16" else "bf16"
     plan = None
     if dev.type == "cuda":
-        plan = bind_model(model, BackendPlan.default("cuda", **parse_overrides(a.backends)), dev, head)
+        # the registry backends alone unless --backends names a switch (router=gemv, norm=triton, ...)
+        plan = bind_model(model, BackendPlan.default("cuda", **{**PLAIN_SWITCHES, **parse_overrides(a.backends)}),
+                          dev, head)
     if paths & {"router", "norm"}:
         from conftest import triton_kernels
         rt = stack.enter_context(triton_kernels("bytebound.kernels.triton_router")) if "router" in paths else None
         nm = stack.enter_context(triton_kernels("bytebound.kernels.triton_norm")) if "norm" in paths else None
         for m in model.modules():
             if rt is not None and isinstance(m, MoE):
-                m.route_fn = rt.fused_route
+                m.route_fn, m.route_m = rt.fused_route, MAX_VERIFY_M
             elif nm is not None and isinstance(m, RMSNormGated):
                 m.fn = nm.rmsnorm_gated
             elif nm is not None and isinstance(m, RMSNorm):
-                m.fn = nm.rmsnorm
+                m.fn, m.add_fn = nm.rmsnorm, nm.add_rmsnorm
     r = ModelRunner(model, 256, dev, (16, 32) if "buckets" in paths else None)
     if dev.type == "cpu":
         r.static_kv = bool(paths & {"static", "buckets"})
@@ -118,7 +123,7 @@ def run_depth(cfg_dict: dict, layers: int, a, paths: set[str], stack) -> dict:
                "route_flip": flip,
                "layer_norm_pos0": [float(outs[k][0].norm()) for k in range(n)]}
         if a.baseline:
-            both = {**parse_overrides(a.backends), **parse_overrides(a.baseline)}
+            both = {**PLAIN_SWITCHES, **parse_overrides(a.backends), **parse_overrides(a.baseline)}
             bind_model(model, BackendPlan.default(dev, **both), dev, head)
             with layer_outputs(model) as outs2:
                 lb = model.logits(r.forward(tok.view(1))).float()[0]

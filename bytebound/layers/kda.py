@@ -122,8 +122,8 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = RMSNormGated(d, cfg.rms_norm_eps)
         self.kda_fn = torch_kda
         self.proj_fn = None          # fused q|k|v|f|g projection, set by runner.backends.bind_model
-        # decode/verify (T <= fused_fn.max_tokens, with a state): conv, gates, recurrence and gated norm in one
-        # kernel (kda backend 'triton', kernels.triton_kda.FusedKDA); None: the path below
+        # decode/verify (T <= fused_fn.max_tokens, with a state): conv, gates, beta (b_proj included), recurrence
+        # and gated norm in one kernel (kda backend 'triton', kernels.triton_kda.FusedKDA); None: the path below
         self.fused_fn = None
 
     def new_state(self, batch: int, device) -> KDAState:
@@ -179,7 +179,8 @@ class KimiDeltaAttention(nn.Module):
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
             f, gate = self.f_proj(x), self.g_proj(x)
         if self.fused_fn is not None and state is not None and t <= self.fused_fn.max_tokens:
-            return self.o_proj(self.fused_fn(qkv, f, gate, self.b_proj(x), state, x.dtype))
+            # beta's b_proj runs inside the fused kernel when it can (kernels.triton_kda.FusedKDA.beta)
+            return self.o_proj(self.fused_fn(qkv, f, gate, x, state, x.dtype))
         q, k, v = self.short_conv(qkv, state).split(self.dim, -1)
         shape = (b, t, self.heads, self.head_dim)
         g = kda_gate(f, self.A_log, self.dt_bias, self.lower_bound, self.head_dim)

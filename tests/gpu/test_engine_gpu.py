@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from bytebound.runner.plan import PLAIN_SWITCHES     # the registry backends alone, as bare bind_model bound them
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="needs a CUDA GPU: run scripts/gpu_check.sh on the device")]
 
@@ -30,7 +32,8 @@ def test_graph_replay_equals_eager_64_steps(tmp_path, moe, linear):
     from bytebound.runner.runner import ModelRunner
     path = NANO if (NANO / "config.json").exists() else _tiny_ckpt(tmp_path)
     model = load_model(path, "cuda")
-    bind_model(model, BackendPlan.default("cuda", moe=moe, linear=linear, lm_head="torch"), "cuda", "fp8")
+    bind_model(model, BackendPlan.default("cuda", moe=moe, linear=linear, lm_head="torch", **PLAIN_SWITCHES), "cuda",
+               "fp8")
     prompt = torch.randint(0, model.cfg.vocab_size, (37,), device="cuda")
 
     def run(graph: bool) -> list[torch.Tensor]:
@@ -97,7 +100,7 @@ def test_graph_replay_interleaved_with_eager_full_width(full_width_model, moe, l
     from bytebound.runner.graphs import capture_decode
     from bytebound.runner.runner import ModelRunner
     model = full_width_model
-    bind_model(model, BackendPlan.default("cuda", moe=moe, linear=linear, kda=kda), "cuda", "bf16")
+    bind_model(model, BackendPlan.default("cuda", moe=moe, linear=linear, kda=kda, **PLAIN_SWITCHES), "cuda", "bf16")
     r = ModelRunner(model, 256)
     capture_decode(r)
     g = r.graph
@@ -151,7 +154,7 @@ def test_graph_replay_equals_eager_across_kv_buckets():
     from bytebound.runner.graphs import capture_decode
     from bytebound.runner.runner import ModelRunner
     model = load_model(NANO, "cuda")
-    bind_model(model, BackendPlan.default("cuda"), "cuda", "fp8")
+    bind_model(model, BackendPlan.default("cuda", **PLAIN_SWITCHES), "cuda", "fp8")
     prompt = torch.randint(0, model.cfg.vocab_size, (37,), device="cuda")
 
     def run(graph: bool) -> list[torch.Tensor]:
@@ -198,15 +201,16 @@ def test_verify_equals_sequential_decode_full_width(full_width_model, path):
     from bytebound.verify.canaries import _rtol, logit_tie_tolerance
     from bytebound.verify.routing import first_route_flip, position_routes
     model = full_width_model
-    fused = dict(fused_router=path in ("engine_defaults", "fused_router"),
-                 fused_norm=path in ("engine_defaults", "fused_norm"),
-                 fused_shared=None if path in ("engine_defaults", "fused_shared") else False,
-                 router_gemv=path in ("engine_defaults", "router_gemv"))
-    bind_model(model, BackendPlan.default("cuda", mla="triton" if path == "mla_triton" else None), "cuda", "fp8",
-               **fused)
+    # the plan's switches per path (moe_shared None: the CUDA default, fused wherever the MoE backend can)
+    fused = dict(router="gemv" if path in ("engine_defaults", "router_gemv") else
+                 "triton" if path == "fused_router" else "torch",
+                 norm="triton" if path in ("engine_defaults", "fused_norm") else "torch",
+                 moe_shared=None if path in ("engine_defaults", "fused_shared") else "separate")
+    bind_model(model, BackendPlan.default("cuda", mla="triton" if path == "mla_triton" else None, **fused), "cuda",
+               "fp8")
     saved = {}
     if path == "fused_moe":      # the one-launch fused kernel (int64 fixed-point atomics) instead of 'split'
-        from bytebound.kernels.triton_moe import DEFAULT_CONFIG
+        from bytebound.kernels.moe_host import DEFAULT_CONFIG
         for m in model.modules():
             if isinstance(m, RoutedExperts):
                 saved[id(m.fn)] = (m.fn, {mm: m.fn.configs.get(mm) for mm in (1, 4)})   # None: from the table
@@ -229,7 +233,7 @@ def test_verify_equals_sequential_decode_full_width(full_width_model, path):
         with position_routes(r) as ver_routes:
             ver = model.logits(r.verify(torch.cat(toks[:4]))).float()
         r.restore(snap)
-        bind_model(model, BackendPlan.default("cuda", moe="torch", linear="torch"), "cuda", "fp8", **fused)
+        bind_model(model, BackendPlan.default("cuda", moe="torch", linear="torch", **fused), "cuda", "fp8")
         r.restore(snap)
         toks = [int(tok)] + seq[:3].argmax(-1).tolist()
         yard = torch.cat([model.logits(r.forward(torch.tensor([t], device="cuda"))).float() for t in toks])
@@ -254,7 +258,7 @@ def test_verify_equals_sequential_decode_full_width(full_width_model, path):
                     fn.configs.pop(mm, None)
                 else:
                     fn.configs[mm] = cfg
-        bind_model(model, BackendPlan.default("cuda"), "cuda", "bf16")     # the fixture is shared: reset
+        bind_model(model, BackendPlan.default("cuda", **PLAIN_SWITCHES), "cuda", "bf16")     # shared fixture: reset
 
 
 @torch.inference_mode()
@@ -271,13 +275,13 @@ def test_prefill_equals_sequential_decode_full_width(full_width_model):
     from bytebound.runner.runner import ModelRunner
     from bytebound.verify.routing import first_route_flip, position_routes
     model = full_width_model
-    fused = dict(fused_router=True, fused_norm=True, fused_shared=None, router_gemv=True)
+    fused = dict(router="gemv", norm="triton")     # the CUDA defaults (moe_shared: fused where the backend can)
     n = 40
     prompt = torch.randint(0, model.cfg.vocab_size, (n,), device="cuda",
                            generator=torch.Generator(device="cuda").manual_seed(5))
     r = ModelRunner(model, 256)
     try:
-        bind_model(model, BackendPlan.default("cuda"), "cuda", "fp8", **fused)
+        bind_model(model, BackendPlan.default("cuda", **fused), "cuda", "fp8")
         assert type(model.decoder_layers[-1].mlp.experts.fn.prefill).__name__ == "GroupedMoE"
         with position_routes(r) as pre:
             r.prefill(prompt)
@@ -285,13 +289,13 @@ def test_prefill_equals_sequential_decode_full_width(full_width_model):
         with position_routes(r) as dec:
             for i in range(n):
                 r.forward(prompt[i:i + 1])
-        bind_model(model, BackendPlan.default("cuda", moe="torch", linear="torch"), "cuda", "fp8", **fused)
+        bind_model(model, BackendPlan.default("cuda", moe="torch", linear="torch", **fused), "cuda", "fp8")
         r.reset()
         with position_routes(r) as yard:
             for i in range(n):
                 r.forward(prompt[i:i + 1])
     finally:
-        bind_model(model, BackendPlan.default("cuda"), "cuda", "bf16")     # the fixture is shared: reset
+        bind_model(model, BackendPlan.default("cuda", **PLAIN_SWITCHES), "cuda", "bf16")     # shared fixture: reset
     rel = lambda a, b: float((a - b).norm() / b.norm())                   # noqa: E731
     stops = [f for f in (first_route_flip(dec, pre, range(n)), first_route_flip(dec, yard, range(n))) if f]
     pairs = []

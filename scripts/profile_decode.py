@@ -1,0 +1,132 @@
+"""Kernel table of one decode step and one verify forward, built through ``Engine`` as ``bytebound generate`` runs.
+
+For each GPU kernel: calls per step, device microseconds per step and per call, sorted by time; plus the totals
+(kernels per step, summed kernel time) and the step's wall time from CUDA events. The decode step is one replay
+of the captured decode graph plus the LM head (as the engine runs it); the verify is the eager ``M``-token
+forward of the MTP round (``runner.verify``) plus its head, at the same context. torch.profiler with CUDA
+activity; kernel names are truncated to 90 characters.
+
+Weights are synthetic (``--load-format dummy``: random values at the real shapes): speed only. Writes
+``NAME.json`` and ``NAME.md`` under ``--out``. CPU runs smoke-test the script (CPU op table instead).
+
+    python3 scripts/profile_decode.py --ctx 2048 --verify-m 4 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bytebound.analysis.bandwidth import cuda_event_times  # noqa: E402
+from bytebound.config import LING3_FLASH_CONFIG  # noqa: E402
+from bytebound.engine.engine import Engine, EngineConfig  # noqa: E402
+from bytebound.runner.graphs import capture_decode  # noqa: E402
+
+
+def kernel_table(prof, steps: int, cuda: bool) -> tuple[list[dict], dict]:
+    """Rows ``{name, calls, us, us_per_call}`` per step (sorted by ``us``) and totals, from a finished profile."""
+    rows = []
+    for e in prof.key_averages():
+        t = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if cuda and not (str(getattr(e, "device_type", "")).endswith("CUDA") and t > 0):
+            continue
+        if not cuda and t <= 0:
+            continue
+        rows.append({"name": e.key[:90], "calls": e.count / steps, "us": t / steps, "us_per_call": t / max(e.count, 1)})
+    rows.sort(key=lambda r: -r["us"])
+    return rows, {"kernels": sum(r["calls"] for r in rows), "kernel_us": sum(r["us"] for r in rows)}
+
+
+def profile(fn, steps: int, cuda: bool):
+    from torch.profiler import ProfilerActivity, profile as prof_ctx
+    acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    with prof_ctx(activities=acts) as p:
+        for _ in range(steps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    return kernel_table(p, steps, cuda)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(LING3_FLASH_CONFIG), help="model config (dummy weights)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--ctx", type=int, default=2048, help="context length (cache positions) of the step")
+    ap.add_argument("--verify-m", type=int, default=4, help="tokens of the profiled verify forward (0: none)")
+    ap.add_argument("--steps", type=int, default=5, help="profiled repetitions (the table is per step)")
+    ap.add_argument("--top", type=int, default=40, help="rows in the markdown table")
+    ap.add_argument("--backend", action="append", default=[], metavar="OP=NAME", help="backend override(s)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--name", default="profile_decode")
+    a = ap.parse_args(argv)
+
+    backends = dict(kv.split("=", 1) for kv in a.backend)
+    eng = Engine(EngineConfig(model=a.config, load_format="dummy", device=a.device, lm_head="fp8",
+                              backends=backends, max_model_len=a.ctx + 64))
+    runner, cuda = eng.runner, eng.device.type == "cuda"
+    for st in runner.state:
+        if hasattr(st, "kv"):
+            st.kv.normal_()
+    tok = torch.tensor([17], device=eng.device)
+    out: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "date": dt.date.today().isoformat(),
+                 "commit": os.environ.get("BYTEBOUND_COMMIT", "unknown"), "weights": "synthetic (dummy)",
+                 "config": a.config, "ctx": a.ctx, "steps": a.steps,
+                 "resolved": {k: v.resolved for k, v in eng.plan.resolutions.items()}}
+    with torch.inference_mode():
+        if cuda:
+            capture_decode(runner)
+            step = lambda: runner.model.logits(runner.graph.replay(tok, a.ctx))            # noqa: E731
+            wall = sorted(cuda_event_times(step, 30, warmup=2))
+            out["decode_wall_ms"] = wall[len(wall) // 2] * 1e3
+        else:
+            runner.reset(a.ctx)
+            step = lambda: runner.model.logits(runner.forward(tok))                          # noqa: E731
+        rows, tot = profile(step, a.steps, cuda)
+        out["decode"] = {"totals": tot, "kernels": rows}
+        if a.verify_m:
+            runner.graph = None
+            ids = torch.full((a.verify_m,), 17, device=eng.device)
+
+            def verify():
+                runner.reset(a.ctx)
+                h = runner.verify(ids)
+                runner.commit(a.verify_m - 1)
+                return runner.model.logits(h)
+            if cuda:
+                wall = sorted(cuda_event_times(verify, 10, warmup=2))
+                out["verify_eager_wall_ms"] = wall[len(wall) // 2] * 1e3
+            rows, tot = profile(verify, a.steps, cuda)
+            out["verify"] = {"m": a.verify_m, "totals": tot, "kernels": rows}
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / f"{a.name}.json").write_text(json.dumps(out, indent=1))
+    md = [f"# Kernel table: {out['device']}, {out['date']}, commit {out['commit']}, {out['weights']}, ctx {a.ctx}", ""]
+    for part in ("decode", "verify"):
+        if part not in out:
+            continue
+        t = out[part]["totals"]
+        wall = out.get("decode_wall_ms" if part == "decode" else "verify_eager_wall_ms")
+        md += [f"## {part}: {t['kernels']:.0f} kernels, {t['kernel_us'] / 1e3:.3f} ms summed"
+               + (f", wall {wall:.3f} ms" if wall else ""), "", "| kernel | calls | us | us/call |", "|---|---:|---:|---:|"]
+        md += [f"| `{r['name']}` | {r['calls']:.0f} | {r['us']:.1f} | {r['us_per_call']:.2f} |"
+               for r in out[part]["kernels"][:a.top]]
+        md.append("")
+    (Path(a.out) / f"{a.name}.md").write_text("\n".join(md))
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
