@@ -133,8 +133,9 @@ def per_op(model, runner, ctx: int, m: int = 1) -> list[dict]:
     pos = torch.arange(ctx, ctx + m, device=dev)
     layers = model.decoder_layers
     kda = [(l, runner.state[l.index]) for l in layers if not l.is_mla]
-    for _, st in kda:
-        st.history = [] if m > 1 else None
+    runner.reset()
+    if m > 1:
+        runner.begin_verify(m - 1)          # KDA layers record per-token states, as in the verify
     mla = [(l, runner.state[l.index]) for l in layers if l.is_mla]
     moe = [l for l in layers if hasattr(l.mlp, "experts")]
     dense = [l for l in layers if not hasattr(l.mlp, "experts")]
@@ -164,8 +165,7 @@ def per_op(model, runner, ctx: int, m: int = 1) -> list[dict]:
             ms = time_graph(fn)
             out.append({"op": name, "layers": n, "tokens": m, "ms": ms, "bytes": b, "GBps": b / ms / 1e6 if ms else 0})
     finally:
-        for _, st in kda:
-            st.history = None
+        runner.reset()
     return out
 
 
@@ -196,14 +196,9 @@ def round_cost(model, runner, ctx: int, steps: int = 3) -> dict:
     toks = torch.randint(0, cfg.vocab_size, (1, k), device=dev)
     pos_k = torch.arange(ctx, ctx + k, device=dev)
     hid = torch.randn(1, k, cfg.hidden_size, device=dev, dtype=model.dtype)
-    from bytebound.layers.kda import KDAState
 
     def verify():
-        for st in runner.state:
-            if isinstance(st, KDAState):
-                st.history = []
-        h = model(toks, pos_k, runner.state, runner.kv_span(ctx + k))
-        return model.logits(h)
+        return model.logits(runner.verify(toks[0], pos_k, runner.kv_span(ctx + k)))
 
     def extend():
         return model.logits(model.nextn_forward(toks, hid, pos_k, runner.state, runner.kv_span(ctx + k)))
@@ -212,10 +207,10 @@ def round_cost(model, runner, ctx: int, steps: int = 3) -> dict:
         return model.logits(model.nextn_forward(toks[:, :1], hid[:, :1], pos_k[:1], runner.state,
                                                 runner.kv_span(ctx + k)))
 
-    r = {"verify_ms": time_graph(verify), "extend_ms": time_graph(extend), "draft_ms": time_graph(draft)}
-    for st in runner.state:
-        if isinstance(st, KDAState):
-            st.history = None
+    runner.begin_verify(steps)
+    r = {"verify_ms": time_graph(verify)}
+    runner.reset()
+    r.update(extend_ms=time_graph(extend), draft_ms=time_graph(draft))
     r["round_ms"] = r["verify_ms"] + r["extend_ms"] + (steps - 1) * r["draft_ms"]
     # The engine's whole round as one replay (speculative.round: padded extend, drafts, verify, acceptance,
     # rollback, next inputs) plus its one host read, from a synthetic state at ``ctx``.
@@ -228,8 +223,7 @@ def round_cost(model, runner, ctx: int, steps: int = 3) -> dict:
         rnd.ext_ids.random_(0, cfg.vocab_size)
         rnd.ext_hidden.normal_()
         rnd.j.fill_(steps)
-        rnd.pos.fill_(ctx)
-        runner.pos = ctx
+        runner.reset(ctx)
         if dev.type == "cuda":
             ts = sorted(t * 1e3 for t in cuda_event_times(rnd.step, 20, warmup=2))
         else:                                   # CPU smoke run: one eager round

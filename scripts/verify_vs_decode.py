@@ -47,7 +47,7 @@ from bytebound.kernels.limits import MAX_VERIFY_M  # noqa: E402
 from bytebound.runner.backends import BackendPlan, bind_model, parse_overrides  # noqa: E402
 from bytebound.runner.plan import PLAIN_SWITCHES  # noqa: E402
 from bytebound.runner.runner import ModelRunner  # noqa: E402
-from bytebound.verify.canaries import decode_vs_verify, restore_state, snapshot_state  # noqa: E402
+from bytebound.verify.canaries import decode_vs_verify  # noqa: E402
 from bytebound.verify.routing import first_route_flip, position_routes  # noqa: E402
 
 
@@ -103,17 +103,17 @@ def run_depth(cfg_dict: dict, layers: int, a, paths: set[str], stack) -> dict:
         h = r.prefill(torch.randint(0, cfg.vocab_size, (30,), generator=g))
         tok = model.logits(h[-1:]).argmax(-1)
         seq, ver = decode_vs_verify(r, tok, 4)
-        snap = snapshot_state(r)
+        snap = r.snapshot()
         toks = [int(tok)] + seq[:3].argmax(-1).tolist()
         with layer_outputs(model) as outs:            # per layer: the decode steps, then the verify
             with position_routes(r) as dec_routes:
                 for t in toks:
                     r.forward(torch.tensor([t], device=dev))
             n = len(outs) // 4
-            restore_state(r, snap)
+            r.restore(snap)
             with position_routes(r) as ver_routes:
                 r.verify(torch.tensor(toks, device=dev))
-            restore_state(r, snap)
+            r.restore(snap)
         flip = first_route_flip(dec_routes, ver_routes, range(r.pos, r.pos + 4))
         res = {"layers": layers, "dtype": a.dtype, "lm_head": head,
                "backends": {k: v.resolved for k, v in plan.resolutions.items()} if plan else "torch (CPU)",
@@ -127,7 +127,7 @@ def run_depth(cfg_dict: dict, layers: int, a, paths: set[str], stack) -> dict:
             bind_model(model, BackendPlan.default(dev, **both), dev, head)
             with layer_outputs(model) as outs2:
                 lb = model.logits(r.forward(tok.view(1))).float()[0]
-            restore_state(r, snap)
+            r.restore(snap)
             res["baseline"] = a.baseline
             res["baseline_rel_err_pos0"] = _rel(lb, seq[0])
             res["baseline_layer_rel_err_pos0"] = [_rel(outs2[k][0], outs[k][0]) for k in range(n)]

@@ -363,10 +363,10 @@ def test_launch_table_lookup_and_default(tk):
 
 
 def test_runner_verify_commit_through_fused_kernel(tk):
-    """The runner's MTP protocol (``verify`` records, ``commit`` rolls back) on the tiny model with every KDA layer
-    bound to the fused op, against the same calls through the torch path: prompt, a 4-token verify keeping 2,
-    a decode step, a 4-token verify keeping all 4, a decode step. Every hidden state and the final KDA states
-    agree to float32 rounding."""
+    """The runner's MTP protocol (``verify`` records, ``commit`` / ``commit_state`` roll back) on the tiny model
+    with every KDA layer bound to the fused op, against the same calls through the torch path: prompt, a 4-token
+    verify keeping 2 (a device-index commit, as in the captured round), a decode step, a 4-token verify keeping
+    all 4, a decode step. Every hidden state and the final KDA states agree to float32 rounding."""
     from bytebound.layers.kda import KDAState, KimiDeltaAttention
     from bytebound.runner.runner import ModelRunner
     model = make_model().to(DEV)
@@ -378,9 +378,10 @@ def test_runner_verify_commit_through_fused_kernel(tk):
             m.fused_fn = tk.FusedKDA(m) if fused else None
         r = ModelRunner(model, 64, DEV)
         outs = [r.forward(ids[:6]), r.verify(ids[6:10])]
-        r.commit(2, 4)
+        r.commit_state(torch.tensor(1, device=DEV))   # keep 2 of the 4, by a device index (the captured round's
+        r.commit_length(1)                            # halves: an index into the kernel's history buffers)
         outs += [r.forward(ids[10:11]), r.verify(ids[11:15])]
-        r.commit(4, 4)
+        r.commit(3)                          # keep all 4
         outs.append(r.forward(ids[15:16]))
         states = [(s.conv.clone(), s.rec.clone()) for s in r.state if isinstance(s, KDAState)]
         return outs, states, r.pos

@@ -25,8 +25,8 @@ from bytebound.runner.plan import alias_values
 from bytebound.runner.runner import ModelRunner, pow2_buckets
 from bytebound.sampling import SamplingParams, make_generator, sample
 from bytebound.speculative.adaptive import AdaptiveSpeculation, adaptive_tokens, check_knobs
-from bytebound.speculative.mtp import MTPDrafter, SpecStats, mtp_tokens
-from bytebound.speculative.round import StaticRound, static_mtp_tokens
+from bytebound.speculative.mtp import MTPDrafter, SpecStats
+from bytebound.speculative.round import StaticRound, mtp_tokens
 from bytebound.verify.watchdog import AcceptWatchdog, watch_rounds
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "ling-nano"
@@ -398,20 +398,13 @@ class Engine:
 
     def _tokens(self, ids: torch.Tensor, p: SamplingParams, gen, stats: SpecStats | None):
         """Raw token source: plain decode or MTP rounds; yields ``(token, round)``."""
-        if self.drafter is not None and self.adaptive is not None:
-            rnd = None
-            if self.static_round:
-                rnd = (self.spec_round if (p.greedy and self.spec_round is not None)
-                       else StaticRound(self.runner, self.drafter, p, gen))
-            src = adaptive_tokens(self.runner, self.drafter, ids, p, gen, stats, self.adaptive, rnd)
-            yield from watch_rounds(src, stats, self.watchdog)
-            return
         if self.drafter is not None:
-            if self.static_round:
-                rnd = self.spec_round if (p.greedy and self.spec_round is not None) else None
-                src = static_mtp_tokens(self.runner, self.drafter, ids, p, gen, stats, rnd)
+            # the captured greedy round when there is one, else an uncaptured round for this request
+            rnd = self.spec_round if (p.greedy and self.spec_round is not None) else None
+            if self.adaptive is not None:
+                src = adaptive_tokens(self.runner, self.drafter, ids, p, gen, stats, self.adaptive, rnd)
             else:
-                src = mtp_tokens(self.runner, self.drafter, ids, p, gen, stats)
+                src = mtp_tokens(self.runner, self.drafter, ids, p, gen, stats, rnd)
             yield from watch_rounds(src, stats, self.watchdog)
             return
         r = self.runner

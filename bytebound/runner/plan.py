@@ -170,8 +170,8 @@ class BackendPlan:
         Raises:
             ConfigError: an unknown entry, a switch value that is not one of its choices, a backend name the
                 registry does not have, a CUDA-only value on another device, an alias that contradicts an
-                override of the same entry, ``round=static`` with tensor parallelism (its on-device acceptance
-                would let the ranks decide apart)."""
+                override of the same entry, ``round=static`` with tensor parallelism (the round takes rank 0's
+                verdict, a collective a CUDA graph cannot hold)."""
         from bytebound.kernels.registry import backends as registered
         dev = torch.device(device)
         cuda = dev.type == "cuda"
@@ -179,7 +179,7 @@ class BackendPlan:
         notes: dict[str, str] = {}
         if tensor_parallel:
             req["round"] = "eager"
-            notes["round"] = "tensor parallel: the ranks must take rank 0's acceptance (eager rounds)"
+            notes["round"] = "tensor parallel: the ranks take rank 0's verdict (uncaptured rounds)"
         given: dict[str, tuple[str, str]] = {}       # entry -> (value, how the user said it)
         for entry, (value, flag) in _from_aliases(aliases or {}).items():
             given[entry] = (value, flag)
@@ -204,8 +204,9 @@ class BackendPlan:
             if need and not cuda:
                 raise ConfigError(f"{how} needs a CUDA device ({need})")
             if tensor_parallel and (entry, value) == ("round", "static"):
-                raise ConfigError(f"{how} is not available with --tensor-parallel-size > 1 (its on-device "
-                                  "acceptance would let the ranks decide apart); MTP rounds run eagerly")
+                raise ConfigError(f"{how} is not available with --tensor-parallel-size > 1 (the round takes "
+                                  "rank 0's verdict, a collective a CUDA graph cannot hold); MTP rounds run "
+                                  "uncaptured")
             req[entry] = value
             notes.pop(entry, None)
         return cls(req, allow_fallback=allow_fallback, explicit=set(given), steps=int(steps or 0),

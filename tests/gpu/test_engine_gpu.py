@@ -99,7 +99,6 @@ def test_graph_replay_interleaved_with_eager_full_width(full_width_model, moe, l
     from bytebound.runner.backends import BackendPlan, bind_model
     from bytebound.runner.graphs import capture_decode
     from bytebound.runner.runner import ModelRunner
-    from bytebound.verify.canaries import restore_state, snapshot_state
     model = full_width_model
     bind_model(model, BackendPlan.default("cuda", moe=moe, linear=linear, kda=kda, **PLAIN_SWITCHES), "cuda", "bf16")
     r = ModelRunner(model, 256)
@@ -109,10 +108,10 @@ def test_graph_replay_interleaved_with_eager_full_width(full_width_model, moe, l
     tok = model.logits(h[-1:]).argmax(-1).view(1)
     errs = []
     for step in range(3):
-        snap = snapshot_state(r)
+        snap = r.snapshot()
         r.graph = None
         eager = r.forward(tok).float().clone()
-        restore_state(r, snap)
+        r.restore(snap)
         r.graph = g
         replay = r.forward(tok).float().clone()
         errs.append(float((replay - eager).norm() / eager.norm()))
@@ -199,7 +198,7 @@ def test_verify_equals_sequential_decode_full_width(full_width_model, path):
     from bytebound.layers.moe import RoutedExperts
     from bytebound.runner.backends import BackendPlan, bind_model
     from bytebound.runner.runner import ModelRunner
-    from bytebound.verify.canaries import _rtol, logit_tie_tolerance, restore_state, snapshot_state
+    from bytebound.verify.canaries import _rtol, logit_tie_tolerance
     from bytebound.verify.routing import first_route_flip, position_routes
     model = full_width_model
     # the plan's switches per path (moe_shared None: the CUDA default, fused wherever the MoE backend can)
@@ -220,7 +219,7 @@ def test_verify_equals_sequential_decode_full_width(full_width_model, path):
     r = ModelRunner(model, 256, kv_buckets=buckets)
     try:
         h = r.prefill(torch.randint(0, model.cfg.vocab_size, (61,), device="cuda"))   # verify crosses slot 64
-        snap = snapshot_state(r)
+        snap = r.snapshot()
         tok = model.logits(h[-1:]).argmax(-1)
         p0 = r.pos
         with position_routes(r) as dec_routes:      # decode_vs_verify, with each half's routes recorded
@@ -230,15 +229,15 @@ def test_verify_equals_sequential_decode_full_width(full_width_model, path):
                 seq.append(lg[0])
                 toks.append(lg.argmax(-1).view(1))
         seq = torch.stack(seq)
-        restore_state(r, snap)
+        r.restore(snap)
         with position_routes(r) as ver_routes:
             ver = model.logits(r.verify(torch.cat(toks[:4]))).float()
-        restore_state(r, snap)
+        r.restore(snap)
         bind_model(model, BackendPlan.default("cuda", moe="torch", linear="torch", **fused), "cuda", "fp8")
-        restore_state(r, snap)
+        r.restore(snap)
         toks = [int(tok)] + seq[:3].argmax(-1).tolist()
         yard = torch.cat([model.logits(r.forward(torch.tensor([t], device="cuda"))).float() for t in toks])
-        restore_state(r, snap)
+        r.restore(snap)
         rel = lambda a, b: float((a - b).norm() / b.norm())                                   # noqa: E731
         errs = [rel(ver[i], seq[i]) for i in range(4)]
         bar = max(rel(yard[i], seq[i]) for i in range(4))

@@ -166,7 +166,6 @@ def test_full_width_decode_fusions_graph_equals_eager_and_kernel_count():
     from bytebound.runner.backends import BackendPlan, bind_model
     from bytebound.runner.graphs import capture_decode
     from bytebound.runner.runner import ModelRunner
-    from bytebound.verify.canaries import restore_state, snapshot_state
     d = json.loads(Path(LING3_FLASH_CONFIG).read_text())
     d["num_hidden_layers"] = 6
     model = dummy_model(LingConfig.from_dict(d), DEV, torch.bfloat16)
@@ -183,12 +182,12 @@ def test_full_width_decode_fusions_graph_equals_eager_and_kernel_count():
     tok = model.logits(h[-1:]).argmax(-1).view(1)
     capture_decode(r)
     g = r.graph
-    snap = snapshot_state(r)
+    snap = r.snapshot()
     for _ in range(2):
-        s = snapshot_state(r)
+        s = r.snapshot()
         r.graph = None
         eager = r.forward(tok).clone()
-        restore_state(r, s)
+        r.restore(s)
         r.graph = g
         replay = r.forward(tok).clone()
         assert torch.equal(replay, eager)
@@ -196,10 +195,10 @@ def test_full_width_decode_fusions_graph_equals_eager_and_kernel_count():
     r.graph = None
 
     def step():         # one eager decode step from the snapshot, then the counted graph replays (they mutate)
-        restore_state(r, snap)
+        r.restore(snap)
         out = r.forward(torch.tensor([17], device=DEV)).clone()
-        restore_state(r, snap)
-        return out, _kernels_per_replay(r, snap[1])
+        r.restore(snap)
+        return out, _kernels_per_replay(r, snap.pos)
     fused_out, fused = step()
     for m in norms:
         m.add_fn_saved, m.add_fn = m.add_fn, None

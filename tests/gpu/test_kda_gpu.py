@@ -260,7 +260,6 @@ def test_full_width_decode_graph_replay_equals_eager_with_fused_kda():
     from bytebound.runner.backends import BackendPlan, bind_model
     from bytebound.runner.graphs import capture_decode
     from bytebound.runner.runner import ModelRunner
-    from bytebound.verify.canaries import restore_state, snapshot_state
     d = json.loads(Path(LING3_FLASH_CONFIG).read_text())
     d["num_hidden_layers"] = 6
     model = dummy_model(LingConfig.from_dict(d), "cuda", torch.bfloat16)
@@ -273,10 +272,10 @@ def test_full_width_decode_graph_replay_equals_eager_with_fused_kda():
     h = r.prefill(torch.randint(0, model.cfg.vocab_size, (24,), device="cuda"))   # > 8 tokens: chunk_kda
     tok = model.logits(h[-1:]).argmax(-1).view(1)
     for _ in range(3):
-        snap = snapshot_state(r)
+        snap = r.snapshot()
         r.graph = None
         eager = r.forward(tok).clone()
-        restore_state(r, snap)
+        r.restore(snap)
         r.graph = g
         replay = r.forward(tok).clone()
         err = float((replay.float() - eager.float()).norm() / eager.float().norm())
