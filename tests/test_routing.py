@@ -183,3 +183,29 @@ def test_prefill_through_a_4_token_kernel_in_slices_is_exact():
         out = token_slices(kernel, 4)(x, ids, w)
         torch.testing.assert_close(out, ref_fn(x, ids, w), rtol=1e-6, atol=1e-6)
         assert sum(seen) == m and max(seen) <= 4
+
+
+def test_position_routes_sees_routing_folded_into_the_add_norm_launch():
+    """With the post-attention add + RMSNorm folded into the router launch (``MoE.gemv_add_norm_fn``, CUDA),
+    routing never calls ``MoE.router``: the recorder must still see every token's routes, else the canaries and
+    the verify == decode test cannot tell a route flip from a bug. A torch stand-in for the fused kernel, which
+    bypasses the instance's router, checks it on CPU."""
+    from bytebound.runner.runner import ModelRunner
+    from bytebound.verify.routing import position_routes
+    model = make_model()
+    moes = [layer.mlp for layer in model.decoder_layers if isinstance(layer.mlp, MoE)]
+    assert moes
+    for m in moes:
+        def fold(delta, h, w, eps, *_, m=m):
+            h2 = h + delta
+            xf = h2.float()
+            x = (w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(h2.dtype)).to(h2.dtype)
+            ids, wt = type(m).router(m, x)        # the class's routing: no instance wrapper sees it
+            return ids, wt, x, h2
+        m.gemv_add_norm_fn, m.route_m = fold, 8
+    r = ModelRunner(model, 32)
+    r.prefill(torch.tensor([3, 5, 7]))
+    with position_routes(r) as routes:
+        r.forward(torch.tensor([11]))
+    assert set(routes) == {3} and len(routes[3]) == len(moes)
+    assert all(m.gemv_add_norm_fn.__name__ == "fold" for m in moes)     # restored afterwards

@@ -43,6 +43,17 @@ def position_routes(runner):
             return ids, w
         return router
 
+    def wrap_fold(i, m):           # the post-attention add + norm folded into the router launch
+        orig = m.gemv_add_norm_fn  # (MoE.add_norm_forward): its routing never calls m.router
+
+        def fold(*args, **kw):
+            ids, w, x, h = orig(*args, **kw)
+            xs, ss = x.float(), ids.sort(-1).values
+            for r in range(x.shape[0]):
+                routes.setdefault(start[0] + r, {})[i] = (xs[r].clone(), ss[r].clone())
+            return ids, w, x, h
+        return fold
+
     def at_pos(orig):              # a forward or a verify starts at the committed length
         def call(*args, **kw):
             start[0] = runner.pos
@@ -51,12 +62,16 @@ def position_routes(runner):
 
     # Wrappers are instance attributes; whatever instance attribute was there before (another wrapper) comes back
     # afterwards, else deleting ours re-exposes the class's method.
+    folded = [(i, m) for i, m in moes if getattr(m, "gemv_add_norm_fn", None) is not None]
     saved = [(obj, name, obj.__dict__.get(name))
-             for obj, name in [(runner, "forward"), (runner, "verify")] + [(m, "router") for _, m in moes]]
+             for obj, name in [(runner, "forward"), (runner, "verify")] + [(m, "router") for _, m in moes]
+             + [(m, "gemv_add_norm_fn") for _, m in folded]]
     graph, runner.graph = runner.graph, None
     runner.forward, runner.verify = at_pos(runner.forward), at_pos(runner.verify)
     for i, m in moes:
         m.router = wrap_router(i, m)
+    for i, m in folded:
+        m.gemv_add_norm_fn = wrap_fold(i, m)
     try:
         yield routes
     finally:
