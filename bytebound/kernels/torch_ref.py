@@ -74,6 +74,19 @@ def _moe_rows_cpu(ex, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> to
     return (rows[0] if len(rows) == 1 else torch.cat(rows, 0)).to(dtype)
 
 
+def _moe_rows_traced(ex, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The few-row routed sum in a form torch.compile traces without host syncs: the chosen experts' rows are
+    indexed inside elementwise products reduced over the input dimension, which inductor fuses into one loop that
+    reads the rows in place (no gathered copy, no ``.tolist()``). ``x [M, H]``, ``ids [M, k]`` int64, ``w [M, k]``
+    float32 -> ``[M, H]`` in x's dtype. Same maths as :func:`_moe_rows_cpu`; the summation order differs."""
+    deq = getattr(ex, "_deq", None)
+    w13, w2 = deq if deq is not None else (ex.w13, ex.w2)
+    h = (w13[ids] * x[:, None, None, :]).sum(-1)                          # [M, k, 2I]
+    a = swiglu(h[..., :ex.inter], h[..., ex.inter:], ex.limit)            # [M, k, I]
+    o = (w2[ids] * a[:, :, None, :]).sum(-1)                               # [M, k, H]
+    return (o.float() * w[..., None]).sum(1).to(x.dtype)
+
+
 def moe_reference(ex, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Routed-expert sum ``y[m] = sum_j w[m, j] * SwiGLU_{ids[m, j]}(x[m])``; ``x [M, H]`` -> ``[M, H]``.
 
@@ -83,6 +96,8 @@ def moe_reference(ex, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> to
     m, k = ids.shape
     inter = ex.inter
     if m * k <= GATHER_MAX_ROWS and x.device.type == "cpu" and _resident(ex):
+        if torch.compiler.is_compiling():
+            return _moe_rows_traced(ex, x, ids, w)
         return _moe_rows_cpu(ex, x, ids, w)
     if m * k <= GATHER_MAX_ROWS:
         w13, w2 = _expert_weights(ex, ids.reshape(-1), x.dtype)            # [Mk,2I,H], [Mk,H,I]
