@@ -14,7 +14,7 @@ from bytebound.errors import BackendError
 from bytebound.kernels import torch_ref
 from bytebound.kernels.torch_ref import moe_reference
 from bytebound.layers.moe import RoutedExperts
-from bytebound.runner.cpu_compile import CompiledDecode, compile_decode
+from bytebound.runner.cpu_compile import CompiledDecode, _bf16_exact, compile_decode
 from bytebound.runner.runner import ModelRunner
 from test_cpu_decode import rel, routed_float64
 
@@ -55,6 +55,22 @@ def test_traced_routed_rows_match_float64(bound_quant_model, monkeypatch, limit)
     assert calls, "moe_reference did not take the traced form while compiling"
 
 
+def test_traced_linear_and_exact_bf16_copies():
+    """The compiled step's projection form (bf16 weight, float32 products) equals a float64 product of the same
+    values, and a weight gets a bfloat16 copy only when every value converts exactly."""
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(40, 24, generator=g).to(torch.bfloat16).float() * 2.0 ** -3     # bf16-exact float32 values
+    x = torch.randn(3, 24, generator=g)
+    b = _bf16_exact(w)
+    assert b is not None and b.dtype == torch.bfloat16 and torch.equal(b.float(), w)
+    ref = x.double() @ w.double().t()
+    assert rel(torch_ref.traced_linear(x, b), ref) < 1e-6
+    assert rel(torch_ref.traced_linear(x, b) * 1.001, ref) > 5e-4          # the tolerance can fail
+    w2 = w.clone()
+    w2[3, 5] += 2.0 ** -20                                                     # one value bf16 cannot hold
+    assert _bf16_exact(w2) is None and _bf16_exact(w.double()) is None
+
+
 def test_compiled_step_needs_a_cpu():
     fake = types.SimpleNamespace(device=torch.device("meta"))
     with pytest.raises(BackendError, match="needs device cpu"):
@@ -86,6 +102,10 @@ def test_compiled_step_equals_eager_across_spans(bound_quant_model):
     comp = ModelRunner(model, 64, "cpu", kv_buckets=(32,))
     g = compile_decode(comp)
     assert comp.graph is g and comp.kv_buckets == (32, 64)
+    # the quantised checkpoint's dequantised FP8 / MXFP4 weights are bf16-exact: every projection and expert set
+    n_moe = sum(isinstance(m, RoutedExperts) for m in model.modules())
+    assert g.bf16_weights["linear"][0] == g.bf16_weights["linear"][1] > 0
+    assert g.bf16_weights["experts"] == [n_moe, n_moe]
     toks_c, lg_c = _greedy(comp, prompt, 24)
     assert sorted(s["kv_slots"] for s in g.captured_shapes) == [32, 64]
     assert toks_c == toks_e

@@ -7,7 +7,9 @@ about 70 C++ loops and calls the products (``extern_kernels.mm``) directly. Shap
 graph: the token and the position are tensors the step reads, and attention spans a fixed number of cache slots
 masked by position (``runner.kv_buckets``, one compiled graph per span, each compiled the first time a
 sequence reaches it). The routed experts take their traced form (``kernels.torch_ref._moe_rows_traced``: no
-``.tolist()`` host sync). The torch modules stay the reference: the compiled step computes the same maths with
+``.tolist()`` host sync), and the float32 weights that convert exactly to bfloat16 (dequantised FP8 and MXFP4
+values) are read as bfloat16 inside float32 products (``prepare_traced_weights``): the step streams its weights
+from memory, so half the bytes matters more than the product kernel. The torch modules stay the reference: the compiled step computes the same maths with
 another summation order (tests/test_cpu_compile.py checks it against the eager step).
 
 The graph is traced once per span with every guard on the model and the state dropped (``guard_filter_fn``):
@@ -58,6 +60,7 @@ class CompiledDecode:
         self.tok = torch.zeros(1, dtype=torch.long)
         self.pos = torch.zeros(1, dtype=torch.long)
         self.compile_s: dict[int, float] = {}
+        self.bf16_weights: dict | None = None      # what prepare_traced_weights converted (compile_decode)
         model, state = runner.model, runner.state
 
         def step(tok, pos, span: int):
@@ -74,8 +77,9 @@ class CompiledDecode:
 
     @property
     def captured_shapes(self) -> list[dict]:
-        return [{"op": "decode", "tokens": 1, "kv_slots": s, "compiled": "inductor (cpu)",
-                 "compile_s": round(t, 2)} for s, t in self.compile_s.items()]
+        bf = self.bf16_weights
+        return [{"op": "decode", "tokens": 1, "kv_slots": s, "compiled": "inductor (cpu)", "compile_s": round(t, 2),
+                 **({"bf16_weights": bf} if bf else {})} for s, t in self.compile_s.items()]
 
     @torch.inference_mode()
     def replay(self, token: torch.Tensor, pos: int) -> torch.Tensor:
@@ -94,6 +98,38 @@ class CompiledDecode:
         return out
 
 
+def _bf16_exact(w: torch.Tensor) -> torch.Tensor | None:
+    """``w`` in bfloat16 when every value converts exactly (a float32 tensor), else None."""
+    if w.dtype != torch.float32:
+        return None
+    b = w.to(torch.bfloat16)
+    return b if torch.equal(b.float(), w) else None
+
+
+def prepare_traced_weights(model) -> dict:
+    """Give the compiled step bfloat16 copies of the float32 weights that convert exactly: the torch backend's bound
+    projections (``kernels.torch_ref.BoundLinear.traced``) and the resident routed experts (``_traced_deq``). The
+    decode step on a CPU streams its weights from memory, so half the bytes is the larger part of its time; the
+    products stay float32 (``traced_linear``). Weights that do not convert exactly (a float32 checkpoint) keep the
+    float32 path. Returns ``{"linear": [bf16, total], "experts": [bf16, total]}`` (counts, for the manifest)."""
+    from bytebound.kernels.torch_ref import BoundLinear
+    from bytebound.layers.moe import RoutedExperts
+    out = {"linear": [0, 0], "experts": [0, 0]}
+    for m in model.modules():
+        for attr in ("fn", "proj_fn", "gate_up_fn"):
+            f = getattr(m, attr, None)
+            if isinstance(f, BoundLinear):
+                f.traced = _bf16_exact(f.weight)
+                out["linear"][0] += f.traced is not None
+                out["linear"][1] += 1
+        if isinstance(m, RoutedExperts) and getattr(m, "_deq", None) is not None:
+            got = tuple(_bf16_exact(w) for w in m._deq)
+            m._traced_deq = got if all(g is not None for g in got) else None
+            out["experts"][0] += m._traced_deq is not None
+            out["experts"][1] += 1
+    return out
+
+
 def compile_decode(runner, warmup: bool = True) -> CompiledDecode:
     """Install the compiled CPU decode step on ``runner`` (``runner.graph``, which ``ModelRunner.forward``
     replays for every one-token step). The runner's spans become powers of two from ``CPU_SMALLEST_SPAN`` up to
@@ -105,6 +141,8 @@ def compile_decode(runner, warmup: bool = True) -> CompiledDecode:
     # --max-model-len back to eager for its last spans
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(runner.kv_buckets) + 1)
     runner.graph = None
+    traced = prepare_traced_weights(runner.model)
     g = CompiledDecode(runner, warmup)
+    g.bf16_weights = traced
     runner.graph = g
     return g
