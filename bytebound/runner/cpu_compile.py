@@ -1,16 +1,17 @@
 """Compiled CPU decode step (opt-in, ``--cpu-compile``): ``torch.compile`` (inductor's C++ backend) of the
 batch-1 one-token step, embedding -> decoder layers -> final norm, the CPU counterpart of ``runner.graphs``.
 
-On a CPU the eager decode step of a small model is per-op overhead (some 2,600 ATen calls per token for the
-bundled ling-nano, docs/perf/cpu-decode-nano.md); inductor fuses the elementwise work between the products into
-about 70 C++ loops and calls the products (``extern_kernels.mm``) directly. Shapes are static as in the CUDA
-graph: the token and the position are tensors the step reads, and attention spans a fixed number of cache slots
-masked by position (``runner.kv_buckets``, one compiled graph per span, each compiled the first time a
-sequence reaches it). The routed experts take their traced form (``kernels.torch_ref._moe_rows_traced``: no
-``.tolist()`` host sync), and the float32 weights that convert exactly to bfloat16 (dequantised FP8 and MXFP4
-values) are read as bfloat16 inside float32 products (``prepare_traced_weights``): the step streams its weights
-from memory, so half the bytes matters more than the product kernel. The torch modules stay the reference: the compiled step computes the same maths with
-another summation order (tests/test_cpu_compile.py checks it against the eager step).
+On a CPU the eager decode step of a small model is per-op overhead (thousands of ATen calls per token for the
+bundled ling-nano, docs/perf/cpu-decode-nano.md) and weight reads: inductor fuses the elementwise work and the bf16
+products (below) into a few dozen C++ loops and calls the remaining products (``extern_kernels.mm`` / ``bmm``)
+directly. Shapes are static as in the CUDA graph: the token and the position are tensors the step reads, and
+attention spans a fixed number of cache slots masked by position (``runner.kv_buckets``, one compiled graph per
+span, each compiled the first time a sequence reaches it). The routed experts take their traced form
+(``kernels.torch_ref._moe_rows_traced``: no ``.tolist()`` host sync), and the float32 weights that convert exactly
+to bfloat16 (dequantised FP8 and MXFP4 values) are read as bfloat16 inside float32 products
+(``prepare_traced_weights``): the step streams its weights from memory, so half the bytes matters more than the
+product kernel. The torch modules stay the reference: the compiled step computes the same maths in another
+summation order (tests/test_cpu_compile.py checks it against the eager step).
 
 The graph is traced once per span with every guard on the model and the state dropped (``guard_filter_fn``):
 the weights are fixed after ``bind_model`` and the runner reuses its state buffers for every request, so those

@@ -12,7 +12,8 @@ server and stored with bench results). Levers:
   cost c, a / c, switches, the reason of the last decision; ``fell_back``: decoding plainly because MTP did not pay).
 * ``draft_sharing``: whether the draft's embedding and LM head are the target's *objects* (identity, ``is``),
   and whether the head's weight tensor is merely aliased (the seed's silent failure).
-* ``cuda_graphs``: ``runner.graph`` and its captured shapes (CUDA graphs, or the compiled CPU step of ``--cpu-compile``), or eager.
+* ``cuda_graphs``: ``runner.graph`` and its captured shapes (CUDA graphs, or the compiled CPU step of
+  ``--cpu-compile``), or eager.
 
 Each lever carries ``ok`` (resolved as requested) and ``verified`` (pass | fail | not checked, from the
 canaries). ``status``: healthy | degraded (a problem, not strict) | unverified (canaries not run).
