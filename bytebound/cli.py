@@ -16,10 +16,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lm-head", default="bf16", choices=["bf16", "fp32", "fp8"],
                    help="bf16 (checkpoint), fp32 (fp32 logits, --enable-fp32-lm-head), fp8 (online FP8)")
     p.add_argument("--enable-fp32-lm-head", action="store_true", help="alias of --lm-head fp32")
-    p.add_argument("--moe-backend", default=None, help="routed-MoE backend: torch | triton | humming")
-    p.add_argument("--linear-backend", default=None, help="dense projection backend: torch | triton")
-    p.add_argument("--kda-backend", default=None, help="KDA backend: torch | fla | triton (fused decode/verify kernel)")
-    p.add_argument("--mla-backend", default=None, help="MLA decode/verify backend: torch | triton")
+    p.add_argument("--backend", action="append", default=[], metavar="ENTRY=NAME",
+                   help="override one plan entry (repeatable, or comma-separated): a kernel op - moe=torch|triton|"
+                        "humming, linear=torch|triton, lm_head=torch|triton, kda=torch|fla|triton, mla=torch|triton - "
+                        "or a switch - router=gemv|triton|torch, norm=triton|torch, moe_shared=fused|separate, "
+                        "kv=buckets|exact, round=static|eager, graphs=captured|eager (default: the device's plan; "
+                        "bytebound verify prints it per op and regime)")
+    p.add_argument("--moe-backend", default=None, help="deprecated: --backend moe=NAME")
+    p.add_argument("--linear-backend", default=None, help="deprecated: --backend linear=NAME")
+    p.add_argument("--kda-backend", default=None, help="deprecated: --backend kda=NAME")
+    p.add_argument("--mla-backend", default=None, help="deprecated: --backend mla=NAME")
     p.add_argument("--allow-fallback", action="store_true",
                    help="substitute the torch backend when a requested one is unusable (recorded and printed)")
     p.add_argument("--speculative-algorithm", default=None, choices=["NEXTN"], help="NEXTN = MTP drafting (default off)")
@@ -30,25 +36,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "head - N, a coverage in (0, 1) of the checkpoint's token-frequency ranking (e.g. 0.99), or "
                         "a token-id file; the verify always uses the full head (default: full head)")
     onoff = argparse.BooleanOptionalAction
-    p.add_argument("--fused-router", action=onoff, default=None,
-                   help="CUDA: MoE routing for decode/verify as one Triton kernel (default: on with CUDA; "
-                        "docs/perf/decode-h200.md)")
-    p.add_argument("--fused-norm", action=onoff, default=None,
-                   help="CUDA: every RMSNorm as one Triton kernel (default: on with CUDA; docs/perf/decode-h200.md)")
+    # deprecated aliases of plan entries (runner.plan.ALIASES says what each maps to)
+    p.add_argument("--fused-router", action=onoff, default=None, help="deprecated: --backend router=triton|torch")
+    p.add_argument("--fused-norm", action=onoff, default=None, help="deprecated: --backend norm=triton|torch")
     p.add_argument("--fused-shared-expert", action=onoff, default=None,
-                   help="CUDA: run each MoE layer's shared expert inside the triton 'split' MoE kernels (one more "
-                        "slot) instead of as a dense MLP (default: on with CUDA where the MoE backend can; the "
-                        "flag makes it required)")
-    p.add_argument("--fused-router-gemv", action=onoff, default=None,
-                   help="CUDA: the MoE router GEMV and routing (M <= 4) as one Triton kernel instead of two launches "
-                        "(default: on with CUDA)")
-    p.add_argument("--decode-kv-buckets", action=onoff, default=None,
-                   help="attend over the smallest power-of-two span (>= 1024) that holds the sequence, one decode "
-                        "graph per span, instead of all --max-model-len slots (CUDA; default: on with CUDA; "
-                        "docs/perf/decode-h200.md)")
-    p.add_argument("--spec-static-round", action=onoff, default=None,
-                   help="MTP rounds with static shapes: on CUDA each greedy round is one graph replay with acceptance "
-                        "on the device (default: on with CUDA)")
+                   help="deprecated: --backend moe_shared=fused|separate")
+    p.add_argument("--fused-router-gemv", action=onoff, default=None, help="deprecated: --backend router=gemv|triton")
+    p.add_argument("--decode-kv-buckets", action=onoff, default=None, help="deprecated: --backend kv=buckets|exact")
+    p.add_argument("--spec-static-round", action=onoff, default=None, help="deprecated: --backend round=static|eager")
     p.add_argument("--speculative-adaptive", action="store_true",
                    help="with NEXTN: run MTP rounds only while the measured accept length / round cost pays, "
                         "decode plainly otherwise and probe back periodically (default off)")
@@ -62,7 +57,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adaptive-probe-rounds", type=int, default=4, help="adaptive speculation: MTP rounds per probe")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture the decode step in a graph")
+    p.add_argument("--enforce-eager", action="store_true", help="deprecated: --backend graphs=eager")
     p.add_argument("--cpu-compile", action="store_true",
                    help="CPU: compile the one-token decode step with torch.compile (inductor, C++; needs a C++ "
                         "compiler). Faster steps, but the first compile takes minutes on a 2-core machine and a "
@@ -82,8 +77,16 @@ def engine_config(a):
             raise ConfigError(f"--speculative-num-steps must be >= 1 with NEXTN, got {steps}")
         if a.speculative_num_draft_tokens != steps + 1:
             raise ConfigError("--speculative-num-draft-tokens must equal --speculative-num-steps + 1 (chain, top-k 1)")
-    if a.spec_static_round is True and a.speculative_algorithm != "NEXTN":
-        raise ConfigError("--spec-static-round needs --speculative-algorithm NEXTN")
+    from bytebound.runner.plan import OP_FLAGS, parse_backend_specs
+    backends = parse_backend_specs(getattr(a, "backend", None) or [])
+    for op, flag in OP_FLAGS.items():           # the deprecated per-op flags: one more way to say --backend op=
+        v = getattr(a, f"{op}_backend", None)
+        if v and backends.get(op, v) != v:
+            raise ConfigError(f"{flag} {v} contradicts --backend {op}={backends[op]}; give one of them")
+        if v:
+            backends[op] = v
+    if (a.spec_static_round is True or backends.get("round") == "static") and a.speculative_algorithm != "NEXTN":
+        raise ConfigError("--spec-static-round (--backend round=static) needs --speculative-algorithm NEXTN")
     if a.speculative_draft_vocab not in (None, "", "0") and a.speculative_algorithm != "NEXTN":
         raise ConfigError("--speculative-draft-vocab needs --speculative-algorithm NEXTN")
     if getattr(a, "speculative_adaptive", False) and a.speculative_algorithm != "NEXTN":
@@ -93,8 +96,6 @@ def engine_config(a):
         adaptive = dict(speculative_adaptive=a.speculative_adaptive, adaptive_window=a.adaptive_window,
                         adaptive_margin=a.adaptive_margin, adaptive_probe_every=a.adaptive_probe_every,
                         adaptive_probe_max=a.adaptive_probe_max, adaptive_probe_rounds=a.adaptive_probe_rounds)
-    backends = {k: v for k, v in (("moe", a.moe_backend), ("linear", a.linear_backend), ("kda", a.kda_backend),
-                                  ("mla", a.mla_backend)) if v}
     return EngineConfig(model=a.model, device=a.device, dtype=a.dtype,
                         lm_head="fp32" if a.enable_fp32_lm_head else a.lm_head, backends=backends,
                         allow_fallback=a.allow_fallback, speculative_steps=steps, max_model_len=a.max_model_len,

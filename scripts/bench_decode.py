@@ -5,6 +5,10 @@ Measures, in one run: the GPU's streaming-read bandwidth; TPOT and tok/s of the 
 bytes, achieved GB/s) from graphs of each op class over all its layers; TTFT of a 32K prompt (optional);
 U = ledger bytes per token / TPOT / measured bandwidth. Writes JSON + markdown to --out.
 
+The engine is built as ``bytebound generate`` builds it (``Engine`` with ``--load-format dummy``: the same plan,
+binding, runner, decode graphs); each variant is a set of plan overrides (``--backend ENTRY=NAME`` for all, the
+``+opt`` suffixes of ``--moe-backends`` per variant) applied by ``Engine.rebind`` on the one loaded model.
+
 Weights are synthetic (random values at the real shapes and storage formats): speed only, no quality.
 """
 
@@ -26,11 +30,15 @@ sys.path.insert(0, str(ROOT))
 from bytebound.analysis.bandwidth import cuda_event_times, measure_read_bandwidth  # noqa: E402
 from bytebound.analysis.ledger import build_ledger  # noqa: E402
 from bytebound.bench.report import git_commit  # noqa: E402
-from bytebound.checkpoint.synthetic import dummy_model  # noqa: E402
 from bytebound.config import LING3_FLASH_CONFIG, LingConfig  # noqa: E402
-from bytebound.runner.backends import BackendPlan, bind_model  # noqa: E402
+from bytebound.engine.engine import Engine, EngineConfig  # noqa: E402
+from bytebound.errors import ConfigError  # noqa: E402
 from bytebound.runner.graphs import capture_decode, capture_graph  # noqa: E402
-from bytebound.runner.runner import ModelRunner, pow2_buckets  # noqa: E402
+from bytebound.runner.plan import BackendPlan, parse_backend_specs  # noqa: E402
+
+# ``--moe-backends`` suffixes -> plan overrides of that variant ("+pdlN" is a launch-config tweak, not a plan entry)
+VARIANT_OPTS = {"shared": {"moe_shared": "fused"}, "dense": {"moe_shared": "separate"}, "gemv": {"router": "gemv"},
+                "nogemv": {"router": "triton"}, "mla": {"mla": "triton"}, "kda": {"kda": "triton"}}
 
 
 def time_graph(fn, reps: int = 50, warmup: int = 3) -> float:
@@ -61,7 +69,8 @@ def decode_tpot(runner, ctx: int, steps: int = 64) -> tuple[float, float]:
     if runner.device.type != "cuda":                       # CPU smoke run of the script's logic
         ms = time_graph(lambda: runner.model.logits(runner.forward(torch.tensor([17]))))
         return ms, ms
-    capture_decode(runner)
+    if runner.graph is None:                               # graphs=eager in the plan: capture for the timing
+        capture_decode(runner)
     tok = torch.tensor([17], device=runner.device)
     pos = iter(range(ctx, ctx + 2 * steps + 2))
     step = sorted(t * 1e3 for t in cuda_event_times(lambda: runner.graph.replay(tok, next(pos)), steps, warmup=1))
@@ -70,7 +79,6 @@ def decode_tpot(runner, ctx: int, steps: int = 64) -> tuple[float, float]:
         with torch.inference_mode():
             runner.model.logits(runner.graph.replay(tok, next(pos)))
     tpot = sorted(t * 1e3 for t in cuda_event_times(with_head, steps, warmup=1))
-    runner.graph = None
     return tpot[len(tpot) // 2], step[len(step) // 2]
 
 
@@ -80,7 +88,8 @@ def kernels_per_step(runner, ctx: int, steps: int = 3):
     if runner.device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
-    capture_decode(runner)
+    if runner.graph is None:
+        capture_decode(runner)
     tok = torch.tensor([17], device=runner.device)
     with torch.inference_mode():
         runner.model.logits(runner.graph.replay(tok, ctx))
@@ -89,7 +98,6 @@ def kernels_per_step(runner, ctx: int, steps: int = 3):
             for i in range(steps):
                 runner.model.logits(runner.graph.replay(tok, ctx + 1 + i))
             torch.cuda.synchronize()
-    runner.graph = None
     n = sum(e.count for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")
             and e.self_device_time_total > 0)
     return n / steps
@@ -100,7 +108,8 @@ def what_ran(plan) -> dict:
     and routing ran."""
     moe = plan.resolutions["moe"]
     return {"resolved": {k: v.resolved for k, v in plan.resolutions.items()}, "shared_expert": moe.shared,
-            "router": moe.router}
+            "router": moe.router,
+            "plan": {name: {g: e.impl for g, e in regimes.items()} for name, regimes in plan.entries.items()}}
 
 
 def pdl_in_everywhere(model, value: int) -> None:
@@ -124,8 +133,9 @@ def per_op(model, runner, ctx: int, m: int = 1) -> list[dict]:
     pos = torch.arange(ctx, ctx + m, device=dev)
     layers = model.decoder_layers
     kda = [(l, runner.state[l.index]) for l in layers if not l.is_mla]
-    for _, st in kda:
-        st.history = [] if m > 1 else None
+    runner.reset()
+    if m > 1:
+        runner.begin_verify(m - 1)          # KDA layers record per-token states, as in the verify
     mla = [(l, runner.state[l.index]) for l in layers if l.is_mla]
     moe = [l for l in layers if hasattr(l.mlp, "experts")]
     dense = [l for l in layers if not hasattr(l.mlp, "experts")]
@@ -155,8 +165,7 @@ def per_op(model, runner, ctx: int, m: int = 1) -> list[dict]:
             ms = time_graph(fn)
             out.append({"op": name, "layers": n, "tokens": m, "ms": ms, "bytes": b, "GBps": b / ms / 1e6 if ms else 0})
     finally:
-        for _, st in kda:
-            st.history = None
+        runner.reset()
     return out
 
 
@@ -187,14 +196,9 @@ def round_cost(model, runner, ctx: int, steps: int = 3) -> dict:
     toks = torch.randint(0, cfg.vocab_size, (1, k), device=dev)
     pos_k = torch.arange(ctx, ctx + k, device=dev)
     hid = torch.randn(1, k, cfg.hidden_size, device=dev, dtype=model.dtype)
-    from bytebound.layers.kda import KDAState
 
     def verify():
-        for st in runner.state:
-            if isinstance(st, KDAState):
-                st.history = []
-        h = model(toks, pos_k, runner.state, runner.kv_span(ctx + k))
-        return model.logits(h)
+        return model.logits(runner.verify(toks[0], pos_k, runner.kv_span(ctx + k)))
 
     def extend():
         return model.logits(model.nextn_forward(toks, hid, pos_k, runner.state, runner.kv_span(ctx + k)))
@@ -203,10 +207,10 @@ def round_cost(model, runner, ctx: int, steps: int = 3) -> dict:
         return model.logits(model.nextn_forward(toks[:, :1], hid[:, :1], pos_k[:1], runner.state,
                                                 runner.kv_span(ctx + k)))
 
-    r = {"verify_ms": time_graph(verify), "extend_ms": time_graph(extend), "draft_ms": time_graph(draft)}
-    for st in runner.state:
-        if isinstance(st, KDAState):
-            st.history = None
+    runner.begin_verify(steps)
+    r = {"verify_ms": time_graph(verify)}
+    runner.reset()
+    r.update(extend_ms=time_graph(extend), draft_ms=time_graph(draft))
     r["round_ms"] = r["verify_ms"] + r["extend_ms"] + (steps - 1) * r["draft_ms"]
     # The engine's whole round as one replay (speculative.round: padded extend, drafts, verify, acceptance,
     # rollback, next inputs) plus its one host read, from a synthetic state at ``ctx``.
@@ -219,8 +223,7 @@ def round_cost(model, runner, ctx: int, steps: int = 3) -> dict:
         rnd.ext_ids.random_(0, cfg.vocab_size)
         rnd.ext_hidden.normal_()
         rnd.j.fill_(steps)
-        rnd.pos.fill_(ctx)
-        runner.pos = ctx
+        runner.reset(ctx)
         if dev.type == "cuda":
             ts = sorted(t * 1e3 for t in cuda_event_times(rnd.step, 20, warmup=2))
         else:                                   # CPU smoke run: one eager round
@@ -237,12 +240,16 @@ def round_cost(model, runner, ctx: int, steps: int = 3) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", default=str(LING3_FLASH_CONFIG))
-    ap.add_argument("--kda-backend", default=None, help="KDA backend: fla | triton | torch (default: the CUDA "
-                    "default; '+kda' in --moe-backends picks triton for one variant)")
-    ap.add_argument("--mla-backend", default=None, help="MLA decode/verify backend: torch | triton (default: the "
-                    "engine's CUDA default)")
+    ap.add_argument("--backend", action="append", default=[], metavar="ENTRY=NAME",
+                    help="plan override for every variant, as bytebound generate --backend (e.g. router=torch, "
+                         "kv=exact, moe_shared=separate); default: the engine's plan for the device")
+    ap.add_argument("--kda-backend", default=None, help="shortcut of --backend kda=NAME ('+kda' in --moe-backends "
+                    "picks triton for one variant)")
+    ap.add_argument("--mla-backend", default=None, help="shortcut of --backend mla=NAME")
     ap.add_argument("--moe-backends", default="triton,torch,humming",
-                    help="humming last: its repacked expert copy needs +1.6 GB per layer")
+                    help="variants: a moe backend with optional +shared / +dense (moe_shared=fused|separate), +gemv "
+                         "/ +nogemv (router=gemv|triton), +mla / +kda (mla|kda=triton), +pdl0 / +pdl1 / +pdl2 (the "
+                         "split kernels' pdl_in); humming last: its repacked expert copy needs +1.6 GB per layer")
     ap.add_argument("--heads", default="bf16,fp8")
     ap.add_argument("--contexts", default="2048,32768")
     ap.add_argument("--ttft-len", type=int, default=32768, help="0 skips the TTFT prefill")
@@ -251,84 +258,83 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--name", default="bench_decode", help="output file name (NAME.json) in --out")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests the script, with a small --config (e.g. models/ling-nano/config.json)")
-    onoff = argparse.BooleanOptionalAction
-    ap.add_argument("--fused-router", action=onoff, default=None,
-                    help="MoE routing as one Triton kernel (M <= 4); default: as the engine (on with CUDA)")
-    ap.add_argument("--fused-norm", action=onoff, default=None,
-                    help="RMSNorms as single Triton kernels; default: as the engine (on with CUDA)")
-    ap.add_argument("--fused-shared", action=onoff, default=None,
-                    help="each MoE layer's shared expert inside the triton 'split' kernels (EngineConfig.fused_shared) "
-                         "for every --moe-backends entry; default: as the engine (on with CUDA where the backend can); "
-                         "or name the backend 'triton+shared' / 'triton+dense' in --moe-backends to compare both in "
-                         "one run")
-    ap.add_argument("--fused-router-gemv", action=onoff, default=None,
-                    help="the router GEMV + routing as one Triton kernel (EngineConfig.fused_router_gemv), for every "
-                         "--moe-backends entry; default: as the engine (on with CUDA); or add '+gemv' / '+nogemv' to "
-                         "a backend name")
-    ap.add_argument("--kv-buckets", action=onoff, default=None,
-                    help="attention spans in powers of two from 1024 (runner.pow2_buckets) instead of all slots; "
-                         "default: as the engine (on with CUDA)")
     a = ap.parse_args()
-    for k in ("fused_router", "fused_norm", "fused_router_gemv", "kv_buckets"):   # the engine's defaults (None = CUDA)
-        if getattr(a, k) is None:
-            setattr(a, k, a.device == "cuda")
+    try:
+        common = parse_backend_specs(a.backend)
+    except ConfigError as e:
+        ap.error(str(e))
+    common.update({k: v for k, v in (("kda", a.kda_backend), ("mla", a.mla_backend)) if v})
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(a.device)
     cfg = LingConfig.from_file(a.config)
     info = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(), "command": " ".join(sys.argv), "weights": "synthetic (dummy: random, real shapes/formats)",
-            "torch": torch.__version__}
+            "torch": torch.__version__, "plan_overrides": common}
     print(json.dumps(info))
     bw = measure_read_bandwidth(dev, nbytes=(4 << 30) if dev.type == "cuda" else (256 << 20))
     info["read_bandwidth_GBps"] = bw
     print(f"streaming read bandwidth: {bw:.0f} GB/s", flush=True)
+    ctxs = [int(c) for c in a.contexts.split(",")]
+    # decode_tpot replays 2 x 65 steps past the context; the TTFT prompt runs on the same engine
+    max_len = max(max(ctxs) + 256, a.ttft_len + 64)
+    variants = []
+    for moe in a.moe_backends.split(","):
+        moe_b, *opts = moe.split("+")
+        known = set(VARIANT_OPTS) | {"pdl0", "pdl1", "pdl2"}
+        if set(opts) - known or {"shared", "dense"} <= set(opts) or {"gemv", "nogemv"} <= set(opts):
+            ap.error(f"--moe-backends {moe!r}: a backend name with optional +shared or +dense, +gemv or +nogemv, "
+                     "+pdl0 / +pdl1 / +pdl2, +mla, +kda")
+        over = {**common, "moe": moe_b}
+        for o in opts:
+            over.update(VARIANT_OPTS.get(o, {}))
+        try:        # the engine's own validation, before anything loads: a bad variant is named here
+            BackendPlan.build(dev, over)
+        except ConfigError as e:
+            ap.error(f"--moe-backends {moe!r}: {e}")
+        variants.append((moe, opts, over, [int(o[3]) for o in opts if o.startswith("pdl")]))
+    heads = a.heads.split(",")
+    eng = None
     t = time.perf_counter()
-    model = dummy_model(cfg, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    info["weights_create_s"] = time.perf_counter() - t
+    try:           # the first variant's engine, as bytebound generate builds it
+        eng = Engine(EngineConfig(model=a.config, load_format="dummy", device=a.device, lm_head=heads[0],
+                                  backends=variants[0][2], max_model_len=max_len))
+    except Exception as e:  # BackendError / ConfigError of that plan: load with the torch MoE, the loop reports it
+        print(f"first variant's engine: {type(e).__name__}: {e}; loading with moe=torch", flush=True)
+        eng = Engine(EngineConfig(model=a.config, load_format="dummy", device=a.device, lm_head=heads[0],
+                                  backends={**common, "moe": "torch"}, max_model_len=max_len))
+    first_bind = (eng.config.backends, heads[0])
+    model = eng.model
+    info["weights_create_s"] = eng.startup.get("load_s")
+    info["startup_s"] = time.perf_counter() - t
     info["gpu_mem_GB"] = torch.cuda.memory_allocated() / 1e9 if dev.type == "cuda" else 0.0
     print(f"dummy weights: {info['weights_create_s']:.1f} s, {info['gpu_mem_GB']:.1f} GB", flush=True)
-    ctxs = [int(c) for c in a.contexts.split(",")]
-    max_len = max(ctxs) + 256          # decode_tpot replays 2 x 65 steps past the context
-    runner = ModelRunner(model, max_len, dev, pow2_buckets(max_len) if a.kv_buckets else None)
-    info["kv_spans"] = list(runner.kv_buckets)
-    info["fused_router"], info["fused_norm"], info["fused_shared"] = a.fused_router, a.fused_norm, a.fused_shared
+    info["kv_spans"] = list(eng.runner.kv_buckets)
     results, ops = [], {}
 
     def dump():  # after every measurement, so a run cut short by its time limit still leaves its numbers
         (out / f"{a.name}.json").write_text(json.dumps({"info": info, "results": results, "per_op": ops},
                                                           indent=2))
-    for moe in a.moe_backends.split(","):
-        # "triton+shared" / "triton+dense": the triton backend with the shared expert inside its kernels or as a
-        # dense MLP (EngineConfig.fused_shared True / False); "+gemv" / "+nogemv": the router GEMV + routing as one
-        # kernel or not (EngineConfig.fused_router_gemv); "+pdl0" / "+pdl1" / "+pdl2": the split kernels' pdl_in
-        # "+mla" / "+kda": the mla / kda backend 'triton' (fused decode/verify kernels) for this variant
-        moe_b, *opts = moe.split("+")
-        known = {"shared", "dense", "gemv", "nogemv", "pdl0", "pdl1", "pdl2", "mla", "kda"}
-        if set(opts) - known or {"shared", "dense"} <= set(opts) or {"gemv", "nogemv"} <= set(opts):
-            ap.error(f"--moe-backends {moe!r}: a backend name with optional +shared or +dense, +gemv or +nogemv, "
-                     "+pdl0 / +pdl1 / +pdl2, +mla, +kda")
-        extra = {k: "triton" for k in ("mla", "kda") if k in opts}
-        fused_shared = True if "shared" in opts else False if "dense" in opts else a.fused_shared
-        router_gemv = True if "gemv" in opts else False if "nogemv" in opts else a.fused_router_gemv
-        pdl = [int(o[3]) for o in opts if o.startswith("pdl")]
-        for head in a.heads.split(","):
-            plan = BackendPlan.default(dev, **{"moe": moe_b, "mla": a.mla_backend, "kda": a.kda_backend, **extra})
+    for moe, opts, over, pdl in variants:
+        for head in heads:
+            plan = runner = None        # the previous variant's runner and graphs go before rebind makes new ones
             try:
                 t = time.perf_counter()
-                bind_model(model, plan, dev, head, a.fused_router, a.fused_norm, fused_shared, router_gemv)
+                if (over, head) != first_bind:          # the engine built above already runs this plan
+                    eng.rebind(backends=over, lm_head=head)
+                first_bind = None
                 if pdl:
                     pdl_in_everywhere(model, pdl[0])
                 bind_s = time.perf_counter() - t
             except Exception as e:  # BackendError, or out of memory (humming's repacked copy at full scale)
                 print(f"skip moe={moe} head={head}: {type(e).__name__}: {e}", flush=True)
                 results.append({"moe": moe, "head": head, "error": f"{type(e).__name__}: {e}"})
-                bind_model(model, BackendPlan.default(dev, moe="torch"), dev, head)   # drop a half-made binding
+                first_bind = None
+                eng.rebind(backends={**common, "moe": "torch"}, lm_head=head)   # drop a half-made binding
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
                 continue
+            plan, runner = eng.plan, eng.runner
             led = build_ledger(cfg, head=head)
             xh = torch.randn(1, cfg.hidden_size, device=dev, dtype=model.dtype)
             head_ms = time_graph(lambda: model.logits(xh), reps=200)     # the head alone: its TPOT share
@@ -367,7 +373,7 @@ def main() -> int:
                     print("MTP round:", json.dumps(rc), flush=True)
                 except Exception as e:
                     print(f"MTP round cost failed ({moe}): {type(e).__name__}: {e}", flush=True)
-            if head == "fp8" and (moe == a.moe_backends.split(",")[0] or opts):
+            if head == "fp8" and (moe == variants[0][0] or opts):
                 for m, key in [(1, f"{moe}/{head}")] + ([(4, f"{moe}/{head}/verify4")] if a.verify_ops else []):
                     try:
                         ops[key] = per_op(model, runner, ctxs[0], m)
@@ -382,17 +388,17 @@ def main() -> int:
             dump()
     if a.ttft_len:
         try:
-            plan = BackendPlan.default(dev, moe=a.moe_backends.split(",")[0], mla=a.mla_backend)
-            bind_model(model, plan, dev, "fp8", a.fused_router, a.fused_norm)
-            runner = ModelRunner(model, a.ttft_len + 64, dev)
+            eng.rebind(backends=variants[0][2], lm_head="fp8")
+            runner = eng.runner
             ids = torch.randint(0, cfg.vocab_size, (a.ttft_len,), device=dev)
             sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+            runner.reset()
             sync()
             t = time.perf_counter()
             h = runner.prefill(ids)
             model.logits(h[-1:])
             sync()
-            info["ttft_s"] = {"prompt": a.ttft_len, "s": time.perf_counter() - t, **what_ran(plan)}
+            info["ttft_s"] = {"prompt": a.ttft_len, "s": time.perf_counter() - t, **what_ran(eng.plan)}
             print(f"TTFT {a.ttft_len} tokens: {info['ttft_s']['s']:.2f} s", flush=True)
         except Exception as e:
             info["ttft_s"] = {"prompt": a.ttft_len, "error": f"{type(e).__name__}: {e}"}

@@ -8,14 +8,17 @@ Rows (median device time of one graph replay, CUDA events):
   on the CUDA default linear backend), for ``--backends`` (default ``fla,triton``);
 * ``projections``: q|k|v|f|g + b_proj + o_proj alone, so ``layer - projections`` is the cost between them;
 * ``fused kernel``: ``triton_kda.fused_kda`` alone (the part the layer's glue + recurrence becomes), at its
-  default launch width and at each ``--warps`` value;
+  resolved launch (``resolve_launch``: the table entry or the default), then at each ``--v-splits`` value
+  (programs per head) x each ``--warps`` value (and that V_SPLIT's default width); the fastest of these is
+  printed as the ``configs/triton_kda.json`` entry for this GPU and shape (``table_entry`` in the JSON);
 * ``fla fused_recurrent`` (M = 1): fla-core's recurrence kernel alone, on pre-computed q, k, v, g, beta: the
   same-run yardstick of the recurrence by itself.
 
 It also counts the CUDA kernels one eager layer call launches (torch.profiler), which a graph replays one for one.
 Weights are synthetic (random E4M3 at the real shapes): speed only. Writes JSON to ``--out`` when given.
 
-    python scripts/bench_kda.py [--tokens 1,4] [--reps 200] [--out bench-results/kda.json]
+    python scripts/bench_kda.py [--tokens 1,4] [--reps 200] [--v-splits 1,2,4,8] [--warps 4,8,16]
+                                [--out bench-results/kda.json]
 """
 
 from __future__ import annotations
@@ -92,8 +95,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,4", help="M values (verify rows record the per-token history)")
     ap.add_argument("--backends", default="fla,triton", help="kda backends for the layer rows")
     ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--warps", default="4,8,16", help="num_warps values to time the fused kernel at (besides its "
-                    "default); empty: only the default")
+    ap.add_argument("--warps", default="4,8,16", help="num_warps values to time the fused kernel at (besides "
+                    "each V_SPLIT's default); empty: only the defaults")
+    ap.add_argument("--v-splits", default="1,2,4,8", help="V_SPLIT values (programs per head) to time the fused "
+                    "kernel at; empty: only the resolved launch")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -105,6 +110,7 @@ def main(argv=None) -> int:
     layer = ling_kda_layer(cfg, dev)
     h, d = layer.heads, layer.head_dim
     rows = []
+    table_entry = {}
 
     def add(name, m, ms, kernels=None):
         rows.append({"row": name, "M": m, "us": round(ms * 1e3, 2), "kernels": kernels})
@@ -137,17 +143,29 @@ def main(argv=None) -> int:
             fk = triton_kda.FusedKDA(layer)
             y = layer.proj_fn(x)
             qkv, f, gate = y[..., :3 * layer.dim], y[..., 3 * layer.dim:4 * layer.dim], y[..., 4 * layer.dim:]
-            b = layer.b_proj(x)
             st = layer.new_state(1, dev)
 
-            def fused(st=st):
+            def fused(st=st):       # beta's b_proj inside the kernel where it is plain (fk.beta)
                 if hist:
                     st.history = []
-                return fk(qkv, f, gate, b, st, torch.bfloat16)
-            for nw in [None] + [int(w) for w in a.warps.split(",") if w]:
-                fk.num_warps = nw
-                add("fused kernel" + (" (history)" if hist else "") + (f" num_warps={nw}" if nw else ""), m,
-                    graph_ms(fused, a.reps), kernels_per_call(fused) if nw is None else None)
+                return fk(qkv, f, gate, x, st, torch.bfloat16)
+            vs0, nw0, src = triton_kda.resolve_launch(1, h, d, d, m, dev)
+            name = "fused kernel" + (" (history)" if hist else "")
+            add(f"{name} resolved V_SPLIT={vs0} num_warps={nw0} ({src})", m, graph_ms(fused, a.reps),
+                kernels_per_call(fused))
+            best = None
+            for vs in (int(v) for v in a.v_splits.split(",") if v):
+                fk.v_split = vs
+                widths = [triton_kda.default_num_warps(d, d, vs)] + [int(w) for w in a.warps.split(",") if w]
+                for nw in dict.fromkeys(widths):
+                    fk.num_warps = nw
+                    ms = graph_ms(fused, a.reps)
+                    add(f"{name} V_SPLIT={vs} num_warps={nw}", m, ms)
+                    if best is None or ms < best[0]:
+                        best = (ms, vs, nw)
+            fk.v_split = fk.num_warps = None
+            if best is not None:
+                table_entry[triton_kda.shape_key(1, h, d, d, m)] = {"v_split": best[1], "num_warps": best[2]}
             if m == 1:
                 from bytebound.kernels.fla_kda import make_kda_fn
                 fla = make_kda_fn(inplace=True)
@@ -159,7 +177,11 @@ def main(argv=None) -> int:
                     graph_ms(lambda: fla(q, k, v, g, beta, rec), a.reps),
                     kernels_per_call(lambda: fla(q, k, v, g, beta, rec)))
     res = {"commit": git_commit(), "device": torch.cuda.get_device_name(), "config": a.config,
-           "heads": h, "head_dim": d, "hidden": cfg.hidden_size, "reps": a.reps, "rows": rows}
+           "heads": h, "head_dim": d, "hidden": cfg.hidden_size, "reps": a.reps, "rows": rows,
+           "table_entry": {torch.cuda.get_device_name(): table_entry}}
+    if table_entry:
+        print(f"configs/triton_kda.json entry (fastest fused kernel per M): "
+              f"{json.dumps({torch.cuda.get_device_name(): table_entry})}")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=2))

@@ -114,7 +114,7 @@ def make_routing(m: int, kind: str, seed: int):
 def bind(backend: str, ex, cfg: dict | None = None):
     """Bound callable; ``cfg`` is one triton config for every M or a ``{M: config}`` map (None: lookup/default)."""
     if backend == "triton":
-        from bytebound.kernels.triton_moe import MoEKernel, fit_config
+        from bytebound.kernels.moe_host import MoEKernel, fit_config
         fn = MoEKernel(ex)
         if cfg is not None:
             per_m = cfg if all(isinstance(k, int) for k in cfg) else {m: cfg for m in range(1, 5)}
@@ -230,7 +230,7 @@ TUNE_CANDIDATES = {1: _grid(), 4: _grid()}
 
 
 def tune(layers, ms, reps, out_dir: Path, log) -> dict:
-    from bytebound.kernels.triton_moe import shape_key, gpu_name
+    from bytebound.kernels.moe_host import shape_key, gpu_name
     best, rows = {}, []
     for m in ms:
         for cfg in TUNE_CANDIDATES[m]:
@@ -252,9 +252,6 @@ def tune(layers, ms, reps, out_dir: Path, log) -> dict:
     table = {gpu_name(): {shape_key(E, H, I, K, m): best[m]["config"] for m in best}}
     (out_dir / "triton_moe_configs.json").write_text(json.dumps(table, indent=2) + "\n")
     return {"candidates": rows, "best": {m: best[m]["config"] for m in best}, "table": table}
-
-
-PROBES = ("gateup_only", "down_only", "load_only", "compute_only")
 
 
 def kernel_breakdown(fns, xs_routes, reps: int = 10) -> dict:
@@ -282,8 +279,11 @@ def probe(layers, ms, cfgs: dict, reps: int, log) -> list[dict]:
     """Attribute the split variant's time (``--probe``): each kernel alone, every load without the decode
     (``load_only``), the decode without the weight loads (``compute_only``), a profiler breakdown per kernel, and the
     cost of launching 2 empty kernels per layer from a graph (ordinary launches, no PDL: the floor any two-kernel
-    design pays). The probes' outputs are wrong by construction; their rel-error fields mean nothing."""
+    design pays). The probes' outputs (``bytebound.bench.moe_probe``) are wrong by construction; their rel-error
+    fields mean nothing."""
     import triton
+
+    from bytebound.bench.moe_probe import PROBES, probe_kernel
 
     @triton.jit
     def _noop(p):
@@ -305,8 +305,7 @@ def probe(layers, ms, cfgs: dict, reps: int, log) -> list[dict]:
         if not cfg or cfg.get("variant") != "split":
             continue
         for pr in (None,) + PROBES:
-            c = dict(cfg, probe=pr) if pr else cfg
-            fns = [bind("triton", ex, c) for ex in layers]
+            fns = [probe_kernel(ex, cfg, pr) if pr else bind("triton", ex, cfg) for ex in layers]
             r = run_case("triton", fns, layers, m, "random", reps)
             r.update(probe=pr or "full", config=cfg)
             if pr is None:
@@ -596,11 +595,11 @@ def main() -> int:
         for m in TUNE_CANDIDATES:
             TUNE_CANDIDATES[m] = [TUNE_CANDIDATES[m][0], TUNE_CANDIDATES[m][-2]]
     elif args.tune_partials:
-        from bytebound.kernels.triton_moe import DEFAULT_CONFIG
+        from bytebound.kernels.moe_host import DEFAULT_CONFIG
         for m in TUNE_CANDIDATES:
             TUNE_CANDIDATES[m] = [dict(DEFAULT_CONFIG), dict(DEFAULT_CONFIG, deterministic=False)] + partials_grid()
     elif args.tune_split:
-        from bytebound.kernels.triton_moe import lookup_config
+        from bytebound.kernels.moe_host import lookup_config
         for m in TUNE_CANDIDATES:
             TUNE_CANDIDATES[m] = [lookup_config(E, H, I, K, m)] + split_grid()
     if args.tune and "triton" in backends:
@@ -610,7 +609,7 @@ def main() -> int:
     def save() -> None:             # after every section, so a run cut short keeps what it measured
         (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
 
-    from bytebound.kernels.triton_moe import lookup_config
+    from bytebound.kernels.moe_host import lookup_config
     best = dict(tuned["best"]) if tuned else {}
     cfgs = {m: best.get(m) or lookup_config(E, H, I, K, m) for m in ms}    # the sections' config per M
     if args.probe:

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     from triton.testing import do_bench
 
     from bytebound.analysis.bandwidth import measure_read_bandwidth
-    from bytebound.kernels.triton_moe import MoEKernel
+    from bytebound.kernels.moe_host import MoEKernel
     from bytebound.kernels.triton_moe_grouped import GroupedMoE, prefill_config
     from bytebound.runner.backends import prefill_slices
     dev = torch.cuda.get_device_name()

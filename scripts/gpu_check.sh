@@ -19,7 +19,10 @@
 # default "--greedy-n 200 --quant-ablation 200"), MTP_ARGS (extra mtp_accept.py arguments for the
 # on-demand section ``mtp``, e.g. "--no-sampled"), MTP_MODES ("eager graph", the default, or any of eager, graph, fp32),
 # BYTEBOUND_MOE_CONFIG (a triton MoE config table, e.g. the one
-# bench_moe --tune just wrote to $OUT/triton_moe_configs.json, instead of the committed one).
+# bench_moe --tune just wrote to $OUT/triton_moe_configs.json, instead of the committed one), LADDER_* (the
+# on-demand section ``ladder``: LADDER_BUDGET seconds for the whole section, default 400; LADDER_LENS, default
+# 2048,32768; LADDER_OUT_LEN, default 256; LADDER_GSM8K_LIMIT, default 50; LADDER_DRAFT_VOCAB, default 1024;
+# LADDER_ACCEPT, the committed trained-model accept-length record the synthetic +mtp row is priced at first).
 
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +34,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -73,7 +76,8 @@ section_kernels() {      # GPU kernel tests vs torch / float64 references
 
 section_kda() {          # the fused KDA decode/verify kernel (kda backend 'triton'): tests at Ling's shape, then one
     # layer's fused path vs today's fla + glue path at M = 1 and 4 under CUDA graphs (JSON in $OUT)
-    run_step pytest python3 -m pytest tests/gpu/test_kda_gpu.py tests/test_triton_kda.py -v -p no:cacheprovider \
+    run_step pytest python3 -m pytest tests/gpu/test_kda_gpu.py tests/gpu/test_fuse_gpu.py tests/test_triton_kda.py \
+        -v -p no:cacheprovider \
         -rfE --tb=short $(pytest_timeout) --junitxml="$OUT/kda_junit.xml" ${PYTEST_K:+-k "$PYTEST_K"}
     run_step bench python3 scripts/bench_kda.py --out "$OUT/bench_kda.json"
 }
@@ -109,7 +113,7 @@ section_bisect() {       # the full-scale canaries once per GPU path: engine def
     canaries eager_rounds BYTEBOUND_FULLSCALE_ENGINE='{"spec_static_round": false}'
     local tab="$OUT/moe_fused.json"
     run_step fused_moe_table python3 -c 'import json, sys
-from bytebound.kernels.triton_moe import DEFAULT_CONFIG, load_configs
+from bytebound.kernels.moe_host import DEFAULT_CONFIG, load_configs
 t = load_configs()
 n = 0
 for gpu, table in t.items():
@@ -244,6 +248,18 @@ section_fp8gemm() {      # issue 20: prefill FP8 block GEMMs (Triton FP8 tensor 
     run_step bench python3 scripts/bench_fp8_gemm.py --out "$OUT" ${BENCH_FP8_ARGS:-}
 }
 
+section_gemv() {         # issue 19: the decode/verify FP8 GEMV (linear=triton, M <= 4): the config sweep first (its
+    #                        best per shape and M -> $OUT/gemv_table.json), then the GPU tests and the final bench
+    #                        with that table (BYTEBOUND_GEMV_CONFIG) against the same-bytes read (GEMV_SWEEP_ARGS)
+    run_step sweep python3 scripts/bench_gemv.py --sweep --jobs 12 --out "$OUT/gemv_sweep" ${GEMV_SWEEP_ARGS:-}
+    local table="$OUT/gemv_sweep/gemv_table.json"
+    [ -s "$table" ] && export BYTEBOUND_GEMV_CONFIG="$table"
+    run_step pytest python3 -m pytest tests/gpu/test_gemv_gpu.py tests/gpu/test_kernels_gpu.py -k "gemv or fp8_linear" \
+        -q -p no:cacheprovider -rfEs --tb=short $(pytest_timeout) --junitxml="$OUT/gemv_junit.xml"
+    run_step bench python3 scripts/bench_gemv.py --out "$OUT"
+    unset BYTEBOUND_GEMV_CONFIG
+}
+
 section_mla() {          # issue 19: the triton MLA decode/verify backend (mla=triton): kernel tests at Ling shapes and
     #                        the small-shape suite compiled for real, the attention-part benchmark (BENCH_MLA_ARGS,
     #                        e.g. "--sweep"), and decode at 2K/32K with the backend
@@ -252,6 +268,96 @@ section_mla() {          # issue 19: the triton MLA decode/verify backend (mla=t
     run_step bench_mla python3 scripts/bench_mla.py --out "$OUT" ${BENCH_MLA_ARGS:-}
     run_step decode python3 scripts/bench_decode.py --out "$OUT" --name decode-mla --contexts 2048,32768 --ttft-len 0 \
         --moe-backends triton --heads fp8 --mla-backend triton
+}
+
+# budget_step CAP LABEL CMD...: run_step with a timeout of CAP seconds or what is left of the section's budget
+# (LADDER_END, in $SECONDS) less LADDER_RESERVE seconds kept for the steps after it, whichever is less. The reserve
+# gives way when under 15 s would remain (the earlier step is the more important); skipped (recorded as failed)
+# when under 15 s of the budget are left at all.
+budget_step() {
+    local cap="$1" label="$2"; shift 2
+    local left=$(( LADDER_END - SECONDS ))
+    if [ "$left" -lt 15 ]; then
+        echo "=== [$CURRENT] $label: skipped, ${left} s of the section's budget left" | tee -a "$LOG"
+        FAILED+=("$CURRENT/$label(no time)"); return 0
+    fi
+    local t=$(( left - ${LADDER_RESERVE:-0} ))
+    [ "$t" -lt 15 ] && t=$left
+    SECTION_TIMEOUT=$(( cap < t ? cap : t )) run_step "$label" "$@"
+}
+
+has_mtp_accept() {       # has_mtp_accept FILE: FILE is an ablation record with a measured +mtp accept length, or an
+    #                        mtp_accept.py record with a greedy one
+    [ -s "$1" ] && python3 -c 'import json, sys
+d = json.load(open(sys.argv[1]))
+ok = any(s.get("step") == "+mtp" and (s.get("summary") or {}).get("accept_length") for s in d.get("steps", [])) \
+    if d.get("benchmark") == "ablation" else bool(d.get("greedy"))
+sys.exit(0 if ok else 1)' "$1" 2>/dev/null
+}
+
+section_ladder() {       # issue 21: the seed's ablation ladder with today's engine (CUDA defaults), one lever at a time:
+    #   1. full scale, synthetic weights, 2K and 32K in (one engine per step, both lengths on it): humming MoE + FP32
+    #      logits -> + triton MoE -> + FP8 head -> + MTP; the +mtp row's measured round cost priced at the committed
+    #      trained-model accept length (LADDER_ACCEPT);
+    #   2. GSM8K 5-shot on the bundled ling-nano (trained), the seed's sampling (T 0.6, top-p 0.95, top-k 29);
+    #   3. greedy parity spec == plain on 50 GSM8K prompts, full draft head and hot-vocabulary head;
+    #   4. tests/gpu/test_adaptive_gpu.py::test_adaptive_synthetic_weights_falls_back (fixed in 700569a, not yet run);
+    #   5. the synthetic ladder re-priced at this call's own accept lengths (no engine), the small records tarred.
+    # Everything inside LADDER_BUDGET seconds (default 400); at most 8 files in $OUT: ablation_h200.{json,md} and
+    # ablation_h200_ladder.png, the same three for ablation_h200_gsm8k, ladder.log, ladder-extra.tar (the mtp_accept
+    # records). The names are docs/perf's, so the files are committed as they come back. The ladders write their report
+    # after every step, so a step cut off by its timeout keeps the rows before it. --tpot-rule record: a TPOT rise
+    # is listed in the report instead of stopping the ladder (one device call: every row is wanted);
+    # --allow-fallback: a lever that cannot run is a row marked inactive, not the end of the ladder.
+    LADDER_END=$(( SECONDS + ${LADDER_BUDGET:-400} ))
+    local x=/tmp/ladder_extra full=bytebound/assets/configs/ling-3.0-flash.json
+    local accept="${LADDER_ACCEPT:-docs/perf/mtp-accept-nano-h200-graph-4e7a079.json}"
+    rm -rf "$x"; mkdir -p "$x"
+    LADDER_RESERVE=190 budget_step 200 synthetic python3 -m bytebound.cli bench ablation --model "$full" \
+        --load-format dummy --device cuda --baseline-moe humming --input-len "${LADDER_LENS:-2048,32768}" \
+        --output-len "${LADDER_OUT_LEN:-256}" --tpot-rule record --allow-fallback --price-accept-from "$accept" \
+        --no-progress --out "$OUT" --name ablation_h200
+    local gsm=(python3 -m bytebound.cli bench ablation --workload gsm8k --device cuda --limit "${LADDER_GSM8K_LIMIT:-50}"
+               --tpot-rule record --allow-fallback --no-progress --out "$OUT" --name ablation_h200_gsm8k)
+    LADDER_RESERVE=90 budget_step 110 gsm8k "${gsm[@]}" --baseline-moe humming
+    if ! python3 -c 'import json, sys
+d = json.load(open(sys.argv[1]))
+sys.exit(0 if d.get("steps") and (d.get("stop") or {}).get("step") != "baseline" else 1)' "$OUT/ablation_h200_gsm8k.json" \
+            2>/dev/null; then   # humming is untried at the bundled model's widths (H 256, I 128): if the baseline
+        #                         could not run, once more with the torch baseline (the first attempt is in the log)
+        LADDER_RESERVE=80 budget_step 110 gsm8k_torch_baseline "${gsm[@]}" --baseline-moe torch
+    fi
+    LADDER_RESERVE=70 budget_step 50 parity_full python3 scripts/mtp_accept.py --device cuda --no-sampled --limit 50 \
+        --out "$x" --name mtp-accept-nano-h200-full
+    LADDER_RESERVE=50 budget_step 50 parity_hot python3 scripts/mtp_accept.py --device cuda --no-sampled --limit 50 \
+        --speculative-draft-vocab "${LADDER_DRAFT_VOCAB:-1024}" --out "$x" --name mtp-accept-nano-h200-hot
+    LADDER_RESERVE=8 budget_step 60 adaptive python3 -m pytest tests/gpu/test_adaptive_gpu.py -q -s -p no:cacheprovider \
+        -rfE --tb=short $(pytest_timeout) -k test_adaptive_synthetic_weights_falls_back
+    local more=() f
+    for f in "$OUT/ablation_h200_gsm8k.json" "$x/mtp-accept-nano-h200-full.json"; do
+        has_mtp_accept "$f" && more+=(--price-accept-from "$f")
+    done
+    if [ -s "$OUT/ablation_h200.json" ] && [ ${#more[@]} -gt 0 ]; then
+        LADDER_RESERVE=0 budget_step 30 reprice python3 -m bytebound.cli bench ablation --reprice \
+            "$OUT/ablation_h200.json" --price-accept-from "$accept" "${more[@]}"
+    fi
+    tar -cf "$OUT/ladder-extra.tar" -C "$x" . 2>&1 | tee -a "$LOG"
+}
+
+section_integration() {  # ninth session: the merged decode fusions (add+RMSNorm, b_proj and the post-attention norm
+    #                        inside kernels, V-split KDA, PDL entries, the swept GEMV table) and the plan/state
+    #                        refactors: the kernel-level GPU tests, the kernel table of one decode step and one
+    #                        verify, then the KDA V_SPLIT timings that pick the table entry (engine tests: engine)
+    local q="-q -p no:cacheprovider -rfE --tb=short $(pytest_timeout)"
+    run_step fuse python3 -m pytest tests/gpu/test_fuse_gpu.py tests/gpu/test_plan_gpu.py $q
+    run_step kda python3 -m pytest tests/gpu/test_kda_gpu.py $q -k "graph_replay or default_launch or nano or full_width"
+    run_step mla python3 -m pytest tests/gpu/test_mla_gpu.py $q -k "graph or nano"
+    run_step profile python3 scripts/profile_decode.py --ctx 2048 --verify-m 4 --top 40 --out "$OUT" \
+        --name "profile-decode-h200-$BYTEBOUND_COMMIT"
+    run_step profile_nopdl env BYTEBOUND_PDL=0 python3 scripts/profile_decode.py --ctx 2048 --verify-m 0 --top 10 \
+        --out "$OUT" --name "profile-decode-nopdl-h200-$BYTEBOUND_COMMIT"
+    run_step bench_kda python3 scripts/bench_kda.py --tokens 1,4 --backends triton --warps 4,8 --v-splits 1,2,4,8 \
+        --out "$OUT/bench_kda.json"
 }
 
 section_env() {          # what the machine has

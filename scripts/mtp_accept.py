@@ -1,9 +1,10 @@
 """MTP on GSM8K test prompts with a trained checkpoint: greedy parity and accept length (issue 6).
 
 For each of the first ``--limit`` GSM8K test questions (chat prompt): the non-speculative greedy output and
-the speculative (NEXTN, 3 steps, 4 verified positions) greedy output must be identical token for token;
-then accept length and per-position acceptance rates are measured for greedy and for T 0.6 / top-p 0.95 /
-top-k 29 sampling. Writes NAME.json to ``--out`` (default ``out/mtp_accept``; the committed figures are copies in
+the speculative (NEXTN, 3 steps, 4 verified positions) greedy output must be identical token for token (with
+``--speculative-draft-vocab`` the draft steps score only the hot vocabulary; the verify keeps the full head, so
+parity must still hold); then accept length and per-position acceptance rates are measured for greedy and for
+T 0.6 / top-p 0.95 / top-k 29 sampling. Writes NAME.json to ``--out`` (default ``out/mtp_accept``; the committed figures are copies in
 docs/perf with their own write-ups).
 """
 
@@ -71,12 +72,16 @@ def main() -> int:
                     help="speculative engine with static-shape rounds (one CUDA-graph replay per greedy round; "
                          "default: the engine's, on with CUDA)")
     ap.add_argument("--no-sampled", action="store_true", help="greedy parity and accept length only")
+    ap.add_argument("--speculative-draft-vocab", default=None, metavar="N|COVERAGE|FILE",
+                    help="hot-vocabulary draft head of the speculative engine (the engine's flag of that name; "
+                         "default: the full head)")
     a = ap.parse_args()
     qs = [r["question"] for r in load_split("test")[: a.limit]]
     backends = parse_overrides(a.backends)
     common = dict(model=a.model, device=a.device, lm_head=a.lm_head, dtype=a.dtype, backends=backends)
     base = Engine(EngineConfig(**common))
-    spec = Engine(EngineConfig(**common, speculative_steps=3, spec_static_round=a.spec_static_round))
+    spec = Engine(EngineConfig(**common, speculative_steps=3, spec_static_round=a.spec_static_round,
+                               draft_vocab=a.speculative_draft_vocab))
     greedy = SamplingParams(max_tokens=a.max_tokens)
     mism, hit_eos, hit_len = [], 0, 0
     tpot = {"plain": [], "spec": []}
@@ -101,11 +106,13 @@ def main() -> int:
     samp_stats = None if a.no_sampled else spec.spec_totals
     dev_name = __import__("torch").cuda.get_device_name() if a.device == "cuda" else a.device
     res = {"date": dt.date.today().isoformat(), "commit": git_commit(), "device": dev_name, "model": a.model,
-           "spec_static_round": spec.config.spec_static_round,
+           "spec_static_round": spec.static_round,
            "mean_tpot_ms": {k: 1e3 * sum(v) / len(v) for k, v in tpot.items() if v},
            "weights": "trained (ling-nano)", "dtype": str(base.model.dtype).removeprefix("torch."),
            "backends": {k: v.resolved for k, v in base.plan.resolutions.items()},
            "prompts": len(qs), "max_tokens": a.max_tokens, "lm_head": a.lm_head,
+           "draft_vocab": a.speculative_draft_vocab,
+           "draft_head": spec.drafter.hot.facts() if getattr(spec.drafter, "hot", None) is not None else "full head",
            "greedy_parity": {"identical": len(qs) - len(mism), "mismatches": mism, "finished_by_eos": hit_eos,
                              "finished_by_max_tokens": hit_len},
            "greedy": greedy_stats.to_dict(),

@@ -92,7 +92,7 @@ def main(argv=None) -> int:
             wall = sorted(cuda_event_times(step, 30, warmup=2))
             out["decode_wall_ms"] = wall[len(wall) // 2] * 1e3
         else:
-            runner.pos = a.ctx
+            runner.reset(a.ctx)
             step = lambda: runner.model.logits(runner.forward(tok))                          # noqa: E731
         rows, tot = profile(step, a.steps, cuda)
         out["decode"] = {"totals": tot, "kernels": rows}
@@ -101,9 +101,9 @@ def main(argv=None) -> int:
             ids = torch.full((a.verify_m,), 17, device=eng.device)
 
             def verify():
-                runner.pos = a.ctx
+                runner.reset(a.ctx)
                 h = runner.verify(ids)
-                runner.commit(a.verify_m, a.verify_m)
+                runner.commit(a.verify_m - 1)
                 return runner.model.logits(h)
             if cuda:
                 wall = sorted(cuda_event_times(verify, 10, warmup=2))

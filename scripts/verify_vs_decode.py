@@ -43,9 +43,11 @@ from bytebound.checkpoint.synthetic import dummy_model  # noqa: E402
 from bytebound.config import LING3_FLASH_CONFIG, LingConfig  # noqa: E402
 from bytebound.layers.moe import MoE  # noqa: E402
 from bytebound.layers.norm import RMSNorm, RMSNormGated  # noqa: E402
+from bytebound.kernels.limits import MAX_VERIFY_M  # noqa: E402
 from bytebound.runner.backends import BackendPlan, bind_model, parse_overrides  # noqa: E402
+from bytebound.runner.plan import PLAIN_SWITCHES  # noqa: E402
 from bytebound.runner.runner import ModelRunner  # noqa: E402
-from bytebound.verify.canaries import decode_vs_verify, restore_state, snapshot_state  # noqa: E402
+from bytebound.verify.canaries import decode_vs_verify  # noqa: E402
 from bytebound.verify.routing import first_route_flip, position_routes  # noqa: E402
 
 
@@ -59,9 +61,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @contextlib.contextmanager
 def layer_outputs(model):
-    """Collect every decoder layer's output (float32 ``[T, H]``) in call order."""
+    """Collect every decoder layer's output (float32 ``[T, H]``) in call order (a layer returns ``(h, delta)``,
+    its output being ``h + delta``: the add the next norm fuses)."""
     outs: list[torch.Tensor] = []
-    hooks = [layer.register_forward_hook(lambda m, i, o: outs.append(o[0].float().clone()))
+    hooks = [layer.register_forward_hook(lambda m, i, o: outs.append((o[0] + o[1])[0].float().clone()))
              for layer in model.decoder_layers]
     try:
         yield outs
@@ -78,18 +81,20 @@ def run_depth(cfg_dict: dict, layers: int, a, paths: set[str], stack) -> dict:
     head = "fp8" if dev.type == "cuda" and a.dtype == "bf16" else "bf16"
     plan = None
     if dev.type == "cuda":
-        plan = bind_model(model, BackendPlan.default("cuda", **parse_overrides(a.backends)), dev, head)
+        # the registry backends alone unless --backends names a switch (router=gemv, norm=triton, ...)
+        plan = bind_model(model, BackendPlan.default("cuda", **{**PLAIN_SWITCHES, **parse_overrides(a.backends)}),
+                          dev, head)
     if paths & {"router", "norm"}:
         from conftest import triton_kernels
         rt = stack.enter_context(triton_kernels("bytebound.kernels.triton_router")) if "router" in paths else None
         nm = stack.enter_context(triton_kernels("bytebound.kernels.triton_norm")) if "norm" in paths else None
         for m in model.modules():
             if rt is not None and isinstance(m, MoE):
-                m.route_fn = rt.fused_route
+                m.route_fn, m.route_m = rt.fused_route, MAX_VERIFY_M
             elif nm is not None and isinstance(m, RMSNormGated):
                 m.fn = nm.rmsnorm_gated
             elif nm is not None and isinstance(m, RMSNorm):
-                m.fn = nm.rmsnorm
+                m.fn, m.add_fn = nm.rmsnorm, nm.add_rmsnorm
     r = ModelRunner(model, 256, dev, (16, 32) if "buckets" in paths else None)
     if dev.type == "cpu":
         r.static_kv = bool(paths & {"static", "buckets"})
@@ -98,17 +103,17 @@ def run_depth(cfg_dict: dict, layers: int, a, paths: set[str], stack) -> dict:
         h = r.prefill(torch.randint(0, cfg.vocab_size, (30,), generator=g))
         tok = model.logits(h[-1:]).argmax(-1)
         seq, ver = decode_vs_verify(r, tok, 4)
-        snap = snapshot_state(r)
+        snap = r.snapshot()
         toks = [int(tok)] + seq[:3].argmax(-1).tolist()
         with layer_outputs(model) as outs:            # per layer: the decode steps, then the verify
             with position_routes(r) as dec_routes:
                 for t in toks:
                     r.forward(torch.tensor([t], device=dev))
             n = len(outs) // 4
-            restore_state(r, snap)
+            r.restore(snap)
             with position_routes(r) as ver_routes:
                 r.verify(torch.tensor(toks, device=dev))
-            restore_state(r, snap)
+            r.restore(snap)
         flip = first_route_flip(dec_routes, ver_routes, range(r.pos, r.pos + 4))
         res = {"layers": layers, "dtype": a.dtype, "lm_head": head,
                "backends": {k: v.resolved for k, v in plan.resolutions.items()} if plan else "torch (CPU)",
@@ -118,11 +123,11 @@ def run_depth(cfg_dict: dict, layers: int, a, paths: set[str], stack) -> dict:
                "route_flip": flip,
                "layer_norm_pos0": [float(outs[k][0].norm()) for k in range(n)]}
         if a.baseline:
-            both = {**parse_overrides(a.backends), **parse_overrides(a.baseline)}
+            both = {**PLAIN_SWITCHES, **parse_overrides(a.backends), **parse_overrides(a.baseline)}
             bind_model(model, BackendPlan.default(dev, **both), dev, head)
             with layer_outputs(model) as outs2:
                 lb = model.logits(r.forward(tok.view(1))).float()[0]
-            restore_state(r, snap)
+            r.restore(snap)
             res["baseline"] = a.baseline
             res["baseline_rel_err_pos0"] = _rel(lb, seq[0])
             res["baseline_layer_rel_err_pos0"] = [_rel(outs2[k][0], outs[k][0]) for k in range(n)]

@@ -16,7 +16,7 @@ from bytebound.errors import BackendError
 
 # Through conftest.triton_kernels, like the other Triton modules' CPU tests: where Triton is installed and there is
 # no GPU, it must first load in interpreter mode, or the interpreter tests collected after this file fail.
-with triton_kernels("bytebound.kernels.triton_moe") as tm:
+with triton_kernels("bytebound.kernels.moe_host") as tm:
     ts = importlib.reload(importlib.import_module("bytebound.kernels.triton_moe_split"))
 
 

@@ -50,16 +50,18 @@ def test_greedy_speculative_equals_plain(engines, reference):
 
 class OracleDrafter:
     """Wraps the real drafter (its NEXTN forward still runs and updates the NEXTN cache) but proposes the true
-    greedy continuation, corrupted on a seeded schedule, so every accepted count j = 0..steps occurs."""
+    greedy continuation, corrupted on a seeded schedule, so every accepted count j = 0..steps occurs. Aware of the
+    round's padded draft-extend: the row the drafts continue from sits at ``runner.pos - 1``."""
 
-    def __init__(self, real, sequence: list[int], vocab: int, p_wrong: float, seed: int):
-        self.real, self.steps, self.seq, self.vocab = real, real.steps, sequence, vocab
+    def __init__(self, runner, real, sequence: list[int], vocab: int, p_wrong: float, seed: int):
+        self.runner, self.real, self.steps, self.seq, self.vocab = runner, real, real.steps, sequence, vocab
         self.rng = random.Random(seed)
         self.p_wrong = p_wrong
         self.q = None
 
     def hidden(self, ids, prev_hidden, positions, state, kv_len=None):
-        self.q = int(positions[-1])          # the NEXTN at position q (token q+1) predicts the token at q + 2
+        # the NEXTN at position q (token q+1) predicts the token at q + 2; the extend's selected row is at pos - 1
+        self.q = self.runner.pos - 1 if positions.numel() > 1 else int(positions[-1])
         return self.real.hidden(ids, prev_hidden, positions, state, kv_len)
 
     def logits(self, hidden):
@@ -84,7 +86,7 @@ def test_accepted_drafts_commit_correctly(engines, reference, p_wrong):
     last_position_accepts = 0
     try:
         for n, (p, want) in enumerate(reference.items()):
-            spec.drafter = OracleDrafter(real, list(p) + want, vocab, p_wrong, seed=n)
+            spec.drafter = OracleDrafter(spec.runner, real, list(p) + want, vocab, p_wrong, seed=n)
             out = spec.generate(list(p), G)[0]
             assert out.token_ids == want, f"prompt of {len(p)} tokens diverged"
             acc = out.spec["per_position_accept"]
@@ -105,19 +107,19 @@ def test_accept_counts_cover_all_j(engines, reference):
     real = spec.drafter
     vocab = spec.model.cfg.vocab_size
     counts = [0] * (STEPS + 1)
-    orig_commit = spec.runner.commit
+    orig_commit = spec.runner.commit_length
 
-    def commit(n, verified):
-        counts[n - 1] += 1
-        return orig_commit(n, verified)
-    spec.runner.commit = commit
+    def commit_length(n):
+        counts[n] += 1
+        return orig_commit(n)
+    spec.runner.commit_length = commit_length
     try:
         for n, (p, want) in enumerate(reference.items()):
-            spec.drafter = OracleDrafter(real, list(p) + want, vocab, 0.25, seed=100 + n)
+            spec.drafter = OracleDrafter(spec.runner, real, list(p) + want, vocab, 0.25, seed=100 + n)
             assert spec.generate(list(p), G)[0].token_ids == want
     finally:
         spec.drafter = real
-        del spec.runner.commit
+        del spec.runner.commit_length
     assert all(c > 0 for c in counts), counts
 
 
@@ -138,7 +140,7 @@ def verify_commit(model, prompt, toks, j):
     r = ModelRunner(model, 160)
     r.prefill(prompt)
     r.verify(toks)
-    r.commit(j + 1, len(toks))
+    r.commit(j)
     return r
 
 
@@ -165,7 +167,7 @@ def prompt_len(j, kind):
 
 @pytest.mark.parametrize("j, kind", CASES)
 def test_rollback_independent_of_rejected_tokens(bound_model, j, kind):
-    """Bit-exact: after committing j+1 of 4 verified tokens, the state does not depend on the 3-j rejected ones
+    """Bit-exact: after committing tokens 0..j of 4 verified ones, the state does not depend on the 3-j rejected ones
     (same shapes, so the same arithmetic: any difference would be state leaking from rejected drafts)."""
     g = torch.Generator().manual_seed(j * 7 + len(kind))
     n = prompt_len(j, kind)
@@ -185,7 +187,7 @@ def test_rollback_independent_of_rejected_tokens(bound_model, j, kind):
 
 @pytest.mark.parametrize("j, kind", CASES)
 def test_rollback_matches_sequential_decode(bound_model, j, kind):
-    """verify(4) + commit(j+1) vs j+1 single-token decode steps. Not bit-exact on CPU: the 4-row verify and the
+    """verify(4) + commit(j) vs j+1 single-token decode steps. Not bit-exact on CPU: the 4-row verify and the
     1-row decode run the same projections as GEMMs of different shapes (different BLAS accumulation order), so
     states differ at the float32 rounding level (~1e-6); see test_rollback_exact_with_row_wise_linear."""
     g = torch.Generator().manual_seed(100 + j * 7 + len(kind))
@@ -222,7 +224,7 @@ ROW_WISE_TOL = 1e-6          # relative to the state's largest entry: a few floa
 def test_rollback_exact_with_row_wise_linear(bound_model, monkeypatch, j):
     """With every linear computed one row at a time (so verify and decode do identical float arithmetic in the
     projections), the first KDA layer's conv + recurrent state and the first MLA layer's cache after
-    verify + commit(j+1) equal those of j+1 decode steps to float32 rounding, and every other committed length
+    verify + commit(j) equal those of j+1 decode steps to float32 rounding, and every other committed length
     (-1..3 steps, the off-by-one rollbacks included) is at least 1e3 times further away - checked here, so a
     rollback to the wrong boundary cannot pass. Not bit-equality: the elementwise kernels (sigmoid, exp)
     vectorise a 4-token verify differently from a 1-token decode on some CPUs (AVX2: the 1-token tensors fall

@@ -1,7 +1,7 @@
-"""Static-shape MTP rounds (``bytebound.speculative.round``), run eagerly on CPU: the padded draft-extend, the
-on-device KDA rollback and the in-place next-round inputs must give exactly plain greedy decoding, for every
-accepted count j = 0..3, and the same rounds as the eager ``mtp_tokens``. On CUDA the same body is replayed
-from a graph (tests/gpu)."""
+"""The MTP round (``bytebound.speculative.round``, static shapes), run uncaptured on CPU: the padded draft-extend
+(also after a prompt shorter than k + 1), the on-device KDA rollback and the in-place next-round inputs must give
+exactly plain greedy decoding, for every accepted count j = 0..3. On CUDA the same body is replayed from a graph
+(tests/gpu)."""
 
 from __future__ import annotations
 
@@ -33,20 +33,6 @@ def reference(engines):
     return {tuple(p): plain.generate(p, G)[0].token_ids for p in prompts(plain.model.cfg.vocab_size)}
 
 
-class StaticOracle(OracleDrafter):
-    """The oracle of test_mtp_cpu, aware of the padded extend: its selected row sits at ``runner.pos - 1``."""
-
-    def __init__(self, runner, *a, **kw):
-        super().__init__(*a, **kw)
-        self.runner = runner
-
-    def hidden(self, ids, prev_hidden, positions, state, kv_len=None):
-        h = super().hidden(ids, prev_hidden, positions, state, kv_len)
-        if positions.numel() > 1:
-            self.q = self.runner.pos - 1
-        return h
-
-
 def test_static_rounds_equal_plain_greedy(engines, reference):
     _, spec = engines
     for p, want in reference.items():
@@ -70,11 +56,11 @@ def test_static_rounds_commit_every_accepted_count(engines, reference, p_wrong, 
     monkeypatch.setattr(StaticRound, "step", counting_step)
     try:
         for n, (p, want) in enumerate(reference.items()):
-            spec.drafter = StaticOracle(spec.runner, real, list(p) + want, vocab, p_wrong, seed=n)
+            spec.drafter = OracleDrafter(spec.runner, real, list(p) + want, vocab, p_wrong, seed=n)
             out = spec.generate(list(p), G)[0]
             assert out.token_ids == want, f"prompt of {len(p)} tokens diverged"
-            if p_wrong == 0.0:
-                assert out.spec["accept_length"] > 3.0 or len(p) < STEPS + 2     # short prompts: eager rounds
+            if p_wrong == 0.0:                  # also the 1-token prompt: its first extend is padded
+                assert out.spec["accept_length"] > 3.0, f"prompt of {len(p)} tokens"
     finally:
         spec.drafter = real
     if p_wrong == 0.0:
@@ -84,21 +70,17 @@ def test_static_rounds_commit_every_accepted_count(engines, reference, p_wrong, 
 
 
 @pytest.mark.skipif(not (NANO / "config.json").exists(), reason="bundled ling-nano not present")
-def test_static_rounds_match_eager_rounds_on_the_trained_model():
-    """With the trained NEXTN head drafts are often accepted: the static rounds must commit the same tokens in the
-    same rounds as the eager implementation, and equal plain greedy."""
+def test_rounds_on_the_trained_model_equal_plain_greedy():
+    """With the trained NEXTN head drafts are often accepted: the rounds must commit plain greedy's tokens."""
     from bytebound.data.gsm8k import load_split
     qs = [r["question"] for r in load_split("test")[:3]]
     p = SamplingParams(max_tokens=48)
     plain = Engine()
-    eager = Engine(speculative_steps=STEPS)
-    static = Engine(speculative_steps=STEPS, spec_static_round=True)
+    spec = Engine(speculative_steps=STEPS)
     for q in qs:
         want = plain.generate(q, p, chat=True)[0].token_ids
-        a = eager.generate(q, p, chat=True)[0]
-        b = static.generate(q, p, chat=True)[0]
-        assert a.token_ids == want and b.token_ids == want
-        assert b.spec["rounds"] == a.spec["rounds"] and b.spec["per_position_accept"] == a.spec["per_position_accept"]
+        b = spec.generate(q, p, chat=True)[0]
+        assert b.token_ids == want
         assert b.spec["accept_length"] > 1.2
 
 
@@ -135,23 +117,23 @@ def test_round_body_has_no_host_sync(quant_ckpt, monkeypatch):
     runner = ModelRunner(model, 128, "meta")
     runner.static_kv = True                                       # as on CUDA: attend over all slots, masked
     rnd = StaticRound(runner, MTPDrafter(model, STEPS), SamplingParams())
+    runner.reset(1)
+    runner.begin_verify(STEPS)                                    # host side of a round: room, pos_buf
     with torch.inference_mode():
         rnd._body(rnd.span())                                     # raises on any host read
     assert rnd.out.device.type == "meta"
 
 
 def test_long_prompt_draft_extend_in_chunks(engines, monkeypatch):
-    """Prompts longer than the prefill chunk: the NEXTN's first pass over the prompt runs in chunks (eager and
-    static rounds) and both still equal plain greedy. The chunk is shrunk to 16 tokens to exercise it."""
+    """Prompts longer than the prefill chunk: the NEXTN's first pass over the prompt runs in chunks and the rounds
+    still equal plain greedy. The chunk is shrunk to 16 tokens to exercise it."""
     import bytebound.runner.runner as runner_mod
     plain, spec = engines
-    eager = Engine(model=spec.config.model, max_model_len=256, speculative_steps=STEPS)
     monkeypatch.setattr(runner_mod, "PREFILL_CHUNK", 16)
     for n in (16, 17, 40, 97):
         p = list(range(4, 4 + n))
         want = plain.generate(p, G)[0].token_ids
-        assert eager.generate(p, G)[0].token_ids == want, f"eager rounds, prompt of {n}"
-        assert spec.generate(p, G)[0].token_ids == want, f"static rounds, prompt of {n}"
+        assert spec.generate(p, G)[0].token_ids == want, f"prompt of {n}"
 
 
 

@@ -116,6 +116,7 @@ def test_parse_overrides():
     from bytebound.runner.backends import parse_overrides
     assert parse_overrides("moe=torch,linear=triton") == {"moe": "torch", "linear": "triton"}
     assert parse_overrides("") == {}
-    for bad in ("moe", "router=torch", "moe=torch,foo=bar"):
-        with pytest.raises(ConfigError, match="expected op=backend"):
+    assert parse_overrides("moe=torch,router=torch,kv=exact") == {"moe": "torch", "router": "torch", "kv": "exact"}
+    for bad in ("moe", "moe=", "moe=torch,foo=bar"):
+        with pytest.raises(ConfigError, match="expected ENTRY=NAME"):
             parse_overrides(bad)

@@ -95,24 +95,36 @@ def test_layer_adds_the_shared_expert_only_when_the_backend_does_not(claims):
             torch.testing.assert_close(y, layer.shared_experts(x))
 
 
-def test_bind_model_fused_shared_needs_the_triton_backend(tmp_path):
+def test_moe_shared_entry_needs_the_triton_backend(tmp_path):
+    """``moe_shared=fused``: named, a backend that cannot run the shared expert raises (recorded instead with
+    allow_fallback); as a default it falls back to ``separate`` with the reason recorded; on a CPU device the plan
+    refuses it (and its deprecated alias) by name."""
     from bytebound.checkpoint.synthetic import dummy_model
     from bytebound.config import LingConfig
     from bytebound.runner.backends import BackendPlan, bind_model
     model = dummy_model(LingConfig.from_file("models/ling-nano/config.json"), torch.device("cpu"), torch.float32)
+    with pytest.raises(ConfigError, match=r"^--backend moe_shared=fused needs a CUDA device"):
+        BackendPlan.default("cpu", moe_shared="fused")
+    with pytest.raises(ConfigError, match=r"^--fused-shared-expert needs a CUDA device"):
+        BackendPlan.build("cpu", aliases={"fused_shared": True})
+
+    def fused_plan(named: bool, allow: bool = False):
+        plan = BackendPlan.default("cpu")
+        plan.requested["moe_shared"] = "fused"      # as a CUDA plan asks, bound on CPU (the torch MoE backend)
+        plan.explicit = {"moe_shared"} if named else set()
+        plan.allow_fallback = allow
+        return plan
     with pytest.raises(BackendError, match="cannot run the shared expert"):
-        bind_model(model, BackendPlan.default("cpu"), "cpu", fused_shared=True)
-    plan = BackendPlan.default("cpu")
-    plan.allow_fallback = True
-    bind_model(model, plan, "cpu", fused_shared=True)
-    assert plan.resolutions["moe"].shared.startswith("dense; not fused:")
-    plan = BackendPlan.default("cpu")
-    bind_model(model, plan, "cpu")
-    assert plan.resolutions["moe"].shared == "dense"
-    # None (the engine's default) is "on with CUDA where the backend can": off on CPU, no error
-    plan = BackendPlan.default("cpu")
-    bind_model(model, plan, "cpu", fused_shared=None)
-    assert plan.resolutions["moe"].shared == "dense"
+        bind_model(model, fused_plan(named=True), "cpu")
+    for plan in (fused_plan(named=True, allow=True), fused_plan(named=False)):
+        bind_model(model, plan, "cpu")
+        r = plan.resolutions["moe_shared"]
+        assert (r.fallback_from, r.resolved) == ("fused", "separate") and "cannot run the shared expert" in r.reason
+        assert plan.resolutions["moe"].shared.startswith("dense; not fused:")
+        assert plan.entries["moe_shared"]["decode"].why == "fallback"
+    plan = bind_model(model, BackendPlan.default("cpu"), "cpu")
+    assert plan.resolutions["moe"].shared == "dense" and plan.choice("moe_shared") == "separate"
+    assert plan.resolutions["moe_shared"].fallback_from is None
 
 
 def test_default_shared_fusion_keeps_dense_where_the_backend_cannot():
@@ -139,7 +151,7 @@ def test_prefill_slices_leave_the_shared_expert_to_the_layer(monkeypatch):
     """M > 4 (prefill): the kernel runs on 4-token slices (``backends.prefill_slices``) and the layer adds its
     dense shared expert, since ``shared_in`` is false there; the slices must not run it too. A ``MoEKernel``'s
     host logic on CPU, its launch replaced by a stand-in whose output is the shared expert when asked for it."""
-    from bytebound.kernels import triton_moe as tm
+    from bytebound.kernels import moe_host as tm
     from bytebound.kernels import triton_moe_split as ts
     from bytebound.runner.backends import prefill_slices
     layer = _tiny_layer(torch.bfloat16)
@@ -172,7 +184,7 @@ def test_router_gemv_plumbing():
     def stub(x, weight, bias, k, n_group, topk_group, norm, scale):
         calls.append(x.shape[0])
         return route(F.linear(x.float(), weight.float()), bias, k, n_group, topk_group, norm, scale)
-    layer.gemv_route_fn = stub
+    layer.gemv_route_fn, layer.route_m = stub, 4        # route_m: the width bind_model gives the router kernels
     for m in (1, 4, 6):
         x = torch.randn(m, 256)
         ids, w = layer.router(x)
@@ -184,16 +196,28 @@ def test_router_gemv_plumbing():
         Engine(EngineConfig(model="models/ling-nano", device="cpu", fused_router_gemv=True))
 
 
-@pytest.mark.parametrize("kw,flag", [({"fused_router": True}, "--fused-router"),
-                                     ({"router_gemv": True}, "--fused-router-gemv"),
-                                     ({"fused_norm": True}, "--fused-norm")])
-def test_bind_model_refuses_triton_paths_on_cpu(kw, flag):
+@pytest.mark.parametrize("entry,alias,flag", [({"router": "triton"}, {"fused_router": True}, "--fused-router"),
+                                              ({"router": "gemv"}, {"fused_router_gemv": True}, "--fused-router-gemv"),
+                                              ({"norm": "triton"}, {"fused_norm": True}, "--fused-norm"),
+                                              ({"kv": "buckets"}, {"kv_buckets": True}, "--decode-kv-buckets"),
+                                              ({"graphs": "captured"}, None, None)])
+def test_plan_refuses_triton_paths_on_cpu(entry, alias, flag):
+    """The plan names a CUDA-only entry on a CPU device (ConfigError, the entry or the deprecated flag in the
+    message); a plan made for CUDA, bound on a CPU device, is refused by the binding (BackendError)."""
     from bytebound.checkpoint.synthetic import dummy_model
     from bytebound.config import LingConfig
     from bytebound.runner.backends import BackendPlan, bind_model
+    (name, value), = entry.items()
+    with pytest.raises(ConfigError, match=f"^--backend {name}={value} needs a CUDA device"):
+        BackendPlan.default("cpu", **entry)
+    if alias:
+        with pytest.raises(ConfigError, match=f"^{flag} needs a CUDA device"):
+            BackendPlan.build("cpu", aliases=alias)
     model = dummy_model(LingConfig.from_file("models/ling-nano/config.json"), torch.device("cpu"), torch.float32)
-    with pytest.raises(BackendError, match=f"^{flag} needs a CUDA device"):
-        bind_model(model, BackendPlan.default("cpu"), "cpu", **kw)
+    plan = BackendPlan.default("cpu")
+    plan.requested.update(entry)
+    with pytest.raises(BackendError, match=f"^--backend {name}={value} needs a CUDA device"):
+        bind_model(model, plan, "cpu")
 
 
 def test_shared_fusion_needs_a_split_config(tmp_path):

@@ -61,7 +61,8 @@ def reference64(x, p, s, lower_bound, h, dk, dv, eps=1e-6):
     return on.reshape(b, t, h * dv), full[..., -3:], recs, convs
 
 
-def run_kernel(tk, x, p, s, lower_bound, out_dtype=torch.float32, hist=False, tokens=None):
+def run_kernel(tk, x, p, s, lower_bound, out_dtype=torch.float32, hist=False, tokens=None, v_split=None,
+               tickets=None):
     s = {k: v.clone().to(DEV) for k, v in s.items()}
     xd = {k: v.to(DEV) for k, v in x.items()}
     pd = {k: v.to(DEV) for k, v in p.items()}
@@ -72,7 +73,8 @@ def run_kernel(tk, x, p, s, lower_bound, out_dtype=torch.float32, hist=False, to
         ch = torch.full((n, *s["conv"].shape), float("nan"), device=DEV)
         rh = torch.full((n, *s["rec"].shape), float("nan"), device=DEV)
     o = tk.fused_kda(xd["qkv"], xd["f"], xd["gate"], xd["b"], pd["conv_weight"], s["conv"], pd["a_log"],
-                     pd["dt_bias"], s["rec"], pd["norm_weight"], 1e-6, lower_bound, out_dtype, ch, rh)
+                     pd["dt_bias"], s["rec"], pd["norm_weight"], 1e-6, lower_bound, out_dtype, ch, rh,
+                     v_split=v_split, tickets=tickets)
     return o, s, ch, rh
 
 
@@ -89,7 +91,7 @@ def test_fused_matches_float64_with_history(tk, m, lower_bound, h, dk):
     """o, the final states and every token's history entry against the float64 oracle; the conv windows are copies
     of the (float32) inputs, so those are exact."""
     x, p, s = make_inputs(1, m, h, dk, dk, seed=m * 10 + dk + (lower_bound is None))
-    o, st, ch, rh = run_kernel(tk, x, p, s, lower_bound, hist=True, tokens=m + 1)
+    o, st, ch, rh = run_kernel(tk, x, p, s, lower_bound, hist=True, tokens=m + 1, v_split=1)
     o64, conv64, recs64, convs64 = reference64(x, p, s, lower_bound, h, dk, dk)
     assert o.shape == (1, m, h * dk) and o.dtype == torch.float32
     close64(o, o64)
@@ -99,6 +101,45 @@ def test_fused_matches_float64_with_history(tk, m, lower_bound, h, dk):
     assert torch.equal(ch[:m].cpu().double(), convs64)
     # entries past M are not written (the kernel touches exactly M entries)
     assert torch.isnan(ch[m:]).all() and torch.isnan(rh[m:]).all()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("v_split", [2, 4])
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_v_split_matches_float64_with_history(tk, m, v_split, lower_bound):
+    """V split over 2 / 4 programs per head (the gated RMSNorm by the head's last program through the ticket): o,
+    the final states and every history entry against the float64 oracle as with one program; the q/k conv windows,
+    written back only by the last program after every program read them, are exact; entries past M untouched; the
+    tickets are left at zero (each launch is self-contained)."""
+    h, dk = 2, 16
+    x, p, s = make_inputs(1, m, h, dk, dk, seed=m * 10 + v_split + (lower_bound is None))
+    tickets = torch.zeros(h, dtype=torch.int32, device=DEV)
+    o, st, ch, rh = run_kernel(tk, x, p, s, lower_bound, hist=True, tokens=m + 1, v_split=v_split, tickets=tickets)
+    o64, conv64, recs64, convs64 = reference64(x, p, s, lower_bound, h, dk, dk)
+    close64(o, o64)
+    close64(st["rec"], recs64[-1])
+    assert torch.equal(st["conv"].cpu().double(), conv64)
+    close64(rh[:m], recs64)
+    assert torch.equal(ch[:m].cpu().double(), convs64)
+    assert torch.isnan(ch[m:]).all() and torch.isnan(rh[m:]).all()
+    assert not tickets.any()
+
+
+@pytest.mark.parametrize("v_split", [2, 4])
+def test_v_split_batch2_uneven_v(tk, v_split):
+    """Two batch rows, K = 16, V = 24 (BV = 32: the last slice is partly masked), M = 3, with history: every
+    state column, window and o against the oracle, two calls from the same state bit-equal."""
+    h, dk, dv = 2, 16, 24
+    x, p, s = make_inputs(2, 3, h, dk, dv, seed=40 + v_split)
+    o, st, ch, rh = run_kernel(tk, x, p, s, -5.0, hist=True, v_split=v_split)
+    o64, conv64, recs64, convs64 = reference64(x, p, s, -5.0, h, dk, dv)
+    close64(o, o64)
+    close64(st["rec"], recs64[-1])
+    close64(rh, recs64)
+    assert torch.equal(st["conv"].cpu().double(), conv64)
+    assert torch.equal(ch.cpu().double(), convs64)
+    o2, st2, ch2, rh2 = run_kernel(tk, x, p, s, -5.0, hist=True, v_split=v_split)
+    assert torch.equal(o2, o) and torch.equal(st2["rec"], st["rec"]) and torch.equal(rh2, rh)
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
@@ -112,7 +153,8 @@ def test_fused_without_history_and_batch2(tk, lower_bound):
     assert torch.equal(st["conv"].cpu().double(), conv64)
 
 
-def test_fused_chained_calls_continue_the_state(tk):
+@pytest.mark.parametrize("v_split", [1, 2])
+def test_fused_chained_calls_continue_the_state(tk, v_split):
     """1 token, then 4, then 1: the in-place states carry over exactly as one 6-token call (float64 oracle)."""
     x, p, s = make_inputs(1, 6, 2, 16, 16, seed=3)
     o64, conv64, recs64, _ = reference64(x, p, s, -5.0, 2, 16, 16)
@@ -120,7 +162,7 @@ def test_fused_chained_calls_continue_the_state(tk):
     outs = []
     for a, e in ((0, 1), (1, 5), (5, 6)):
         xs = {k: v[:, a:e] for k, v in x.items()}
-        o, st, _, _ = run_kernel(tk, xs, p, st, -5.0)
+        o, st, _, _ = run_kernel(tk, xs, p, st, -5.0, v_split=v_split)
         outs.append(o)
     close64(torch.cat(outs, 1), o64)
     close64(st["rec"], recs64[-1])
@@ -148,11 +190,12 @@ def test_recurrence_matches_fla_naive(tk):
     torch.testing.assert_close(st["rec"].cpu(), ref_s, rtol=1e-4, atol=1e-5)
 
 
-def test_ling_head_dim_128(tk):
+@pytest.mark.parametrize("v_split", [1, 4])
+def test_ling_head_dim_128(tk, v_split):
     """Ling's head_dim (K = V = 128) with two heads, a 4-token verify with history, bf16 projection inputs."""
     h, dk, m = 2, 128, 4
     x, p, s = make_inputs(1, m, h, dk, dk, seed=128, in_dtype=torch.bfloat16)
-    o, st, ch, rh = run_kernel(tk, x, p, s, -5.0, hist=True)
+    o, st, ch, rh = run_kernel(tk, x, p, s, -5.0, hist=True, v_split=v_split)
     o64, conv64, recs64, convs64 = reference64(x, p, s, -5.0, h, dk, dk)
     close64(o, o64)
     close64(rh, recs64)
@@ -187,12 +230,13 @@ def _bf16_close(got, want):
 @pytest.mark.parametrize("dtype,m", [(torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 2),
                                      (torch.float32, 3), (torch.bfloat16, 6)])
 @pytest.mark.parametrize("safe", [True, False])
-def test_layer_fused_equals_torch_path_with_rollback(tk, dtype, m, safe):
+def test_layer_fused_equals_torch_path_with_rollback(tk, dtype, m, safe, v_split=None):
     """Decode (M = 1) then a recorded M-token verify through ``layer.fused_fn``, against the same steps through the
     torch path (``_stepwise``): outputs, states, and each history entry (``KDAState.rollback(i)`` lands on the
     same state)."""
     layer = tiny_layer(dtype, safe)
     fused = tk.FusedKDA(layer)
+    fused.v_split = v_split
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(1, n, layer.q_proj.in_features, generator=g).to(dtype).to(DEV) for n in (1, m)]
     st_ref = layer.new_state(1, DEV)
@@ -227,6 +271,14 @@ def test_layer_fused_equals_torch_path_with_rollback(tk, dtype, m, safe):
     st_ref.rollback(1)
     torch.testing.assert_close(st.rec, st_ref.rec, rtol=1e-5, atol=1e-5)
     assert st.history is None and st.hist_buf is not None
+
+
+@pytest.mark.parametrize("dtype,m", [(torch.float32, 4), (torch.bfloat16, 3)])
+@pytest.mark.parametrize("v_split", [2, 4])
+def test_layer_split_equals_torch_path_with_rollback(tk, dtype, m, v_split):
+    """As above with the V dimension split over 2 / 4 programs per head (tiny heads: 8 / 4 state columns each),
+    through :class:`FusedKDA`'s shared scratch and tickets."""
+    test_layer_fused_equals_torch_path_with_rollback(tk, dtype, m, True, v_split)
 
 
 def test_layer_fused_o_before_projection_bf16(tk):
@@ -271,17 +323,50 @@ def test_refusals_are_named_errors(tk):
             tk.fused_kda(*(x[k].to(DEV) for k in ("qkv", "f", "gate", "b")), p["conv_weight"].to(DEV), st["conv"],
                          p["a_log"], p["dt_bias"].to(DEV), st["rec"], p["norm_weight"].to(DEV), 1e-6, -5.0,
                          torch.float32)
+    for bad in (3, 16, 0):
+        with pytest.raises(BackendError, match="V_SPLIT"):
+            run_kernel(tk, x, p, s, -5.0, v_split=bad)
+    x8, p8, s8 = make_inputs(1, 2, 2, 4, 4, seed=0)            # V = 4: at most 4 programs per head
+    with pytest.raises(BackendError, match="V_SPLIT 8"):
+        run_kernel(tk, x8, p8, s8, -5.0, v_split=8)
+    with pytest.raises(BackendError, match="tickets must be contiguous int32"):
+        run_kernel(tk, x, p, s, -5.0, v_split=2, tickets=torch.zeros(2, device=DEV))
+    with pytest.raises(BackendError, match="tickets must be contiguous int32"):
+        run_kernel(tk, x, p, s, -5.0, v_split=2, tickets=torch.zeros(1, dtype=torch.int32, device=DEV))
     layer = tiny_layer(torch.float32)
     layer.kernel = 3
     with pytest.raises(BackendError, match="short_conv_kernel_size"):
         tk.FusedKDA(layer)
 
 
+def test_launch_table_lookup_and_default(tk):
+    """The launch table: exact GPU name first, then the architecture's default GPU, else none; off CUDA the
+    resolved launch is one program per head; the committed table parses and every entry is a legal V_SPLIT."""
+    table = {"_arch_defaults": {"sm_90": "GPU A"}, "GPU A": {"k1": {"v_split": 4}}, "GPU B": {"k1": {"v_split": 2}}}
+    assert tk.lookup_entry(table, "GPU B", "sm_90", "k1") == ({"v_split": 2}, "tuned for GPU B")
+    assert tk.lookup_entry(table, "GPU C", "sm_90", "k1") == ({"v_split": 4}, "sm_90 default (tuned on GPU A)")
+    assert tk.lookup_entry(table, "GPU C", "sm_80", "k1") == (None, None)
+    assert tk.lookup_entry(table, "GPU A", "sm_90", "k2") == (None, None)
+    assert tk.shape_key(1, 32, 128, 128, 4) == "B1_H32_K128_V128_M4"
+    if DEV == "cpu":
+        vs, nw, src = tk.resolve_launch(1, 32, 128, 128, 1, "cpu")
+        assert (vs, nw) == (1, 8) and src.startswith("default")
+    import json
+    committed = json.loads(tk.CONFIG_PATH.read_text())
+    for gpu, entries in committed.items():
+        if gpu.startswith("_"):
+            continue
+        for key, e in entries.items():
+            dv = int(key.split("_V")[1].split("_")[0])
+            assert tk._check_v_split(e["v_split"], dv, key) == e["v_split"]
+            assert e.get("num_warps", 4) in (1, 2, 4, 8, 16)
+
+
 def test_runner_verify_commit_through_fused_kernel(tk):
-    """The runner's MTP protocol (``verify`` records, ``commit`` rolls back) on the tiny model with every KDA layer
-    bound to the fused op, against the same calls through the torch path: prompt, a 4-token verify keeping 2,
-    a decode step, a 4-token verify keeping all 4, a decode step. Every hidden state and the final KDA states
-    agree to float32 rounding."""
+    """The runner's MTP protocol (``verify`` records, ``commit`` / ``commit_state`` roll back) on the tiny model
+    with every KDA layer bound to the fused op, against the same calls through the torch path: prompt, a 4-token
+    verify keeping 2 (a device-index commit, as in the captured round), a decode step, a 4-token verify keeping
+    all 4, a decode step. Every hidden state and the final KDA states agree to float32 rounding."""
     from bytebound.layers.kda import KDAState, KimiDeltaAttention
     from bytebound.runner.runner import ModelRunner
     model = make_model().to(DEV)
@@ -293,9 +378,10 @@ def test_runner_verify_commit_through_fused_kernel(tk):
             m.fused_fn = tk.FusedKDA(m) if fused else None
         r = ModelRunner(model, 64, DEV)
         outs = [r.forward(ids[:6]), r.verify(ids[6:10])]
-        r.commit(2, 4)
+        r.commit_state(torch.tensor(1, device=DEV))   # keep 2 of the 4, by a device index (the captured round's
+        r.commit_length(1)                            # halves: an index into the kernel's history buffers)
         outs += [r.forward(ids[10:11]), r.verify(ids[11:15])]
-        r.commit(4, 4)
+        r.commit(3)                          # keep all 4
         outs.append(r.forward(ids[15:16]))
         states = [(s.conv.clone(), s.rec.clone()) for s in r.state if isinstance(s, KDAState)]
         return outs, states, r.pos
@@ -349,3 +435,127 @@ def test_history_tensors_are_the_kernel_buffers(tk):
         assert rec_t.data_ptr() != st.hist_buf[-1][1].data_ptr()
         for i, (c, r) in enumerate(st.history):
             assert torch.equal(conv_t[i], c) and torch.equal(rec_t[i], r)
+
+
+# ---- beta's b_proj inside the kernel (x and the b_proj weight instead of the b_proj output) ----
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+def test_fused_beta_from_x_matches_float64(tk, m, in_dtype):
+    """With ``x [B, T, HID]`` and the b_proj weight ``[H, HID]`` instead of ``b``: the float64 oracle fed
+    ``b = dtype(x W_b^T)`` (the torch path's b_proj output), with history. HID 96 is not a power of two (masked
+    tail); the b_proj sums over HID in float32, so its rounding to bf16 may flip against the float64 dot: the bf16
+    tolerance is that of one bf16 step of beta's logit."""
+    h, dk, hid = 2, 16, 96
+    x, p, s = make_inputs(1, m, h, dk, dk, seed=300 + m, in_dtype=in_dtype)
+    g = torch.Generator().manual_seed(m)
+    xin = (torch.randn(1, m, hid, generator=g)).to(in_dtype)
+    wb = (torch.randn(h, hid, generator=g) * 0.2).to(in_dtype)
+    x["b"] = (xin.double() @ wb.double().T).to(in_dtype)            # the b_proj output the torch path rounds to
+    o64, conv64, recs64, convs64 = reference64(x, p, s, -5.0, h, dk, dk)
+    st = {k: v.clone().to(DEV) for k, v in s.items()}
+    ch = torch.full((m, *s["conv"].shape), float("nan"), device=DEV)
+    rh = torch.full((m, *s["rec"].shape), float("nan"), device=DEV)
+    xd = {k: v.to(DEV) for k, v in x.items()}
+    pd = {k: v.to(DEV) for k, v in p.items()}
+    o = tk.fused_kda(xd["qkv"], xd["f"], xd["gate"], None, pd["conv_weight"], st["conv"], pd["a_log"],
+                     pd["dt_bias"], st["rec"], pd["norm_weight"], 1e-6, -5.0, torch.float32, ch, rh,
+                     x=xin.to(DEV), b_weight=wb.to(DEV))
+    tol = 1e-5 if in_dtype == torch.float32 else 2e-2
+    close64(o, o64, tol)
+    close64(rh, recs64, tol)
+    assert torch.equal(ch.cpu().double(), convs64) and torch.equal(st["conv"].cpu().double(), conv64)
+    # and equal, to float32 summation order, to the same call given that b_proj output
+    o_b, st_b, _, rh_b = run_kernel(tk, x, p, s, -5.0, hist=True)
+    torch.testing.assert_close(o, o_b, rtol=1e-4 if in_dtype == torch.float32 else 2e-2, atol=1e-5)
+    if in_dtype == torch.float32:
+        torch.testing.assert_close(rh, rh_b, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_beta_refusals(tk):
+    x, p, s = make_inputs(1, 2, 2, 16, 16, seed=0)
+    st = {k: v.to(DEV) for k, v in s.items()}
+    args = lambda b: (x["qkv"].to(DEV), x["f"].to(DEV), x["gate"].to(DEV), b, p["conv_weight"].to(DEV),  # noqa: E731
+                      st["conv"], p["a_log"].to(DEV), p["dt_bias"].to(DEV), st["rec"], p["norm_weight"].to(DEV),
+                      1e-6, -5.0, torch.float32)
+    xin, wb = torch.randn(1, 2, 32, device=DEV), torch.randn(2, 32, device=DEV)
+    with pytest.raises(BackendError, match="either b"):
+        tk.fused_kda(*args(x["b"].to(DEV)), x=xin, b_weight=wb)
+    with pytest.raises(BackendError, match="either b"):
+        tk.fused_kda(*args(None))
+    with pytest.raises(BackendError, match="either b"):
+        tk.fused_kda(*args(None), x=xin)
+    with pytest.raises(BackendError, match=r"b_weight must be a contiguous float \[H=2, 32\]"):
+        tk.fused_kda(*args(None), x=xin, b_weight=wb[:, :16])
+    with pytest.raises(BackendError, match="quantised"):
+        tk.fused_kda(*args(None), x=xin, b_weight=wb.to(torch.float8_e4m3fn))
+    with pytest.raises(BackendError, match="x must be"):
+        tk.fused_kda(*args(None), x=xin[:, :1], b_weight=wb)
+
+
+def _count_calls(module):
+    calls = []
+    return calls, module.register_forward_pre_hook(lambda mod, args: calls.append(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_b_proj_runs_inside_the_fused_kernel(tk, dtype):
+    """A plain b_proj (``modules_to_not_convert``, as Ling ships it) is never called on the fused path: beta comes from
+    the kernel (``FusedKDA.beta`` says so), with the same outputs and states as the torch path (decode + a 4-token
+    verify; the tolerances of test_layer_fused_equals_torch_path_with_rollback)."""
+    layer = tiny_layer(dtype)
+    fused = tk.FusedKDA(layer)
+    assert fused.beta_in_kernel and fused.beta == "b_proj inside the fused kernel"
+    g = torch.Generator().manual_seed(8)
+    xs = [torch.randn(1, n, 64, generator=g).to(dtype).to(DEV) for n in (1, 4)]
+    st_ref = layer.new_state(1, DEV)
+    st = copy.deepcopy(st_ref)
+    calls, hook = _count_calls(layer.b_proj)
+    try:
+        with torch.no_grad():
+            want = [layer(xs[0], st_ref), layer(xs[1], st_ref)]
+            assert len(calls) == 2
+            layer.fused_fn = fused
+            got = [layer(xs[0], st), layer(xs[1], st)]
+            layer.fused_fn = None
+    finally:
+        hook.remove()
+    assert len(calls) == 2, "the fused path called b_proj"
+    for a, b in zip(got, want):
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        else:
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(st.rec, st_ref.rec, rtol=1e-4 if dtype == torch.float32 else 2e-2, atol=1e-5)
+
+
+def test_layer_fp8_b_proj_keeps_its_own_launch(tk):
+    """A checkpoint that stores b_proj in FP8 (not in ``modules_to_not_convert``): the fused op keeps today's path
+    (``b_proj(x)`` then the kernel reads b), records why, and matches the layer's torch path."""
+    from bytebound.config import tiny_config
+    from bytebound.layers.kda import KimiDeltaAttention
+    layer = KimiDeltaAttention(tiny_config(), lambda name: "fp8" if name == "b_proj" else "plain")
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for prm in layer.parameters():
+            prm.copy_((torch.randn(prm.shape, generator=g) * 0.4).to(prm.dtype))
+        layer.b_proj.weight_scale_inv.fill_(0.5)
+        layer.o_norm.weight.copy_(torch.rand(layer.o_norm.weight.shape, generator=g) + 0.5)
+    layer = layer.to(DEV)
+    fused = tk.FusedKDA(layer)
+    assert not fused.beta_in_kernel and "FP8" in fused.beta
+    x = torch.randn(1, 3, 64, generator=g).to(DEV)
+    st_ref = layer.new_state(1, DEV)
+    st = copy.deepcopy(st_ref)
+    calls, hook = _count_calls(layer.b_proj)
+    try:
+        with torch.no_grad():
+            want = layer(x, st_ref)
+            layer.fused_fn = fused
+            got = layer(x, st)
+            layer.fused_fn = None
+    finally:
+        hook.remove()
+    assert len(calls) == 2
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(st.rec, st_ref.rec, rtol=1e-4, atol=1e-5)

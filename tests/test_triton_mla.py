@@ -316,7 +316,10 @@ def test_kernels_compile_for_sm90(t):
               s_g_t="i32", s_out_t="i32")),
     ]
     for fn, consts, warps, sig in kernels:
+        consts = {**consts, "PDL": True, "NTH": 32 * warps}     # as launched on sm_90 (kernels.pdl.enter)
         sig = {**sig, **{k: "constexpr" for k in consts}}
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": warps, "num_stages": cfg["num_stages"]})
         assert k.asm.get("cubin") and k.metadata.shared <= 227 * 1024, (fn, k.metadata.shared)
+        ptx = k.asm["ptx"]
+        assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait"), fn

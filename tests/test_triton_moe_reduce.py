@@ -1,4 +1,4 @@
-"""The ``partials`` mode's reduce kernel (``kernels.triton_moe._moe_reduce_partials``) against a float64 sum over
+"""The ``partials`` mode's reduce kernel (``kernels.triton_moe_variants._moe_reduce_partials``) against a float64 sum over
 the slots that own their expert. On a CPU machine it runs in Triton's interpreter (TRITON_INTERPRET=1) when Triton
 is installed; CI has no Triton and skips with that reason. The fused kernel that writes the partials needs a GPU
 (tests/gpu/test_kernels_gpu.py, ``partials`` cases)."""
@@ -11,7 +11,7 @@ import torch
 from conftest import needs_triton, triton_module_fixture
 
 pytestmark = needs_triton
-moe = triton_module_fixture("moe", "bytebound.kernels.triton_moe")
+moe = triton_module_fixture("moe", "bytebound.kernels.triton_moe_variants")
 
 
 @pytest.mark.parametrize("m,k,nj,h,bhr", [(1, 8, 3, 64, 32), (4, 8, 2, 64, 4), (3, 2, 4, 96, 16), (4, 8, 3, 64, 8)])

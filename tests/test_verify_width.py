@@ -128,6 +128,6 @@ def test_bind_model_collects_the_bound_limits():
         m.fn = Limited(MAX_VERIFY_M)
     lins[0].fn = Limited(3)
     model.lm_head.fn = Limited(None)     # e.g. the triton head in bf16 mode: cuBLAS, any M
-    assert _fast_paths(model, plan, router=True) == {"moe[torch]": MAX_VERIFY_M, "linear[torch]": 3,
+    assert _fast_paths(model, plan, router="triton") == {"moe[torch]": MAX_VERIFY_M, "linear[torch]": 3,
                                                      "router[triton]": MAX_VERIFY_M}
     assert _fast_paths(model, plan, router=False) == {"moe[torch]": MAX_VERIFY_M, "linear[torch]": 3}

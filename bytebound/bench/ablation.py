@@ -2,11 +2,15 @@
 
 Steps (each a fresh engine; everything not named stays as the command line set it):
 
-1. ``baseline``   generic routed-MoE path (``--baseline-moe``, default ``torch``), BF16 head with FP32 logits
-                  (``lm_head="fp32"``), no MTP;
+1. ``baseline``   generic routed-MoE path (``--baseline-moe``, default ``torch``; the seed's ladder used
+                  ``humming``), BF16 head with FP32 logits (``lm_head="fp32"``), no MTP;
 2. ``+kernel``    the shape-specialised MoE kernel (``--kernel-moe``, default ``triton``; ``humming`` also works);
 3. ``+fp8-head``  online FP8 LM head (``lm_head="fp8"``);
-4. ``+mtp``       NEXTN speculative decoding (``--speculative-num-steps``, default 3).
+4. ``+mtp``       NEXTN speculative decoding (``--speculative-num-steps``, default 3; fixed, not adaptive).
+
+A step may run several **cases** on its one engine (the synthetic workload's input lengths, e.g. 2K and 32K):
+each case is compared with the same case of the previous step. The first case's figures are also the step's
+top-level ``summary`` / ``tpot_ms`` / ``change_pct``.
 
 Rules:
 
@@ -15,9 +19,26 @@ Rules:
   holds the target's LM-head *module* and ran verify rounds. A lever that is not active stops the ladder with
   a message naming the step, unless ``--allow-fallback`` is given: then the step runs with the lever off
   (the engine's recorded fallback, or the previous step's config when the engine cannot start with it),
-  is marked ``inactive`` and is not compared.
-* **TPOT check.** An active step whose mean TPOT is worse than the previous step's by more than
-  ``--tpot-tolerance`` (default 1 %) stops the ladder, naming the step and the change in percent and ms.
+  is marked ``inactive`` and is not compared. A step that fails while running its workload stops the ladder;
+  with ``--allow-fallback`` a failing *case* (e.g. out of memory at the longest prompt) is a failed row and the
+  step's other cases and the later steps go on.
+* **TPOT check.** An active step whose mean TPOT (in any case) is worse than the previous step's by more than
+  ``--tpot-tolerance`` (default 1 %) stops the ladder, naming the step, the case and the change in percent and
+  ms. ``tpot_rule="record"`` (``--tpot-rule record``) records such a rise in the row and in ``regressions``
+  and goes on instead.
+* **MTP round cost.** The ``+mtp`` step measures what one speculative round costs: ``round_ms`` = the rounds'
+  own time (``SpecStats`` draft + verify + rollback: a static round's graph replay with its one host read) per
+  round, ``round_ms_wall`` = the decode window per round (adds the request's NEXTN pass over the prompt and the
+  per-round Python loop), and ``c = round_ms / plain TPOT`` with the plain TPOT of the previous step in the
+  same case (:func:`round_cost`).
+* **Synthetic weights accept nothing.** With ``load_format="dummy"`` the drafts are (almost) never accepted, so
+  the ``+mtp`` step's measured TPOT is one round per token: the round's cost, not the lever's effect. Its TPOT
+  change is recorded, never enforced. What MTP would give is **priced**: ``priced TPOT = round_ms / A`` for
+  each accept length ``A`` measured on a trained model and passed in with its source (``pricing``,
+  :func:`accept_from_file`); ``A / c`` is the priced speed-up. No accept length is ever assumed: without
+  ``pricing`` the row has the measured round cost only. The static round has fixed shapes whatever is accepted
+  (``speculative/round.py``), so its measured cost carries over to a model that accepts; the accept length of
+  the bundled ling-nano standing in for the full model's is the model's assumption, said in the report.
 * **On a CPU device** the ladder shows what a CPU can: ``+kernel`` is a skipped row with the reason (the
   shape-specialised MoE kernels need CUDA) and later steps keep the baseline MoE backend; ``+fp8-head`` and
   ``+mtp`` are still started, lever-checked and timed, but their TPOT change is recorded, not enforced: the
@@ -31,9 +52,11 @@ The result is complete (exit 0) or stopped (exit 3, report still written).
 from __future__ import annotations
 
 import gc
+import json
 from dataclasses import asdict, replace
+from pathlib import Path
 
-from bytebound.errors import ByteboundError
+from bytebound.errors import ByteboundError, ConfigError
 
 STEPS = ("baseline", "+kernel", "+fp8-head", "+mtp")
 
@@ -45,7 +68,8 @@ def levers(baseline_moe: str = "torch", kernel_moe: str = "triton", mtp_steps: i
             ("+kernel", f"routed-MoE backend {baseline_moe} -> {kernel_moe}",
              lambda c: replace(c, backends={**c.backends, "moe": kernel_moe})),
             ("+fp8-head", "LM head fp32 -> online FP8 (per-channel E4M3)", lambda c: replace(c, lm_head="fp8")),
-            ("+mtp", f"NEXTN MTP, {mtp_steps} draft steps", lambda c: replace(c, speculative_steps=mtp_steps))]
+            ("+mtp", f"NEXTN MTP, {mtp_steps} draft steps",
+             lambda c: replace(c, speculative_steps=mtp_steps, speculative_adaptive=False))]
 
 
 def ladder(base, baseline_moe: str = "torch", kernel_moe: str = "triton", mtp_steps: int = 3) -> list[tuple]:
@@ -106,15 +130,157 @@ def _free() -> None:
         pass
 
 
+
+# ---- MTP round cost and pricing ------------------------------------------------------------------------------
+def round_cost(outputs, plain_tpot_ms: float | None) -> dict | None:
+    """What one MTP round cost in ``outputs`` (the ``+mtp`` step's ``RequestOutput``s), against a plain decode
+    step of ``plain_tpot_ms`` [ms] (the previous step's mean TPOT in the same case).
+
+    Returns None without verify rounds, else ``{"rounds", "committed", "accept_length", "round_ms",
+    "round_ms_wall", "plain_tpot_ms", "c", "c_wall"}``: ``round_ms`` = the rounds' own time (``SpecStats``
+    draft + verify + rollback seconds: with static rounds the whole round, graph replay and its one host read)
+    per round; ``round_ms_wall`` = the decode window (first to last token) per round, which adds the request's
+    NEXTN pass over the prompt and the per-round Python loop; ``c = round_ms / plain_tpot_ms`` (None without a
+    plain TPOT). Units: ms.
+    """
+    specs = [(o, o.spec) for o in outputs if o.spec]
+    rounds = sum(sp.get("rounds", 0) for _, sp in specs)
+    if not rounds:
+        return None
+    timed = sum(sp.get("draft_s", 0.0) + sp.get("verify_s", 0.0) + sp.get("rollback_s", 0.0) for _, sp in specs)
+    wall = sum(o.tpot_s * (o.completion_tokens - 1) for o, _ in specs if o.completion_tokens > 1)
+    committed = sum(sp.get("committed", 0) for _, sp in specs)
+    rec = {"rounds": rounds, "committed": committed, "accept_length": committed / rounds,
+           "round_ms": 1e3 * timed / rounds if timed > 0 else 1e3 * wall / rounds,
+           "round_ms_source": "SpecStats draft+verify+rollback per round" if timed > 0 else "decode window per round",
+           "round_ms_wall": 1e3 * wall / rounds, "plain_tpot_ms": plain_tpot_ms, "c": None, "c_wall": None}
+    if plain_tpot_ms:
+        rec["c"] = rec["round_ms"] / plain_tpot_ms
+        rec["c_wall"] = rec["round_ms_wall"] / plain_tpot_ms
+    return rec
+
+
+def price(rnd: dict, pricing: list[dict]) -> list[dict]:
+    """Priced MTP TPOT of a measured round ``rnd`` (:func:`round_cost`) at each accept length of ``pricing``
+    (``[{"accept_length": A, "source": str}, ...]``, A in tokens per round, measured on a trained model):
+    ``tpot_ms = round_ms / A`` (and ``tpot_ms_wall`` from ``round_ms_wall``), ``speedup = A / c`` (plain TPOT /
+    priced TPOT), ``change_pct`` vs the plain TPOT. A model, not a measurement: labelled ``priced``."""
+    out = []
+    for p in pricing:
+        a = float(p["accept_length"])
+        row = {"priced": True, "accept_length": a, "source": p["source"], "tpot_ms": rnd["round_ms"] / a,
+               "tpot_ms_wall": rnd["round_ms_wall"] / a, "speedup": None, "change_pct": None}
+        if rnd.get("plain_tpot_ms"):
+            row["speedup"] = rnd["plain_tpot_ms"] / row["tpot_ms"]
+            row["change_pct"] = 100 * (row["tpot_ms"] - rnd["plain_tpot_ms"]) / rnd["plain_tpot_ms"]
+        out.append(row)
+    return out
+
+
+def _is_synthetic(weights) -> bool:
+    return isinstance(weights, str) and weights.lower().startswith("synthetic")
+
+
+def accept_from_file(path, max_accept: float | None = None) -> list[dict]:
+    """Accept lengths measured on a trained model, read from a JSON report, each with its source:
+    ``[{"accept_length", "source", "weights", "sampling"}]``.
+
+    Reads ``bytebound bench ablation`` records (the ``+mtp`` step, any workload on trained weights), ``bench gsm8k``
+    / ``bench synthetic`` records with MTP (``summary.accept_length``) and ``scripts/mtp_accept.py`` records
+    (greedy, and the sampled run when present).
+
+    Raises:
+        ConfigError: the file is missing or not JSON, holds no accept length, its weights are synthetic (random
+            weights accept nothing: that cannot price anything), or an accept length is outside
+            ``[1, max_accept]`` (``max_accept`` = draft steps + 1).
+    """
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--price-accept-from {path}: cannot read a JSON report ({type(e).__name__}: {e})") from None
+    meta = d.get("meta") or {}
+    found = []
+    if d.get("benchmark") == "ablation":
+        w = d.get("workload") or {}
+        for st in d.get("steps", []):
+            acc = (st.get("summary") or {}).get("accept_length")
+            if st.get("step") == "+mtp" and acc:
+                samp = (f"T {w.get('temperature')}, top-p {w.get('top_p')}, top-k {w.get('top_k')}"
+                        if w.get("workload") == "gsm8k" else "greedy")
+                found.append((acc["aggregate"], f"bench ablation ({w.get('workload')}) +mtp step", meta.get("weights"),
+                              samp, acc.get("rounds")))
+    elif d.get("benchmark") in ("gsm8k", "synthetic"):
+        acc = (d.get("summary") or {}).get("accept_length")
+        if acc:
+            sp = d.get("sampling") or {}
+            samp = (f"T {sp.get('temperature')}, top-p {sp.get('top_p')}, top-k {sp.get('top_k')}"
+                    if d["benchmark"] == "gsm8k" else "greedy")
+            found.append((acc["aggregate"], f"bench {d['benchmark']}", meta.get("weights"), samp, acc.get("rounds")))
+    elif "greedy_parity" in d and d.get("greedy"):
+        meta = {"device": d.get("device"), "commit": d.get("commit")}
+        dv = d.get("draft_vocab")
+        what = f"mtp_accept.py, {d.get('prompts')} GSM8K prompts" + (f", draft vocab {dv}" if dv else "")
+        found.append((d["greedy"]["accept_length"], what, d.get("weights"), "greedy", d["greedy"].get("rounds")))
+        samp = d.get("sampled_T0.6_p0.95_k29")
+        if samp:
+            found.append((samp["accept_length"], what, d.get("weights"), "T 0.6, top-p 0.95, top-k 29",
+                          samp.get("rounds")))
+    if not found:
+        raise ConfigError(f"--price-accept-from {path}: no measured accept length in it (an ablation +mtp step, a "
+                          "gsm8k/synthetic bench with MTP, or a scripts/mtp_accept.py record)")
+    out = []
+    for a, what, weights, samp, rounds in found:
+        if _is_synthetic(weights) or not weights:
+            raise ConfigError(f"--price-accept-from {path}: the accept length there was measured on weights "
+                              f"{weights!r}; pricing needs one measured on a trained model")
+        if not (1.0 <= a <= (max_accept or float("inf"))):
+            raise ConfigError(f"--price-accept-from {path}: accept length {a} outside [1, {max_accept}]")
+        src = (f"{path.name}: {what}, {samp}, {weights}, {meta.get('device', '?')}, commit {meta.get('commit', '?')}"
+               + (f", {rounds} rounds" if rounds else ""))
+        out.append({"accept_length": float(a), "source": src, "weights": weights, "sampling": samp})
+    return out
+
+
+def check_pricing(pricing: list[dict], max_accept: float) -> list[dict]:
+    """Validate explicit pricing inputs: each needs an accept length in ``[1, max_accept]`` and a non-empty
+    source. Raises ConfigError naming the bad one."""
+    for p in pricing:
+        a, src = p.get("accept_length"), str(p.get("source") or "").strip()
+        if not isinstance(a, (int, float)) or not 1.0 <= a <= max_accept:
+            raise ConfigError(f"--price-accept-length must be a measured accept length in [1, {max_accept}] "
+                              f"(tokens per verify round with {max_accept - 1:g} draft steps), got {a!r}")
+        if not src:
+            raise ConfigError("--price-accept-length needs --price-accept-source: where that accept length was "
+                              "measured (file, model, device, commit); an accept length is never assumed")
+    return pricing
+
+
+# ---- the ladder ----------------------------------------------------------------------------------------------
 def run_ablation(base, workload, baseline_moe: str = "torch", kernel_moe: str = "triton", mtp_steps: int = 3,
                  tolerance: float = 0.01, allow_fallback: bool = False, make_engine=None, log=print,
-                 manifest=None) -> dict:
-    """Climb the ladder. ``workload(engine) -> (outputs, extra dict)``; ``make_engine(config) -> engine``.
+                 manifest=None, cases=None, pricing=None, tpot_rule: str = "enforce", on_step=None) -> dict:
+    """Climb the ladder. ``make_engine(config) -> engine``.
 
-    Returns ``{"status": "complete"|"stopped", "stop": {...}|None, "steps": [...], "meta_engine": manifest}``;
-    each step: name, lever, active, check detail, summary, tpot_ms, change vs previous/baseline, manifest.
+    ``workload``: ``workload(engine) -> (outputs, extra dict)`` when ``cases`` is None, else
+    ``workload(engine, case) -> (outputs, extra)`` once per case of ``cases`` (labels, e.g. input lengths) on
+    each step's engine. ``pricing``: measured accept lengths with their sources for the ``+mtp`` step on
+    synthetic weights (:func:`price`). ``tpot_rule``: ``"enforce"`` (a TPOT rise beyond ``tolerance`` stops the
+    ladder) or ``"record"``; on a CPU device always recorded. ``on_step(result)`` is called with the result so
+    far after every step (to write partial reports: a run cut short keeps its finished steps).
+
+    Returns ``{"status": "complete"|"stopped", "stop": {...}|None, "steps": [...], "cases": [...],
+    "regressions": [...], ...}``; each step: name, lever, active, check detail, ``cases`` (per case: summary,
+    tpot_ms, change vs previous/baseline, for ``+mtp`` the measured ``round`` and the ``priced`` rows), the first
+    case's figures at top level, manifest.
+
+    Raises:
+        ValueError: ``tpot_rule`` is neither "enforce" nor "record".
+        ByteboundError: the baseline engine cannot start (nothing to compare with).
     """
     from bytebound.bench.report import engine_manifest, summarize
+    if tpot_rule not in ("enforce", "record"):
+        raise ValueError(f"tpot_rule must be 'enforce' or 'record', got {tpot_rule!r}")
     if make_engine is None:
         from bytebound.engine.engine import Engine
         make_engine = Engine
@@ -126,7 +292,30 @@ def run_ablation(base, workload, baseline_moe: str = "torch", kernel_moe: str = 
         cpu = torch.device(base.device).type == "cpu"
     except RuntimeError:                  # a bad --device: the engine names it at the baseline step
         cpu = False
-    steps, prev_cfg, prev_tpot, base_tpot, stop = [], None, None, None, None
+    synthetic = getattr(base, "load_format", "auto") == "dummy"
+    pricing = list(pricing or [])
+    labels = list(cases) if cases is not None else [None]
+    enforce = tpot_rule == "enforce" and not cpu
+    steps, regressions, prev_cfg, stop = [], [], None, None
+    prev_tpot: dict = {}                  # case -> TPOT of the previous step that ran
+    base_tpot: dict = {}
+
+    def result(status: str) -> dict:
+        return {"status": status, "stop": stop, "steps": steps,
+                "cases": [str(c) for c in labels] if cases is not None else [],
+                "device": "cpu" if cpu else str(base.device),
+                "tpot_rule": "recorded, not enforced (CPU)" if cpu else
+                ("enforced" if enforce else "recorded, not enforced (--tpot-rule record)"),
+                "regressions": regressions, "synthetic_weights": synthetic, "pricing": pricing,
+                "ladder": [{"step": n, "lever": lv, "config": _cfg_dict(c)} for n, lv, c in
+                           ladder(base, baseline_moe, kernel_moe, mtp_steps)],
+                "tolerance": tolerance, "allow_fallback": allow_fallback}
+
+    def done_step(rec) -> None:
+        steps.append(rec)
+        if on_step is not None:
+            on_step(result("running"))
+
     for name, lever, apply in levers(baseline_moe, kernel_moe, mtp_steps):
         cfg = apply(prev_cfg or base)     # on top of what really ran: an inactive lever stays off afterwards
         rec = {"step": name, "lever": lever, "active": None, "check": "", "note": ""}
@@ -136,7 +325,7 @@ def run_ablation(base, workload, baseline_moe: str = "torch", kernel_moe: str = 
             rec.update(active=False, skipped=True, check=f"skipped on CPU: moe backend {kernel_moe!r} {why}",
                        note=f"skipped (needs CUDA); later steps keep moe={baseline_moe}")
             log(f"[ablation] {name}: {rec['check']}")
-            steps.append(rec)
+            done_step(rec)
             continue
         eng, err = None, None
         try:
@@ -151,7 +340,7 @@ def run_ablation(base, workload, baseline_moe: str = "torch", kernel_moe: str = 
                 stop = {"step": name, "reason": "lever not active", "message":
                         msg + ". Stopping; pass --allow-fallback to run it with the lever off and continue."}
                 rec.update(active=False, check=err)
-                steps.append(rec)
+                done_step(rec)
                 break
             log(f"[ablation] {msg}; --allow-fallback: running it with the lever off")
             cfg = prev_cfg
@@ -166,85 +355,211 @@ def run_ablation(base, workload, baseline_moe: str = "torch", kernel_moe: str = 
                     f"step '{name}': lever not active ({rec['check']}). Stopping; pass --allow-fallback to "
                     "record it as inactive and continue."}
             rec["manifest"] = manifest(eng)
-            steps.append(rec)
             eng = None
             _free()
+            done_step(rec)
             break
-        try:
-            outputs, extra = workload(eng)
-        except Exception as e:       # a kernel that binds but fails at run time: report it, do not lose the ladder
-            rec.update(active=False, check=f"{type(e).__name__}: {e}", manifest=manifest(eng))
-            steps.append(rec)
+        rec["cases"], all_outputs, by_case, failed = [], [], {}, None
+        for case in labels:
+            err = None
+            try:
+                outputs, extra = workload(eng) if case is None else workload(eng, case)
+            except Exception as e:   # a kernel that binds but fails at run time: report it, do not lose the ladder
+                err = f"{type(e).__name__}: {e}"
+            if err is not None and allow_fallback and case is not None:
+                # --allow-fallback: this case is a failed row (e.g. out of memory at the longest prompt); the
+                # step's other cases still count and the ladder goes on
+                log(f"[ablation] {name} [{case}]: FAILED ({err}); --allow-fallback: recorded, going on")
+                rec["cases"].append({"case": str(case), "summary": {}, "tpot_ms": None, "error": err,
+                                     "note": f"FAILED: {err}"})
+                _free()                      # what the failed request held (the exception is gone by now)
+                continue
+            if err is not None:
+                failed = (case, err)
+                break
+            all_outputs += outputs
+            by_case[None if case is None else str(case)] = outputs
+            s = summarize(outputs)
+            crec = {"case": None if case is None else str(case), "summary": s, "tpot_ms": s["tpot_ms"]["mean"],
+                    "note": "", **extra}
+            rec["cases"].append(crec)
+        if failed is None and rec["cases"] and all("error" in c for c in rec["cases"]):
+            failed = (rec["cases"][0]["case"], rec["cases"][0]["error"])      # no case ran: nothing to go on with
+        if failed is not None:
+            where = "" if failed[0] is None else f" (case {failed[0]})"
+            rec.update(active=False, check=f"{failed[1]}{where}", manifest=manifest(eng))
             stop = {"step": name, "reason": "step failed", "message": f"step '{name}' failed while running its "
-                    f"workload: {type(e).__name__}: {e}. Stopping."}
+                    f"workload{where}: {failed[1]}. Stopping."}
             eng = None
             _free()
+            _top(rec)
+            done_step(rec)
             break
         if rec["active"] and name == "+mtp":
-            ok, detail = check_lever(name, eng, outputs)
+            ok, detail = check_lever(name, eng, all_outputs)
             rec.update(active=ok, check=detail)
         rec["manifest"] = manifest(eng)
         rec["config"] = _cfg_dict(cfg)
-        s = summarize(outputs)
-        tpot = s["tpot_ms"]["mean"]
-        rec.update(summary=s, tpot_ms=tpot, **extra)
-        if "accept_length" in s and s["accept_length"]["aggregate"] <= 1.05:
-            rec["note"] = (rec["note"] + " " if rec["note"] else "") + \
-                f"accept length {s['accept_length']['aggregate']:.2f}: drafts almost never accepted"
-        if prev_tpot and tpot:
-            rec["change_pct"] = 100 * (tpot - prev_tpot) / prev_tpot
-            rec["change_ms"] = tpot - prev_tpot
-        if base_tpot and tpot:
-            rec["change_vs_baseline_pct"] = 100 * (tpot - base_tpot) / base_tpot
-        log(f"[ablation] {name}: lever {'active' if rec['active'] else 'INACTIVE'} ({rec['check']}); "
-            f"TPOT {tpot:.3f} ms" + (f" ({rec['change_pct']:+.2f}% vs previous)" if "change_pct" in rec else ""))
-        steps.append(rec)
         eng = None
         _free()
+        worse = []
+        for crec in rec["cases"]:
+            key, tpot, s = crec["case"], crec["tpot_ms"], crec["summary"]
+            if "accept_length" in s and s["accept_length"]["aggregate"] <= 1.05:
+                _note(crec, f"accept length {s['accept_length']['aggregate']:.2f}: drafts almost never accepted")
+            if prev_tpot.get(key) and tpot:
+                crec["change_pct"] = 100 * (tpot - prev_tpot[key]) / prev_tpot[key]
+                crec["change_ms"] = tpot - prev_tpot[key]
+            if base_tpot.get(key) and tpot:
+                crec["change_vs_baseline_pct"] = 100 * (tpot - base_tpot[key]) / base_tpot[key]
+            if name == "+mtp" and rec["active"]:
+                rnd = round_cost(by_case.get(key, []), prev_tpot.get(key))
+                if rnd:
+                    crec["round"] = rnd
+                    if synthetic:
+                        crec["priced"] = price(rnd, pricing)
+                        if not pricing:
+                            _note(crec, "not priced: no measured accept length given (--price-accept-length / "
+                                        "--price-accept-from)")
+            rising = rec["active"] and "change_pct" in crec and crec["change_pct"] > 100 * tolerance
+            if rising and name == "+mtp" and synthetic:
+                _note(crec, f"measured TPOT {crec['change_pct']:+.2f}% is one round per token (synthetic weights "
+                            "accept nothing): recorded, not enforced; see the priced TPOT")
+            elif rising and not enforce:
+                _note(crec, f"TPOT {crec['change_pct']:+.2f}%: recorded, not enforced"
+                      + (" on CPU" if cpu else " (--tpot-rule record)"))
+                if not cpu:
+                    regressions.append({"step": name, "case": key, "change_pct": crec["change_pct"],
+                                        "change_ms": crec["change_ms"]})
+            elif rising:
+                worse.append((key, prev_tpot[key], crec))
+        _top(rec)
+        for crec in rec["cases"]:
+            log(f"[ablation] {name}" + (f" [{crec['case']}]" if crec["case"] is not None else "")
+                + f": lever {'active' if rec['active'] else 'INACTIVE'} ({rec['check']}); TPOT "
+                + (f"{crec['tpot_ms']:.3f} ms" if crec["tpot_ms"] else "-")
+                + (f" ({crec['change_pct']:+.2f}% vs previous)" if "change_pct" in crec else "")
+                + "".join(f"; round {r['round_ms']:.3f} ms, c = {_f(r['c'])}" for r in [crec.get("round")] if r)
+                + "".join(f"; PRICED at accept length {p['accept_length']:.3f}: {p['tpot_ms']:.3f} ms "
+                          f"({_f(p['speedup'])}x)" for p in crec.get("priced", [])))
         if rec["active"] is False and not allow_fallback:
             stop = {"step": name, "reason": "lever not active", "message": f"step '{name}': lever not active "
                     f"({rec['check']}). Stopping; pass --allow-fallback to record it as inactive and continue."}
+            done_step(rec)
             break
-        if rec["active"] and "change_pct" in rec and rec["change_pct"] > 100 * tolerance and cpu:
-            rec["note"] = (rec["note"] + " " if rec["note"] else "") + \
-                f"TPOT {rec['change_pct']:+.2f}%: recorded, not enforced on CPU"
-        elif rec["active"] and "change_pct" in rec and rec["change_pct"] > 100 * tolerance:
-            stop = {"step": name, "reason": "TPOT worse", "change_pct": rec["change_pct"],
-                    "message": f"step '{name}' made TPOT worse by {rec['change_pct']:+.2f}% "
-                               f"({prev_tpot:.3f} -> {tpot:.3f} ms, {rec['change_ms']:+.3f} ms; tolerance "
+        if worse:
+            key, before, crec = worse[0]
+            case = "" if key is None else f" at {key}"
+            stop = {"step": name, "reason": "TPOT worse", "change_pct": crec["change_pct"], "case": key,
+                    "message": f"step '{name}' made TPOT worse{case} by {crec['change_pct']:+.2f}% "
+                               f"({before:.3f} -> {crec['tpot_ms']:.3f} ms, {crec['change_ms']:+.3f} ms; tolerance "
                                f"{100 * tolerance:.1f}%). Stopping."}
+            done_step(rec)
             break
-        prev_cfg, prev_tpot = cfg, tpot
-        base_tpot = base_tpot or tpot
+        done_step(rec)
+        prev_cfg = cfg
+        for crec in rec["cases"]:         # the next step changes one lever of what this one ran
+            if crec["tpot_ms"]:
+                prev_tpot[crec["case"]] = crec["tpot_ms"]
+                base_tpot.setdefault(crec["case"], crec["tpot_ms"])
     if stop:
         log(f"[ablation] STOPPED: {stop['message']}")
-    return {"status": "stopped" if stop else "complete", "stop": stop, "steps": steps,
-            "device": "cpu" if cpu else str(base.device), "tpot_rule": "recorded, not enforced (CPU)" if cpu
-            else "enforced",
-            "ladder": [{"step": n, "lever": l, "config": _cfg_dict(c)} for n, l, c in
-                       ladder(base, baseline_moe, kernel_moe, mtp_steps)],
-            "tolerance": tolerance, "allow_fallback": allow_fallback}
+    return result("stopped" if stop else "complete")
+
+
+def _note(rec: dict, text: str) -> None:
+    rec["note"] = (rec["note"] + "; " if rec.get("note") else "") + text
+
+
+def _top(rec: dict) -> None:
+    """The first case's figures at the step's top level (one-case ladders read them there)."""
+    if rec.get("cases"):
+        c0 = next((c for c in rec["cases"] if "error" not in c), rec["cases"][0])
+        for k in ("summary", "tpot_ms", "change_pct", "change_ms", "change_vs_baseline_pct", "accuracy"):
+            if k in c0:
+                rec[k] = c0[k]
+        notes = [f"{c['case']}: {c['note']}" if c["case"] is not None else c["note"] for c in rec["cases"] if c["note"]]
+        if notes:
+            rec["note"] = "; ".join(([rec["note"]] if rec["note"] else []) + notes)
+
+
+def _f(x, d: int = 2) -> str:
+    return "-" if x is None else f"{x:.{d}f}"
+
+
+def reprice(data: dict, pricing: list[dict]) -> dict:
+    """Add priced rows for ``pricing`` to an ablation record's ``+mtp`` step (from its stored measured round
+    costs; entries whose source is already there are replaced). Raises ConfigError when the record is not a
+    synthetic-weights ablation with a measured ``+mtp`` round."""
+    if data.get("benchmark") != "ablation":
+        raise ConfigError("--reprice needs a bench ablation JSON record")
+    if not data.get("synthetic_weights"):
+        raise ConfigError("--reprice: the record is not a synthetic-weights ladder; its +mtp row is measured, "
+                          "not priced")
+    mtp = [s for s in data.get("steps", []) if s.get("step") == "+mtp"]
+    rounds = [c for s in mtp for c in s.get("cases", []) if c.get("round")]
+    if not rounds:
+        raise ConfigError("--reprice: the record has no measured +mtp round to price")
+    srcs = {p["source"] for p in pricing}
+    data["pricing"] = [p for p in data.get("pricing", []) if p["source"] not in srcs] + list(pricing)
+    for c in rounds:
+        c["priced"] = price(c["round"], data["pricing"])
+        c["note"] = "; ".join(n for n in c.get("note", "").split("; ") if not n.startswith("not priced"))
+    for s in mtp:
+        s["note"] = "; ".join(n for n in s.get("note", "").split("; ") if "not priced" not in n)
+    return data
 
 
 def _cfg_dict(cfg) -> dict:
     d = asdict(cfg)
-    return {k: d[k] for k in ("backends", "lm_head", "speculative_steps", "allow_fallback", "load_format", "device")}
+    return {k: d[k] for k in ("backends", "lm_head", "speculative_steps", "allow_fallback", "load_format", "device",
+                              "max_model_len") if k in d}
 
 
 def draw_ladder(result: dict):
-    """Bar chart of mean TPOT per step (inactive steps hatched, the stopping step red)."""
+    """Mean TPOT per step, one panel per case (inactive steps grey, the stopping step red); on synthetic weights
+    the ``+mtp`` step's priced TPOTs as hatched bars beside its measured one."""
     def draw(fig):
-        ax = fig.subplots()
-        steps = [s for s in result["steps"] if s.get("tpot_ms")]
         stop = (result.get("stop") or {}).get("step")
-        colors = ["tab:red" if s["step"] == stop else ("lightgray" if not s["active"] else "tab:blue") for s in steps]
-        bars = ax.bar([s["step"] for s in steps], [s["tpot_ms"] for s in steps], color=colors)
-        for b, s in zip(bars, steps):
-            txt = f"{s['tpot_ms']:.2f} ms" + (f"\n{s['change_pct']:+.1f}%" if "change_pct" in s else "")
-            if not s["active"]:
-                txt += "\n(inactive)"
-            ax.annotate(txt, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
-        ax.set_ylabel("mean TPOT [ms]")
-        ax.set_title("ablation ladder: one lever at a time" + (f" (stopped at {stop})" if stop else ""))
-        ax.margins(y=0.25)
+        keys = []
+        for s in result["steps"]:
+            for c in s.get("cases", []):
+                if c["case"] not in keys:
+                    keys.append(c["case"])
+        keys = keys or [None]
+        axes = fig.subplots(1, len(keys), squeeze=False)[0]
+        for ax, key in zip(axes, keys):
+            names, vals, colors, hatches, texts = [], [], [], [], []
+            for s in result["steps"]:
+                c = next((c for c in s.get("cases", []) if c["case"] == key and c.get("tpot_ms")), None)
+                if c is None:
+                    continue
+                names.append(s["step"] + (" (measured)" if c.get("priced") else ""))
+                vals.append(c["tpot_ms"])
+                colors.append("tab:red" if s["step"] == stop else ("lightgray" if not s["active"] else "tab:blue"))
+                hatches.append("")
+                t = f"{c['tpot_ms']:.2f} ms" + (f"\n{c['change_pct']:+.1f}%" if "change_pct" in c else "")
+                if c.get("round") and c["round"].get("c"):
+                    t += f"\nc = {c['round']['c']:.2f}"
+                texts.append(t + ("" if s["active"] else "\n(inactive)"))
+                for p in c.get("priced", []):
+                    names.append(f"+mtp priced\nA = {p['accept_length']:.2f}")
+                    vals.append(p["tpot_ms"])
+                    colors.append("white")
+                    hatches.append("//")
+                    texts.append(f"{p['tpot_ms']:.2f} ms\n{_f(p['speedup'])}x (priced)")
+            bars = ax.bar(range(len(vals)), vals, color=colors, edgecolor="tab:blue", hatch=None)
+            for b, h, t in zip(bars, hatches, texts):
+                if h:
+                    b.set_hatch(h)
+                ax.annotate(t, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=7)
+            ax.set_xticks(range(len(vals)))
+            ax.set_xticklabels(names, fontsize=7, rotation=20)
+            ax.set_ylabel("mean TPOT [ms]")
+            title = "ladder" if key is None else (f"{key} tokens in" if str(key).isdigit() else str(key))
+            ax.set_title(title + (f" (stopped at {stop})" if stop else ""),
+                         fontsize=9)
+            ax.margins(y=0.3)
+        fig.suptitle("ablation ladder: one lever at a time" + (" (synthetic weights: +mtp priced)"
+                                                               if result.get("synthetic_weights") else ""))
     return draw

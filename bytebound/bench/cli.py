@@ -6,21 +6,32 @@ Usage::
         [--bandwidth auto|none|GBs] [--out DIR] [--name NAME]
     bytebound bench gsm8k [engine flags] [--limit N] [--shots 5] [--max-tokens 512]
         [--temperature 0.6 --top-p 0.95 --top-k 29] [--seed 0] [--out DIR]
-    bytebound bench ablation [engine flags] [--workload synthetic|gsm8k] [--input-len ... | --limit ...]
-        [--baseline-moe torch] [--kernel-moe triton] [--tpot-tolerance 0.01] [--allow-fallback] [--out DIR]
+    bytebound bench ablation [engine flags] [--workload synthetic|gsm8k] [--input-len 2048,32768 | --limit ...]
+        [--baseline-moe torch] [--kernel-moe triton] [--tpot-tolerance 0.01] [--tpot-rule enforce|record]
+        [--allow-fallback] [--price-accept-from FILE ... | --price-accept-length A --price-accept-source TEXT]
+        [--out DIR]
+    bytebound bench ablation --reprice ABLATION.json --price-accept-from FILE ...   # add priced rows, no engine
 
 Engine flags are the shared ones (``--model``, ``--device``, ``--load-format dummy``, ``--lm-head``, backends,
 ``--speculative-algorithm NEXTN``...). The ablation sets the MoE backend, LM head and MTP itself, step by step.
 The synthetic defaults (32768 in / 2048 out) need the full-scale config (``--model
 bytebound/assets/configs/ling-3.0-flash.json --load-format dummy --device cuda``); the bundled ling-nano has
 4096 positions, so give it shorter ``--input-len``/``--output-len``.
+The ablation's ``--input-len`` takes several lengths (e.g. ``2048,32768``): each step's one engine runs each, and
+``--max-model-len`` is raised to the longest (as for ``bench synthetic``). With synthetic weights the ``+mtp`` row
+reports the measured round cost and, for each accept length passed in (``--price-accept-from`` a JSON record of
+a trained-model run, or ``--price-accept-length`` with ``--price-accept-source``), the priced TPOT; no accept
+length is ever assumed. The ablation report is rewritten after every step, so a run cut short keeps its rows.
 Files: ``DIR/NAME.json``, ``DIR/NAME.md``, ``DIR/NAME_*.png`` (NAME defaults to the benchmark's name).
-Exit codes: 0 done; 2 the engine could not start or a bad argument; 3 the ablation stopped early.
+Exit codes: 0 done (an ablation with every lever active; with ``--tpot-rule record`` TPOT rises are listed, not
+stopped on); 2 the engine could not start or a bad argument; 3 the ablation stopped early (a lever not active, a
+step that failed, or with the default ``--tpot-rule enforce`` a TPOT rise beyond ``--tpot-tolerance``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -47,8 +58,23 @@ def _common(p: argparse.ArgumentParser, name: str) -> None:
                    help="torch intra-op threads (CPU; 1 is fastest for tiny models on a busy machine)")
 
 
-def _synthetic_args(p, input_len: int = 32768, output_len: int = 2048) -> None:
-    p.add_argument("--input-len", type=int, default=input_len)
+def _lens(spec: str) -> tuple[int, ...]:
+    """argparse type of the ablation's ``--input-len``: one or more comma-separated token counts."""
+    try:
+        out = tuple(int(v) for v in spec.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated token counts, got {spec!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"at least one token count, got {spec!r}")
+    return out
+
+
+def _synthetic_args(p, input_len: int = 32768, output_len: int = 2048, several: bool = False) -> None:
+    if several:
+        p.add_argument("--input-len", type=_lens, default=(input_len,),
+                       help=f"prompt length(s), comma-separated, each a case of every step (default {input_len})")
+    else:
+        p.add_argument("--input-len", type=int, default=input_len)
     p.add_argument("--output-len", type=int, default=output_len)
     p.add_argument("--num-requests", type=int, default=1, help="timed requests (distinct seeded prompts)")
     p.add_argument("--warmup", type=int, default=1, help="short untimed requests first")
@@ -92,12 +118,27 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_engine_args(a)
     _common(a, "ablation")
     a.add_argument("--workload", default="synthetic", choices=["synthetic", "gsm8k"])
-    _synthetic_args(a, 32768, 2048)
+    _synthetic_args(a, 32768, 2048, several=True)
     _gsm8k_args(a)
-    a.add_argument("--baseline-moe", default="torch", help="generic routed-MoE backend of the baseline")
+    a.add_argument("--baseline-moe", default="torch",
+                   help="generic routed-MoE backend of the baseline (the seed's ladder: humming)")
     a.add_argument("--kernel-moe", default="triton", help="shape-specialised routed-MoE backend (+kernel step)")
     a.add_argument("--tpot-tolerance", type=float, default=0.01,
                    help="an active step whose TPOT rises more than this fraction stops the ladder (default 0.01)")
+    a.add_argument("--tpot-rule", default="enforce", choices=["enforce", "record"],
+                   help="enforce: a TPOT rise beyond the tolerance stops the ladder (exit 3); record: it is listed in "
+                        "the row and the report's regressions and the ladder goes on (default enforce; CPU: record)")
+    a.add_argument("--price-accept-from", action="append", default=[], metavar="FILE",
+                   help="synthetic weights: price the +mtp row at the accept length(s) in this JSON record of a "
+                        "trained-model run (bench ablation / gsm8k with MTP, scripts/mtp_accept.py); repeatable")
+    a.add_argument("--price-accept-length", type=float, default=None, metavar="A",
+                   help="synthetic weights: price the +mtp row at this measured accept length (needs "
+                        "--price-accept-source)")
+    a.add_argument("--price-accept-source", default=None, metavar="TEXT",
+                   help="where --price-accept-length was measured (file, model, device, commit)")
+    a.add_argument("--reprice", default=None, metavar="ABLATION_JSON",
+                   help="no engine: add priced rows for the given accept lengths to this synthetic-weights "
+                        "ablation record and rewrite its JSON, markdown and plot in place")
     a.set_defaults(fn=cmd_ablation)
     return p
 
@@ -132,13 +173,15 @@ def _synthetic_len(a, steps: int) -> int:
     """Cache slots a synthetic request needs; raises ConfigError naming --input-len/--output-len when the model's
     ``max_position_embeddings`` is smaller (the engine's own check would name --max-model-len, which the bench
     raised by itself)."""
-    need = a.input_len + a.output_len + steps + 1
+    lens = a.input_len if isinstance(a.input_len, (tuple, list)) else (a.input_len,)
+    need = max(lens) + a.output_len + steps + 1
     from bytebound.config import LingConfig
     from bytebound.errors import ConfigError
     limit = LingConfig.from_file(a.model).max_position_embeddings
     if need > limit:
         from bytebound.config import LING3_FLASH_CONFIG
-        raise ConfigError(f"--input-len {a.input_len} + --output-len {a.output_len} (+ {steps + 1} slots for the "
+        spec = ",".join(str(n) for n in lens)
+        raise ConfigError(f"--input-len {spec} + --output-len {a.output_len} (+ {steps + 1} slots for the "
                           f"last decode/verify step) need {need} positions, but {a.model} has "
                           f"max_position_embeddings {limit}: pass shorter lengths, or run the full-scale model "
                           f"with synthetic weights (--model {LING3_FLASH_CONFIG} --load-format dummy --device cuda)")
@@ -156,8 +199,9 @@ def _validate(a) -> None:
     for name in ("limit", "shots", "input_len", "output_len", "num_requests", "warmup", "max_tokens"):
         v = getattr(a, name, None)
         low = 1 if name in ("limit", "input_len", "output_len", "num_requests", "max_tokens") else 0
-        if v is not None and v < low:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {v}")
+        for x in (v if isinstance(v, (tuple, list)) else [v]):
+            if x is not None and x < low:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {x}")
     if getattr(a, "shots", None) is not None and a.shots > MAX_SHOTS:
         raise ConfigError(f"--shots must be <= {MAX_SHOTS}, got {a.shots} (an exemplar is ~200 tokens; "
                           "GSM8K protocols use 5 or 8)")
@@ -326,27 +370,76 @@ def cmd_gsm8k(a) -> int:
 
 
 # ---- ablation ---------------------------------------------------------------------------------------------
+def _pricing(a) -> list[dict]:
+    """The accept lengths the +mtp row is priced at (synthetic weights), read and checked before any engine."""
+    from bytebound.bench.ablation import accept_from_file, check_pricing
+    from bytebound.errors import ConfigError
+    top = a.speculative_num_steps + 1
+    out = []
+    for f in a.price_accept_from:
+        out += accept_from_file(f, top)
+    if a.price_accept_length is not None:
+        out += check_pricing([{"accept_length": a.price_accept_length, "source": a.price_accept_source}], top)
+    elif a.price_accept_source:
+        raise ConfigError("--price-accept-source without --price-accept-length")
+    return out
+
+
+def _reprice(a, pricing: list[dict]) -> int:
+    from pathlib import Path
+    from bytebound.bench.ablation import draw_ladder, reprice
+    from bytebound.errors import ConfigError
+    f = Path(a.reprice)
+    try:
+        data = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--reprice {f}: cannot read a JSON record ({type(e).__name__}: {e})") from None
+    if not pricing:
+        raise ConfigError("--reprice needs --price-accept-from or --price-accept-length")
+    data = reprice(data, pricing)
+    data.pop("files", None)
+    paths = rp.write_report(f.parent, f.stem, data, ablation_markdown(data, data.get("meta") or {},
+                                                                      data.get("workload") or {}),
+                            {"ladder": draw_ladder(data)})
+    for c in (c for s in data["steps"] if s["step"] == "+mtp" for c in s.get("cases", []) if c.get("priced")):
+        for q in c["priced"]:
+            print(f"[bench] +mtp {c['case'] or ''}: round {c['round']['round_ms']:.3f} ms, c "
+                  f"{c['round']['c'] or float('nan'):.3f}; PRICED at accept length {q['accept_length']:.3f} "
+                  f"({q['source']}): {q['tpot_ms']:.3f} ms, {q['speedup'] or float('nan'):.2f}x")
+    _print(paths)
+    return 0
+
+
 @_guard
 def cmd_ablation(a) -> int:
     from bytebound.bench.ablation import draw_ladder, run_ablation
+    pricing = _pricing(a)
+    if a.reprice:
+        return _reprice(a, pricing)
     progress = not a.no_progress
+    cases = None
     if a.workload == "synthetic":
         from bytebound.bench.synthetic import run_synthetic
         base = _config(a, synthetic=True)
-        workload_desc = {"workload": "synthetic", "input_len": a.input_len, "output_len": a.output_len,
-                         "num_requests": a.num_requests, "sampling": "greedy, ignore_eos"}
+        cases = list(a.input_len)
+        workload_desc = {"workload": "synthetic", "input_len": cases, "output_len": a.output_len,
+                         "num_requests": a.num_requests, "sampling": "greedy, ignore_eos",
+                         "max_model_len": base.max_model_len}
 
-        def workload(eng):
-            return run_synthetic(eng, a.input_len, a.output_len, a.num_requests, a.warmup, a.seed, progress)["outputs"], {}
+        def workload(eng, n):     # warm-up requests once per engine, before its first case
+            r = run_synthetic(eng, int(n), a.output_len, a.num_requests, a.warmup if n == cases[0] else 0, a.seed,
+                              progress)
+            return r["outputs"], {"input_len": int(n), "output_len": a.output_len}
     else:
         from bytebound.bench.gsm8k import run_gsm8k
         base = _config(a)
         workload_desc = {"workload": "gsm8k", "limit": a.limit, "shots": a.shots, "max_tokens": a.max_tokens,
-                         "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k}
+                         "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k, "seed": a.seed}
 
         def workload(eng):
             r = run_gsm8k(eng, a.limit, a.shots, a.seed, a.max_tokens, a.temperature, a.top_p, a.top_k, progress)
-            return r["outputs"], {"accuracy": r["correct"] / r["n"] if r["n"] else 0.0}
+            return r["outputs"], {"accuracy": r["correct"] / r["n"] if r["n"] else 0.0, "correct": r["correct"],
+                                  "n": r["n"], "skipped": r["skipped"]}
     meta: dict = {}
 
     def make(cfg):
@@ -355,42 +448,120 @@ def cmd_ablation(a) -> int:
             meta.update(rp.run_meta(eng, weights=a.weights_label, note=a.note))
         return eng
 
+    def write(res):
+        data = {"benchmark": "ablation", "meta": meta, "workload": workload_desc, **res}
+        return rp.write_report(a.out, a.name, data, ablation_markdown(res, meta, workload_desc),
+                               {"ladder": draw_ladder(res)})
+
     res = run_ablation(base, workload, a.baseline_moe, a.kernel_moe, a.speculative_num_steps, a.tpot_tolerance,
-                       a.allow_fallback, make_engine=make)
-    data = {"benchmark": "ablation", "meta": meta, "workload": workload_desc, **res}
-    paths = rp.write_report(a.out, a.name, data, ablation_markdown(res, meta, workload_desc),
-                            {"ladder": draw_ladder(res)})
-    _print(paths)
+                       a.allow_fallback, make_engine=make, cases=cases, pricing=pricing, tpot_rule=a.tpot_rule,
+                       on_step=write)
+    _print(write(res))
     return 3 if res["status"] == "stopped" else 0
 
 
+def _case_label(c: dict, workload: dict) -> str:
+    if c.get("case") is None:
+        return workload.get("workload", "-")
+    return f"{c['case']} in / {workload.get('output_len', '?')} out" if workload.get("workload") == "synthetic" \
+        else str(c["case"])
+
+
 def ablation_markdown(res: dict, meta: dict, workload: dict) -> list[str]:
+    """The ablation report: status, one row per step and case, the measured MTP round and (synthetic weights)
+    the priced TPOT, then the baseline engine's run record."""
     md = ["# Ablation ladder: one lever at a time", "", f"Workload: `{workload}`. Each step is a fresh engine that "
-          "changes one lever of the previous step and checks that the lever is active before it is timed.", ""]
+          "changes one lever of the previous step and checks that the lever is active before it is timed"
+          + (" (every case of a step runs on its one engine)." if res.get("cases") else "."), ""]
     skipped = [s["step"] for s in res["steps"] if s.get("skipped")]
-    if res["stop"]:
+    if res["status"] == "running":
+        md += [f"**Partial: {len(res['steps'])} of 4 steps done** (the run was still going when this was written, "
+               "or was cut short).", ""]
+    elif res["stop"]:
         md += [f"**Stopped at step `{res['stop']['step']}`: {res['stop']['message']}**", ""]
-    elif res.get("tpot_rule", "enforced") != "enforced":
+    elif res.get("tpot_rule", "enforced").startswith("recorded, not enforced (CPU"):
         md += ["**CPU run: complete as far as a CPU can show.** " + (f"Skipped: {', '.join(skipped)} (see the "
                "check column). " if skipped else "") + "Each lever that ran was checked active; TPOT changes are "
                "recorded, not enforced: the levers cut bytes per token, and a CPU decode of a small model is bound "
                "by per-op overhead, not memory bandwidth. The speed ladder is a CUDA measurement.", ""]
+    elif res.get("regressions"):
+        md += ["**Complete: every lever active; TPOT rules recorded, not enforced (--tpot-rule record). Steps that "
+               "made TPOT worse: " + ", ".join(f"`{r['step']}`" + (f" at {r['case']}" if r["case"] else "")
+                                               + f" ({r['change_pct']:+.2f}%)" for r in res["regressions"])
+               + ".**", ""]
     else:
-        md += ["**Complete: every lever active, no step made TPOT worse.**", ""]
-    md += ["| step | lever | active | check | mean TPOT [ms] | vs previous | vs baseline | decode tok/s | "
-           "TTFT [ms] | accept length | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        md += ["**Complete: every lever active, no step made TPOT worse"
+               + (" (the +mtp row on synthetic weights excepted: see below)" if res.get("synthetic_weights") else "")
+               + ".**", ""]
+    gsm = workload.get("workload") == "gsm8k"
+    md += ["| step | case | lever | active | check | mean TPOT [ms] | vs previous | vs baseline | decode tok/s | "
+           "TTFT mean [ms] | E2E mean / P50 / P95 [ms] | accept length |" + (" accuracy |" if gsm else "") + " note |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if gsm else "") + "---|"]
     for s in res["steps"]:
-        sm = s.get("summary", {})
-        acc = sm.get("accept_length", {}).get("aggregate")
         active = "skipped" if s.get("skipped") else ("yes" if s["active"] else "NO")
-        md.append(f"| {s['step']} | {s['lever']} | {active} | {s['check']} | "
-                  f"{rp.fmt(s.get('tpot_ms'), 3)} | "
-                  + (f"{s['change_pct']:+.2f}% ({s['change_ms']:+.3f} ms)" if "change_pct" in s else "-") + " | "
-                  + (f"{s['change_vs_baseline_pct']:+.2f}%" if "change_vs_baseline_pct" in s else "-") + " | "
-                  f"{rp.fmt(sm.get('decode_tok_s', {}).get('aggregate'), 1)} | {rp.fmt(sm.get('ttft_ms', {}).get('mean'), 1)} | "
-                  f"{rp.fmt(acc)} | {s.get('note', '')} |")
+        cases = s.get("cases") or [{"case": None, "summary": {}, "note": s.get("note", "")}]
+        for i, c in enumerate(cases):
+            sm = c.get("summary", {})
+            acc = sm.get("accept_length", {}).get("aggregate")
+            e2e = sm.get("e2e_ms", {})
+            first = i == 0
+            md.append(f"| {s['step'] if first else ''} | {_case_label(c, workload) if s.get('cases') else '-'} | "
+                      f"{s['lever'] if first else ''} | {active if first else ''} | {s['check'] if first else ''} | "
+                      f"{rp.fmt(c.get('tpot_ms'), 3)} | "
+                      + (f"{c['change_pct']:+.2f}% ({c['change_ms']:+.3f} ms)" if "change_pct" in c else "-") + " | "
+                      + (f"{c['change_vs_baseline_pct']:+.2f}%" if "change_vs_baseline_pct" in c else "-") + " | "
+                      f"{rp.fmt(sm.get('decode_tok_s', {}).get('aggregate'), 1)} | "
+                      f"{rp.fmt(sm.get('ttft_ms', {}).get('mean'), 1)} | "
+                      + (" / ".join(rp.fmt(e2e.get(k), 0) for k in ("mean", "p50", "p95")) if e2e else "-") + " | "
+                      f"{rp.fmt(acc)} | "
+                      + (f"{100 * c['accuracy']:.1f}% ({c.get('correct')}/{c.get('n')}) | " if gsm and "accuracy" in c
+                         else ("- | " if gsm else ""))
+                      + f"{c.get('note', '') if s.get('cases') else s.get('note', '')} |")
+    md += _mtp_markdown(res, workload)
     if meta:
         md += ["", "## Run (baseline engine)", ""] + rp.meta_section(meta)
-    md += ["", f"TPOT tolerance {100 * res['tolerance']:.1f}%; --allow-fallback {res['allow_fallback']} "
-           "(inactive levers are recorded and not compared instead of stopping the ladder)."]
+    md += ["", f"TPOT tolerance {100 * res['tolerance']:.1f}%, rule: {res.get('tpot_rule', 'enforced')}; "
+           f"--allow-fallback {res['allow_fallback']} (inactive levers are recorded and not compared instead of "
+           "stopping the ladder)."]
+    return md
+
+
+def _mtp_markdown(res: dict, workload: dict) -> list[str]:
+    mtp = next((s for s in res["steps"] if s["step"] == "+mtp"), None)
+    rows = [c for c in (mtp or {}).get("cases", []) if c.get("round")]
+    if not rows:
+        return []
+    md = ["", "## MTP round cost (measured)", "",
+          "| case | plain decode TPOT (previous step) [ms] | round [ms] | c = round / plain | round, wall [ms] | "
+          "c, wall | rounds | accept length (measured) |", "|---|---|---|---|---|---|---|---|"]
+    for c in rows:
+        r = c["round"]
+        md.append(f"| {_case_label(c, workload)} | {rp.fmt(r['plain_tpot_ms'], 3)} | **{r['round_ms']:.3f}** | "
+                  f"**{rp.fmt(r['c'], 3)}** | {r['round_ms_wall']:.3f} | {rp.fmt(r['c_wall'], 3)} | {r['rounds']} | "
+                  f"{r['accept_length']:.3f} |")
+    md += ["", f"Round = {rows[0]['round']['round_ms_source']} (with static rounds: the graph replay with its one "
+           "host read); wall = first-to-last-token time per round, which also holds the request's one NEXTN pass over "
+           "the prompt and the per-round Python loop. c is against the previous step's TPOT in the same case."]
+    if not res.get("synthetic_weights"):
+        return md + ([f"", f"Weights are not synthetic: the accept length above is measured, so the "
+                      f"{len(res['pricing'])} pricing input(s) given were not used."] if res.get("pricing") else [])
+    md += ["", "## +mtp on synthetic weights: PRICED, not measured", "",
+           "Random weights accept (almost) nothing (measured accept length above), so the +mtp row's measured TPOT is "
+           "one round per token: the cost of a round, not what MTP gives. The priced TPOT is that **measured** round "
+           "cost divided by an accept length **measured on a trained model** (source in each row): priced TPOT = "
+           "round / A, speed-up = A / c. The static round has fixed shapes, so its cost does not depend on what is "
+           "accepted; what the price assumes is that the full-scale model's drafts are accepted as often as those of "
+           "the model A was measured on. The TPOT stop rule is not applied to this row: the measured TPOT cannot show "
+           "the lever's effect with random weights, and the priced TPOT is a model, not a measurement.", ""]
+    priced = [(c, p) for c in rows for p in c.get("priced", [])]
+    if not priced:
+        return md + ["Not priced: no measured accept length was given (`--price-accept-from FILE` or "
+                     "`--price-accept-length A --price-accept-source TEXT`); no accept length is assumed."]
+    md += ["| case | accept length A | source of A | priced TPOT = round / A [ms] | priced speed-up A / c | "
+           "vs previous step | priced from the wall round [ms] |", "|---|---|---|---|---|---|---|"]
+    for c, p in priced:
+        md.append(f"| {_case_label(c, workload)} | {p['accept_length']:.3f} | {p['source']} | **{p['tpot_ms']:.3f}** "
+                  f"(priced) | **{rp.fmt(p['speedup'], 2)}x** | "
+                  + (f"{p['change_pct']:+.1f}%" if p["change_pct"] is not None else "-")
+                  + f" | {p['tpot_ms_wall']:.3f} |")
     return md

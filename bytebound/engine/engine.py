@@ -21,11 +21,12 @@ import torch
 from bytebound.engine.tokenizer import Tokenizer
 from bytebound.errors import BackendError, CheckpointError, ConfigError, RequestError
 from bytebound.runner.backends import BackendPlan, bind_model
+from bytebound.runner.plan import alias_values
 from bytebound.runner.runner import ModelRunner, pow2_buckets
 from bytebound.sampling import SamplingParams, make_generator, sample
 from bytebound.speculative.adaptive import AdaptiveSpeculation, adaptive_tokens, check_knobs
-from bytebound.speculative.mtp import MTPDrafter, SpecStats, mtp_tokens
-from bytebound.speculative.round import StaticRound, static_mtp_tokens
+from bytebound.speculative.mtp import MTPDrafter, SpecStats
+from bytebound.speculative.round import StaticRound, mtp_tokens
 from bytebound.verify.watchdog import AcceptWatchdog, watch_rounds
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "ling-nano"
@@ -33,8 +34,9 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "ling-nano"
 
 @dataclass
 class EngineConfig:
-    """Everything ``Engine`` needs to start. ``lm_head``: bf16 | fp32 | fp8. ``backends``: op -> backend
-    overrides (see ``runner.backends``). ``speculative_steps`` 0 disables MTP."""
+    """Everything ``Engine`` needs to start. ``lm_head``: bf16 | fp32 | fp8. ``backends``: plan entry -> name,
+    the one override mechanism (``--backend ENTRY=NAME``; entries and choices: ``runner.plan``), e.g.
+    ``{"moe": "torch", "router": "torch", "round": "eager"}``. ``speculative_steps`` 0 disables MTP."""
     model: str = str(DEFAULT_MODEL)
     device: str = "cpu"
     dtype: str | None = None
@@ -55,25 +57,16 @@ class EngineConfig:
     watchdog_window: int = 64         # rolling accept-length watchdog (MTP only): rounds in the window
     watchdog_threshold: float = 1.05  # ... alarm at or below this accept length
     enforce_eager: bool = False       # CUDA: skip graph capture of the decode step (and of the MTP round)
-    # GPU paths (None = on with CUDA, off on CPU, where the Triton kernels and graphs do not run). Each is a default
-    # because it made the full-scale decode step faster on the H200 with no canary failing on its account (the
-    # spec_vs_plain failure once blamed on them was a routing near-tie the defaults hit too); the measurements and
-    # their dates are in docs/perf/history.md. The captured round: eager MTP rounds are launch-bound on a GPU.
-    fused_router: bool | None = None  # MoE routing (M <= 4) as one Triton kernel (CUDA)
-    fused_norm: bool | None = None    # every RMSNorm / gated RMSNorm as one Triton kernel (CUDA)
-    # The shared expert as one more slot of the 'split' MoE kernels (MoEKernel.bind_shared): its bytes stream in
-    # the same launches as the routed experts'. None = on with CUDA wherever the MoE backend can run it (the triton
-    # 'split' kernels; other layers keep their dense shared expert, as the manifest says); True = required
-    # (BackendError where it cannot).
+    # Deprecated aliases of plan entries (runner.plan.ALIASES; None = the plan's device default). Use
+    # ``backends`` instead: fused_router -> router=triton|torch, fused_router_gemv -> router=gemv|triton,
+    # fused_norm -> norm=triton|torch, fused_shared -> moe_shared=fused|separate, kv_buckets -> kv=buckets|exact,
+    # spec_static_round -> round=static|eager (enforce_eager above -> graphs=eager).
+    fused_router: bool | None = None
+    fused_norm: bool | None = None
     fused_shared: bool | None = None
-    # The router GEMV and the routing (M <= 4) as one Triton kernel (kernels.triton_router.gemv_route): one launch
-    # per MoE layer instead of two, each program loading its whole weight tile at once. None = on with CUDA, off
-    # on CPU.
     fused_router_gemv: bool | None = None
-    kv_buckets: bool | None = None    # attention spans in powers of two from 1024 (one decode graph each) instead
-    #                                   of all max_model_len slots every step (CUDA)
-    spec_static_round: bool | None = None  # MTP rounds with static shapes (speculative.round): on CUDA one graph
-    #                                        replay per greedy round
+    kv_buckets: bool | None = None
+    spec_static_round: bool | None = None
     cpu_threads: int | None = 1       # batch-1 CPU steps are many tiny ops: one thread avoids sync overhead
     # CPU: the one-token decode step compiled by torch.compile (inductor C++; runner.cpu_compile), the CPU
     # counterpart of the CUDA graph. Opt-in: the first compile takes minutes on a 2-core machine, a warm
@@ -233,7 +226,6 @@ class Engine:
         adaptive = (AdaptiveSpeculation(cfg.adaptive_window, cfg.adaptive_margin, cfg.adaptive_probe_every,
                                         cfg.adaptive_probe_max, cfg.adaptive_probe_rounds, cfg.adaptive_calibration,
                                         cfg.adaptive_refresh_rounds) if cfg.speculative_adaptive else None)
-        cuda = dev.type == "cuda"
         self.tp = None
         if cfg.tensor_parallel_size != 1:
             from bytebound.parallel import current_group
@@ -245,25 +237,12 @@ class Engine:
                                   + ("in no process group" if tp is None else f"rank {tp.rank} of {tp.world}")
                                   + " (the bytebound command line starts the processes itself; from Python use "
                                     "bytebound.parallel.launch, or torchrun + init_from_env)")
-            if cfg.spec_static_round:
-                raise ConfigError("--spec-static-round is not available with --tensor-parallel-size > 1 (its "
-                                  "on-device acceptance would let the ranks decide apart); MTP rounds run eagerly")
             if tp.device.type != dev.type:
                 raise ConfigError(f"--device {cfg.device}: the process group runs on {tp.device.type}")
             self.tp, dev = tp, tp.device
-            cfg = self.config = replace(cfg, spec_static_round=False)
-        # None = the device's default: on with CUDA, off on CPU (where the Triton kernels and graphs do not run)
-        self.config = cfg = replace(cfg, **{k: cuda for k in ("spec_static_round", "fused_router", "fused_norm",
-                                                              "fused_router_gemv", "kv_buckets")
-                                            if getattr(cfg, k) is None})
-        # fused_shared stays None: bind_model reads it as "with CUDA, wherever the MoE backend can" (off on CPU)
-        for flag, on, what in (("--fused-shared-expert (fused_shared)", cfg.fused_shared, "the triton MoE kernels"),
-                               ("--fused-router-gemv (fused_router_gemv)", cfg.fused_router_gemv, "a Triton kernel")):
-            if on and not cuda:
-                raise ConfigError(f"{flag} needs a CUDA device ({what})")
-        if cfg.kv_buckets and not cuda:
-            raise ConfigError("--decode-kv-buckets (kv_buckets) needs a CUDA device (the CPU path attends over "
-                              "exactly the sequence already)")
+        # every binding decision, validated once (ConfigError) before anything loads; bound in _build
+        self.plan = BackendPlan.build(dev, cfg.backends, alias_values(cfg), allow_fallback=cfg.allow_fallback,
+                                      steps=cfg.speculative_steps, tensor_parallel=self.tp is not None)
         if dev.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         dtype = _dtype(cfg.dtype, cfg.device)
@@ -302,35 +281,9 @@ class Engine:
             from bytebound.parallel import shard_model
             self.sharding = shard_model(self.model, self.tp)
         clock.lap("load_s", dev)
-        plan = BackendPlan.default(dev, **cfg.backends)
-        plan.allow_fallback = cfg.allow_fallback
-        self.plan = bind_model(self.model, plan, dev, cfg.lm_head, cfg.fused_router, cfg.fused_norm,
-                               cfg.fused_shared, cfg.fused_router_gemv)
-        self.plan.check_speculative(cfg.speculative_steps)     # ConfigError: a verify wider than the fast paths
-        self.runner = ModelRunner(self.model, cfg.max_model_len, dev,
-                                  pow2_buckets(cfg.max_model_len) if cfg.kv_buckets else None)
-        self.runner.tp = self.tp         # the MTP rounds take rank 0's drafts and accept decision
-        if dev.type == "cuda" and not cfg.enforce_eager:
-            from bytebound.runner.graphs import capture_decode
-            capture_decode(self.runner)
-        elif cfg.cpu_compile and not cfg.enforce_eager:
-            from bytebound.runner.cpu_compile import compile_decode
-            compile_decode(self.runner)         # BackendError (named) off a CPU or when inductor fails
-        hot = None
-        draft_vocab_on = cfg.draft_vocab not in (None, 0, "", "0")
-        if cfg.speculative_steps and draft_vocab_on:
-            from bytebound.speculative.hot_vocab import HotHead, resolve_draft_vocab
-            got = resolve_draft_vocab(cfg.draft_vocab, cfg.model, self.model.cfg.vocab_size)
-            hot = HotHead(self.model.lm_head, *got) if got is not None else None
-        elif draft_vocab_on:
-            raise ConfigError("--speculative-draft-vocab (draft_vocab) needs MTP (--speculative-algorithm NEXTN)")
-        self.drafter = (MTPDrafter(self.model, cfg.speculative_steps, cfg.draft_share, hot)
-                        if cfg.speculative_steps else None)
-        self.spec_round = None          # the captured greedy MTP round (CUDA, spec_static_round)
-        if self.drafter is not None and cfg.spec_static_round and dev.type == "cuda" and not cfg.enforce_eager:
-            self.spec_round = StaticRound(self.runner, self.drafter, SamplingParams(), None, capture=True)
-        self.spec_totals = SpecStats(cfg.speculative_steps or 1)
         self.device = dev
+        self._build(self.plan)
+        self.spec_totals = SpecStats(cfg.speculative_steps or 1)
         self.watchdog = (AcceptWatchdog(cfg.watchdog_window, cfg.watchdog_threshold, cfg.strict)
                          if self.drafter is not None else None)
         self.adaptive = adaptive        # AdaptiveSpeculation (engine lifetime), None unless speculative_adaptive
@@ -344,6 +297,70 @@ class Engine:
             finally:
                 clock.lap("canaries_s", dev)
             print_manifest(build_manifest(self), file=sys.stderr)
+
+    def _build(self, plan: BackendPlan) -> None:
+        """Bind the loaded model to ``plan`` and build what runs it: width check, runner (``kv``), decode graphs
+        (``graphs``), drafter and captured MTP round (``round``). Start-up and :meth:`rebind` both run this.
+
+        Raises:
+            BackendError: a named backend is unusable (``bind_model``). ConfigError: MTP wider than the bound
+                fast paths (``BackendPlan.check_speculative``), a draft vocabulary without MTP."""
+        cfg, dev = self.config, self.device
+        self.plan = bind_model(self.model, plan, dev, cfg.lm_head)
+        self.plan.check_speculative(cfg.speculative_steps)     # ConfigError: a verify wider than the fast paths
+        self.runner = None          # the previous runner's cache and graphs go before the new ones are made
+        self.runner = ModelRunner(self.model, cfg.max_model_len, dev,
+                                  pow2_buckets(cfg.max_model_len) if self.plan.choice("kv") == "buckets" else None)
+        self.runner.tp = self.tp         # the MTP rounds take rank 0's drafts and accept decision
+        if self.plan.choice("graphs") == "captured":
+            from bytebound.runner.graphs import capture_decode
+            capture_decode(self.runner)
+        elif cfg.cpu_compile and dev.type == "cpu" and "graphs" not in self.plan.explicit:
+            from bytebound.runner.cpu_compile import compile_decode
+            compile_decode(self.runner)         # BackendError (named) when inductor fails
+        hot = None
+        draft_vocab_on = cfg.draft_vocab not in (None, 0, "", "0")
+        if cfg.speculative_steps and draft_vocab_on:
+            from bytebound.speculative.hot_vocab import HotHead, resolve_draft_vocab
+            got = resolve_draft_vocab(cfg.draft_vocab, cfg.model, self.model.cfg.vocab_size)
+            hot = HotHead(self.model.lm_head, *got) if got is not None else None
+        elif draft_vocab_on:
+            raise ConfigError("--speculative-draft-vocab (draft_vocab) needs MTP (--speculative-algorithm NEXTN)")
+        self.drafter = (MTPDrafter(self.model, cfg.speculative_steps, cfg.draft_share, hot)
+                        if cfg.speculative_steps else None)
+        self.spec_round = None          # the captured greedy MTP round (CUDA: round=static, graphs=captured)
+        if self.drafter is not None and self.static_round and self.plan.choice("graphs") == "captured":
+            self.spec_round = StaticRound(self.runner, self.drafter, SamplingParams(), None, capture=True)
+
+    def rebind(self, backends: dict | None = None, **changes) -> "Engine":
+        """Re-plan and re-bind the loaded model: ``backends`` replaces ``config.backends`` (plan entries) and
+        ``changes`` other :class:`EngineConfig` fields that binding reads (``lm_head``, ``max_model_len``,
+        ``speculative_steps``, ``allow_fallback``, the deprecated aliases). The weights stay; the runner, graphs,
+        drafter and captured round are rebuilt as start-up builds them. For benchmarks that compare plans on one
+        model (``scripts/bench_decode.py``).
+
+        Raises:
+            ConfigError: a bad plan entry (``BackendPlan.build``) or a field binding does not read.
+            BackendError: a named backend unusable here."""
+        allowed = {"lm_head", "max_model_len", "speculative_steps", "allow_fallback", "draft_vocab"} | set(
+            alias_values(self.config))
+        bad = sorted(set(changes) - allowed)
+        if bad:
+            raise ConfigError(f"Engine.rebind: {', '.join(bad)} cannot change without a new Engine")
+        cfg = replace(self.config, **changes, **({"backends": dict(backends)} if backends is not None else {}))
+        plan = BackendPlan.build(self.device, cfg.backends, alias_values(cfg), allow_fallback=cfg.allow_fallback,
+                                 steps=cfg.speculative_steps, tensor_parallel=self.tp is not None)
+        self.config = cfg
+        self._build(plan)
+        self.spec_totals = SpecStats(cfg.speculative_steps or 1)
+        self.watchdog = (AcceptWatchdog(cfg.watchdog_window, cfg.watchdog_threshold, cfg.strict)
+                         if self.drafter is not None else None)
+        return self
+
+    @property
+    def static_round(self) -> bool:
+        """Whether MTP rounds run with static shapes (the plan's ``round`` entry)."""
+        return self.plan.choice("round") == "static"
 
     # -------------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
@@ -388,20 +405,13 @@ class Engine:
 
     def _tokens(self, ids: torch.Tensor, p: SamplingParams, gen, stats: SpecStats | None):
         """Raw token source: plain decode or MTP rounds; yields ``(token, round)``."""
-        if self.drafter is not None and self.adaptive is not None:
-            rnd = None
-            if self.config.spec_static_round:
-                rnd = (self.spec_round if (p.greedy and self.spec_round is not None)
-                       else StaticRound(self.runner, self.drafter, p, gen))
-            src = adaptive_tokens(self.runner, self.drafter, ids, p, gen, stats, self.adaptive, rnd)
-            yield from watch_rounds(src, stats, self.watchdog)
-            return
         if self.drafter is not None:
-            if self.config.spec_static_round:
-                rnd = self.spec_round if (p.greedy and self.spec_round is not None) else None
-                src = static_mtp_tokens(self.runner, self.drafter, ids, p, gen, stats, rnd)
+            # the captured greedy round when there is one, else an uncaptured round for this request
+            rnd = self.spec_round if (p.greedy and self.spec_round is not None) else None
+            if self.adaptive is not None:
+                src = adaptive_tokens(self.runner, self.drafter, ids, p, gen, stats, self.adaptive, rnd)
             else:
-                src = mtp_tokens(self.runner, self.drafter, ids, p, gen, stats)
+                src = mtp_tokens(self.runner, self.drafter, ids, p, gen, stats, rnd)
             yield from watch_rounds(src, stats, self.watchdog)
             return
         r = self.runner

@@ -3,7 +3,7 @@
 A batch-1 decode step runs M = 1 token through the model and an MTP verify runs M = k + 1 (k =
 ``--speculative-num-steps``). The GPU fast paths are specialised for small M:
 
-* ``moe[triton]`` (``kernels.triton_moe.MoEKernel``: the fused gluon/tl kernels and the ``split`` kernels, whose
+* ``moe[triton]`` (``kernels.moe_host.MoEKernel``: the fused gluon/tl kernels and the ``split`` kernels, whose
   workspaces and partial buffers hold at most :data:`MAX_VERIFY_M` token columns, and the shared-expert slot);
 * ``linear[triton]`` (``kernels.triton_fp8``: the FP8 block GEMV keeps one float32 accumulator per token in
   registers) and ``lm_head[triton]`` in FP8 mode (the FP8 head GEMV);

@@ -35,6 +35,7 @@ class Resolution:
     router: str | None = None       # moe only: who computes the group-limited top-k for M <= 4 ("torch" | "triton")
     shared: str | None = None       # moe only: where the shared expert runs ("dense" | "fused into the routed kernels")
     tuning: dict | None = None      # moe only: per token count "M=<m>" the launch config and which table key matched
+    fused: str | None = None        # kda only: what the fused decode kernel takes in (beta's b_proj inside, or why not)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -137,7 +138,7 @@ def _load_optional() -> None:
         return
     _loaded = True
     import importlib
-    for mod in ("bytebound.kernels.torch_ref", "bytebound.kernels.triton_moe", "bytebound.kernels.triton_fp8",
+    for mod in ("bytebound.kernels.torch_ref", "bytebound.kernels.moe_host", "bytebound.kernels.triton_fp8",
                 "bytebound.kernels.humming_moe", "bytebound.kernels.fla_kda",
                 "bytebound.kernels.triton_kda", "bytebound.kernels.triton_mla"):
         try:

@@ -41,11 +41,17 @@ graph capture sees no tuning).
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
-from bytebound.errors import BackendError
+from bytebound.errors import BackendError, ConfigError
 from bytebound.kernels.limits import MAX_VERIFY_M as MAX_M     # the one verify-width limit (kernels/limits.py)
+from bytebound.kernels.pdl import enabled as pdl_enabled
 from bytebound.kernels.registry import cuda_only, optional_triton, register
 
 triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machines without Triton
@@ -63,46 +69,153 @@ def available(dev) -> str | None:
 
 if tl is not None:
     @triton.jit
-    def _fp8_block_gemv(x_ptr, w_ptr, s_ptr, o_ptr, N, K: tl.constexpr, SK: tl.constexpr, M: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr, SBN: tl.constexpr,
-                        SBK: tl.constexpr):
-        """o[m, n] = sum_k x[m, k] * w[n, k] * s[n // SBN, k // SBK] (out in x's dtype); BN divides SBN."""
+    def _gdc(ASM: tl.constexpr, NT: tl.constexpr):
+        """One PTX instruction with no operands (``griddepcontrol.*``, ``fence.*``) issued by every thread (``NT``
+        = 32 * num_warps elements of a 1-D tensor: at least one per thread)."""
+        tl.inline_asm_elementwise(ASM, "=r,r", [tl.arange(0, NT)], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _l2_prefetch(row_ptr, nbytes):
+        """``cp.async.bulk.prefetch.L2`` (sm_90): the copy engine brings ``nbytes`` (a multiple of 16, may be 0)
+        from each row pointer (16-byte aligned) into L2. A hint: nothing is written or waited for."""
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [row_ptr, nbytes + tl.zeros(row_ptr.shape, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _gemv_loads(wp, x_ptr, srow, k0, kend, kk, rmask, K: tl.constexpr, M: tl.constexpr, SBK: tl.constexpr,
+                    BK: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr):
+        """The loads of the K chunk at ``k0``: weight tile ``[BN, BK]``, its block scale(s) and the activations
+        (DOT: ``[BK, 16]`` token-padded in ``x0``; else one ``[BK]`` vector per token, ``x1..x3`` unused past M).
+        Past ``kend`` everything is masked off (no memory traffic)."""
+        if EVEN_K:      # whole chunks: one predicate per chunk keeps the loads 16-byte vectors
+            kmask = (kk < BK) & (k0 < kend)
+        else:
+            kmask = (k0 + kk) < kend
+        if EVEN_N:
+            w = tl.load(wp + k0, mask=kmask[None, :], other=0.0)
+        else:
+            w = tl.load(wp + k0, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        x1 = 0.0
+        x2 = 0.0
+        x3 = 0.0
+        if DOT:
+            mm = tl.arange(0, 16)
+            sc = tl.load(srow + k0 // SBK, mask=k0 < kend, other=0.0)
+            x0 = tl.load(x_ptr + mm[None, :] * K + (k0 + kk)[:, None], mask=(mm[None, :] < M) & kmask[:, None],
+                         other=0.0)
+        else:
+            sc = tl.load(srow + (k0 + kk) // SBK, mask=kmask, other=0.0)
+            x0 = tl.load(x_ptr + k0 + kk, mask=kmask, other=0.0)
+            if M > 1:
+                x1 = tl.load(x_ptr + K + k0 + kk, mask=kmask, other=0.0)
+            if M > 2:
+                x2 = tl.load(x_ptr + 2 * K + k0 + kk, mask=kmask, other=0.0)
+            if M > 3:
+                x3 = tl.load(x_ptr + 3 * K + k0 + kk, mask=kmask, other=0.0)
+        return w, sc, x0, x1, x2, x3
+
+    @triton.jit
+    def _fp8_gemv(x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, cnt_ptr, N, K: tl.constexpr, SK: tl.constexpr,
+                  M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr,
+                  SBN: tl.constexpr, SBK: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                  DOT: tl.constexpr, PRE: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr, HW: tl.constexpr,
+                  NT: tl.constexpr):
+        """``o[m, n] = sum_k x[m, k] * w[n, k] * s[n // SBN, k // SBK]`` (float32 sums, out in o's dtype).
+
+        Program ``(i, p)``: rows ``i*BN ..`` (BN divides SBN: one scale row) over columns ``p*KS .. p*KS + KS``.
+        ``PRE``: each K chunk's loads are issued one chunk ahead, so they are in flight while the previous chunk
+        is multiplied (else each chunk is loaded and used in turn, and other resident programs hide the latency). ``DOT``: BF16 tensor-core products of one scale block (BK <= SBK; E4M3 -> BF16 is exact) into
+        a fresh float32 accumulator, scaled in float32; else float32 FMAs with x pre-multiplied by the scales.
+        ``SPLIT > 1``: the float32 partial goes to ``part`` and the last of the SPLIT programs of row tile i
+        (acq_rel ticket ``cnt[i]``) sums the partials in the order p = 0..SPLIT-1, stores the output and re-arms
+        the ticket (deterministic, graph-safe). ``HW``: compiled for a GPU (False in Triton's interpreter: no
+        PTX). ``PDL``: the weight prefetch runs before ``griddepcontrol.wait``;
+        x, the scales' consumers, part, cnt and o are touched only after it."""
         pid = tl.program_id(0)
+        pk = tl.program_id(1)
+        if PDL:         # the next kernel may launch now; its own wait still waits for this grid to complete
+            _gdc("griddepcontrol.launch_dependents; mov.u32 $0, 0;", NT)
         rows = pid * BN + tl.arange(0, BN)
-        kk = tl.arange(0, BK)
         rmask = rows < N
+        kk = tl.arange(0, BK)
+        kbeg = pk * KS
+        kend = kbeg + KS            # the slice's end; the masks' bound is min(kend, K)
+        if EVEN_K:
+            klim = kend
+        else:
+            klim = tl.minimum(kend, K)
         srow = s_ptr + ((pid * BN) // SBN) * SK
         wp = w_ptr + rows[:, None].to(tl.int64) * K + kk[None, :]
-        acc0 = tl.zeros([BN, BK], tl.float32)
-        acc1 = tl.zeros([BN, BK], tl.float32)
-        acc2 = tl.zeros([BN, BK], tl.float32)
-        acc3 = tl.zeros([BN, BK], tl.float32)
-        for k0 in range(0, K, BK):
-            kmask = (k0 + kk) < K
-            if EVEN_N:
-                w = tl.load(wp + k0, mask=kmask[None, :], other=0.0)
+        if PF > 0:      # read-only weights: may be requested before the dependency wait
+            _l2_prefetch(w_ptr + rows.to(tl.int64) * K + kbeg, (tl.minimum(PF, klim - kbeg) // 16) * 16)
+        if PDL:
+            _gdc("griddepcontrol.wait; mov.u32 $0, 0;", NT)
+        if PRE:
+            w, sc, x0, x1, x2, x3 = _gemv_loads(wp, x_ptr, srow, kbeg, klim, kk, rmask, K, M, SBK, BK, EVEN_N, EVEN_K,
+                                                DOT)
+        if DOT:
+            mm = tl.arange(0, 16)
+            acc = tl.zeros([BN, 16], tl.float32)
+        else:
+            acc0 = tl.zeros([BN, BK], tl.float32)
+            acc1 = tl.zeros([BN, BK], tl.float32)
+            acc2 = tl.zeros([BN, BK], tl.float32)
+            acc3 = tl.zeros([BN, BK], tl.float32)
+        for c in range(0, KS // BK):       # constant trip count (KS is a multiple of BK)
+            k0 = kbeg + c * BK
+            if PRE:     # the next chunk's loads go out before this chunk is multiplied
+                wn, scn, x0n, x1n, x2n, x3n = _gemv_loads(wp, x_ptr, srow, k0 + BK, klim, kk, rmask, K, M, SBK, BK,
+                                                          EVEN_N, EVEN_K, DOT)
             else:
-                w = tl.load(wp + k0, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            wf = w.to(tl.float32)
-            sc = tl.load(srow + (k0 + kk) // SBK, mask=kmask, other=0.0)
-            x0 = tl.load(x_ptr + k0 + kk, mask=kmask, other=0.0).to(tl.float32) * sc
-            acc0 += wf * x0[None, :]
+                w, sc, x0, x1, x2, x3 = _gemv_loads(wp, x_ptr, srow, k0, klim, kk, rmask, K, M, SBK, BK, EVEN_N,
+                                                    EVEN_K, DOT)
+            if DOT:
+                if HW:
+                    acc += tl.dot(w.to(tl.bfloat16), x0.to(tl.bfloat16)) * sc
+                else:           # the interpreter has no BF16 products: the same exact operands in float32
+                    acc += tl.dot(w.to(tl.float32), x0.to(tl.float32), input_precision="ieee") * sc
+            else:
+                wf = w.to(tl.float32)
+                acc0 += wf * (x0.to(tl.float32) * sc)[None, :]
+                if M > 1:
+                    acc1 += wf * (x1.to(tl.float32) * sc)[None, :]
+                if M > 2:
+                    acc2 += wf * (x2.to(tl.float32) * sc)[None, :]
+                if M > 3:
+                    acc3 += wf * (x3.to(tl.float32) * sc)[None, :]
+            if PRE:
+                w, sc, x0, x1, x2, x3 = wn, scn, x0n, x1n, x2n, x3n
+        lr = tl.arange(0, BN)
+        mr = tl.arange(0, 4)
+        if DOT:
+            # [BN, 16] -> [4, BN] (tokens 4..15 are padding)
+            out = tl.sum(tl.where(mm[None, None, :] == mr[:, None, None], acc[None, :, :], 0.0), axis=2)
+        else:
+            out = tl.where(mr[:, None] == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
             if M > 1:
-                x1 = tl.load(x_ptr + K + k0 + kk, mask=kmask, other=0.0).to(tl.float32) * sc
-                acc1 += wf * x1[None, :]
+                out += tl.where(mr[:, None] == 1, tl.sum(acc1, axis=1)[None, :], 0.0)
             if M > 2:
-                x2 = tl.load(x_ptr + 2 * K + k0 + kk, mask=kmask, other=0.0).to(tl.float32) * sc
-                acc2 += wf * x2[None, :]
+                out += tl.where(mr[:, None] == 2, tl.sum(acc2, axis=1)[None, :], 0.0)
             if M > 3:
-                x3 = tl.load(x_ptr + 3 * K + k0 + kk, mask=kmask, other=0.0).to(tl.float32) * sc
-                acc3 += wf * x3[None, :]
-        tl.store(o_ptr + rows, tl.sum(acc0, axis=1).to(o_ptr.dtype.element_ty), mask=rmask)
-        if M > 1:
-            tl.store(o_ptr + N + rows, tl.sum(acc1, axis=1).to(o_ptr.dtype.element_ty), mask=rmask)
-        if M > 2:
-            tl.store(o_ptr + 2 * N + rows, tl.sum(acc2, axis=1).to(o_ptr.dtype.element_ty), mask=rmask)
-        if M > 3:
-            tl.store(o_ptr + 3 * N + rows, tl.sum(acc3, axis=1).to(o_ptr.dtype.element_ty), mask=rmask)
+                out += tl.where(mr[:, None] == 3, tl.sum(acc3, axis=1)[None, :], 0.0)
+        omask = (mr[:, None] < M) & rmask[None, :]
+        if SPLIT == 1:
+            tl.store(o_ptr + mr[:, None] * N + rows[None, :], out.to(o_ptr.dtype.element_ty), mask=omask)
+        else:
+            base = part_ptr + pid.to(tl.int64) * (SPLIT * 4 * BN)
+            tl.store(base + pk * (4 * BN) + mr[:, None] * BN + lr[None, :], out, mask=mr[:, None] < M)
+            if HW:      # every thread's partial stores are visible before the program takes its ticket
+                _gdc("fence.acq_rel.gpu; mov.u32 $0, 0;", NT)
+            tl.debug_barrier()
+            ticket = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLIT - 1:
+                tot = tl.zeros([4, BN], tl.float32)
+                for q in tl.static_range(SPLIT):        # fixed order: bit-identical on every run and replay
+                    tot += tl.load(base + q * (4 * BN) + mr[:, None] * BN + lr[None, :], mask=mr[:, None] < M,
+                                   other=0.0, cache_modifier=".cg")
+                tl.store(o_ptr + mr[:, None] * N + rows[None, :], tot.to(o_ptr.dtype.element_ty), mask=omask)
+                tl.store(cnt_ptr + pid, 0)
 
     @triton.jit
     def _fp8_dequant_block(w_ptr, s_ptr, o_ptr, N, K, SK, BN: tl.constexpr, BK: tl.constexpr, SBN: tl.constexpr,
@@ -235,15 +348,178 @@ if tl is not None:
         tl.store(c_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=cmask)
 
 
-def gemv_config(n: int, k: int, m: int) -> dict:
-    """Launch config of the FP8 GEMVs: rows per program BN (divides 128), K chunk BK, warps, stages.
+# ---- decode/verify GEMV (M <= 4): launch configs, scratch, launch ------------------------------------------
+GEMV_CONFIG_PATH = Path(__file__).resolve().parent / "configs" / "triton_fp8_gemv.json"
+GEMV_KEYS = ("BN", "BK", "SPLIT", "num_warps", "num_stages", "DOT", "PRE", "PF", "PDL")
+GEMV_WAVES = 2              # the default's split-K aims at this many programs per SM
 
-    Enough programs to fill 132 SMs several times (small N -> small BN) and a [BN, BK] float32 accumulator per
-    token that fits in registers (BN*BK/threads <= 32 per token for M=4)."""
-    bn = 32 if n >= 4096 else 16
-    if m >= 3:
-        bn = 16
-    return {"BN": bn, "BK": 256, "num_warps": 4, "num_stages": 4}
+
+def gemv_key(n: int, k: int, m: int) -> str:
+    """Table key of one GEMV shape: ``N{n}_K{k}_M{m}`` (weight ``[n, k]``, ``m`` tokens)."""
+    return f"N{n}_K{k}_M{m}"
+
+
+def gemv_table(path: str | None = None) -> dict:
+    """The launch-config table ``{architecture ("sm_90"): {gemv_key: config}}``: ``path``, else the file named by
+    ``BYTEBOUND_GEMV_CONFIG`` (e.g. the ``gemv_table.json`` a sweep just wrote), else the committed
+    ``configs/triton_fp8_gemv.json`` (written from ``scripts/bench_gemv.py --sweep``; keys starting with ``_`` are
+    notes). Read once per path. Raises ConfigError on a file that is not such a table."""
+    return _read_gemv_table(str(path or os.environ.get("BYTEBOUND_GEMV_CONFIG") or GEMV_CONFIG_PATH))
+
+
+@functools.lru_cache(maxsize=None)
+def _read_gemv_table(path: str) -> dict:
+    with open(path) as f:
+        table = json.load(f)
+    if not isinstance(table, dict) or any(not isinstance(v, dict) for k, v in table.items() if not k.startswith("_")):
+        raise ConfigError(f"{path}: not a {{arch: {{shape: config}}}} table")
+    return {k: v for k, v in table.items() if not k.startswith("_")}
+
+
+def gemv_default(n: int, k: int, m: int, sm_count: int = 132) -> dict:
+    """The config for a shape the table lacks (and for GPUs it has no architecture entry for): FMA path, 16 or 32
+    rows per program, 256-column chunks, and split-K up to about :data:`GEMV_WAVES` programs per SM."""
+    bn = 32 if n >= 4096 and m <= 2 else 16
+    return {"BN": bn, "BK": 256, "SPLIT": 0, "num_warps": 4, "num_stages": 1, "DOT": False, "PRE": False, "PF": 0,
+            "PDL": True}
+
+
+def fit_gemv_config(cfg: dict, n: int, k: int, m: int, block=(128, 128), sm_count: int = 132) -> dict:
+    """A GEMV config made valid for weight ``[n, k]`` with scale ``block``: BN a power of two dividing the scale
+    block's rows (so a program's rows share one row of scales), BK a power of two >= 16 (the tensor-core path
+    ``DOT``: <= the scale block's columns, so each chunk has one scale; tensor cores need BN, BK >= 16, else the FMA
+    path), ``SPLIT`` slices of K of ``KS`` columns (a multiple of BK; ``SPLIT`` 0 = as many as bring the grid to
+    about :data:`GEMV_WAVES` programs per SM), ``PF`` (bytes per row prefetched into L2 before the PDL wait) 0
+    unless rows are 16-byte aligned. Raises BackendError for a scale block with no power-of-two row tiling."""
+    sbn, sbk = block
+    out = {kk: cfg[kk] for kk in GEMV_KEYS if kk in cfg}
+    out = {"SPLIT": 0, "num_stages": 1, "DOT": False, "PRE": False, "PF": 0, "PDL": True, **out}
+    bn = int(out["BN"])
+    while bn > 1 and (sbn % bn or bn & (bn - 1)):
+        bn //= 2
+    if bn < 1 or sbn % bn:
+        raise BackendError(f"linear[triton]: scale block {tuple(block)} has no power-of-two row tiling")
+    bk = max(16, triton.next_power_of_2(int(out["BK"])))
+    dot = bool(out["DOT"]) and bn >= 16 and sbk >= 16
+    if dot:
+        while bk > sbk or sbk % bk:
+            bk //= 2
+    bk = min(bk, max(16, triton.next_power_of_2(k)))
+    tiles = triton.cdiv(n, bn)
+    split = int(out["SPLIT"])
+    if split <= 0:
+        split = max(1, min(triton.cdiv(k, bk), (GEMV_WAVES * sm_count) // tiles))
+    ks = triton.cdiv(triton.cdiv(k, min(split, triton.cdiv(k, bk))), bk) * bk
+    split = triton.cdiv(k, ks)
+    pf = int(out["PF"]) if k % 16 == 0 else 0
+    out.update(BN=bn, BK=bk, DOT=dot, PRE=bool(out["PRE"]), SPLIT=split, KS=ks, PF=min(pf, ks) // 16 * 16)
+    return out
+
+
+_GEMV_DEV: dict = {}          # device -> (architecture, multiprocessor count)
+_GEMV_SCRATCH: dict = {}      # (device, name) -> grow-only buffers shared by every GEMV on the device
+
+
+def gemv_scratch(device, name: str, numel: int, dtype=torch.float32) -> torch.Tensor:
+    """A zero-initialised buffer ``name`` of at least ``numel`` elements shared by every split-K GEMV on
+    ``device`` (``"part"``: float32 partials ``[tiles, SPLIT, 4, BN]``; ``"ticket"``: int32, one per row tile, zero
+    between launches since each launch re-arms its own). One buffer serves every projection: the GEMVs run one
+    after another on one stream, and a PDL dependent touches it only after its wait, i.e. after the previous
+    launch completed. Growing keeps older buffers alive (a captured CUDA graph holds their addresses);
+    :class:`TritonLinear` grows it at bind time, so nothing is allocated during graph capture."""
+    bufs = _GEMV_SCRATCH.setdefault((str(torch.device(device)), name), [])
+    if not bufs or bufs[-1].numel() < numel:
+        bufs.append(torch.zeros(numel, dtype=dtype, device=device))
+    return bufs[-1]
+
+
+def _gemv_pdl(device: torch.device) -> bool:
+    """PDL (``griddepcontrol``, ``launch_pdl``) on sm_90+ GPUs, never under Triton's interpreter (no PTX), off
+    with ``BYTEBOUND_PDL=0`` (``kernels.pdl.enabled``)."""
+    return pdl_enabled(device)
+
+
+def _device_info(dev: torch.device) -> tuple[str | None, int]:
+    """(architecture "sm_XY" or None without CUDA, multiprocessor count)."""
+    if dev.type != "cuda":
+        return None, 132
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev not in _GEMV_DEV:
+        major, minor = torch.cuda.get_device_capability(dev)
+        _GEMV_DEV[dev] = (f"sm_{major}{minor}", torch.cuda.get_device_properties(dev).multi_processor_count)
+    return _GEMV_DEV[dev]
+
+
+def gemv_config(n: int, k: int, m: int, device=None, block=(128, 128)) -> dict:
+    """The fitted GEMV launch config of weight ``[n, k]`` for ``m`` tokens on ``device``: the table entry of the
+    device's architecture (``sm_90`` for every Hopper part), else :func:`gemv_default`; then
+    :func:`fit_gemv_config`. Fixed per shape (no run-time tuning: one compile per shape, nothing to tune while a
+    graph is captured)."""
+    arch, sms = _device_info(torch.device(device) if device is not None else torch.device("cpu"))
+    cfg = gemv_table().get(arch or "", {}).get(gemv_key(n, k, m)) or gemv_default(n, k, m, sms)
+    return fit_gemv_config(cfg, n, k, m, block, sms)
+
+
+def gemv_reserve(device, n: int, k: int, block=(128, 128), cfgs=None) -> None:
+    """Grow the split-K scratch for weight ``[n, k]`` at M = 1..4 (``cfgs``: per-M configs, default the table's),
+    so that no call allocates (graph capture)."""
+    for m in range(1, MAX_M + 1):
+        cfg = cfgs[m] if cfgs else gemv_config(n, k, m, device, block)
+        if cfg["SPLIT"] > 1:
+            tiles = triton.cdiv(n, cfg["BN"])
+            gemv_scratch(device, "part", tiles * cfg["SPLIT"] * 4 * cfg["BN"])
+            gemv_scratch(device, "ticket", tiles, torch.int32)
+
+
+def fp8_block_gemv(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128),
+                   cfg: dict | None = None) -> torch.Tensor:
+    """``y [M, N] = x2 [M, K] @ W.T`` for M <= 4 in one launch, W = ``weight * scale_inv`` per ``block``.
+
+    Math: E4M3 weight (exact in float32/BF16), float32 block scales applied in float32, float32 sums, output in
+    x2's dtype (the torch reference's ``F.linear`` on the dequantised weight up to summation order and one rounding
+    of w*s to BF16 it does and this does not). Split-K, where the config asks, sums partials in a fixed order,
+    so every call on the same inputs is bit-identical, eager or graph-replayed.
+
+    Args:
+        x2: ``[M, K]`` activations, M <= 4 (made contiguous). weight: E4M3 ``[N, K]``; scale_inv: float32
+            ``[ceil(N/block[0]), ceil(K/block[1])]``, contiguous.
+        cfg: a fitted config (:func:`gemv_config` / :func:`fit_gemv_config`); default the device's table entry.
+    Raises:
+        BackendError: M > 4, or mismatched shapes.
+    """
+    m, k = x2.shape
+    n = weight.shape[0]
+    if m > MAX_M or weight.shape[1] != k:
+        raise BackendError(f"linear[triton]: the GEMV takes [M <= {MAX_M}, K] x [N, K], got {tuple(x2.shape)} and "
+                           f"{tuple(weight.shape)}")
+    dev = x2.device
+    if cfg is None:
+        cfg = gemv_config(n, k, m, dev, block)
+    elif "KS" not in cfg:           # not yet fitted (a hand-written config, e.g. from the benchmark's sweep)
+        cfg = fit_gemv_config(cfg, n, k, m, block, _device_info(dev)[1])
+    x2 = x2.contiguous()
+    out = torch.empty(m, n, dtype=x2.dtype, device=dev)
+    if m == 0:
+        return out
+    bn, split = cfg["BN"], cfg["SPLIT"]
+    tiles = triton.cdiv(n, bn)
+    if split > 1:
+        part = gemv_scratch(dev, "part", tiles * split * 4 * bn)
+        cnt = gemv_scratch(dev, "ticket", tiles, torch.int32)
+    else:
+        part = cnt = out                    # unused
+    pdl = bool(cfg.get("PDL", True)) and _gemv_pdl(dev)
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    nw = cfg["num_warps"]
+    extra = {"launch_pdl": True} if pdl else {}
+    _fp8_gemv[(tiles, split)](x2, weight, scale_inv, out, part, cnt, n, K=k, SK=scale_inv.shape[1], M=m, BN=bn,
+                              BK=cfg["BK"], KS=cfg["KS"], SPLIT=split, SBN=block[0], SBK=block[1],
+                              EVEN_N=(n % bn == 0), EVEN_K=(k % cfg["KS"] == 0 and cfg["KS"] % cfg["BK"] == 0),
+                              DOT=cfg["DOT"], PRE=bool(cfg["PRE"]), PF=0 if interp else cfg["PF"], PDL=pdl,
+                              HW=not interp, NT=32 * nw, num_warps=nw, num_stages=cfg.get("num_stages", 1),
+                              **extra)
+    return out
 
 
 # ---- prefill on FP8 tensor cores (DeepSeek-V3 recipe: 1x128 activation scales x 128x128 weight scales) -------
@@ -457,22 +733,8 @@ def fp8_block_linear(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Te
     :data:`PREFILL_PATHS`: ``dequant`` = dequantise + cuBLAS, ``fp8`` = :func:`fp8_block_gemm`, ``scaled_mm`` =
     :func:`scaled_mm_block_gemm` with ``scale_b`` from :func:`scaled_mm_weight_scale`). ``cfg`` is the GEMV's
     launch config for M <= 4 and the GEMM's for ``fp8``."""
-    m, k = x2.shape
-    n = weight.shape[0]
-    sbn, sbk = block
-    if m <= MAX_M:
-        cfg = dict(cfg or gemv_config(n, k, m))
-        while sbn % cfg["BN"]:
-            cfg["BN"] //= 2
-        if cfg["BN"] < 1:
-            raise BackendError(f"linear[triton]: scale block {block} has no power-of-two row tiling")
-        x2 = x2.contiguous()
-        out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
-        grid = (triton.cdiv(n, cfg["BN"]),)
-        _fp8_block_gemv[grid](x2, weight, scale_inv, out, n, K=k, SK=scale_inv.shape[1], M=m, BN=cfg["BN"],
-                              BK=cfg["BK"], EVEN_N=(n % cfg["BN"] == 0), SBN=sbn, SBK=sbk,
-                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        return out
+    if x2.shape[0] <= MAX_M:
+        return fp8_block_gemv(x2, weight, scale_inv, block, cfg)
     if prefill == "fp8":
         return fp8_block_gemm(x2, weight, scale_inv, block, cfg)
     if prefill == "scaled_mm":
@@ -551,13 +813,18 @@ class TritonLinear:
             if why:
                 raise BackendError(f"linear[triton]: prefill 'scaled_mm' unusable: {why}")
             scale_b = scaled_mm_weight_scale(scale)
+        # the GEMV's configs per M, fixed at bind (no lookup per call), and its split-K scratch grown now
+        cfgs = {m: gemv_config(weight.shape[0], weight.shape[1], m, weight.device, block) for m in range(1, MAX_M + 1)}
+        gemv_reserve(weight.device, weight.shape[0], weight.shape[1], block, cfgs)
 
         def fn(x):
             shape = x.shape
             x2 = x.reshape(-1, shape[-1])
             if x2.dtype != torch.bfloat16:
                 x2 = x2.to(torch.bfloat16)
-            y = fp8_block_linear(x2, weight, scale, block, prefill=prefill, scale_b=scale_b)
+            m = x2.shape[0]
+            y = (fp8_block_gemv(x2, weight, scale, block, cfgs[m]) if 0 < m <= MAX_M else
+                 fp8_block_linear(x2, weight, scale, block, prefill=prefill, scale_b=scale_b))
             return y.to(x.dtype).view(*shape[:-1], y.shape[-1])
         fn.max_tokens = MAX_M       # the GEMV's width; more tokens dequantise the weight (read by bind_model)
         return fn

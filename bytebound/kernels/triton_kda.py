@@ -13,20 +13,33 @@ Per head, for each of the M tokens in order (``layers.kda``; Kimi Linear, arXiv 
     S        = S * exp(g)[:, None];  S += k (beta (v - S^T k))^T      # delta rule on the fp32 state S [K, V]
     o_t      = RMSNorm_V(S^T q) * w * sigmoid(gate)                   # RMSNormGated, rounded once to o's dtype
 
-One program per (batch row, head) holds that head's state ``[K, V]`` in registers for all M tokens: the state is
-read and written once per call, not once per token. The V dimension is not split across programs because the
-gated RMSNorm needs the whole V row of ``o``; at Ling's shape (32 heads x 128) that is 32 programs of 64 KB state
-each. The program works in two phases: first the key side of all M tokens (q/k conv + SiLU, L2 norms, gate) as
-1-D vectors, written to a small float32 scratch; then, after a barrier, the value-side conv, the delta rule and
-the norm on the state. In the state's register layout every K-vector is replicated over the lanes that hold
-different V columns, so building the ~20 key-side vectors there makes ptxas spill; passing the three results
-(q, k, exp(g)) through the scratch keeps the state phase within the register file. With a history request the
-kernel also writes, after each token i, the conv window to ``conv_hist[i]`` and the recurrent state to
+The grid is ``(batch row x head, V_SPLIT)``: program ``(bh, j)`` holds columns ``j*V/V_SPLIT ..`` of that head's
+state ``[K, V]`` in registers for all M tokens, so the state is read and written once per call, not once per token.
+The delta rule is separable over V: column ``c`` of ``S`` needs only ``v_c`` and the key-side vectors, so with
+``V_SPLIT > 1`` 2-8x more SMs stream the state and the history (at Ling's shape, 32 heads x 128, ``V_SPLIT = 1`` is
+32 programs of 64 KB state each on a 132-SM part). Each program works in two phases: first the key side of all M
+tokens (q/k conv + SiLU, L2 norms, gate) as 1-D vectors, written to its own float32 scratch (every program of a
+head recomputes these 128-wide vectors: cheaper than a second sync); then, after a barrier, the value-side conv,
+the delta rule and ``S^T q`` on its state slice. In the state's register layout every K-vector is replicated over
+the lanes that hold different V columns, so building the ~20 key-side vectors there makes ptxas spill; passing the
+three results (q, k, exp(g)) through the scratch keeps the state phase within the register file. With a history
+request the kernel also writes, after each token i, the conv window to ``conv_hist[i]`` and the recurrent state to
 ``rec_hist[i]`` (MTP verify: rollback to token i is a copy from, or an index into, those buffers; no Python loop,
-no clones).
+no clones); each program writes its own columns (and a 1/V_SPLIT share of the q/k windows).
 
-The wrapper :func:`fused_kda` allocates only its output ``o`` (the history buffers and, through
-:class:`FusedKDA`, the scratch are allocated once), makes no host sync and launches one kernel: it is CUDA-graph
+The gated RMSNorm needs the whole V row of ``o``. With ``V_SPLIT = 1`` the program applies it directly. Otherwise
+each program stores its slice of the un-normalised ``o`` (float32) and its partial sum of squares per token into
+its scratch, fences, and takes an acq_rel ticket of its (batch row, head); the last of the ``V_SPLIT`` programs to
+arrive sums the partial sums in the fixed slice order ``j = 0..V_SPLIT-1``, normalises, applies the weight and
+sigmoid(gate), stores the whole ``o`` row, writes the q/k conv windows back (only it may: every program reads the
+old windows in its first phase, and all of them have passed the ticket) and resets the ticket (the pattern of
+``triton_moe_split``'s KP slices). No float atomics, every sum in an order fixed by the launch shape: outputs are
+bit-identical run to run and graph replay == eager. ``V_SPLIT`` and ``num_warps`` come from
+``configs/triton_kda.json`` (:func:`resolve_launch`; written from ``scripts/bench_kda.py``'s sweep), else a default
+that fills the SMs once.
+
+The wrapper :func:`fused_kda` allocates only its output ``o`` (the history buffers and, through :class:`FusedKDA`,
+the scratch and the tickets are allocated once), makes no host sync and launches one kernel: it is CUDA-graph
 capturable. The float32 rounding points are those of the torch path (``layers.kda`` with ``kda_ref``), so the
 only rounding to the model dtype is the final store of ``o``. Tested against the layer's torch path, fla-core's
 naive KDA and a float64 derivation in Triton's interpreter on CPU (tests/test_triton_kda.py) and at Ling's full
@@ -35,19 +48,30 @@ shape on the GPU (tests/gpu/test_kda_gpu.py).
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+from pathlib import Path
+
 import torch
 
 from bytebound.errors import BackendError
+from bytebound.kernels.pdl import enabled as pdl_enabled
 from bytebound.kernels.registry import cuda_only, optional_triton, register
+from bytebound.kernels import scratch as shared
 
 MAX_TOKENS = 8          # largest M of the fused kernel (MTP verify is k+1 = 4; 6-token chains fit)
 CONV_KERNEL = 4         # Ling's short_conv_kernel_size; the kernel keeps the 3-input window in registers
 MAX_HEAD_DIM = 256      # K, V <= 256: the [K, V] float32 state of one head lives in one program's registers
+V_SPLITS = (1, 2, 4, 8)  # programs per (batch row, head), each holding V / V_SPLIT state columns
+CONFIG_PATH = Path(__file__).resolve().parent / "configs" / "triton_kda.json"
 
 triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machines without Triton
 
 
 if tl is not None:
+    from bytebound.kernels.pdl import enter as pdl_enter
+
     @triton.jit
     def _conv_silu_step(x, w0, w1, w2, c0, c1, c2, c3):
         """One causal depthwise-conv output (kernel 4) + SiLU: window (w0 oldest .. w2 newest) and input x."""
@@ -55,26 +79,68 @@ if tl is not None:
         return y * tl.sigmoid(y)
 
     @triton.jit
+    def _fence_all(x):
+        """``fence.acq_rel.gpu`` issued by every thread (each holds >= 1 element of ``x``), then a CTA barrier: the
+        thread's scratch stores are visible GPU-wide before the CTA takes its ticket."""
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [x.to(tl.int32)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+        tl.debug_barrier()
+
+    @triton.jit
     def _fused_kda_kernel(
             qkv_ptr, s_qkv_b, s_qkv_t, f_ptr, s_f_b, s_f_t, gate_ptr, s_gate_b, s_gate_t, b_ptr, s_b_b, s_b_t,
+            x_ptr, s_x_b, s_x_t, wb_ptr,
             convw_ptr, conv_ptr, alog_ptr, dtb_ptr, rec_ptr, normw_ptr, o_ptr, s_o_b, s_o_t,
-            conv_hist_ptr, rec_hist_ptr, scratch_ptr, lower_bound, eps, scale,
+            conv_hist_ptr, rec_hist_ptr, scratch_ptr, ticket_ptr, lower_bound, eps, scale,
             B, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-            M: tl.constexpr, SAFE_GATE: tl.constexpr, HIST: tl.constexpr):
-        pid = tl.program_id(0)
+            M: tl.constexpr, SAFE_GATE: tl.constexpr, HIST: tl.constexpr, VS: tl.constexpr, SCR: tl.constexpr,
+            FENCE: tl.constexpr, BETA_X: tl.constexpr = False, HID: tl.constexpr = 1, BH: tl.constexpr = 1,
+            MP: tl.constexpr = 1, PDL: tl.constexpr = False, NTH: tl.constexpr = 128):
+        pdl_enter(PDL, NTH)             # kernels.pdl: nothing is read before the previous kernel completed
+        pid = tl.program_id(0)          # batch row x head
+        if VS == 1:
+            vs = 0                      # a constant: the unsplit kernel's addressing stays as simple as before
+        else:
+            vs = tl.program_id(1)       # V slice: state columns vs*BVS .. vs*BVS + BVS - 1
         bi = (pid // H).to(tl.int64)
         h = pid % H
         DQK: tl.constexpr = H * K
         C: tl.constexpr = 2 * H * K + H * V          # conv channels q|k|v
+        BVS: tl.constexpr = BV // VS
         conv_b = conv_ptr + bi * C * 3
-        # This program's scratch [M, 3, BK] float32: l2-normalised scaled q, l2-normalised k, decay exp(g).
-        scr = scratch_ptr + pid.to(tl.int64) * (M * 3 * BK)
+        # This program's scratch (SCR floats): [M, 3, BK] l2-normalised scaled q, l2-normalised k, decay exp(g);
+        # with BETA_X then [MP] beta of the M tokens; with VS > 1 then, from offset PO, [M, BVS] its slice of the
+        # un-normalised o and [M] its sums of squares.
+        PB: tl.constexpr = M * 3 * BK
+        PO: tl.constexpr = PB + (MP if BETA_X else 0)
+        scr = scratch_ptr + (pid * VS + vs).to(tl.int64) * SCR
+        if BETA_X:
+            # beta = sigmoid(b_proj x) for this head and all M tokens: the dot of the normed layer input x [M, HID]
+            # with row h of the b_proj weight [H, HID], float32 sums, rounded to x's dtype as the torch path's
+            # ``b_proj(x)`` output is before ``sigmoid(.float())``. The weight row is read once for all M tokens
+            # (by each of the head's VS programs: 5 KB at Ling's width, cheaper than passing beta between them).
+            rt = tl.arange(0, MP)
+            mt = rt < M
+            acc = tl.zeros([MP, BH], tl.float32)
+            for c0 in range(0, HID, BH):
+                cols = c0 + tl.arange(0, BH)
+                mc = cols < HID
+                wv = tl.load(wb_ptr + h * HID + cols, mask=mc, other=0.0).to(tl.float32)
+                xv = tl.load(x_ptr + bi * s_x_b + rt[:, None] * s_x_t + cols[None, :],
+                             mask=mt[:, None] & mc[None, :], other=0.0).to(tl.float32)
+                acc += xv * wv[None, :]
+            bl = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+            tl.store(scr + PB + rt, tl.sigmoid(bl), mask=mt)
 
         # ---- phase 1: the key-side vectors of all M tokens (conv + SiLU, L2 norms, gate), 1-D over K ----
         # Kept apart from the [K, V] phase on purpose (module docstring): there a K-vector is replicated over the
         # lanes that hold different V columns, so building these ~20 vectors there spills registers.
         ck = tl.arange(0, BK)
         mk = ck < K
+        if VS == 1:
+            mown = mk
+        else:
+            mown = mk & ((ck * VS) // BK == vs)        # this program's share of the q/k history windows
         chq = h * K + ck
         chk = DQK + h * K + ck
         # conv weights [C, 4] and windows [C, 3] (oldest first), float32
@@ -118,24 +184,26 @@ if tl is not None:
             tl.store(scr + (t * 3 + 2) * BK + ck, tl.exp(g), mask=mk)
             if HIST:
                 hc = conv_hist_ptr + (t * B + bi) * C * 3
-                tl.store(hc + chq * 3 + 0, wq0, mask=mk)
-                tl.store(hc + chq * 3 + 1, wq1, mask=mk)
-                tl.store(hc + chq * 3 + 2, wq2, mask=mk)
-                tl.store(hc + chk * 3 + 0, wk0, mask=mk)
-                tl.store(hc + chk * 3 + 1, wk1, mask=mk)
-                tl.store(hc + chk * 3 + 2, wk2, mask=mk)
-        tl.store(conv_b + chq * 3 + 0, wq0, mask=mk)
-        tl.store(conv_b + chq * 3 + 1, wq1, mask=mk)
-        tl.store(conv_b + chq * 3 + 2, wq2, mask=mk)
-        tl.store(conv_b + chk * 3 + 0, wk0, mask=mk)
-        tl.store(conv_b + chk * 3 + 1, wk1, mask=mk)
-        tl.store(conv_b + chk * 3 + 2, wk2, mask=mk)
+                tl.store(hc + chq * 3 + 0, wq0, mask=mown)
+                tl.store(hc + chq * 3 + 1, wq1, mask=mown)
+                tl.store(hc + chq * 3 + 2, wq2, mask=mown)
+                tl.store(hc + chk * 3 + 0, wk0, mask=mown)
+                tl.store(hc + chk * 3 + 1, wk1, mask=mown)
+                tl.store(hc + chk * 3 + 2, wk2, mask=mown)
+        if VS == 1:
+            # with VS > 1 the last program of the head writes the q/k windows back (after the ticket, see below)
+            tl.store(conv_b + chq * 3 + 0, wq0, mask=mk)
+            tl.store(conv_b + chq * 3 + 1, wq1, mask=mk)
+            tl.store(conv_b + chq * 3 + 2, wq2, mask=mk)
+            tl.store(conv_b + chk * 3 + 0, wk0, mask=mk)
+            tl.store(conv_b + chk * 3 + 1, wk1, mask=mk)
+            tl.store(conv_b + chk * 3 + 2, wk2, mask=mk)
         tl.debug_barrier()          # phase 2 reads the scratch that other threads of this program wrote
 
-        # ---- phase 2: value-side conv, the delta rule on the [K, V] state, the gated RMSNorm ----
+        # ---- phase 2: value-side conv, the delta rule on this program's [K, BVS] state slice, S^T q ----
         rk = tl.arange(0, BK)
         rmk = rk < K
-        cv = tl.arange(0, BV)
+        cv = vs * BVS + tl.arange(0, BVS)
         mv = cv < V
         chv = 2 * DQK + h * V + cv
         cv0 = tl.load(convw_ptr + chv * 4 + 0, mask=mv, other=0.0)
@@ -145,7 +213,8 @@ if tl is not None:
         wv0 = tl.load(conv_b + chv * 3 + 0, mask=mv, other=0.0)
         wv1 = tl.load(conv_b + chv * 3 + 1, mask=mv, other=0.0)
         wv2 = tl.load(conv_b + chv * 3 + 2, mask=mv, other=0.0)
-        nw = tl.load(normw_ptr + cv, mask=mv, other=0.0).to(tl.float32)
+        if VS == 1:
+            nw = tl.load(normw_ptr + cv, mask=mv, other=0.0).to(tl.float32)
         m2 = rmk[:, None] & mv[None, :]
         soff = rk[:, None] * V + cv[None, :]
         rec_bh = rec_ptr + (bi * H + h) * K * V
@@ -154,7 +223,10 @@ if tl is not None:
             xv = tl.load(qkv_ptr + bi * s_qkv_b + t * s_qkv_t + chv, mask=mv, other=0.0).to(tl.float32)
             v = _conv_silu_step(xv, wv0, wv1, wv2, cv0, cv1, cv2, cv3)
             wv0, wv1, wv2 = wv1, wv2, xv
-            beta = tl.sigmoid(tl.load(b_ptr + bi * s_b_b + t * s_b_t + h).to(tl.float32))
+            if BETA_X:
+                beta = tl.load(scr + PB + t)
+            else:
+                beta = tl.sigmoid(tl.load(b_ptr + bi * s_b_b + t * s_b_t + h).to(tl.float32))
             # delta rule: decay each key channel, predict, rank-1 update (key-side vectors from phase 1)
             s = s * tl.load(scr + (t * 3 + 2) * BK + rk, mask=rmk, other=0.0)[:, None]
             k = tl.load(scr + (t * 3 + 1) * BK + rk, mask=rmk, other=0.0)
@@ -163,12 +235,19 @@ if tl is not None:
             s = s + k[:, None] * delta[None, :]
             q = tl.load(scr + (t * 3 + 0) * BK + rk, mask=rmk, other=0.0)
             o = tl.sum(q[:, None] * s, axis=0)
-            # gated RMSNorm over V (RMSNormGated: float32 statistics, one rounding at the store)
-            gt = tl.load(gate_ptr + bi * s_gate_b + t * s_gate_t + h * V + cv, mask=mv, other=0.0).to(tl.float32)
-            o = tl.where(mv, o, 0.0)
-            o = o * tl.rsqrt(tl.sum(o * o, axis=0) / V + eps) * nw * tl.sigmoid(gt)
-            tl.store(o_ptr + bi * s_o_b + t * s_o_t + h * V + cv,
-                     o.to(o_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mv)
+            if VS == 1:
+                # gated RMSNorm over V (RMSNormGated: float32 statistics, one rounding at the store)
+                gt = tl.load(gate_ptr + bi * s_gate_b + t * s_gate_t + h * V + cv, mask=mv,
+                             other=0.0).to(tl.float32)
+                o = tl.where(mv, o, 0.0)
+                o = o * tl.rsqrt(tl.sum(o * o, axis=0) / V + eps) * nw * tl.sigmoid(gt)
+                tl.store(o_ptr + bi * s_o_b + t * s_o_t + h * V + cv,
+                         o.to(o_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mv)
+            else:
+                # this slice of the un-normalised o and its sum of squares, for the head's last program
+                o = tl.where(mv, o, 0.0)
+                tl.store(scr + PO + t * BVS + tl.arange(0, BVS), o)
+                tl.store(scr + PO + M * BVS + t, tl.sum(o * o, axis=0))
             if HIST:
                 hc = conv_hist_ptr + (t * B + bi) * C * 3
                 tl.store(hc + chv * 3 + 0, wv0, mask=mv)
@@ -179,6 +258,39 @@ if tl is not None:
         tl.store(conv_b + chv * 3 + 0, wv0, mask=mv)
         tl.store(conv_b + chv * 3 + 1, wv1, mask=mv)
         tl.store(conv_b + chv * 3 + 2, wv2, mask=mv)
+
+        if VS > 1:
+            # ---- the head's last program: the gated RMSNorm over the whole V row (triton_moe_split's tickets) ----
+            if FENCE:
+                _fence_all(ck)
+            else:
+                tl.debug_barrier()          # Triton's interpreter (no inline asm) runs the programs one by one
+            ticket = tl.atomic_add(ticket_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if ticket == VS - 1:
+                # every program of the head has read the old q/k windows (phase 1, before its ticket)
+                tl.store(conv_b + chq * 3 + 0, wq0, mask=mk)
+                tl.store(conv_b + chq * 3 + 1, wq1, mask=mk)
+                tl.store(conv_b + chq * 3 + 2, wq2, mask=mk)
+                tl.store(conv_b + chk * 3 + 0, wk0, mask=mk)
+                tl.store(conv_b + chk * 3 + 1, wk1, mask=mk)
+                tl.store(conv_b + chk * 3 + 2, wk2, mask=mk)
+                cf = tl.arange(0, BV)
+                mf = cf < V
+                # slice j of the row lives in program (pid, j)'s scratch; .cg: read L2, not a stale L1 line
+                part = scratch_ptr + (pid * VS + cf // BVS).to(tl.int64) * SCR + PO + cf % BVS
+                head = scratch_ptr + (pid * VS).to(tl.int64) * SCR + PO + M * BVS
+                nwf = tl.load(normw_ptr + cf, mask=mf, other=0.0).to(tl.float32)
+                for t in tl.static_range(M):
+                    ss = tl.load(head + t, cache_modifier=".cg")
+                    for j in tl.static_range(1, VS):
+                        ss += tl.load(head + j * SCR + t, cache_modifier=".cg")
+                    of = tl.load(part + t * BVS, mask=mf, other=0.0, cache_modifier=".cg")
+                    gt = tl.load(gate_ptr + bi * s_gate_b + t * s_gate_t + h * V + cf, mask=mf,
+                                 other=0.0).to(tl.float32)
+                    of = of * tl.rsqrt(ss / V + eps) * nwf * tl.sigmoid(gt)
+                    tl.store(o_ptr + bi * s_o_b + t * s_o_t + h * V + cf,
+                             of.to(o_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mf)
+                tl.store(ticket_ptr + pid, 0)       # self-contained launch: the next one finds 0 (graph replay)
 
 
 def _rows(x: torch.Tensor, name: str, b: int, t: int, n: int) -> torch.Tensor:
@@ -194,11 +306,99 @@ def _f32_contig(x: torch.Tensor, name: str, shape: tuple) -> None:
                            f"{x.dtype} {tuple(x.shape)}{'' if x.is_contiguous() else ' (not contiguous)'}")
 
 
-def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
-              conv: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, rec: torch.Tensor,
-              norm_weight: torch.Tensor, eps: float, lower_bound: float | None, out_dtype: torch.dtype,
-              conv_hist: torch.Tensor | None = None, rec_hist: torch.Tensor | None = None,
-              num_warps: int | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
+def shape_key(batch: int, heads: int, dk: int, dv: int, tokens: int) -> str:
+    """The launch-table key of a call: ``B{batch}_H{heads}_K{dk}_V{dv}_M{tokens}``."""
+    return f"B{batch}_H{heads}_K{dk}_V{dv}_M{tokens}"
+
+
+def default_num_warps(dk: int, dv: int, v_split: int) -> int:
+    """Launch width for a ``[K, V / v_split]`` state slice: 4 up to 4096 float32 elements per program, else 8."""
+    return 4 if dk * triton.next_power_of_2(dv) // v_split <= 4096 else 8
+
+
+def _check_v_split(v_split, dv: int, where: str) -> int:
+    if v_split not in V_SPLITS or triton.next_power_of_2(dv) < v_split:
+        raise BackendError(f"kda[triton]: V_SPLIT {v_split!r} ({where}) must be one of {V_SPLITS} and at most "
+                           f"next_pow2(V) = {triton.next_power_of_2(dv)}")
+    return v_split
+
+
+@functools.lru_cache(maxsize=None)
+def _table(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def lookup_entry(table: dict, name: str, arch: str | None, key: str) -> tuple[dict | None, str | None]:
+    """The launch-table entry for ``key`` under GPU ``name``, else under the table's ``"_arch_defaults"`` GPU of
+    ``arch``: ``(entry, source)``, or ``(None, None)``."""
+    if key in table.get(name, {}):
+        return table[name][key], f"tuned for {name}"
+    tuned_on = table.get("_arch_defaults", {}).get(arch) if arch else None
+    if tuned_on and key in table.get(tuned_on, {}):
+        return table[tuned_on][key], f"{arch} default (tuned on {tuned_on})"
+    return None, None
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_launch(batch: int, heads: int, dk: int, dv: int, tokens: int, device: str = "cuda",
+                   path: str | None = None) -> tuple[int, int, str]:
+    """``(V_SPLIT, num_warps, source)`` of the fused kernel for one call shape on ``device``.
+
+    Lookup for :func:`shape_key` in ``configs/triton_kda.json`` (or ``path``), entries ``{"v_split": n[,
+    "num_warps": w]}`` as ``scripts/bench_kda.py`` prints them: the exact GPU name, then the table's
+    ``"_arch_defaults"`` GPU for this architecture (as ``moe_host.resolve_config``), else the default: the
+    largest V_SPLIT whose ``batch * heads * V_SPLIT`` programs fit the SMs in one wave with >= 16 state columns
+    each (1 off CUDA: Triton's interpreter). ``num_warps`` defaults to :func:`default_num_warps`. Cached per shape
+    and device (host-side only: no sync, safe while capturing a graph).
+
+    Raises:
+        BackendError: a table entry with a V_SPLIT outside :data:`V_SPLITS` or above next_pow2(V).
+    """
+    key = shape_key(batch, heads, dk, dv, tokens)
+    dev = torch.device(device)
+    entry = source = None
+    if dev.type == "cuda":
+        from bytebound.kernels.moe_host import gpu_arch, gpu_name
+        entry, source = lookup_entry(_table(str(path or CONFIG_PATH)), gpu_name(dev), gpu_arch(dev), key)
+    if entry is not None:
+        vs = _check_v_split(entry.get("v_split"), dv, f"table entry {key}, {source}")
+        nw = int(entry.get("num_warps") or default_num_warps(dk, dv, vs))
+        return vs, nw, source
+    vs = 1
+    if dev.type == "cuda":
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        for c in V_SPLITS:
+            if batch * heads * c <= sms and triton.next_power_of_2(dv) // c >= 16:
+                vs = c
+    return vs, default_num_warps(dk, dv, vs), f"default (no entry at {key})"
+
+
+def _scratch_per_program(tokens: int, bk: int, bv: int, v_split: int, beta: bool = False) -> int:
+    """float32 elements of one program's scratch: ``[T, 3, BK]`` key-side vectors, with ``beta`` then
+    ``[next_pow2(T)]`` beta, with ``v_split > 1`` then ``[T, BV / v_split]`` un-normalised o and ``[T]`` sums of
+    squares; rounded up to 16 (64-byte blocks)."""
+    n = tokens * 3 * bk + (triton.next_power_of_2(tokens) if beta else 0) + \
+        (tokens * (bv // v_split) + tokens if v_split > 1 else 0)
+    return -(-n // 16) * 16
+
+
+def scratch_numel(batch: int, heads: int, tokens: int, dk: int, dv: int, v_split: int, beta: bool = False) -> int:
+    """float32 elements of :func:`fused_kda`'s workspace for a call of ``tokens`` tokens at ``v_split`` (``beta``:
+    the kernel computes beta from ``x``)."""
+    return batch * heads * v_split * _scratch_per_program(tokens, triton.next_power_of_2(dk),
+                                                           triton.next_power_of_2(dv), v_split, beta)
+
+
+def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.Tensor | None,
+              conv_weight: torch.Tensor, conv: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+              rec: torch.Tensor, norm_weight: torch.Tensor, eps: float, lower_bound: float | None,
+              out_dtype: torch.dtype, conv_hist: torch.Tensor | None = None, rec_hist: torch.Tensor | None = None,
+              num_warps: int | None = None, scratch: torch.Tensor | None = None, v_split: int | None = None,
+              tickets: torch.Tensor | None = None, x: torch.Tensor | None = None,
+              b_weight: torch.Tensor | None = None) -> torch.Tensor:
     """One KDA layer's work between its projections for ``T <= MAX_TOKENS`` tokens, in one kernel launch.
 
     Args:
@@ -206,7 +406,7 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
             engine; a column slice of the fused q|k|v|f|g output works, the channel stride must be 1).
         f: ``[B, T, HK]`` f_proj output (raw, before ``dt_bias`` and the gate).
         gate: ``[B, T, HV]`` g_proj output (the gated RMSNorm's gate, before the sigmoid).
-        b: ``[B, T, H]`` b_proj output (beta logits).
+        b: ``[B, T, H]`` b_proj output (beta logits); or None with ``x`` and ``b_weight``: the kernel computes it.
         conv_weight: ``[2HK + HV, 4]`` float32 depthwise conv weights (q|k|v), contiguous.
         conv: ``[B, 2HK + HV, 3]`` float32 conv window (oldest input first); updated in place.
         a_log: ``[H]`` float32; dt_bias: ``[HK]`` float32.
@@ -216,17 +416,28 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
         out_dtype: dtype of the returned ``o`` (the model dtype; float32 for tests).
         conv_hist, rec_hist: both or neither; ``[>= T, B, 2HK + HV, 3]`` and ``[>= T, B, H, K, V]`` float32,
             contiguous: entry ``i`` receives the conv window and the recurrent state after token ``i``.
-        num_warps: launch width (default 4 for K*V <= 4096, else 8).
-        scratch: float32 workspace of >= ``B * H * T * 3 * next_pow2(K)`` elements (the key-side vectors passed
-            from the kernel's first phase to its second); allocated per call when None (:class:`FusedKDA` passes
-            a persistent one, so a captured graph allocates nothing).
+        num_warps: launch width (default: :func:`resolve_launch`'s with the table's V_SPLIT, else
+            :func:`default_num_warps`).
+        scratch: float32 workspace of >= ``scratch_numel(B, H, T, K, V, v_split)`` elements (the key-side vectors
+            passed from the kernel's first phase to its second; with ``v_split > 1`` also the partial ``o`` rows
+            and sums of squares); allocated per call when None (:class:`FusedKDA` passes a persistent one, so a
+            captured graph allocates nothing).
+        v_split: programs per (batch row, head), one of :data:`V_SPLITS` (<= next_pow2(V)); default: the launch
+            table's or the SM-filling default (:func:`resolve_launch`).
+        tickets: with ``v_split > 1``, int32 ``[>= B*H]`` all zero (each launch leaves them zero); allocated per
+            call when None (:class:`FusedKDA` passes a persistent one).
+        x, b_weight: instead of ``b``: the layer's normed input ``x [B, T, HID]`` (channel stride 1) and the plain
+            ``b_proj`` weight ``[H, HID]`` (contiguous, any float dtype): beta = sigmoid(dtype(x . b_weight[h])),
+            the dot summed in float32 and rounded to x's dtype as the torch path's ``b_proj(x)`` output, so the
+            b_proj is no launch of its own (``scratch`` then needs ``scratch_numel(..., beta=True)``).
 
     Returns:
         ``o [B, T, HV]`` in ``out_dtype``: the gated-RMSNormed KDA output, ready for ``o_proj``.
 
     Raises:
-        BackendError: Triton missing, T outside ``1..MAX_TOKENS``, head dims above ``MAX_HEAD_DIM``, or any shape,
-            dtype or layout that the kernel does not take (named in the message).
+        BackendError: Triton missing, T outside ``1..MAX_TOKENS``, head dims above ``MAX_HEAD_DIM``, a V_SPLIT
+            outside :data:`V_SPLITS`, neither or both of ``b`` and ``x``/``b_weight``, or any shape, dtype or layout
+            that the kernel does not take (named in the message).
 
     The maths and its sources are in the module docstring; float32 throughout, as ``layers.kda``.
     """
@@ -244,7 +455,19 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
     qkv = _rows(qkv, "qkv", bsz, t, c)
     f = _rows(f, "f", bsz, t, h * dk)
     gate = _rows(gate, "gate", bsz, t, h * dv)
-    b = _rows(b, "b", bsz, t, h)
+    beta_x = b is None
+    if beta_x == (x is None) or (x is None) != (b_weight is None):
+        raise BackendError("kda[triton]: give either b (the b_proj output) or x with b_weight (beta in the kernel)")
+    if beta_x:
+        hid = x.shape[-1] if x.dim() == 3 else -1
+        x = _rows(x, "x", bsz, t, hid)
+        if b_weight.shape != (h, hid) or not b_weight.is_contiguous() or not b_weight.is_floating_point():
+            raise BackendError(f"kda[triton]: b_weight must be a contiguous float [H={h}, {hid}] tensor, got "
+                               f"{b_weight.dtype} {tuple(b_weight.shape)}")
+        if b_weight.element_size() < 2:
+            raise BackendError(f"kda[triton]: b_weight {b_weight.dtype} is quantised (scales not applied here)")
+    else:
+        b = _rows(b, "b", bsz, t, h)
     _f32_contig(rec, "rec", (bsz, h, dk, dv))
     _f32_contig(conv, "conv", (bsz, c, CONV_KERNEL - 1))
     _f32_contig(conv_weight, "conv_weight", (c, CONV_KERNEL))
@@ -261,28 +484,49 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
             raise BackendError(f"kda[triton]: history buffers hold {n} tokens, the call has {t}")
         _f32_contig(conv_hist, "conv_hist", (n, bsz, c, CONV_KERNEL - 1))
         _f32_contig(rec_hist, "rec_hist", (n, bsz, h, dk, dv))
-    tensors = dict(qkv=qkv, f=f, gate=gate, b=b, conv_weight=conv_weight, conv=conv, A_log=a_log, dt_bias=dt_bias,
-                   rec=rec, norm_weight=norm_weight, conv_hist=conv_hist, rec_hist=rec_hist)
+    tensors = dict(qkv=qkv, f=f, gate=gate, b=b, x=x, b_weight=b_weight, conv_weight=conv_weight, conv=conv,
+                   A_log=a_log, dt_bias=dt_bias, rec=rec, norm_weight=norm_weight, conv_hist=conv_hist,
+                   rec_hist=rec_hist)
     off = [k for k, v in tensors.items() if v is not None and v.device != qkv.device]
     if off:
         raise BackendError(f"kda[triton]: {', '.join(off)} not on {qkv.device} (where qkv is)")
+    if v_split is None:
+        v_split, nw_cfg, _ = resolve_launch(bsz, h, dk, dv, t, str(qkv.device))
+        num_warps = nw_cfg if num_warps is None else num_warps
+    v_split = _check_v_split(v_split, dv, "argument")
+    if num_warps is None:
+        num_warps = default_num_warps(dk, dv, v_split)
     o = torch.empty(bsz, t, h * dv, dtype=out_dtype, device=qkv.device)
-    need = bsz * h * t * 3 * triton.next_power_of_2(dk)
+    need = scratch_numel(bsz, h, t, dk, dv, v_split, beta_x)
     if scratch is None:
         scratch = torch.empty(need, dtype=torch.float32, device=qkv.device)
     elif scratch.dtype != torch.float32 or not scratch.is_contiguous() or scratch.numel() < need \
             or scratch.device != qkv.device:
         raise BackendError(f"kda[triton]: scratch must be contiguous float32 with >= {need} elements on "
                            f"{qkv.device}, got {scratch.dtype} {tuple(scratch.shape)} on {scratch.device}")
-    if num_warps is None:
-        num_warps = 4 if dk * dv <= 4096 else 8
-    _fused_kda_kernel[(bsz * h,)](
+    if v_split == 1:
+        tickets = scratch                       # not touched by the kernel
+    elif tickets is None:
+        tickets = torch.zeros(bsz * h, dtype=torch.int32, device=qkv.device)
+    elif tickets.dtype != torch.int32 or not tickets.is_contiguous() or tickets.numel() < bsz * h \
+            or tickets.device != qkv.device:
+        raise BackendError(f"kda[triton]: tickets must be contiguous int32 with >= {bsz * h} elements on "
+                           f"{qkv.device}, got {tickets.dtype} {tuple(tickets.shape)} on {tickets.device}")
+    bk, bv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    bb, xx = (x, x) if beta_x else (b, b)         # the pointer the kernel does not read: any tensor of the call
+    hid = x.shape[-1] if beta_x else 1
+    pdl = pdl_enabled(qkv.device)
+    _fused_kda_kernel[(bsz * h, v_split)](
         qkv, qkv.stride(0), qkv.stride(1), f, f.stride(0), f.stride(1), gate, gate.stride(0), gate.stride(1),
-        b, b.stride(0), b.stride(1), conv_weight, conv, a_log, dt_bias, rec, norm_weight, o, o.stride(0), o.stride(1),
-        conv_hist if hist else conv, rec_hist if hist else rec, scratch,
+        bb, bb.stride(0), bb.stride(1), xx, xx.stride(0), xx.stride(1), b_weight if beta_x else xx,
+        conv_weight, conv, a_log, dt_bias, rec, norm_weight, o, o.stride(0), o.stride(1),
+        conv_hist if hist else conv, rec_hist if hist else rec, scratch, tickets,
         float(lower_bound) if lower_bound is not None else 0.0, float(eps), dk ** -0.5,
-        bsz, H=h, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=triton.next_power_of_2(dv), M=t,
-        SAFE_GATE=lower_bound is not None, HIST=hist, num_warps=num_warps)
+        bsz, H=h, K=dk, V=dv, BK=bk, BV=bv, M=t, SAFE_GATE=lower_bound is not None, HIST=hist, VS=v_split,
+        SCR=_scratch_per_program(t, bk, bv, v_split, beta_x),
+        FENCE=qkv.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", BETA_X=beta_x, HID=hid,
+        BH=min(512, triton.next_power_of_2(hid)), MP=triton.next_power_of_2(t), PDL=pdl, NTH=32 * num_warps,
+        num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
     return o
 
 
@@ -318,13 +562,18 @@ def history_buffers(state, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
 class FusedKDA:
     """The fused decode/verify op bound to one ``KimiDeltaAttention`` layer (``layer.fused_fn``).
 
-    ``fn(qkv, f, gate, b, state, out_dtype) -> o [B, T, H*V]`` in ``out_dtype``, for ``1 <= T <= max_tokens``; it
-    updates ``state.conv`` and ``state.rec`` in place. When ``state.history`` is a list (MTP verify), the kernel
-    writes every token's state into ``history_buffers(state, T)`` (8 MB per Ling layer at T = 4) and
-    ``state.history`` becomes the list of ``(conv [B, C, 3], rec [B, H, K, V])`` views of those buffers, one per
-    token: ``KDAState.rollback(i)`` copies from them as it does from the torch path's clones. The layer's conv
-    weights are concatenated once here (at bind), so weights changed after binding need a re-bind. Raises
-    BackendError as :func:`fused_kda` does, and for a conv kernel size other than 4.
+    ``fn(qkv, f, gate, x, state, out_dtype) -> o [B, T, H*V]`` in ``out_dtype``, for ``1 <= T <= max_tokens``, with
+    ``x [B, T, hidden]`` the layer's normed input; it updates ``state.conv`` and ``state.rec`` in place. A plain
+    (BF16/FP32) ``b_proj`` runs inside the kernel (beta from ``x``, :func:`fused_kda`); an FP8 one (a checkpoint that
+    quantises it) keeps its own projection launch: :attr:`beta` says which and why. When ``state.history`` is a list
+    (MTP verify), the kernel writes every token's state into ``history_buffers(state, T)`` (8 MB per Ling layer at
+    T = 4) and ``state.history`` becomes the list of ``(conv [B, C, 3], rec [B, H, K, V])`` views of those buffers,
+    one per token: ``KDAState.rollback(i)`` copies from them as it does from the torch path's clones. The layer's
+    conv weights are concatenated once here (at bind), so weights changed after binding need a re-bind. ``v_split``
+    and ``num_warps`` (None: :func:`resolve_launch` per call shape) override the launch table, for benchmarks. The
+    workspace (:func:`_scratch`, sized for ``max_tokens`` and the largest V_SPLIT, so it never grows inside a graph
+    capture) and the tickets (``kernels.scratch``, name ``kda_tickets``) are shared by all layers of a device.
+    Raises BackendError as :func:`fused_kda` does, and for a conv kernel size other than 4.
     """
     max_tokens = MAX_TOKENS
 
@@ -334,21 +583,34 @@ class FusedKDA:
                                f"model has {layer.kernel}")
         self.layer = layer
         self.num_warps = None           # fused_kda's default; scripts/bench_kda.py --warps sweeps it
+        self.v_split = None             # the launch table's / default; scripts/bench_kda.py --v-splits sweeps it
         self.conv_weight = layer.conv_weight().detach().reshape(-1, layer.kernel).float().contiguous()
         # float32 views (the same tensors when already float32 and contiguous): no per-call cast kernels
         self.a_log = layer.A_log.detach().float().contiguous()
         self.dt_bias = layer.dt_bias.detach().float().contiguous()
+        bp = layer.b_proj
+        why = ("stored FP8 (not in modules_to_not_convert): its own projection, dequantised by the linear backend"
+               if bp.fmt != "plain" else
+               f"weight {tuple(bp.weight.shape)} is not [heads={layer.heads}, hidden] contiguous"
+               if bp.weight.shape != (layer.heads, bp.in_features) or not bp.weight.is_contiguous() else None)
+        self.beta_in_kernel = why is None
+        #: where beta = sigmoid(b_proj x) is computed (recorded by bind_model in the kda resolution)
+        self.beta = "b_proj inside the fused kernel" if why is None else f"b_proj separate launch: {why}"
 
-    def __call__(self, qkv, f, gate, b, state, out_dtype):
+    def __call__(self, qkv, f, gate, x, state, out_dtype):
         m = self.layer
         hist = state.history is not None
         ch = rh = None
         if hist:
             ch, rh = history_buffers(state, qkv.shape[1])
+        bsz, h, dk, dv = state.rec.shape
+        vs_max = min(V_SPLITS[-1], triton.next_power_of_2(dv))
+        b, xb, wb = (None, x, m.b_proj.weight) if self.beta_in_kernel else (m.b_proj(x), None, None)
         o = fused_kda(qkv, f, gate, b, self.conv_weight, state.conv, self.a_log, self.dt_bias, state.rec,
                       m.o_norm.weight, m.o_norm.eps, m.lower_bound, out_dtype, ch, rh, self.num_warps,
-                      _scratch(qkv.device, qkv.shape[0] * m.heads * self.max_tokens * 3 *
-                               triton.next_power_of_2(m.head_dim)))
+                      _scratch(qkv.device, max(scratch_numel(bsz, h, self.max_tokens, dk, dv, vs, beta=True)
+                                               for vs in V_SPLITS if vs <= vs_max)),
+                      self.v_split, shared.scratch(qkv.device, "kda_tickets", bsz * h, torch.int32), x=xb, b_weight=wb)
         if hist:
             state.history = [(ch[i], rh[i]) for i in range(qkv.shape[1])]
         return o

@@ -47,6 +47,7 @@ import os
 import torch
 
 from bytebound.errors import BackendError
+from bytebound.kernels.pdl import enabled as pdl_enabled
 from bytebound.kernels.registry import cuda_only, needs_capability, optional_triton, register
 
 triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machines without Triton
@@ -57,10 +58,11 @@ LOG2E = 1.4426950408889634
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 # Tilings (``TritonMLA(cfg)`` overrides; untuned, scripts/bench_mla.py --sweep measures the alternatives):
 # BM query rows and BN keys per attention block, split sizing (split_plan), absorb_BC latent columns per
-# q-absorption program, combine_BV v columns / combine_BK latent columns per merge step / combine_SB splits per load.
+# q-absorption program, combine_BV v columns / combine_BK latent columns per merge step / combine_SB splits per load;
+# pdl: each of the three kernels enters through kernels.pdl.enter (launched as a PDL dependent on sm_90+).
 DEFAULT_CFG = {"BM": 32, "BN": 32, "num_warps": 8, "num_stages": 2, "min_split": 64, "target_programs": None,
                "split": None, "absorb_BC": 128, "combine_BV": 64, "combine_BK": 128, "combine_SB": 16,
-               "combine_warps": 4}
+               "combine_warps": 4, "pdl": True}
 
 
 def available(dev) -> str | None:
@@ -68,6 +70,8 @@ def available(dev) -> str | None:
 
 
 if tl is not None:
+    from bytebound.kernels.pdl import enter as pdl_enter
+
     @triton.jit
     def _dot(a, b, F32: tl.constexpr):
         if F32:
@@ -78,10 +82,12 @@ if tl is not None:
     def _mla_prep(ckv_ptr, q_ptr, qr_ptr, ql_ptr, wk_ptr, kv_ptr, pos_ptr, nw_ptr, inv_ptr, eps, att,
                   s_ckv_t, s_q_t, s_q_h, s_kv_b, s_kv_l, BT,
                   T: tl.constexpr, H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, NOPE: tl.constexpr,
-                  HP: tl.constexpr, TP: tl.constexpr, BRC: tl.constexpr, DOT_F32: tl.constexpr):
+                  HP: tl.constexpr, TP: tl.constexpr, BRC: tl.constexpr, DOT_F32: tl.constexpr,
+                  PDL: tl.constexpr = False, NTH: tl.constexpr = 128):
         """Two roles in one launch. Programs ``0 .. BT-1``, one per new token ``(b, t)``: kv_a norm + rope + cache
         write, and rope of the H q_pe heads. Programs ``BT + h * (R / BRC) + c``: q absorption of head h, latent
         columns ``[c * BRC, +BRC)``, for all BT tokens (W_kc read once)."""
+        pdl_enter(PDL, NTH)
         pid = tl.program_id(0)
         if pid < BT:
             bt = pid.to(tl.int64)
@@ -137,8 +143,10 @@ if tl is not None:
     def _mla_attn_split(ql_ptr, qr_ptr, kv_ptr, pos_ptr, o_ptr, lse_ptr, qk_scale, L,
                         s_ql_h, s_ql_t, s_kv_b, s_kv_l, B,
                         T: tl.constexpr, H: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, DOT_F32: tl.constexpr):
+                        BM: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, DOT_F32: tl.constexpr,
+                        PDL: tl.constexpr = False, NTH: tl.constexpr = 128):
         """Program ``(split, row block, b)``: partial softmax(QK^T)V over keys ``[split * NT * BN, +NT * BN)``."""
+        pdl_enter(PDL, NTH)
         sp = tl.program_id(0)
         b = tl.program_id(2).to(tl.int64)
         rows = tl.program_id(1) * BM + tl.arange(0, BM)
@@ -186,12 +194,14 @@ if tl is not None:
     @triton.jit
     def _mla_combine_out(o_ptr, lse_ptr, g_ptr, wv_ptr, out_ptr, B, s_g_t, s_out_t, NS: tl.constexpr,
                          T: tl.constexpr, H: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
-                         BV: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr):
+                         BV: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
+                         PDL: tl.constexpr = False, NTH: tl.constexpr = 128):
         """Program ``(h, v block, b * T + t)``: merge the splits of row (t, h), gate, multiply by W_vc[h]^T.
 
         The latent output is built ``BK`` columns at a time and multiplied into that ``[BK, BV]`` block of W_vc
         (float32 FMAs: one row is too few for tensor cores). One row per program keeps the tiles small; the M
         verify rows of a head re-read its W_vc block, from L2."""
+        pdl_enter(PDL, NTH)
         h = tl.program_id(0)
         vb = tl.program_id(1)
         bt = tl.program_id(2).to(tl.int64)
@@ -314,6 +324,8 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
                            "W_vc contiguous")
     q2, ckv2, g2 = q.reshape(b * t, h, qd), ckv.reshape(b * t, rank + pdim), g.reshape(b * t, h)
     dev = q.device
+    pdl = pdl_enabled(dev) and bool(cfg.get("pdl", True))   # kernels.pdl: each kernel enters with launch/wait
+    pk = {"launch_pdl": True} if pdl else {}
     q_rope = torch.empty(b * t, h, pdim, dtype=q.dtype, device=dev)
     q_lat = torch.empty(h, b * t, rank, dtype=q.dtype, device=dev)
     brc = min(cfg["absorb_BC"], rank)
@@ -321,7 +333,7 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
         ckv2, q2, q_rope, q_lat, wkc, kv, positions, norm_w, inv_freq, float(eps), float(att),
         ckv2.stride(0), q2.stride(0), q2.stride(1), kv.stride(0), kv.stride(1), b * t,
         T=t, H=h, R=rank, P=pdim, NOPE=nope, HP=triton.next_power_of_2(h),
-        TP=max(16, triton.next_power_of_2(b * t)), BRC=brc, DOT_F32=_DOT_F32, num_warps=4)
+        TP=max(16, triton.next_power_of_2(b * t)), BRC=brc, DOT_F32=_DOT_F32, PDL=pdl, NTH=128, num_warps=4, **pk)
     rows = t * h
     bm, split, ns = split_plan(span, rows, b, cfg, dev)
     o_part = torch.empty(ns, b, rows, rank, dtype=torch.float32, device=dev)
@@ -330,12 +342,13 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
         q_lat, q_rope, kv, positions, o_part, lse, float(scale) * LOG2E, span,
         q_lat.stride(0), q_lat.stride(1), kv.stride(0), kv.stride(1), b,
         T=t, H=h, R=rank, P=pdim, BM=bm, BN=cfg["BN"], NT=split // cfg["BN"], DOT_F32=_DOT_F32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        PDL=pdl, NTH=32 * cfg["num_warps"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pk)
     out = torch.empty(b, t, h, vdim, dtype=q.dtype, device=dev)
     bv = math.gcd(cfg["combine_BV"], vdim)          # a power of two dividing v (cfg values are powers of two)
     _mla_combine_out[(h, vdim // bv, b * t)](o_part, lse, g2, wvc, out, b, g2.stride(0), h * vdim, NS=ns,
                                              T=t, H=h, R=rank, V=vdim, BV=bv, SB=cfg["combine_SB"],
-                                             BK=min(cfg["combine_BK"], rank), num_warps=cfg["combine_warps"])
+                                             BK=min(cfg["combine_BK"], rank), PDL=pdl, NTH=32 * cfg["combine_warps"],
+                                             num_warps=cfg["combine_warps"], **pk)
     return out
 
 

@@ -1,6 +1,6 @@
 """Variant ``split`` of backend ``triton``, op ``moe``: the routed MoE as two kernels built for bytes in flight.
 
-Why a second variant: the fused kernel (``triton_moe.py``) is latency-bound. Each of its ~96 programs keeps two
+Why a second variant: the fused kernel (``triton_moe_variants.py``) is latency-bound. Each of its ~96 programs keeps two
 weight tiles in flight and runs gate/up, SwiGLU and down in series; the H200 sweep put it at 13 % of the read
 bandwidth at M = 1, nearly independent of the tiling (docs/perf/moe-kernels-h200.md). By Little's law a 4.3 TB/s
 part with ~1 us load latency needs ~4 MB in flight, ~33 KB per SM. Here the work is cut into a thousand-odd
@@ -8,7 +8,7 @@ small programs; each issues *all* of its weight loads at once, as 16-byte vector
 shared-memory staging of the weights), and only then computes.
 
 **Fragments without a shuffle.** The E2M1 words are decoded straight into mma.m16n8k16 A fragments
-(:func:`_frag_dequant`). The tensor core wants lane ``4g + t`` to hold k pairs ``2t, 2t+1, 2t+8, 2t+9`` of each 16-wide
+(:func:`frag_dequant`). The tensor core wants lane ``4g + t`` to hold k pairs ``2t, 2t+1, 2t+8, 2t+9`` of each 16-wide
 k tile, which are spread over four 8-value words. A dot product does not care in which order it sums, so the
 kernel uses a *logical* k order: ``kappa = 128s + 32tau + 16p + 8h + 2t + j`` holds physical column ``128s + 32t +
 8tau + 4p + 2h + j``. Then a lane's 16-byte vector of 4 consecutive words (one E8M0 block) is exactly the 32 values
@@ -33,7 +33,7 @@ partial (kernel B), so each distinct expert's bytes are read once per call. Dete
 sum runs in an order fixed by the launch shape, so outputs are bit-identical run to run and graph == eager. The
 tickets are reset by their last program, so each launch is self-contained and CUDA-graph safe.
 
-Scratch (``act``, the two partial buffers and the tickets; ``triton_moe.scratch``) is shared by every binding on a
+Scratch (``act``, the two partial buffers and the tickets; ``kernels.scratch``) is shared by every binding on a
 device: the MoE layers run one after another on one stream, and each launch has consumed its scratch before the
 next one starts. Kernel A either is an ordinary launch (it starts after the previous B completed) or, with
 ``pdl_in``, a PDL dependent of the kernel before it whose every program runs ``griddepcontrol.wait`` before it
@@ -51,11 +51,14 @@ reads 2*BI rows), ``KP`` (H slices), ``num_warps`` (kernel A), ``BH`` (hidden ro
 PDL dependent of the kernel before it, the router, so its programs start while the router runs and wait before
 touching ``ids``, x or the scratch; 2: as 1, and the shared slot loads its first weights before waiting). Constraints: H/KP and I/KP2 are 128 x a power of two,
 ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (an mma row tile per warp); :func:`fit_split_config` fits a
-config to a model's shape or raises BackendError. The key ``probe`` is benchmark instrumentation
-(``scripts/bench_moe.py --probe``), never in a committed table: ``gateup_only`` / ``down_only`` launch one kernel,
-``load_only`` keeps every load (weights, scales, B operand) but skips the dequantisation (memory + overheads),
-``compute_only`` replaces the weight and scale loads by per-element register values (decode + everything else);
-the outputs are then wrong.
+config to a model's shape or raises BackendError.
+
+This module also owns the device code the fused variants share (``kernels.triton_moe_variants``): the Gluon import
+(:data:`gluon`, :data:`gl`, :data:`GLUON_ERR`), the E2M1 decode (:data:`ASM_DEQ8` with its PRMT tables
+:data:`LUT_WORDS`, :func:`lut_tensor`), the release/acquire fence (:data:`ASM_FENCE`) and :func:`fit_pow2`. The
+benchmark's time-attribution probes (``scripts/bench_moe.py --probe``) are not here: ``bytebound.bench.moe_probe``
+builds a private copy of this module with the weight-tile loader (:func:`mxfp4_tile`) and the decode
+(:func:`frag_dequant`) replaced.
 """
 
 from __future__ import annotations
@@ -66,12 +69,81 @@ from dataclasses import dataclass
 import torch
 
 from bytebound.errors import BackendError
-from bytebound.kernels.triton_moe import _GLUON_ERR, _fit, gl, gluon, scratch
+from bytebound.kernels.scratch import scratch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    GLUON_ERR = None
+except Exception as exc:  # pragma: no cover
+    gluon = gl = mma_v2 = None
+    GLUON_ERR = f"triton.experimental.gluon is not importable: {exc}"
+
+
+# E2M1 -> BF16 lookup tables for PRMT (bytes 0..7 = magnitude codes 0..7):
+#   low byte  [00 00 80 C0 00 40 80 C0] and high byte [00 3F 3F 3F 40 40 40 40] of 0, .5, 1, 1.5, 2, 3, 4, 6;
+#   sign byte table [00 80] indexed by the code's bit 3.
+LUT_WORDS = (0xC0800000, 0xC0804000, 0x3F3F3F00, 0x40404040, 0x00008000)
+
+
+def lut_tensor(device) -> torch.Tensor:
+    """:data:`LUT_WORDS` as the kernels' ``lut`` argument: int32 ``[8]`` on ``device`` (the five words, then
+    zeros), passed to :data:`ASM_DEQ8` as registers."""
+    vals = [v - (1 << 32) if v >= 1 << 31 else v for v in LUT_WORDS]
+    return torch.tensor(vals + [0, 0, 0], dtype=torch.int32, device=device)
+
+
+def fit_pow2(block: int, n: int, lo: int) -> int:
+    """Largest power-of-two block <= ``block`` that divides ``n`` (>= ``lo``), else 0 (tensor shapes must be
+    powers of two)."""
+    b = 1 << (max(int(block), 1).bit_length() - 1)
+    while b >= lo:
+        if n % b == 0:
+            return b
+        b //= 2
+    return 0
+
 
 if gluon is not None:
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    # One int32 word = 8 E2M1 codes (code t in bits 4t..4t+3 = k order). $8 word, $9 bf16x2 (scale, scale),
+    # $10..$14 the LUT words (passed as registers so ptxas keeps them resident instead of re-materialising).
+    # Outputs $0..$7: the 8 BF16 values in k order.
+    ASM_DEQ8 = gl.constexpr("""
+{
+.reg .b32 a<13>;
+.reg .b32 o<4>;
+and.b32  a0, $8, 0x88888888;
+shr.u32  a1, a0, 3;
+and.b32  a2, $8, 0x77777777;
+shr.u32  a3, a2, 16;
+shr.u32  a4, a0, 19;
+prmt.b32 a5, $10, $11, a2;
+prmt.b32 a6, $10, $11, a3;
+prmt.b32 a7, $12, $13, a2;
+prmt.b32 a8, $12, $13, a3;
+prmt.b32 a9, $14, 0, a1;
+prmt.b32 a10, $14, 0, a4;
+or.b32   a11, a7, a9;
+or.b32   a12, a8, a10;
+prmt.b32 o0, a5, a11, 0x5140;
+prmt.b32 o1, a5, a11, 0x7362;
+prmt.b32 o2, a6, a12, 0x5140;
+prmt.b32 o3, a6, a12, 0x7362;
+mul.rn.bf16x2 o0, o0, $9;
+mul.rn.bf16x2 o1, o1, $9;
+mul.rn.bf16x2 o2, o2, $9;
+mul.rn.bf16x2 o3, o3, $9;
+mov.b32 {$0, $1}, o0;
+mov.b32 {$2, $3}, o1;
+mov.b32 {$4, $5}, o2;
+mov.b32 {$6, $7}, o3;
+}
+""")
 
-    from bytebound.kernels.triton_moe import _ASM_DEQ8, _ASM_FENCE
+    ASM_FENCE = gl.constexpr("fence.acq_rel.gpu; mov.u32 $0, 0;")
+else:  # pragma: no cover
+    ASM_DEQ8 = ASM_FENCE = None
 
 SPLIT_DEFAULT = {"variant": "split", "BI": 32, "KP": 10, "num_warps": 4, "BH": 64, "KP2": 3, "down_warps": 4,
                  "pdl": True}
@@ -82,11 +154,11 @@ if gluon is not None:
         """Every thread: ``fence.acq_rel.gpu`` (its partial stores are visible before the CTA takes a ticket)."""
         FL: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
         fz = gl.arange(0, 32 * NW, layout=FL)
-        gl.inline_asm_elementwise(_ASM_FENCE, "=r,r", [fz], gl.int32, False, 1)
+        gl.inline_asm_elementwise(ASM_FENCE, "=r,r", [fz], gl.int32, False, 1)
         gl.thread_barrier()
 
     @gluon.jit
-    def _frag_dequant(w, s, c0, c1, c2, c3, c4, DA: gl.constexpr):
+    def frag_dequant(w, s, c0, c1, c2, c3, c4, DA: gl.constexpr):
         """E2M1 words straight into mma A fragments, with no shared-memory round trip.
 
         ``w`` int32 ``[R, NS, 4, 4]`` in :func:`word_layout` (row, 128-column super-block, scale block t, word
@@ -100,7 +172,7 @@ if gluon is not None:
         NS: gl.constexpr = w.shape[1]
         s16 = s.to(gl.int32) << 7
         s2 = gl.broadcast(gl.expand_dims(s16 | (s16 << 16), 3), w)[0]
-        v = gl.inline_asm_elementwise(_ASM_DEQ8, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r",
+        v = gl.inline_asm_elementwise(ASM_DEQ8, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r",
                                       [w, s2, c0, c1, c2, c3, c4], (gl.bfloat16,) * 8, True, 1)
         # v[i] is the value at offset i = 4p + 2h + j of the word; joins append dims j, h, p
         a = gl.join(gl.join(gl.join(v[0], v[1]), gl.join(v[2], v[3])),
@@ -134,7 +206,7 @@ mov.b32 {$2, $3}, a1;
 
     @gluon.jit
     def _frag_fp8(w, s, DA: gl.constexpr):
-        """FP8 E4M3 words straight into mma A fragments, in the logical k order of :func:`_frag_dequant` (so the
+        """FP8 E4M3 words straight into mma A fragments, in the logical k order of :func:`frag_dequant` (so the
         same B operand, :func:`_load_b`, fits). ``w`` int32 ``[R, NS, 4, 8]`` in :func:`fp8_word_layout` (row,
         128-column super-block, lane column group t, word): lane ``t``'s 32 bytes are physical columns ``128s +
         32t + o``, ``o = 8tau + 4p + 2h + j`` in word ``2tau + p``, byte ``2h + j``; ``s`` int32 ``[R, NS]``, the
@@ -152,7 +224,7 @@ mov.b32 {$2, $3}, a1;
     @gluon.jit
     def _load_b(src_ptr, row_stride, M: gl.constexpr, NS: gl.constexpr, NW: gl.constexpr, DB: gl.constexpr):
         """B operand ``[128*NS, 8]`` BF16 (tokens padded to 8 columns, 0 for ``n >= M``) straight into the mma
-        B-fragment layout ``DB``, in the logical k order of :func:`_frag_dequant`: ``B[kappa, n] = src[n *
+        B-fragment layout ``DB``, in the logical k order of :func:`frag_dequant`: ``B[kappa, n] = src[n *
         row_stride + phys(kappa)]``. Lane ``4g + t`` needs token ``g``'s 32 contiguous columns ``128s + 32t ..
         128s + 32t + 31`` of each super-block, so it loads them as four 16-byte vectors and the reshape to ``DB`` is
         free (asserted). ``src`` is x or act (L2-resident); every warp loads the whole operand (the B fragments are
@@ -186,37 +258,19 @@ mov.b32 {$2, $3}, a1;
         return ids, e, gl.sum(gl.where((ids == e) & (t < s), 1, 0), axis=0) == 0
 
     @gluon.jit
-    def _keep_alive(wv, sv, dst_ptr, SD: gl.constexpr):
-        """Probe ``load_only``: make the loaded words and scales live without decoding them (a store that never
-        fires); the B operand is kept live by an mma with a zero A."""
-        x = gl.sum(wv, axis=3) + sv.to(gl.int32)
-        gl.store(dst_ptr + gl.zeros(x.shape, gl.int32, SD), x.to(gl.float32), mask=x == 0x7EADBEEF)
-
-    @gluon.jit
-    def _fake_words(w3, q, e, SD: gl.constexpr):
-        """Probe ``compute_only``: words and scales that differ per element (so no decode is merged with another)
-        without a memory load."""
-        wv = (w3[:, :, :, None] * 4 + q[None, None, None, :] + e) * 668265263
-        sv = ((w3 >> 2) & 3).to(gl.uint8) + 120
-        return wv, sv
-
-    @gluon.jit
-    def _mxfp4_tile(w_ptr, s_ptr, row, cb, e, K: gl.constexpr, WD: gl.constexpr, PROBE: gl.constexpr):
-        """One expert's MXFP4 tile for :func:`_frag_dequant`: int32 words ``[R, NS, 4, 4]`` (layout ``WD``) and E8M0
+    def mxfp4_tile(w_ptr, s_ptr, row, cb, K: gl.constexpr, WD: gl.constexpr):
+        """One expert's MXFP4 tile for :func:`frag_dequant`: int32 words ``[R, NS, 4, 4]`` (layout ``WD``) and E8M0
         bytes ``[R, NS, 4]`` of rows ``row`` (``[R]``, layout ``SliceLayout(1, SliceLayout(2, SliceLayout(3,
         WD)))``) and the ``NS`` 128-column super-blocks from ``cb`` of a ``[*, K]`` matrix; ``w_ptr`` / ``s_ptr``
-        point at the expert's words / scales. ``PROBE == 2``: register values instead (bench_moe --probe)."""
+        point at the expert's words / scales."""
         NS: gl.constexpr = WD.shape[1]
         SD: gl.constexpr = gl.SliceLayout(3, WD)
         sb = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD)))
         tb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SD)))
         q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WD))))
         w3 = row[:, None, None] * (K // 8) + cb * 16 + sb[None, :, None] * 16 + tb[None, None, :] * 4
-        if PROBE == 2:
-            wv, sv = _fake_words(w3, q, e, SD)
-        else:
-            wv = gl.load(w_ptr + (w3[:, :, :, None] + q[None, None, None, :]))
-            sv = gl.load(s_ptr + row[:, None, None] * (K // 32) + cb * 4 + sb[None, :, None] * 4 + tb[None, None, :])
+        wv = gl.load(w_ptr + (w3[:, :, :, None] + q[None, None, None, :]))
+        sv = gl.load(s_ptr + row[:, None, None] * (K // 32) + cb * 4 + sb[None, :, None] * 4 + tb[None, None, :])
         return wv, sv
 
     @gluon.jit
@@ -241,7 +295,7 @@ mov.b32 {$2, $3}, a1;
                           H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
                           SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
                           WD: gl.constexpr, PDL: gl.constexpr, SHARED: gl.constexpr = False,
-                          WD8: gl.constexpr = None, PROBE: gl.constexpr = 0, PDL_IN: gl.constexpr = 0):
+                          WD8: gl.constexpr = None, PDL_IN: gl.constexpr = 0):
         NW: gl.constexpr = gl.num_warps()
         S: gl.constexpr = M * TOPK
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
@@ -261,11 +315,11 @@ mov.b32 {$2, $3}, a1;
             else:
                 _pdl_in(PDL_IN, PDL, NW)
                 _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
-                               s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, PROBE, MMA, DA, DB, RL)
+                               s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL)
         else:
             _pdl_in(PDL_IN, PDL, NW)
             _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
-                           s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, PROBE, MMA, DA, DB, RL)
+                           s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL)
 
     @gluon.jit
     def _pdl_in(PDL_IN: gl.constexpr, PDL: gl.constexpr, NW: gl.constexpr):
@@ -316,7 +370,7 @@ mov.b32 {$2, $3}, a1;
     def _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
                        s, j, p, H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
                        SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                       WD: gl.constexpr, PROBE: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
+                       WD: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
                        DB: gl.constexpr, RL: gl.constexpr):
         """Kernel A, routed slot ``s``: its expert's MXFP4 rows (unless an earlier slot owns the expert)."""
         NW: gl.constexpr = gl.num_warps()
@@ -331,8 +385,8 @@ mov.b32 {$2, $3}, a1;
             # ---- every weight byte of the program in one go: a 16-byte vector per (row, super-block), lane ----
             r = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD)))
             row = gl.where(r < BI, j * BI + r, I + j * BI + (r - BI))
-            wv, sv = _mxfp4_tile(w13_ptr + e * (2 * I * (H // 8)), s13_ptr + e * (2 * I * (H // 32)), row, p * NS,
-                                 e, H, WD, PROBE)
+            wv, sv = mxfp4_tile(w13_ptr + e * (2 * I * (H // 8)), s13_ptr + e * (2 * I * (H // 32)), row, p * NS,
+                                 H, WD)
             b = _load_b(x_ptr + p * HK, H, M, NS, NW, DB)
             t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
             tw = gl.load(tw_ptr + t, mask=t < S, other=0.0)
@@ -340,12 +394,8 @@ mov.b32 {$2, $3}, a1;
             sel = (ids[None, :] == e) & ((t // TOPK)[None, :] == mcol[:, None])
             wtok = gl.sum(gl.where(sel, tw[None, :], 0.0), axis=1)                  # [NPC]
             acc = gl.zeros([R1, NPC], gl.float32, MMA)
-            if PROBE == 1:
-                _keep_alive(wv, sv, part_ptr, SD)
-                acc = mma_v2(gl.zeros([R1, HK], gl.bfloat16, DA), b, acc)
-            else:
-                acc = mma_v2(_frag_dequant(wv, sv, gl.load(lut_ptr), gl.load(lut_ptr + 1), gl.load(lut_ptr + 2),
-                                           gl.load(lut_ptr + 3), gl.load(lut_ptr + 4), DA), b, acc)
+            acc = mma_v2(frag_dequant(wv, sv, gl.load(lut_ptr), gl.load(lut_ptr + 1), gl.load(lut_ptr + 2),
+                                       gl.load(lut_ptr + 3), gl.load(lut_ptr + 4), DA), b, acc)
             _gateup_epilogue(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, limit, I, M, BI, KP, HAS_LIMIT, NW)
 
     @gluon.jit
@@ -408,7 +458,7 @@ mov.b32 {$2, $3}, a1;
     def _moe_down_split(act_ptr, ids_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, cnt_ptr, lut_ptr, sw2_ptr, ss2_ptr,
                         H: gl.constexpr, I: gl.constexpr, M: gl.constexpr, S: gl.constexpr, SP: gl.constexpr,
                         BH: gl.constexpr, KP2: gl.constexpr, WD: gl.constexpr, PDL: gl.constexpr,
-                        SHARED: gl.constexpr = False, WD8: gl.constexpr = None, PROBE: gl.constexpr = 0):
+                        SHARED: gl.constexpr = False, WD8: gl.constexpr = None):
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         ST: gl.constexpr = S + SHARED       # slots: routed, then the shared expert
@@ -433,11 +483,11 @@ mov.b32 {$2, $3}, a1;
                 _down_shared(act_ptr, sw2_ptr, ss2_ptr, slot, omask, s, hb, kq, H, I, M, BH, KP2, WD8, PDL, MMA, DA, DB,
                              OL)
             else:
-                _down_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, part_ptr, slot, omask, s, hb, kq, H, I, M, S,
-                             SP, BH, KP2, WD, PDL, PROBE, MMA, DA, DB, RL, OL)
+                _down_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, slot, omask, s, hb, kq, H, I, M, S,
+                             SP, BH, KP2, WD, PDL, MMA, DA, DB, RL, OL)
         else:
-            _down_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, part_ptr, slot, omask, s, hb, kq, H, I, M, S,
-                         SP, BH, KP2, WD, PDL, PROBE, MMA, DA, DB, RL, OL)
+            _down_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, slot, omask, s, hb, kq, H, I, M, S,
+                         SP, BH, KP2, WD, PDL, MMA, DA, DB, RL, OL)
 
         _fence_all(NW)
         ticket = gl.atomic_add(cnt_ptr + hb, 1, sem="acq_rel", scope="gpu")
@@ -480,9 +530,9 @@ mov.b32 {$2, $3}, a1;
         gl.store(slot, gl.convert_layout(acc, OL), mask=omask)
 
     @gluon.jit
-    def _down_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, part_ptr, slot, omask, s, hb, kq, H: gl.constexpr,
+    def _down_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, slot, omask, s, hb, kq, H: gl.constexpr,
                      I: gl.constexpr, M: gl.constexpr, S: gl.constexpr, SP: gl.constexpr, BH: gl.constexpr,
-                     KP2: gl.constexpr, WD: gl.constexpr, PDL: gl.constexpr, PROBE: gl.constexpr,
+                     KP2: gl.constexpr, WD: gl.constexpr, PDL: gl.constexpr,
                      MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, RL: gl.constexpr, OL: gl.constexpr):
         """Kernel B, routed slot ``s``: its expert's MXFP4 ``W2`` rows into the partial slot, or a zero partial
         when an earlier slot owns the expert."""
@@ -497,14 +547,10 @@ mov.b32 {$2, $3}, a1;
         if owner:
             # ---- weights in and decoded while kernel A still runs ----
             h = gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD)))
-            wv, sv = _mxfp4_tile(w2_ptr + e * (H * (I // 8)), s2_ptr + e * (H * (I // 32)), hb * BH + h, kq * NS,
-                                 e, I, WD, PROBE)
-            if PROBE == 1:
-                _keep_alive(wv, sv, part_ptr, SD)
-                frag = gl.zeros([BH, IK], gl.bfloat16, DA)
-            else:
-                frag = _frag_dequant(wv, sv, gl.load(lut_ptr), gl.load(lut_ptr + 1), gl.load(lut_ptr + 2),
-                                     gl.load(lut_ptr + 3), gl.load(lut_ptr + 4), DA)
+            wv, sv = mxfp4_tile(w2_ptr + e * (H * (I // 8)), s2_ptr + e * (H * (I // 32)), hb * BH + h, kq * NS,
+                                 I, WD)
+            frag = frag_dequant(wv, sv, gl.load(lut_ptr), gl.load(lut_ptr + 1), gl.load(lut_ptr + 2),
+                                 gl.load(lut_ptr + 3), gl.load(lut_ptr + 4), DA)
             if PDL:
                 _gdc("griddepcontrol.wait; mov.u32 $0, 0;", NW)
             b = _load_b(act_ptr + s * M * I + kq * IK, I, M, NS, NW, DB)
@@ -516,7 +562,7 @@ mov.b32 {$2, $3}, a1;
 
 @functools.lru_cache(maxsize=None)
 def word_layout(rows: int, ns: int, num_warps: int, words: int = 4):
-    """The register layout of the weight words for :func:`_frag_dequant` (E2M1, ``words`` 4) and :func:`_frag_fp8`
+    """The register layout of the weight words for :func:`frag_dequant` (E2M1, ``words`` 4) and :func:`_frag_fp8`
     (FP8, ``words`` 8): tensor ``[rows, ns, 4, words]`` (row, 128-column super-block, lane column group t, int32
     word). Lane ``4g + t`` of warp ``w`` holds rows ``16w + g`` and ``16w + g + 8`` (+ ``16 * num_warps`` per
     further row tile), all ``ns`` super-blocks and its ``words`` words as 16-byte vectors: exactly the
@@ -560,12 +606,12 @@ def fit_split_config(cfg: dict, h: int, i: int) -> dict:
         raise BackendError(f"moe[triton] variant 'split' needs H and I in slices of 128 x 2^n columns, got H={h}, "
                            f"I={i}; use variant 'gluon'")
     cfg["KP"], cfg["KP2"] = kp, kp2
-    cfg["BI"] = _fit(cfg["BI"], i, 8)
-    cfg["BH"] = _fit(cfg["BH"], h, 16)
+    cfg["BI"] = fit_pow2(cfg["BI"], i, 8)
+    cfg["BH"] = fit_pow2(cfg["BH"], h, 16)
     if not (cfg["BI"] and cfg["BH"]):
         raise BackendError(f"moe[triton]: no 'split' tiling of H={h}, I={i} for config {cfg}")
-    cfg["num_warps"] = _fit(min(cfg["num_warps"], 2 * cfg["BI"] // 16), 1 << 10, 1)
-    cfg["down_warps"] = _fit(min(cfg["down_warps"], cfg["BH"] // 16), 1 << 10, 1)
+    cfg["num_warps"] = fit_pow2(min(cfg["num_warps"], 2 * cfg["BI"] // 16), 1 << 10, 1)
+    cfg["down_warps"] = fit_pow2(min(cfg["down_warps"], cfg["BH"] // 16), 1 << 10, 1)
     return cfg
 
 
@@ -619,7 +665,7 @@ def shared_fp8(mlp, h: int, i: int) -> SharedFP8:
 
 def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict,
                  sh: SharedFP8 | None = None) -> None:
-    """Run the two kernels for one call of :class:`~bytebound.kernels.triton_moe.MoEKernel` ``kern``.
+    """Run the two kernels for one call of :class:`~bytebound.kernels.moe_host.MoEKernel` ``kern``.
 
     ``x bf16 [M, H]``, ``ids int32/int64 [M, k]``, ``w float32 [M, k]`` (contiguous), ``out bf16 [M, H]``. With a
     shared expert ``sh`` (``MoEKernel.bind_shared``) it is one more slot of both kernels and ``out`` is routed +
@@ -628,7 +674,7 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
     Raises:
         BackendError: Gluon is not importable."""
     if gluon is None:
-        raise BackendError(f"moe[triton] variant 'split': {_GLUON_ERR}")
+        raise BackendError(f"moe[triton] variant 'split': {GLUON_ERR}")
     m, k = ids.shape
     s = m * k
     st = s + (sh is not None)           # slots: routed, then the shared expert
@@ -646,25 +692,21 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
     limit = float(kern.limit) if kern.limit is not None else inf
     slimit = float(sh.limit) if sh is not None and sh.limit is not None else inf
     has_limit = kern.limit is not None or (sh is not None and sh.limit is not None)
-    probe = cfg.get("probe")      # benchmark instrumentation only (bench_moe.py --probe); outputs are then wrong
-    pk = {"load_only": 1, "compute_only": 2}.get(probe, 0)
     pdl = bool(cfg.get("pdl", True)) and kern.sm90
     pdl_in = int(cfg.get("pdl_in", 0)) if kern.sm90 else 0
     sw13, ss13, sw2, ss2 = (sh.w13w, sh.s13, sh.w2w, sh.s2) if sh is not None else (kern.w13w, kern.lut) * 2
-    if probe != "down_only":
-        nw = cfg["num_warps"]
-        _moe_gateup_split[(nj, st, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
-                                        sw13, ss13, slimit,
-                                        H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, KP=kp, HAS_LIMIT=has_limit,
-                                        WD=word_layout(2 * bi, h // kp // 128, nw), PDL=pdl, SHARED=sh is not None,
-                                        WD8=fp8_word_layout(2 * bi, max(1, h // kp // 256), nw)
-                                        if sh is not None else None,
-                                        PROBE=pk, PDL_IN=pdl_in, num_warps=nw, launch_pdl=pdl_in > 0)
-    if probe != "gateup_only":
-        dw = cfg["down_warps"]
-        _moe_down_split[(h // bh, st, kp2)](act, ids, kern.w2w, kern.s2, out, part_b, cnt_b, kern.lut, sw2, ss2,
-                                            H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2,
-                                            WD=word_layout(bh, i // kp2 // 128, dw), PDL=pdl,
-                                            SHARED=sh is not None,
-                                            WD8=fp8_word_layout(bh, i // kp2 // 128, dw) if sh is not None else None,
-                                            PROBE=pk, num_warps=dw, launch_pdl=pdl)
+    nw = cfg["num_warps"]
+    _moe_gateup_split[(nj, st, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
+                                    sw13, ss13, slimit,
+                                    H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, KP=kp, HAS_LIMIT=has_limit,
+                                    WD=word_layout(2 * bi, h // kp // 128, nw), PDL=pdl, SHARED=sh is not None,
+                                    WD8=fp8_word_layout(2 * bi, max(1, h // kp // 256), nw)
+                                    if sh is not None else None,
+                                    PDL_IN=pdl_in, num_warps=nw, launch_pdl=pdl_in > 0)
+    dw = cfg["down_warps"]
+    _moe_down_split[(h // bh, st, kp2)](act, ids, kern.w2w, kern.s2, out, part_b, cnt_b, kern.lut, sw2, ss2,
+                                        H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2,
+                                        WD=word_layout(bh, i // kp2 // 128, dw), PDL=pdl,
+                                        SHARED=sh is not None,
+                                        WD8=fp8_word_layout(bh, i // kp2 // 128, dw) if sh is not None else None,
+                                        num_warps=dw, launch_pdl=pdl)

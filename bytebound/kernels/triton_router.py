@@ -14,14 +14,14 @@ open, and the routed sum does not depend on it. On exact ties argmax takes the l
 makes no promise there, and with float32 sigmoid scores a tie is a measure-zero event. With :func:`fused_route`
 the router GEMV (``F.linear`` in float32) stays a launch of its own. :func:`gemv_route` does both in one launch
 (``_gemv_route_kernel``): E/``be`` programs compute ``be`` experts' logits each for every row, and the last to
-finish (an acq_rel ticket) routes all rows at once; on with CUDA by default (``EngineConfig.fused_router_gemv``;
+finish (an acq_rel ticket) routes all rows at once; the CUDA default (plan entry ``router=gemv``;
 docs/perf/moe-kernels-h200.md has its measurements). Its logits are summed in a different order than cuBLAS's, so
 a routing near-tie can break the other way.
 
 Constraints: ``E`` a power of two divisible by ``G`` (Ling: 512 experts, 8 groups); float32 logits. Tested against
 ``route`` in the Triton interpreter on CPU and on the H200 (tests/test_triton_router.py, and at Ling's routing in
 tests/gpu). It replaces a dozen launches per MoE layer (its measured effect: docs/perf/history.md). On with
-CUDA by default (``EngineConfig.fused_router`` / ``--no-fused-router``); the full-scale spec_vs_plain failure once
+CUDA as ``router=triton`` (plan entry; ``--backend router=torch`` turns both off); the full-scale spec_vs_plain failure once
 blamed on the fast paths was a routing near-tie that the committed defaults hit too (docs/perf/gpu-tests-h200.md).
 """
 
@@ -35,7 +35,7 @@ import torch
 from bytebound.errors import BackendError
 from bytebound.kernels.limits import MAX_VERIFY_M as MAX_M     # the one verify-width limit (kernels/limits.py)
 from bytebound.kernels.registry import optional_triton
-from bytebound.kernels.triton_moe import scratch
+from bytebound.kernels.scratch import scratch
 
 ROUTE_WARPS = 1     # warps per routing program (fused_route): the fastest of 1, 2 and 4 on the H200 (one row's
 #                     E logits fit one warp's registers; docs/perf/history.md)
@@ -108,11 +108,12 @@ if tl is not None:
                     HAS_BIAS, NORM, 1)
 
     @triton.jit
-    def _gemv_route_kernel(x_ptr, wg_ptr, logits_ptr, cnt_ptr, bias_ptr, ids_ptr, w_ptr, scale, H: tl.constexpr,
+    def _gemv_route_kernel(x_ptr, wg_ptr, logits_ptr, cnt_ptr, bias_ptr, ids_ptr, w_ptr, scale,
+                           d_ptr, nw_ptr, hout_ptr, xout_ptr, eps, H: tl.constexpr,
                            E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
                            KP: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, M: tl.constexpr,
                            MP: tl.constexpr, BE: tl.constexpr, HP: tl.constexpr, FENCE: tl.constexpr,
-                           PDL_OUT: tl.constexpr):
+                           PDL_OUT: tl.constexpr, ADD_NORM: tl.constexpr):
         """Router GEMV and routing in one launch: program ``pid`` computes ``logits[:, pid*BE:(pid+1)*BE]`` in
         float32 (``x [M, H]`` against the router weight ``[E, H]``), and the last program to finish (an acq_rel
         ticket) routes every row from the complete logits.
@@ -121,7 +122,13 @@ if tl is not None:
         masked): one memory round trip, not one per column chunk, which is what bounds a GEMV this small (the
         chunked loop's time: docs/perf/history.md). It also lets the next kernel launch at
         once (``griddepcontrol.launch_dependents``, PDL): the MoE kernel A (``pdl_in``) then loads the shared
-        expert's weights while this kernel runs."""
+        expert's weights while this kernel runs.
+
+        ``ADD_NORM``: ``x_ptr`` is the residual stream h and ``d_ptr`` the attention output delta; every program
+        forms ``h + delta`` and its RMSNorm (weight ``nw_ptr``) itself, rounded as ``kernels.triton_norm``'s
+        ``add_rmsnorm`` rounds (one row's statistics are a sum over its H values, so no program needs another's),
+        runs the GEMV on that normed x, and program 0 writes the new h (``hout_ptr``) and x (``xout_ptr``) for the
+        expert kernels, which start after this kernel completes (or wait for it: ``griddepcontrol.wait``)."""
         pid = tl.program_id(0)
         if PDL_OUT:     # (sm_90+ and not under TRITON_INTERPRET, which cannot run PTX)
             tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r",
@@ -131,7 +138,20 @@ if tl is not None:
         km = kk < H
         wt = tl.load(wg_ptr + e[:, None] * H + kk[None, :], mask=km[None, :], other=0.0).to(tl.float32)
         for m in tl.static_range(M):
-            xv = tl.load(x_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32)
+            if ADD_NORM:
+                hs = (tl.load(x_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32) +
+                      tl.load(d_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32))
+                hs = hs.to(hout_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+                r = tl.rsqrt(tl.sum(hs * hs, axis=0) / H + eps)
+                nw = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
+                xv = nw * (hs * r).to(xout_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+                xv = xv.to(xout_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+                if pid == 0:
+                    tl.store(hout_ptr + m * H + kk, hs.to(hout_ptr.dtype.element_ty), mask=km)
+                    tl.store(xout_ptr + m * H + kk, xv, mask=km)
+                xv = xv.to(tl.float32)
+            else:
+                xv = tl.load(x_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32)
             tl.store(logits_ptr + m * E + e, tl.sum(wt * xv[None, :], axis=1))
         if FENCE:   # (False only under TRITON_INTERPRET)
             tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [tl.arange(0, 128)],
@@ -158,20 +178,30 @@ def _pdl_out(device: torch.device) -> bool:
     return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def shape_error(e: int, n_group: int) -> str | None:
+    """Why the routing kernels cannot take ``e`` experts in ``n_group`` groups (None: they can): E must be a power
+    of two divisible by the group count, and at least 4 (``gemv_route``'s experts per program). Checked once at
+    bind (``runner.backends.bind_model``), not per call."""
+    g = max(n_group, 1)
+    if e & (e - 1) or e % g or e < 4:
+        return f"needs E a power of two >= 4 divisible by n_group (got E={e}, n_group={n_group})"
+    return None
+
+
 def fused_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int, topk_group: int,
                 norm: bool, scale: float, num_warps: int = ROUTE_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits [M, E]`` float32 (M <= 4) -> ``(ids [M, k] int64, weights [M, k] float32)``, as ``moe.route``.
     One program of ``num_warps`` warps per row (a tuning knob for ``scripts/bench_moe.py --router``).
 
-    Raises BackendError when Triton is missing, M > 4, or E is not a power of two divisible by ``n_group``.
+    Which M reach it is the binding's decision (``runner.backends.bind_model``: the layer's ``route_m``), and the
+    shape is checked once there (:func:`shape_error`); one program per row, so no M overruns a buffer here.
+
+    Raises BackendError when Triton is missing.
     """
     if _TRITON_ERR:
         raise BackendError(f"router[triton]: {_TRITON_ERR}")
     m, e = logits.shape
     g = max(n_group, 1)
-    if m > MAX_M or e & (e - 1) or e % g:
-        raise BackendError(f"router[triton]: needs M <= {MAX_M} and E a power of two divisible by n_group "
-                           f"(got M={m}, E={e}, n_group={n_group})")
     logits = logits.float().contiguous()
     ids = torch.empty(m, top_k, dtype=torch.int64, device=logits.device)
     w = torch.empty(m, top_k, dtype=torch.float32, device=logits.device)
@@ -193,7 +223,44 @@ def gemv_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     as the engine runs; the MoE kernels' scratch asks the same). ``be`` experts per program (E/be programs) and
     ``num_warps`` are tuning knobs (``scripts/bench_moe.py --router``); by default the H200's best of that sweep:
     2 experts and 4 warps at M = 1, 4 experts and 8 warps at M > 1 (its times: docs/perf/history.md).
-    Raises BackendError as :func:`fused_route`."""
+    The shape is checked once at bind (:func:`shape_error`); the one per-call check left guards the logits
+    scratch of :data:`MAX_M` rows, which a wider call would overrun.
+
+    Raises BackendError when Triton is missing, M > :data:`MAX_M` (the binding routes wider calls to torch), or a
+    tuning ``be`` that is not a power of two dividing E."""
+    return _gemv_route(x, None, None, 0.0, weight, bias, top_k, n_group, topk_group, norm, scale, be, num_warps)[:2]
+
+
+def gemv_route_add_norm(delta: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int, topk_group: int,
+                        norm: bool, scale: float, be: int | None = None, num_warps: int | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The post-attention residual add and RMSNorm folded into :func:`gemv_route`'s launch.
+
+    Args:
+        delta: ``[M, H]`` the attention output; h: ``[M, H]`` the residual stream, same dtype (M <= 4);
+        norm_weight: ``[H]`` the post-attention RMSNorm's weight, eps its epsilon; the rest as :func:`gemv_route`.
+
+    Returns:
+        ``(ids [M, k] int64, weights [M, k] float32, x [M, H], h_new [M, H])``: the routing of x, x = RMSNorm(h_new)
+        and h_new = h + delta in h's dtype, rounded as ``kernels.triton_norm.add_rmsnorm`` rounds them (h_new bit-equal
+        to torch's add), for ``layers.moe.MoE.add_norm_forward``.
+
+    Raises:
+        BackendError: as :func:`gemv_route`, and for a delta of another shape or dtype than h or a norm weight not of
+            H elements.
+    """
+    if delta.shape != h.shape or delta.dtype != h.dtype or norm_weight.numel() != h.shape[-1]:
+        raise BackendError(f"router[triton]: gemv_route_add_norm needs delta of h's shape and dtype and a norm weight "
+                           f"of H elements, got {tuple(delta.shape)} {delta.dtype}, {tuple(h.shape)} {h.dtype}, "
+                           f"{norm_weight.numel()}")
+    return _gemv_route(h, delta, norm_weight, eps, weight, bias, top_k, n_group, topk_group, norm, scale, be,
+                       num_warps)
+
+
+def _gemv_route(x, delta, norm_weight, eps, weight, bias, top_k, n_group, topk_group, norm, scale, be, num_warps):
+    """:func:`gemv_route` (``delta`` None) or :func:`gemv_route_add_norm`: ``(ids, w, x_normed, h_new)``, the last
+    two None without ``delta``."""
     if _TRITON_ERR:
         raise BackendError(f"router[triton]: {_TRITON_ERR}")
     m, h = x.shape
@@ -201,22 +268,28 @@ def gemv_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     g = max(n_group, 1)
     be = be or (2 if m == 1 else 4)
     num_warps = num_warps or (4 if m == 1 else 8)
-    if m > MAX_M or e & (e - 1) or e % g or e < be or be & (be - 1):
-        raise BackendError(f"router[triton]: needs M <= {MAX_M}, E a power of two divisible by n_group and by be, "
-                           f"be a power of two (got M={m}, E={e}, n_group={n_group}, be={be})")
+    if m > MAX_M or e < be or be & (be - 1):
+        raise BackendError(f"router[triton]: needs M <= {MAX_M} (the logits scratch) and be a power of two <= E "
+                           f"(got M={m}, E={e}, be={be})")
     ids = torch.empty(m, top_k, dtype=torch.int64, device=x.device)
     w = torch.empty(m, top_k, dtype=torch.float32, device=x.device)
+    add = delta is not None
+    x = x.contiguous()
+    xo, ho = (torch.empty_like(x), torch.empty_like(x)) if add else (None, None)
     if m == 0:
-        return ids, w
+        return ids, w, xo, ho
     # grow-only, shared by every MoE layer on the device (they run one after another on one stream); a captured
     # CUDA graph keeps the addresses it saw, so an outgrown buffer stays alive
     logits = scratch(x.device, "router_logits", MAX_M * e)
     cnt = scratch(x.device, "router_ticket", 1, torch.int32)
     b = bias if bias is not None else weight
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    _gemv_route_kernel[(e // be,)](x.contiguous(), weight.contiguous(), logits, cnt, b, ids, w, float(scale),
+    d, nw, xo_, ho_ = (delta.contiguous(), norm_weight.contiguous(), xo, ho) if add else (x, x, x, x)
+    _gemv_route_kernel[(e // be,)](x, weight.contiguous(), logits, cnt, b, ids, w, float(scale),
+                                   d, nw, ho_, xo_, float(eps),
                                    H=h, E=e, G=g, TOPK_GROUP=topk_group if g > 1 else 1, K=top_k,
                                    KP=triton.next_power_of_2(top_k), HAS_BIAS=bias is not None, NORM=bool(norm),
                                    M=m, MP=triton.next_power_of_2(m), BE=be, HP=triton.next_power_of_2(h),
-                                   FENCE=not interp, PDL_OUT=_pdl_out(x.device), num_warps=num_warps)
-    return ids, w
+                                   FENCE=not interp, PDL_OUT=_pdl_out(x.device), ADD_NORM=add,
+                                   num_warps=num_warps)
+    return ids, w, xo, ho

@@ -28,23 +28,40 @@ CONV_WINDOW_MAX_T = 8       # CPU: up to this many tokens the short conv runs as
 
 @dataclass
 class KDAState:
-    """Recurrent state of one KDA layer: ``conv [B, 3D, kernel-1]`` and ``rec [B, H, K, V]``, both float32."""
+    """Recurrent state of one KDA layer: ``conv [B, 3D, kernel-1]`` and ``rec [B, H, K, V]``, both float32.
+
+    The runner owns it (``runner.ModelRunner``: ``begin_verify`` / ``commit`` / ``snapshot``); the layer only
+    reads and updates it in its forward.
+    """
     conv: torch.Tensor
     rec: torch.Tensor
-    # When set to a list, a multi-token forward (MTP verify) appends the state after *each* token, so a
+    # Set to a list by the runner for a verify forward: the layer appends the state after *each* token, so a
     # rejected draft rolls back to an exact committed boundary without replaying anything.
     history: list | None = None
     _conv_before: torch.Tensor | None = None   # conv window before a recorded forward (rebuilds per-token windows)
     # Per-token history buffers ``[(conv [N, B, 3D, k-1], rec [N, B, H, K, V]), ...]`` (last pair current) that
     # the fused kernel writes (``kernels.triton_kda.history_buffers``); ``history`` then holds views, not clones.
     hist_buf: list | None = None
+    positional = False      # not indexed by position: a snapshot copies the whole tensors
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The state proper (what a snapshot copies): ``{"conv": conv, "rec": rec}``."""
+        return {"conv": self.conv, "rec": self.rec}
 
     def clone(self) -> "KDAState":
         return KDAState(self.conv.clone(), self.rec.clone())
 
-    def rollback(self, i: int) -> None:
-        """Restore the state recorded after token ``i`` of the last recorded forward, and stop recording."""
-        conv, rec = self.history[i]
+    def rollback(self, i) -> None:
+        """Restore the state recorded after token ``i`` of the last recorded forward, and stop recording.
+
+        ``i``: an int, or a 0-d int64 tensor on the state's device (an MTP round's accepted count: then the copy
+        is an ``index_select`` into :meth:`history_tensors`, with no host read, so it can be graph-captured)."""
+        if isinstance(i, torch.Tensor):
+            conv_h, rec_h = self.history_tensors()
+            sel = i.view(1)
+            conv, rec = conv_h.index_select(0, sel)[0], rec_h.index_select(0, sel)[0]
+        else:
+            conv, rec = self.history[i]
         self.conv.copy_(conv)
         self.rec.copy_(rec)
         self.history = None
@@ -105,8 +122,8 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = RMSNormGated(d, cfg.rms_norm_eps)
         self.kda_fn = torch_kda
         self.proj_fn = None          # fused q|k|v|f|g projection, set by runner.backends.bind_model
-        # decode/verify (T <= fused_fn.max_tokens, with a state): conv, gates, recurrence and gated norm in one
-        # kernel (kda backend 'triton', kernels.triton_kda.FusedKDA); None: the path below
+        # decode/verify (T <= fused_fn.max_tokens, with a state): conv, gates, beta (b_proj included), recurrence
+        # and gated norm in one kernel (kda backend 'triton', kernels.triton_kda.FusedKDA); None: the path below
         self.fused_fn = None
 
     def new_state(self, batch: int, device) -> KDAState:
@@ -162,7 +179,8 @@ class KimiDeltaAttention(nn.Module):
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
             f, gate = self.f_proj(x), self.g_proj(x)
         if self.fused_fn is not None and state is not None and t <= self.fused_fn.max_tokens:
-            return self.o_proj(self.fused_fn(qkv, f, gate, self.b_proj(x), state, x.dtype))
+            # beta's b_proj runs inside the fused kernel when it can (kernels.triton_kda.FusedKDA.beta)
+            return self.o_proj(self.fused_fn(qkv, f, gate, x, state, x.dtype))
         q, k, v = self.short_conv(qkv, state).split(self.dim, -1)
         shape = (b, t, self.heads, self.head_dim)
         g = kda_gate(f, self.A_log, self.dt_bias, self.lower_bound, self.head_dim)

@@ -31,9 +31,15 @@ ABSORB_MAX_T = 8
 class MLAState:
     """Latent KV cache of one MLA layer: ``kv [B, max_len, kv_lora_rank + rope_dim]`` in the compute dtype.
 
-    Indexed by position, so rolling back a rejected draft needs no copy: later writes overwrite the slots.
+    Indexed by position, so rolling back a rejected draft needs no copy: later writes overwrite the slots, and
+    only the slots ``[0, pos)`` of the committed length are state (``positional``: a snapshot copies those).
     """
     kv: torch.Tensor
+    positional = True       # the tensors' dim 1 is the position (cache slot)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The state proper: ``{"kv": kv}`` (slots along dim 1)."""
+        return {"kv": self.kv}
 
 
 class GatedMLA(nn.Module):

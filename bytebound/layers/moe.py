@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bytebound.kernels.limits import MAX_VERIFY_M
 from bytebound.layers.linear import QLinear
 
 
@@ -48,7 +47,17 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: 
     return ids, w * scale
 
 
-class DenseMLP(nn.Module):
+class _AfterNorm:
+    """``add_norm_forward``: a decoder block's MLP with the residual add and norm before it."""
+
+    def add_norm_forward(self, norm, delta: torch.Tensor | None, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x, h' = norm.add_norm(delta, h)`` then this MLP on x: returns ``(h', mlp(x))``, all ``[..., H]``
+        (``layers.norm.RMSNorm.add_norm``; :class:`MoE` may fold the add and norm into its router launch)."""
+        x, h = norm.add_norm(delta, h)
+        return h, self(x)
+
+
+class DenseMLP(_AfterNorm, nn.Module):
     """SwiGLU MLP ``down(silu(gate x) * up x)``: dense layers (intermediate 6144) and the shared expert (768)."""
 
     def __init__(self, hidden: int, inter: int, lin_fmt, block, dtype, device, limit: float | None = None):
@@ -110,7 +119,7 @@ class RoutedExperts(nn.Module):
         return moe_reference(self, x, ids, w)
 
 
-class MoE(nn.Module):
+class MoE(_AfterNorm, nn.Module):
     """Router + routed experts + shared expert of one layer (names follow the checkpoint: ``mlp.gate``,
     ``mlp.experts``, ``mlp.shared_experts``)."""
 
@@ -124,9 +133,16 @@ class MoE(nn.Module):
         # stored, so routing decisions are not made on BF16-rounded weights and no per-call up-cast is needed.
         gdt = torch.float32 if str(cfg.router_dtype).lower() in ("fp32", "float32") else dtype
         self.gate.weight = nn.Parameter(torch.empty(cfg.num_experts, h, dtype=gdt, device=device))
-        self.route_fn = None    # a fused routing kernel for M <= MAX_VERIFY_M, set by runner.backends.bind_model
-        # router GEMV + routing in one kernel for M <= MAX_VERIFY_M (kernels.triton_router.gemv_route)
+        # Bound at load by runner.backends.bind_model (the plan's ``router`` entry): a routing kernel after the GEMV
+        # (``route_fn``, kernels.triton_router.fused_route) or the GEMV and the routing in one kernel
+        # (``gemv_route_fn``, gemv_route), for calls of at most ``route_m`` rows (decode, verify); wider calls
+        # (prefill) and an unbound layer run the torch GEMV and :func:`route`.
+        self.route_fn = None
         self.gemv_route_fn = None
+        self.route_m = 0
+        # the same with the post-attention residual add + RMSNorm folded in (kernels.triton_router.
+        # gemv_route_add_norm), bound with the fused norms and the router GEMV: add_norm_forward
+        self.gemv_add_norm_fn = None
         self.gate.expert_bias = (nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32, device=device))
                                  if cfg.moe_router_enable_expert_bias else None)
         fmt = {"mxfp4": "mxfp4"}.get(cfg.quant.routed_experts, "plain")
@@ -137,20 +153,35 @@ class MoE(nn.Module):
                                if cfg.num_shared_experts else None)
 
     def router(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [M, H]`` -> ``(ids [M, k], weights [M, k])``; logits in float32. ``route_fn`` (bound at load, e.g.
-        ``kernels.triton_router.fused_route``) replaces :func:`route` for up to ``kernels.limits.MAX_VERIFY_M``
-        rows; ``gemv_route_fn`` (``kernels.triton_router.gemv_route``) replaces the GEMV and the routing together."""
-        if self.gemv_route_fn is not None and x.shape[0] <= MAX_VERIFY_M:
+        """``x [M, H]`` -> ``(ids [M, k], weights [M, k])``; logits in float32. For M <= ``route_m`` the bound
+        ``gemv_route_fn`` replaces the GEMV and the routing together, or ``route_fn`` replaces :func:`route` (the
+        binding sets at most one and ``route_m``; this is the one place that chooses by M)."""
+        fast = x.shape[0] <= self.route_m
+        if fast and self.gemv_route_fn is not None:
             return self.gemv_route_fn(x, self.gate.weight, self.gate.expert_bias, self.top_k, self.n_group,
                                       self.topk_group, self.norm, self.scale)
         logits = F.linear(x.float(), self.gate.weight.float())      # .float(): no-op for an fp32 router
-        fn = self.route_fn if (self.route_fn is not None and logits.shape[0] <= MAX_VERIFY_M) else route
+        fn = self.route_fn if (fast and self.route_fn is not None) else route
         return fn(logits, self.gate.expert_bias, self.top_k, self.n_group, self.topk_group, self.norm, self.scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def add_norm_forward(self, norm, delta: torch.Tensor | None, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``_AfterNorm.add_norm_forward`` (``(h', moe(norm(h')))`` with ``h' = h + delta``); with
+        ``gemv_add_norm_fn`` bound and at most ``route_m`` rows the add and the norm run inside the router's
+        launch, which also writes h' and the normed x for the experts."""
+        fn, d = self.gemv_add_norm_fn, h.shape[-1]
+        if fn is None or delta is None or delta.shape != h.shape or delta.dtype != h.dtype \
+                or h.numel() > self.route_m * d:
+            return super().add_norm_forward(norm, delta, h)
+        ids, w, x, h2 = fn(delta.reshape(-1, d), h.reshape(-1, d), norm.weight, norm.eps, self.gate.weight,
+                           self.gate.expert_bias, self.top_k, self.n_group, self.topk_group, self.norm, self.scale)
+        return h2.view(h.shape), self(x.view(h.shape), (ids, w))
+
+    def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``x [..., H]`` -> ``[..., H]``; ``routing``: ``(ids, w)`` already computed for x's rows (by the router
+        launch of :meth:`add_norm_forward`), else :meth:`router` runs."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        ids, w = self.router(x2)
+        ids, w = self.router(x2) if routing is None else routing
         y = self.experts(x2, ids, w)
         if self.shared_experts is not None and not self.experts.shared_in(x2.shape[0], self.top_k):
             y = y + self.shared_experts(x2)

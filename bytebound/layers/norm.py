@@ -18,6 +18,23 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.fn = None      # a fused kernel bound at load (kernels.triton_norm), same rounding
+        self.add_fn = None  # the residual add + this norm as one kernel (kernels.triton_norm.add_rmsnorm)
+
+    def add_norm(self, delta: torch.Tensor | None, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add before this norm, and the norm: ``(x, h')`` with ``h' = h + delta`` and
+        ``x = RMSNorm(h')`` (vLLM's ``RMSNorm(x, residual)``, SGLang/vLLM ``fused_add_rms_norm``).
+
+        ``delta [..., D]``: the previous sublayer's output, or None (nothing to add: ``h' = h``); ``h [..., D]``:
+        the residual stream. Both results in h's dtype. Unbound, or for a delta the bound kernel does not take
+        (another dtype), it is torch's ``h + delta`` then :meth:`forward`, the same ops in the same order as an
+        unfused block; the bound kernel (``add_fn``) does both in one launch with the same roundings (the sum
+        bit-equal, the norm as ``fn``)."""
+        if delta is None:
+            return self(h), h
+        if self.add_fn is not None and delta.dtype == h.dtype and delta.shape == h.shape:
+            return self.add_fn(delta, h, self.weight, self.eps)
+        h = h + delta
+        return self(h), h
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fn is not None:

@@ -5,6 +5,7 @@ experts, which the loader stacks from per-expert tensors into ``mlp.experts.{w13
 
     h = embed(ids);  for each layer: h += Attn(RMSNorm(h)); h += MLP_or_MoE(RMSNorm(h))
     hidden = model.norm(h);  logits = lm_head(hidden)
+    (each residual add runs inside the norm after it, ``RMSNorm.add_norm``: a layer returns ``(h, delta)``)
     NEXTN (model.layers.{L}): x = eh_proj([enorm(embed(t+1)) | hnorm(hidden_t)]) -> MLA + MoE block
                               -> final_layernorm -> the same lm_head          (predicts token t+2)
 """
@@ -43,13 +44,16 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, _lin_fmt(cfg, f"{p}.mlp"),
                                 cfg.quant.weight_block_size, dtype, device, cfg.swiglu_limit(i))
 
-    def forward(self, h, positions, state=None, kv_len=None):
-        x = self.input_layernorm(h)
+    def forward(self, h, delta, positions, state=None, kv_len=None):
+        """Residual stream ``h [B, T, H]`` plus the previous layer's last output ``delta`` (None: nothing to add)
+        -> ``(h, delta)`` of this layer, whose output is ``h + delta``. The adds run inside the norms
+        (``RMSNorm.add_norm``: one launch with the fused norm kernel); the next norm does this layer's last one."""
+        x, h = self.input_layernorm.add_norm(delta, h)
         if self.is_mla:
-            h = h + self.attention(x, positions, state, kv_len)
+            a = self.attention(x, positions, state, kv_len)
         else:
-            h = h + self.attention(x, state)
-        return h + self.mlp(self.post_attention_layernorm(h))
+            a = self.attention(x, state)
+        return self.mlp.add_norm_forward(self.post_attention_layernorm, a, h)     # x, h = norm(a, h); mlp(x)
 
 
 class NextNLayer(DecoderLayer):
@@ -70,7 +74,8 @@ class NextNLayer(DecoderLayer):
         """``emb [B, T, H]`` (embedding of token t+1), ``prev_hidden [B, T, H]`` (target hidden at t) ->
         normed draft hidden ``[B, T, H]``."""
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(prev_hidden.to(emb.dtype))], -1))
-        return self.final_layernorm(super().forward(x, positions, state, kv_len))
+        h, delta = super().forward(x, None, positions, state, kv_len)
+        return self.final_layernorm.add_norm(delta, h)[0]
 
 
 class BailingMoeV3Model(nn.Module):
@@ -136,10 +141,10 @@ class BailingMoeV3ForCausalLM(nn.Module):
         :meth:`new_state`) continues the sequence; without it runs the whole causal sequence from scratch."""
         if positions is None:
             positions = torch.arange(ids.shape[1], device=ids.device)
-        h = self.embed(ids)
+        h, delta = self.embed(ids), None
         for i, layer in enumerate(self.decoder_layers):
-            h = layer(h, positions, None if state is None else state[i], kv_len)
-        return self.model.norm(h)
+            h, delta = layer(h, delta, positions, None if state is None else state[i], kv_len)
+        return self.model.norm.add_norm(delta, h)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[.., V]`` through the LM head's configured path."""

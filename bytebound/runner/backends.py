@@ -16,73 +16,18 @@ from bytebound.layers.mla import ABSORB_MAX_T, GatedMLA
 from bytebound.layers.moe import DenseMLP, MoE, RoutedExperts
 from bytebound.layers.norm import RMSNorm, RMSNormGated
 
-DEFAULTS_CPU = {"moe": "torch", "linear": "torch", "lm_head": "torch", "kda": "torch", "mla": "torch",
-                "sampling": "torch"}
-# CUDA: the fused decode/verify kernels for KDA and MLA (prefill: fla-core's chunked KDA, the layer's expanded MLA)
-DEFAULTS_CUDA = {"moe": "triton", "linear": "triton", "lm_head": "triton", "kda": "triton", "mla": "triton",
-                 "sampling": "torch"}
-
-
-@dataclass
-class BackendPlan:
-    """Requested backend per op plus the resolved records (``resolutions``) after :func:`bind_model`.
-
-    ``fast_paths``: each bound fast path whose kernels serve a limited number of tokens per call -> that number
-    (e.g. ``{"moe[triton]": 4, "linear[triton]": 4, "router[triton]": 4}``; empty with the torch backends, which
-    serve any M). :attr:`max_verify_m` is their minimum, the widest verify the bound fast paths serve."""
-    requested: dict[str, str]
-    allow_fallback: bool = False
-    resolutions: dict[str, Resolution] = field(default_factory=dict)
-    fast_paths: dict[str, int] = field(default_factory=dict)
-    # ops the user named; the others are the device's defaults, and a default backend that cannot serve a layer's
-    # shape falls back to torch with the reason recorded (a named backend raises instead)
-    explicit: set = field(default_factory=set)
-
-    @property
-    def max_verify_m(self) -> int | None:
-        """Tokens per call that every bound fast path serves (None: no bound path has a limit)."""
-        return min(self.fast_paths.values()) if self.fast_paths else None
-
-    def check_speculative(self, steps: int) -> None:
-        """Refuse ``steps`` NEXTN drafts whose verify (``kernels.limits.verify_width``: ``steps + 1`` tokens) is
-        wider than :attr:`max_verify_m`: past it the bound kernels leave their fast paths on every round (the MoE
-        in slices, FP8 projections dequantised per call, torch routing). ``steps`` 0 (no MTP) always passes.
-
-        Raises:
-            ConfigError: the verify width exceeds :attr:`max_verify_m`; the message names the limiting paths."""
-        lim = self.max_verify_m
-        if steps and lim is not None and verify_width(steps) > lim:
-            paths = ", ".join(f"{k} <= {v}" for k, v in sorted(self.fast_paths.items()) if v < verify_width(steps))
-            raise ConfigError(f"--speculative-num-steps {steps}: the verify runs {verify_width(steps)} tokens per "
-                              f"call, but the bound fast paths serve at most {lim} ({paths}); use "
-                              f"--speculative-num-steps <= {lim - 1} on this device, or bind paths without a width "
-                              "limit (slow): --moe-backend torch|humming, --linear-backend torch, --lm-head bf16, "
-                              "--no-fused-router, --no-fused-router-gemv")
-
-    @classmethod
-    def default(cls, device, **overrides) -> "BackendPlan":
-        base = dict(DEFAULTS_CUDA if torch.device(device).type == "cuda" else DEFAULTS_CPU)
-        given = {k: v for k, v in overrides.items() if v}
-        base.update(given)
-        plan = cls(base)
-        plan.explicit = set(given)
-        return plan
-
-    def fallbacks(self) -> list[Resolution]:
-        return [r for r in self.resolutions.values() if r.fallback_from]
+# The plan (entries, defaults, validation, aliases) lives in runner.plan; re-exported here for the callers.
+from bytebound.runner.plan import (DEFAULTS_CPU, DEFAULTS_CUDA, BackendPlan, PlanEntry,  # noqa: F401
+                                   parse_backend_specs)
 
 
 def parse_overrides(spec: str) -> dict[str, str]:
-    """``"moe=torch,linear=torch"`` -> ``{"moe": "torch", "linear": "torch"}`` (the scripts' ``--backends``).
-    Raises ConfigError for an item without ``=`` or an op other than moe, linear, lm_head, kda, mla."""
-    out = {}
-    for item in filter(None, spec.split(",")):
-        op, sep, name = item.partition("=")
-        if not sep or op not in ("moe", "linear", "lm_head", "kda", "mla"):
-            raise ConfigError(f"backend override {item!r} in {spec!r}: expected op=backend with op one of moe, "
-                              "linear, lm_head, kda, mla")
-        out[op] = name
-    return out
+    """``"moe=torch,router=torch"`` -> ``{"moe": "torch", "router": "torch"}`` (the scripts' ``--backends``; the
+    same items as ``--backend``, :func:`runner.plan.parse_backend_specs`).
+
+    Raises:
+        ConfigError: an item without ``=`` or naming no plan entry."""
+    return parse_backend_specs(spec)
 
 
 def token_slices(fn, n: int):
@@ -100,42 +45,62 @@ def prefill_slices(fn):
     return token_slices(functools.partial(fn, shared=False), fn.max_tokens)
 
 
-def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fused_router: bool = False,
-               fused_norm: bool = False, fused_shared: bool | None = False, router_gemv: bool = False) -> BackendPlan:
-    """Resolve each op once and bind every module of that op to it. Raises BackendError (named) when a
-    requested backend is unusable and ``plan.allow_fallback`` is False. ``fused_router``: the MoE routing for
-    M <= 4 runs as one Triton kernel (``kernels.triton_router``; CUDA only, else BackendError). ``fused_norm``: every
-    RMSNorm and gated RMSNorm is one Triton kernel (``kernels.triton_norm``; CUDA only). ``fused_shared``: each
-    MoE layer's shared expert runs inside the routed MoE kernels (``MoEKernel.bind_shared``; the ``triton`` MoE
-    backend's ``split`` variant, FP8 shared experts); a layer where that does not apply keeps its dense shared
-    expert and ``plan.resolutions["moe"].shared`` says why (with True: BackendError instead unless
-    ``allow_fallback``; with None, the engine's CUDA default: wherever the backend can, no error).
-    ``router_gemv``: the router GEMV and the routing for M <= 4 as one Triton kernel
-    (``kernels.triton_router.gemv_route``; CUDA only)."""
+def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> BackendPlan:
+    """Resolve each entry of ``plan`` once and bind every module of that op to it; then record per entry and
+    regime what serves it and why (``plan.entries``, ``plan.resolutions``, ``plan.fast_paths``).
+
+    The registry ops bind through ``kernels.registry.resolve``. The switches: ``router`` (``gemv``:
+    ``kernels.triton_router.gemv_route``, ``triton``: ``fused_route`` after the GEMV; both for M up to
+    ``kernels.limits.MAX_VERIFY_M``, the layer's ``route_m``), ``norm`` (``triton``: ``kernels.triton_norm``,
+    the residual add before a decoder norm included: ``RMSNorm.add_norm``),
+    ``moe_shared`` (``fused``: ``MoEKernel.bind_shared``, the triton backend's ``split`` variant, FP8 shared
+    experts). ``kv``, ``round`` and ``graphs`` are recorded here and applied by the engine (runner, MTP round,
+    capture). A device default that cannot serve this model falls back, recorded; an entry the user named
+    (``plan.explicit``) raises instead unless ``plan.allow_fallback``.
+
+    Raises:
+        BackendError: a named backend or switch is unusable here (CUDA-only on another device, a shape the kernel
+            does not take) and ``plan.allow_fallback`` is False."""
     dtype = model.dtype
+    cuda = torch.device(device).type == "cuda"
+    plan.device_type = torch.device(device).type
     impl = {}
     for op in ("moe", "linear", "lm_head", "kda", "mla"):
         impl[op], plan.resolutions[op] = resolve(op, plan.requested[op], device, plan.allow_fallback)
     plan.resolutions["sampling"] = Resolution("sampling", plan.requested.get("sampling", "torch"), "torch")
+    for name in ("router", "norm", "moe_shared", "kv", "round", "graphs"):
+        plan.resolutions[name] = Resolution(name, plan.requested[name], plan.requested[name])
     if getattr(impl["kda"], "prefill", None):       # kda 'triton': the fused kernel's M limit and who runs prefill
         plan.resolutions["kda"].prefill = impl["kda"].prefill
     model.lm_head.configure(lm_head_mode)
-    for flag, on in (("--fused-router", fused_router), ("--fused-router-gemv", router_gemv),
-                     ("--fused-norm", fused_norm)):
-        if on and torch.device(device).type != "cuda":
-            raise BackendError(f"{flag} needs a CUDA device (a Triton kernel)")
+    for name, value in (("router", "gemv"), ("router", "triton"), ("norm", "triton"), ("kv", "buckets"),
+                        ("graphs", "captured")):
+        if plan.requested[name] == value and not cuda:   # a plan built for another device (runner.plan checks too)
+            raise BackendError(f"--backend {name}={value} needs a CUDA device")
     route_fn = gemv_fn = None
-    if fused_router:
-        from bytebound.kernels.triton_router import fused_route as route_fn
-    if router_gemv:
-        from bytebound.kernels.triton_router import gemv_route as gemv_fn
-    plan.resolutions["moe"].router = ("triton (GEMV + routing, one launch)" if gemv_fn is not None else
+    router = plan.requested["router"]
+    if router != "torch":
+        from bytebound.kernels import triton_router
+        moe0 = next((m for m in model.modules() if isinstance(m, MoE)), None)
+        why = triton_router.shape_error(moe0.gate.weight.shape[0], moe0.n_group) if moe0 is not None else None
+        if why:
+            _refuse_or_fall_back(plan, "router", "torch", f"router[{router}]: {why}")
+        elif router == "gemv":
+            gemv_fn = triton_router.gemv_route
+        else:
+            route_fn = triton_router.fused_route
+    # with the fused norms too, the post-attention residual add + RMSNorm run in the router's launch
+    gemv_norm_fn = None
+    if gemv_fn is not None and plan.requested["norm"] == "triton":
+        from bytebound.kernels.triton_router import gemv_route_add_norm as gemv_norm_fn
+    plan.resolutions["moe"].router = ("triton (post-attention add + norm, GEMV + routing, one launch)"
+                                      if gemv_norm_fn is not None else
+                                      "triton (GEMV + routing, one launch)" if gemv_fn is not None else
                                       "triton" if route_fn is not None else "torch")
-    norm_fn = gated_fn = None
-    if fused_norm:
+    norm_fn = gated_fn = add_fn = None
+    if plan.requested["norm"] == "triton":
+        from bytebound.kernels.triton_norm import add_rmsnorm as add_fn
         from bytebound.kernels.triton_norm import rmsnorm as norm_fn, rmsnorm_gated as gated_fn
-    plan.resolutions["norm"] = Resolution("norm", "triton" if fused_norm else "torch",
-                                          "triton" if fused_norm else "torch")
     fused_parts = set()         # projections that run inside a fused QLinear: no binding (no dequantised copy)
     for m in model.modules():
         if isinstance(m, QLinear):
@@ -159,13 +124,15 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
             bind_fused = getattr(impl["kda"], "bind_fused", None)
             m.fused_fn = (_bind_or_fall_back(plan, "kda", "fla", lambda: bind_fused(m, dtype))
                           if bind_fused is not None else None)
+            if m.fused_fn is not None and plan.resolutions["kda"].fused is None:
+                plan.resolutions["kda"].fused = m.fused_fn.beta       # the first layer's (they share a format)
             # q|k|v|f|g read the same input: one launch instead of five, and no concat for the conv
             parts = [m.q_proj, m.k_proj, m.v_proj, m.f_proj, m.g_proj]
             fused = fuse_rows(parts)
             m.proj_fn = impl["linear"].bind(fused, dtype) if fused is not None else None
             if fused is not None:       # modules() yields the layer before its projections
                 fused_parts.update(id(x) for x in parts)
-        elif isinstance(m, DenseMLP) and torch.device(device).type == "cpu":
+        elif isinstance(m, DenseMLP) and not cuda:
             # CPU: gate|up read the same input, one product instead of two (on CUDA the MoE kernels or the GEMV
             # backend take the shared expert as it is)
             fused = fuse_rows([m.gate_proj, m.up_proj])
@@ -173,36 +140,151 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16", fus
             if fused is not None:
                 fused_parts.update((id(m.gate_proj), id(m.up_proj)))
         elif isinstance(m, MoE):
-            m.route_fn, m.gemv_route_fn = route_fn, gemv_fn
+            # the plan's decision per regime: the router kernel for M <= route_m (decode, verify), torch above
+            m.route_fn, m.gemv_route_fn, m.gemv_add_norm_fn = route_fn, gemv_fn, gemv_norm_fn
+            m.route_m = MAX_VERIFY_M if (route_fn or gemv_fn) is not None else 0
         elif isinstance(m, GatedMLA):
             # decode/verify (T <= ABSORB_MAX_T with a cache); the torch backend binds None (the layer's own code)
             m.attn_fn = _bind_or_fall_back(plan, "mla", "torch", lambda: impl["mla"].bind(m, dtype))
         elif isinstance(m, RMSNormGated):
             m.fn = gated_fn
         elif isinstance(m, RMSNorm):
-            m.fn = norm_fn
+            m.fn, m.add_fn = norm_fn, add_fn
     if plan.resolutions["mla"].resolved != "torch":
         plan.resolutions["mla"].prefill = f"torch (T > {ABSORB_MAX_T} tokens: expanded form, SDPA)"
     plan.resolutions["moe"].shared = "dense"
-    if fused_shared is None and torch.device(device).type == "cuda":
-        _bind_shared(model, plan, strict=False)
-    elif fused_shared:
-        _bind_shared(model, plan, strict=not plan.allow_fallback)
+    if plan.requested["moe_shared"] == "fused":
+        _bind_shared(model, plan, strict="moe_shared" in plan.explicit and not plan.allow_fallback)
+        if not plan.resolutions["moe"].shared.startswith("fused"):
+            r = plan.resolutions["moe_shared"]
+            r.fallback_from, r.resolved, r.reason = "fused", "separate", plan.resolutions["moe"].shared
     model.lm_head.fn = impl["lm_head"].bind(model.lm_head, dtype)
     model.lm_head.backend = plan.resolutions["lm_head"].resolved
-    plan.fast_paths = _fast_paths(model, plan, route_fn is not None or gemv_fn is not None)
+    # both router kernels are Triton ones: one key, "router[triton]", whichever the plan's router entry chose
+    plan.fast_paths = _fast_paths(model, plan, "triton" if (route_fn or gemv_fn) else None)
     plan.resolutions["moe"].tuning = _moe_tuning(model)
     if plan.resolutions["kda"].resolved in ("fla", "triton"):       # triton's prefill is fla-core's chunk_kda
         from bytebound.kernels import fla_kda
         if fla_kda.CONFIGS:
             plan.resolutions["kda"].tuning = {"fla_autotune": fla_kda.CONFIGS}
+    record_regimes(model, plan, impl)
     return plan
 
 
-def _fast_paths(model, plan: BackendPlan, router: bool) -> dict[str, int]:
+def _refuse_or_fall_back(plan: BackendPlan, name: str, instead: str, why: str) -> None:
+    """A switch that cannot serve this model: raise for a user-named one (unless ``allow_fallback``), else
+    record the fallback to ``instead``.
+
+    Raises:
+        BackendError: ``name`` is in ``plan.explicit`` and ``plan.allow_fallback`` is False."""
+    if name in plan.explicit and not plan.allow_fallback:
+        raise BackendError(why)
+    r = plan.resolutions[name]
+    r.fallback_from, r.resolved, r.reason = r.resolved, instead, why + (
+        "" if name in plan.explicit else " (the default, not requested)")
+
+
+def _why(plan: BackendPlan, name: str) -> tuple[str, str | None]:
+    """``(why, detail)`` of an entry's decode/verify choice: fallback, user override or device default."""
+    r = plan.resolutions.get(name)
+    if r is not None and r.fallback_from:
+        return "fallback", f"{r.fallback_from} -> {r.resolved}: {r.reason}"
+    return ("user override", None) if name in plan.explicit else ("device default", plan.notes.get(name))
+
+
+def record_regimes(model, plan: BackendPlan, impl: dict | None = None) -> None:
+    """Fill ``plan.entries``: per entry and regime (``decode`` M = 1, ``verify`` M = k + 1, ``prefill`` M above
+    the fast paths' width) the implementation bound for it and why (``runner.plan.PlanEntry``). Reads what
+    :func:`bind_model` bound (``impl``: its resolved registry instances, for their descriptions); binds nothing."""
+    impl = impl or {}
+    res = plan.resolutions
+    k1 = verify_width(plan.steps) if plan.steps else None
+    unused = PlanEntry("not used", "not used", "no MTP (--speculative-algorithm NEXTN)")
+    out: dict[str, dict[str, PlanEntry]] = {}
+
+    def three(name, small, wide=None, wide_why="width", wide_detail=None, small_verify=None):
+        why, detail = _why(plan, name)
+        d = {"decode": PlanEntry(small, why, detail)}
+        d["verify"] = PlanEntry(small_verify or small, why, detail) if k1 else unused
+        d["prefill"] = (PlanEntry(wide, wide_why, wide_detail) if wide is not None
+                        else PlanEntry(small, why, detail))
+        out[name] = d
+
+    # routed MoE: the launch config per M comes from the tuning table (MoEKernel.config_source)
+    fn = next((m.fn for m in model.modules() if isinstance(m, RoutedExperts)), None)
+    moe = res["moe"].resolved
+    tuning = res["moe"].tuning or {}
+    why, detail = _why(plan, "moe")
+    d = {}
+    for regime, mm in (("decode", 1), ("verify", k1)):
+        if mm is None:
+            d[regime] = unused
+            continue
+        src = tuning.get(f"M={mm}")
+        if src is None:
+            d[regime] = PlanEntry(moe, why, detail)
+            continue
+        variant, _, key = src.partition(", ")
+        tuned = why == "device default" and not key.startswith("untuned") and "no entry" not in key
+        d[regime] = PlanEntry(f"{moe} ({variant}, M={mm})", "tuned table" if tuned else why,
+                              f"launch config: {src}" + (f"; {detail}" if detail and not tuned else ""))
+    n = getattr(fn, "max_tokens", None)
+    d["prefill"] = (PlanEntry(res["moe"].prefill or f"{moe} (M > {n})", "width", f"M > {n}: the decode kernel's "
+                              "limit") if isinstance(n, int) else PlanEntry(moe, why, detail))
+    out["moe"] = d
+    shared = res["moe"].shared or "dense"
+    why, detail = _why(plan, "moe_shared")
+    small = "fused (one more slot of the routed kernels)" if shared.startswith("fused") else "separate (dense MLP)"
+    out["moe_shared"] = {"decode": PlanEntry(small, why, detail or shared),
+                         "verify": PlanEntry(small, why, detail or shared) if k1 else unused,
+                         "prefill": PlanEntry("separate (dense MLP)", "width" if small.startswith("fused") else why,
+                                              f"M > {n}: the layer adds its dense shared expert"
+                                              if small.startswith("fused") else detail)}
+    r = plan.choice("router")
+    rm = next((m.route_m for m in model.modules() if isinstance(m, MoE)), 0)
+    three("router", {"gemv": "triton (router GEMV + routing, one launch)", "triton": "torch GEMV + triton routing",
+                     "torch": "torch"}[r], "torch" if rm else None, wide_detail=f"M > {rm}: the router kernels' rows")
+    lin = res["linear"].resolved
+    ln = plan.fast_paths.get(f"linear[{lin}]")
+    three("linear", lin, f"{lin} (prefill path {getattr(impl.get('linear'), 'prefill', '?')})" if ln else None,
+          wide_detail=f"M > {ln}: the GEMV's width")
+    head = res["lm_head"].resolved
+    hn = next((v for kk, v in plan.fast_paths.items() if kk.startswith("lm_head[")), None)
+    mode = model.lm_head.mode
+    three("lm_head", f"{head} ({mode})", f"torch reference ({mode})" if hn else None,
+          wide_detail=f"M > {hn}: the FP8 head GEMV's width")
+    kda = res["kda"].resolved
+    kf = next((m.fused_fn for m in model.modules() if isinstance(m, KimiDeltaAttention)), None)
+    kn = getattr(kf, "max_tokens", None)
+    three("kda", f"{kda} (fused decode/verify kernel)" if kf is not None else kda,
+          (res["kda"].prefill or kda) if kf is not None else None, wide_detail=f"M > {kn}: the fused kernel's limit")
+    mla = res["mla"].resolved
+    three("mla", mla, res["mla"].prefill if mla != "torch" else None,
+          wide_detail=f"T > {ABSORB_MAX_T}: the absorbed decode form's limit")
+    three("norm", plan.choice("norm"))
+    three("sampling", res["sampling"].resolved)
+    kv = plan.choice("kv")
+    three("kv", "power-of-two spans from 1024" if kv == "buckets" else "every max_model_len slot",
+          "exact (the prompt's length)", wide_why="regime", wide_detail="prefill attends over the tokens it has")
+    why, detail = _why(plan, "round")
+    out["round"] = {"decode": PlanEntry("not used", "not used", "plain decoding has no round"),
+                    "verify": PlanEntry(plan.choice("round"), why, detail) if k1 else unused,
+                    "prefill": PlanEntry("not used", "not used", None)}
+    why, detail = _why(plan, "graphs")
+    g = plan.choice("graphs")
+    out["graphs"] = {"decode": PlanEntry(g, why, detail),
+                     "verify": PlanEntry(g if plan.choice("round") == "static" else "eager",
+                                         why if plan.choice("round") == "static" else "regime",
+                                         None if plan.choice("round") == "static" else "eager MTP rounds")
+                     if k1 else unused,
+                     "prefill": PlanEntry("eager", "regime", "prefill shapes vary per prompt")}
+    plan.entries = out
+
+
+def _fast_paths(model, plan: BackendPlan, router: str | None) -> dict[str, int]:
     """The bound fast paths with a token limit per call (``BackendPlan.fast_paths``): a bound callable declares
-    its limit as ``max_tokens`` (``MoEKernel``, the triton FP8 linear and head); the fused router kernels serve
-    ``kernels.limits.MAX_VERIFY_M`` rows."""
+    its limit as ``max_tokens`` (``MoEKernel``, the triton FP8 linear and head); the router kernels (``router``:
+    the bound one's name, None for torch) serve ``kernels.limits.MAX_VERIFY_M`` rows."""
     out: dict[str, int] = {}
 
     def note(key: str, fn) -> None:
@@ -218,7 +300,7 @@ def _fast_paths(model, plan: BackendPlan, router: bool) -> dict[str, int]:
             note(f"linear[{plan.resolutions['linear'].resolved}]", m.proj_fn)
     note(f"lm_head[{plan.resolutions['lm_head'].resolved}] ({model.lm_head.mode})", model.lm_head.fn)
     if router:
-        out["router[triton]"] = MAX_VERIFY_M
+        out[f"router[{router}]"] = MAX_VERIFY_M
     return out
 
 

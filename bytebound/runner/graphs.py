@@ -11,21 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from bytebound.layers.kda import KDAState
-
-
-def _snapshot(state):
-    return [(s.conv.clone(), s.rec.clone()) if isinstance(s, KDAState) else s.kv.clone() for s in state]
-
-
-def _restore(state, snap):
-    for s, v in zip(state, snap):
-        if isinstance(s, KDAState):
-            s.conv.copy_(v[0])
-            s.rec.copy_(v[1])
-        else:
-            s.kv.copy_(v)
-
 
 def capture_graph(fn, warmup: int = 2, between=None):
     """Capture one call of ``fn()`` in a CUDA graph. ``warmup`` calls run first on a side stream (Triton JIT and
@@ -58,12 +43,12 @@ class DecodeGraph:
         dev = runner.device
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
-        snap = _snapshot(runner.state)
+        snap = runner.snapshot()      # the warm-up and capture calls advance the states: put them back after each
         model = runner.model
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         for span in runner.kv_buckets:
             self.graphs[span] = capture_graph(lambda: self._body(model, span), warmup)
-            _restore(runner.state, snap)
+            runner.restore(snap)
         self.captured_shapes = [{"op": "decode", "tokens": 1, "kv_slots": span} for span in self.graphs]
 
     def _body(self, model, span: int):

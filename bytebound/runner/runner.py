@@ -1,10 +1,25 @@
 """Batch-1 model runner: one request's state, prefill, decode and the M-token verify forward of MTP.
 
-Positions are committed-length indices. MLA caches are position-indexed (no rollback needed); KDA states are
-rolled back from per-token history recorded during verify (``KDAState.history``).
+The runner owns the request's state (the per-layer ``KDAState`` / ``MLAState`` that each layer declares with
+``new_state``) and its committed length ``pos``; everything else - graph capture, the MTP round, the canaries,
+the benchmarks - goes through its state protocol:
+
+* ``begin_verify(k)`` announces a (k+1)-token verify at ``pos..pos+k`` (room check; KDA layers record the state
+  after every token, ``KDAState.history``); ``verify(ids)`` runs it, ``pos`` unchanged.
+* ``commit(n)`` keeps the verify's tokens ``0..n``: each KDA state becomes the one recorded after token ``n`` (an
+  index into the per-token history the fused kernel writes, no replay); MLA caches are position-indexed, so the
+  slots past the new ``pos = start + n + 1`` are simply rewritten later. Split for a captured MTP round into
+  ``commit_state(n)`` (device, ``n`` may be a 0-d tensor) and ``commit_length(n)`` (host, after the round's read).
+* ``snapshot()`` / ``restore(snap)`` copy the committed state and ``pos`` out and back in place (graph-captured
+  buffers keep their addresses).
+
+Positions are committed-length indices; ``pos_buf`` is the device copy of ``pos`` that a verify was begun at
+(written by ``begin_verify``), which a captured MTP round reads instead of a host value.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -26,6 +41,13 @@ def pow2_buckets(max_len: int, smallest: int = 1024) -> tuple[int, ...]:
     return tuple(out) + (max_len,)
 
 
+class RunnerSnapshot(NamedTuple):
+    """A copy of a runner's committed state: ``pos`` and, per layer, clones of its state tensors (positional
+    tensors - MLA caches - only their slots ``[0, pos)``)."""
+    pos: int
+    tensors: list
+
+
 class ModelRunner:
     """Holds the model, one request's state and its committed length ``pos``.
 
@@ -37,7 +59,10 @@ class ModelRunner:
         self.model, self.max_len = model, max_len
         self.device = torch.device(device or model.lm_head.weight.device)
         self.state = model.new_state(max_len, device=self.device)
+        self._kda = [st for st in self.state if isinstance(st, KDAState)]
         self.pos = 0
+        self.pos_buf = torch.zeros((), dtype=torch.long, device=self.device)   # pos at begin_verify, on device
+        self._verify: tuple[int, int] | None = None     # (start, tokens) of the verify awaiting its commit
         # On CUDA every step attends over a static span of cache slots, masked by position: the same kernels as
         # the captured graph (bit-identical replay) and no host sync for the cache length. On CPU, slice instead.
         # The span is the smallest of ``kv_buckets`` that holds the sequence (default: one bucket, ``max_len``),
@@ -46,14 +71,21 @@ class ModelRunner:
         self.kv_buckets = tuple(sorted({b for b in (kv_buckets or ()) if b < max_len} | {max_len}))
         self.graph = None       # a DecodeGraph once captured (runner.graphs)
 
-    def reset(self) -> None:
-        """Zero every state for a new request (buffers reused)."""
-        for st in self.state:
-            if isinstance(st, KDAState):
-                st.conv.zero_()
-                st.rec.zero_()
-                st.history = None
-        self.pos = 0
+    def reset(self, length: int = 0) -> None:
+        """Zero every KDA state for a new request (buffers reused) and end any verify. ``length``: the committed
+        length to start from, 0 for a request; benchmarks and graph warm-up start at a synthetic context (the
+        cache slots keep whatever they hold).
+
+        Raises:
+            ValueError: ``length`` outside ``[0, max_len]``.
+        """
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"length {length} outside the cache (0..{self.max_len} slots)")
+        for st in self._kda:
+            st.conv.zero_()
+            st.rec.zero_()
+        self._end_verify()
+        self.pos = length
 
     def kv_span(self, end: int) -> int:
         """Static attention span (cache slots) for a sequence of ``end`` tokens: the smallest bucket >= ``end``.
@@ -67,9 +99,21 @@ class ModelRunner:
         if self.pos + n > self.max_len:
             raise ValueError(f"sequence of {self.pos + n} tokens exceeds the cache ({self.max_len} slots)")
 
+    def _end_verify(self) -> None:
+        self._verify = None
+        for st in self._kda:
+            st.history = None
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Run ``ids [T]`` at positions ``pos..pos+T-1``, advance ``pos``; returns final-normed hidden ``[T, H]``."""
+        """Run ``ids [T]`` at positions ``pos..pos+T-1``, advance ``pos``; returns final-normed hidden ``[T, H]``.
+
+        Raises:
+            ValueError: the sequence would exceed ``max_len``. RuntimeError: a verify awaits its commit.
+        """
+        if self._verify is not None:
+            raise RuntimeError(f"a {self._verify[1]}-token verify at position {self._verify[0]} awaits commit(n) "
+                               "(or restore) before the next forward")
         t = ids.shape[0]
         self._check_room(t)
         if t == 1 and self.graph is not None:
@@ -92,18 +136,102 @@ class ModelRunner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
 
-    @torch.inference_mode()
-    def verify(self, ids: torch.Tensor) -> torch.Tensor:
-        """Verify forward of ``ids [M]`` recording KDA state after each token; pair with :meth:`commit`."""
-        for st in self.state:
-            if isinstance(st, KDAState):
-                st.history = []
-        return self.forward(ids)
+    # ---- the verify protocol -------------------------------------------------------------------------------
+    def begin_verify(self, k: int) -> None:
+        """Announce a verify of ``k + 1`` tokens at positions ``pos..pos+k``: checks the room, writes ``pos``
+        into ``pos_buf`` and turns on per-token state recording in every KDA layer.
 
-    def commit(self, n: int, verified: int) -> None:
-        """Keep the first ``n`` of the last ``verified`` tokens: ``pos`` moves back and KDA states roll back to
-        the state after token ``n - 1``; MLA slots past ``pos`` are simply overwritten later."""
-        self.pos -= verified - n
-        for st in self.state:
-            if isinstance(st, KDAState):
-                st.rollback(n - 1)
+        Raises:
+            ValueError: ``k < 0`` or the verify would exceed ``max_len``. RuntimeError: the last verify is not
+                committed.
+        """
+        if self._verify is not None:
+            raise RuntimeError(f"a {self._verify[1]}-token verify at position {self._verify[0]} awaits commit(n)")
+        if k < 0:
+            raise ValueError(f"a verify needs k >= 0 drafts, got {k}")
+        self._check_room(k + 1)
+        self._verify = (self.pos, k + 1)
+        self.pos_buf.fill_(self.pos)
+        for st in self._kda:
+            st.history = []
+
+    @torch.inference_mode()
+    def verify(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
+               kv_len: int | None = None) -> torch.Tensor:
+        """The verify forward of ``ids [M]`` int64, every KDA layer recording its state after each token; ``pos``
+        stays until :meth:`commit`. Begins the verify (``begin_verify(M - 1)``) unless one of ``M`` tokens was
+        begun. Returns final-normed hidden ``[M, H]``.
+
+        ``positions [M]`` int64 on the device (default ``pos..pos+M-1``) and ``kv_len`` (default: the static span
+        on CUDA, None on CPU) are given by a captured MTP round, which reads its positions from ``pos_buf``.
+
+        Raises:
+            ValueError: the verify would exceed ``max_len``. RuntimeError: a verify of another width is pending.
+        """
+        m = ids.shape[0]
+        if self._verify is None:
+            self.begin_verify(m - 1)
+        start, width = self._verify
+        if width != m:
+            raise RuntimeError(f"begin_verify({width - 1}) announced {width} tokens, verify got {m}")
+        for st in self._kda:           # (again: a captured round's body runs this at each capture call)
+            st.history = []
+        if positions is None:
+            positions = torch.arange(start, start + m, device=self.device)
+        if kv_len is None and self.static_kv:
+            kv_len = self.kv_span(start + m)
+        return self.model(ids.view(1, m).to(self.device), positions, self.state, kv_len)[0]
+
+    def commit_state(self, n) -> None:
+        """The device half of :meth:`commit`: every KDA state becomes the one recorded after verify token ``n``
+        (int, or 0-d int64 tensor on the device: no host read, so a CUDA graph can capture it); recording stops.
+        MLA caches need nothing (position-indexed).
+
+        Raises:
+            RuntimeError: no verify is pending. ValueError: an int ``n`` outside ``[0, M)``.
+        """
+        if self._verify is None:
+            raise RuntimeError("commit without a verify (begin_verify / verify first)")
+        if not isinstance(n, torch.Tensor) and not 0 <= n < self._verify[1]:
+            raise ValueError(f"commit({n}): the verify has tokens 0..{self._verify[1] - 1}")
+        for st in self._kda:
+            st.rollback(n)
+
+    def commit_length(self, n: int) -> None:
+        """The host half of :meth:`commit`: the committed length becomes ``start + n + 1`` and the verify ends.
+
+        Raises:
+            RuntimeError: no verify is pending. ValueError: ``n`` outside ``[0, M)``.
+        """
+        if self._verify is None:
+            raise RuntimeError("commit without a verify (begin_verify / verify first)")
+        start, width = self._verify
+        if not 0 <= n < width:
+            raise ValueError(f"commit({n}): the verify has tokens 0..{width - 1}")
+        self._end_verify()
+        self.pos = start + n + 1
+
+    def commit(self, n: int) -> None:
+        """Keep the verify's tokens ``0..n`` (``n`` = accepted drafts: the bonus token's input ``y`` and ``n``
+        drafts): KDA states roll back to the state after token ``n``, ``pos`` moves to ``start + n + 1``."""
+        self.commit_state(n)
+        self.commit_length(n)
+
+    # ---- snapshots -----------------------------------------------------------------------------------------
+    def snapshot(self) -> RunnerSnapshot:
+        """Copies of the committed state (per layer its ``tensors()``; positional ones, the MLA caches, only the
+        slots ``[0, pos)``) and ``pos``. Raises RuntimeError while a verify awaits its commit."""
+        if self._verify is not None:
+            raise RuntimeError("snapshot during a verify: commit first")
+        pos = self.pos
+        return RunnerSnapshot(pos, [{k: (v[:, :pos] if st.positional else v).clone()
+                                     for k, v in st.tensors().items()} for st in self.state])
+
+    def restore(self, snap: RunnerSnapshot) -> None:
+        """Put ``snap`` back in place (the tensors keep their addresses, so captured graphs stay valid) and end
+        any pending verify."""
+        for st, saved in zip(self.state, snap.tensors):
+            for k, v in st.tensors().items():
+                (v[:, :snap.pos] if st.positional else v).copy_(saved[k])
+        self._end_verify()
+        self.pos = snap.pos

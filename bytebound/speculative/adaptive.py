@@ -26,9 +26,8 @@ took, never on the next token's random numbers, so each token is still drawn fro
 plain greedy token for token. The NEXTN draft layer reads the target hidden of every position before it: the
 positions decoded plainly are kept as pending NEXTN inputs (token ``t + 1``, target hidden of ``t``) and run
 through the NEXTN when MTP resumes (the same draft-extend that seeds the first round after a prefill,
-:meth:`StaticRound.seed <bytebound.speculative.round.StaticRound.seed>` / :func:`mtp_rounds
-<bytebound.speculative.mtp.mtp_rounds>`); the KDA and MLA target states are those of committed tokens in both
-modes (a round commits and rolls back before its tokens leave).
+:meth:`StaticRound.seed <bytebound.speculative.round.StaticRound.seed>`); the KDA and MLA target states are those
+of committed tokens in both modes (a round commits and rolls back before its tokens leave).
 """
 
 from __future__ import annotations
@@ -42,7 +41,8 @@ import torch
 import bytebound.runner.runner as runner_mod
 from bytebound.errors import ConfigError
 from bytebound.sampling import SamplingParams, sample
-from bytebound.speculative.mtp import mtp_rounds, nextn_prefix
+from bytebound.speculative.mtp import nextn_prefix
+from bytebound.speculative.round import StaticRound
 
 MODES = ("calibrate", "mtp", "plain", "probe")
 
@@ -264,84 +264,42 @@ class _Pending:
         self.ids, self.hidden, self.first, self.n = [ids[m:]], [hid[m:]], first + m, keep
 
 
-class _Cursor:
-    """Receives the eager rounds' next inputs (:func:`mtp_rounds`'s ``cursor``)."""
-    j = 0
-    seconds = 0.0
-    y = ext_ids = ext_hidden = None
-
-    def round_done(self, j, y, ext_ids, ext_hidden, ext_pos, seconds) -> None:
-        self.j, self.y, self.ext_ids, self.ext_hidden, self.seconds = j, y, ext_ids, ext_hidden, seconds
-
-
 @torch.inference_mode()
 def adaptive_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, gen, stats,
-                    ctrl: AdaptiveSpeculation, round_=None):
-    """Yield ``(token, round)`` like :func:`bytebound.speculative.mtp.mtp_tokens`, each token from a plain decode
+                    ctrl: AdaptiveSpeculation, round_: StaticRound | None = None):
+    """Yield ``(token, round)`` like :func:`bytebound.speculative.round.mtp_tokens`, each token from a plain decode
     step (round 0) or an MTP round (round ids 1, 2, ... over the request), as ``ctrl`` decides between tokens.
 
     Args:
         runner / drafter: the engine's ``ModelRunner`` and ``MTPDrafter``. prompt: ``[P]`` int64 token ids.
         p / gen: sampling parameters and generator (shared by plain steps and rounds). stats: the request's
         ``SpecStats`` (rounds only; plain steps are counted by ``ctrl``). ctrl: the engine's controller.
-        round_: a :class:`~bytebound.speculative.round.StaticRound` (captured or not) for the rounds, else the
-            eager rounds of :func:`mtp_rounds`. A static round needs ``k + 1`` pending NEXTN positions: with
-            fewer (a prompt shorter than ``k + 1``) the engine decodes plainly until it has them.
+        round_: the :class:`~bytebound.speculative.round.StaticRound` for the rounds (the engine's captured
+            greedy round), else an uncaptured one for ``p`` and ``gen``.
     """
     dev, k = runner.device, drafter.steps
     clock = ctrl.clock
+    rnd = round_ if round_ is not None else StaticRound(runner, drafter, p, gen)
     hid = runner.prefill(prompt.to(dev))
     y = sample(runner.logits(hid[-1:]), p, gen).view(1)
     yield int(y), 0
     pend = _Pending(torch.cat([prompt[1:].to(dev), y]), hid, 0)
     n = 0                                 # round ids of this request
+
+    def until(j: int, seconds: float) -> bool:      # after each round: its verdict decides whether more follow
+        ctrl.observe_round(j + 1, seconds)
+        return not ctrl.wants_rounds()
     while True:
         if pend.n > runner_mod.PREFILL_CHUNK:         # bound what a long plain phase (or prompt) holds
             pend.flush(drafter, runner.state, k + 1)
-        if ctrl.wants_rounds() and (round_ is None or pend.n >= k + 1):
+        if ctrl.wants_rounds():
             pend.flush(drafter, runner.state, k + 1)   # the catch-up is no part of the first round's cost
             ids, hs, first = pend.take()
-            if round_ is not None:
-                round_.seed(ids, hs, first, y)
-                while True:
-                    runner._check_room(k + 1)          # the verify writes k + 1 slots past the committed length
-                    n += 1
-                    t0 = clock()
-                    out = round_.step()
-                    dt = clock() - t0
-                    stats.verify_s += dt
-                    j, bonus = out[-1], out[-2]
-                    stats.add_round(j)
-                    ctrl.observe_round(j + 1, dt)
-                    done = not ctrl.wants_rounds()
-                    if done:                           # the round's committed positions feed the NEXTN later
-                        pend = _Pending(round_.ext_ids[: j + 1].clone(), round_.ext_hidden[: j + 1].clone(),
-                                        runner.pos - j - 1)
-                        y = round_.y.clone()
-                    for tok in out[:j] + [bonus]:
-                        stats.committed += 1
-                        yield tok, n
-                    if done:
-                        break
-            else:
-                cur = _Cursor()
-                src = mtp_rounds(runner, drafter, y, ids, hs, torch.arange(first, first + ids.shape[0], device=dev),
-                                 p, gen, stats, rnd=n, cursor=cur)
-                left, done = 0, False
-                try:
-                    for tok, r in src:
-                        if r != n:                     # a new round: its verdict is in the cursor
-                            n, left = r, cur.j + 1
-                            ctrl.observe_round(cur.j + 1, cur.seconds)
-                            done = not ctrl.wants_rounds()
-                        left -= 1
-                        yield tok, r
-                        if done and left == 0:
-                            break
-                finally:
-                    src.close()
-                pend = _Pending(cur.ext_ids, cur.ext_hidden, runner.pos - cur.j - 1)
-                y = cur.y
+            rnd.seed(ids, hs, first, y)
+            for tok, n in rnd.rounds(stats, n, clock, until):
+                yield tok, n
+            ids, hs, first, y = rnd.pending()          # the last round's committed positions feed the NEXTN later
+            pend = _Pending(ids, hs, first)
             continue
         t0 = clock()
         h = runner.forward(y)                          # [1, H]; the decode graph's output buffer on CUDA

@@ -1,4 +1,4 @@
-"""NEXTN chain drafting with one verify forward per round (``docs/references.md`` §2.1-2.3).
+"""NEXTN chain drafting (``docs/references.md`` §2.1-2.3): the draft model and the round's metrics.
 
 Round (steps = 3, 4 verified positions), with ``y`` the last committed, not yet processed token at ``pos``:
   1. draft-extend: NEXTN over the tokens committed last round, each paired with the target hidden state of
@@ -7,6 +7,7 @@ Round (steps = 3, 4 verified positions), with ``y`` the last committed, not yet 
   3. verify: the target runs [y, d1, d2, d3] at pos..pos+3 in one forward (KDA state recorded per token);
   4. accept the longest matching prefix j + one bonus token (``accept.accept_chain_device``, on the device); keep
      j + 1 tokens; the runner rolls the KDA states back to after the last kept one.
+The round itself, with static shapes for CPU and CUDA alike, is :mod:`bytebound.speculative.round`.
 The draft holds the target's **LM-head module object** and embedding (shared, never copied): whatever path
 the head uses (BF16, FP32 logits, online FP8), drafts use the same one. With a hot-vocabulary draft head
 (``hot``, :mod:`bytebound.speculative.hot_vocab`) the draft steps score a fixed row subset of that module;
@@ -15,29 +16,25 @@ the verify always scores the full head.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 import bytebound.runner.runner as runner_mod
 from bytebound.errors import ConfigError
-from bytebound.sampling import SamplingParams, sample
-from bytebound.speculative.accept import accept_chain_device
 
 
 @dataclass
 class SpecStats:
     """Accept-length metrics: committed tokens / verify rounds (SGLang ``accept len``), per-position rates,
-    and round time split into draft, verify and rollback (seconds)."""
+    and ``verify_s``, the rounds' wall time (seconds; the whole round - draft, verify, rollback - which one graph
+    replay does not separate)."""
     steps: int
     rounds: int = 0
     committed: int = 0
     accepted_at: list[int] = field(default_factory=list)   # accepted drafts per draft position
     tried_at: list[int] = field(default_factory=list)
-    draft_s: float = 0.0
     verify_s: float = 0.0
-    rollback_s: float = 0.0
 
     def __post_init__(self):
         self.accepted_at = self.accepted_at or [0] * self.steps
@@ -65,14 +62,12 @@ class SpecStats:
         self.committed += s.committed
         self.accepted_at = [a + b for a, b in zip(self.accepted_at, s.accepted_at)]
         self.tried_at = [a + b for a, b in zip(self.tried_at, s.tried_at)]
-        self.draft_s += s.draft_s
         self.verify_s += s.verify_s
-        self.rollback_s += s.rollback_s
 
     def to_dict(self) -> dict:
         return {"accept_length": round(self.accept_length, 4), "rounds": self.rounds, "committed": self.committed,
                 "per_position_accept": [round(r, 4) for r in self.position_rates()],
-                "draft_s": self.draft_s, "verify_s": self.verify_s, "rollback_s": self.rollback_s}
+                "verify_s": self.verify_s}
 
 
 class MTPDrafter:
@@ -151,80 +146,3 @@ def nextn_prefix(drafter, ids: torch.Tensor, prev_hidden: torch.Tensor, position
     step = runner_mod.PREFILL_CHUNK
     for c in range(0, ids.shape[0], step):
         drafter.hidden(ids[c:c + step], prev_hidden[c:c + step], positions[c:c + step], state)
-
-
-@torch.inference_mode()
-def mtp_tokens(runner, drafter: MTPDrafter, prompt: torch.Tensor, p: SamplingParams, gen, stats: SpecStats):
-    """Yield ``(token, round)`` pairs: round 0 is the prefill's token, then one round id per verify.
-
-    Drafts, verify input and acceptance stay on the device; each round makes **one** host sync (reading the
-    accepted count and tokens), none per draft step. The caller stops iterating at EOS / stop strings /
-    max_tokens; only what it consumed is committed.
-    """
-    dev = runner.device
-    hid = runner.prefill(prompt.to(dev))                                  # [P, H]
-    y = _from_rank0(runner, sample(runner.logits(hid[-1:]), p, gen).view(1))   # [1] on the device
-    yield int(y), 0
-    ext_ids = torch.cat([prompt[1:].to(dev), y])
-    yield from mtp_rounds(runner, drafter, y, ext_ids, hid, torch.arange(0, prompt.shape[0], device=dev), p, gen,
-                          stats)
-
-
-@torch.inference_mode()
-def mtp_rounds(runner, drafter: MTPDrafter, y: torch.Tensor, ext_ids: torch.Tensor, ext_hidden: torch.Tensor,
-               ext_pos: torch.Tensor, p: SamplingParams, gen, stats: SpecStats, rnd: int = 0, cursor=None):
-    """The rounds of :func:`mtp_tokens` from any committed point: ``y [1]`` int64 is the last committed token, not
-    yet run, at ``runner.pos``; ``ext_ids [E]`` / ``ext_hidden [E, H]`` / ``ext_pos [E]`` are the NEXTN inputs not
-    yet in its cache (token ``t + 1`` with the target hidden of position ``t``, for ``E >= 1`` consecutive positions
-    ending at ``runner.pos - 1``): after a prefill the whole prompt, after plain decode steps the positions they
-    decoded (:mod:`bytebound.speculative.adaptive`). Yields ``(token, round)`` with round ids ``rnd + 1, ...``.
-
-    ``cursor`` (optional): an object whose ``round_done(j, y, ext_ids, ext_hidden, ext_pos, seconds)`` is called
-    after each round's commit, before its tokens are yielded, with the next round's inputs (the caller may stop
-    after any round and continue from them by plain decoding).
-    """
-    dev = runner.device
-    # The first draft-extend covers the whole prompt: run all but its last chunk now, and leave the last chunk
-    # to the first round.
-    cut = (ext_ids.shape[0] - 1) // runner_mod.PREFILL_CHUNK * runner_mod.PREFILL_CHUNK
-    nextn_prefix(drafter, ext_ids[:cut], ext_hidden[:cut], ext_pos[:cut], runner.state)
-    ext_ids, ext_hidden, ext_pos = ext_ids[cut:], ext_hidden[cut:], ext_pos[cut:]
-    k = drafter.steps
-    while True:
-        rnd += 1
-        t0 = time.perf_counter()
-        # Draft positions follow the committed length: the extend ends at pos - 1, draft i sits at pos + i - 1.
-        # a static attention span (CUDA) also spares the MLA a host read of the last position
-        span = runner.kv_span(runner.pos + k) if runner.static_kv else None
-        dh = drafter.hidden(ext_ids, ext_hidden, ext_pos, runner.state, span)[-1:]
-        drafts = [drafter.propose(dh)]
-        for i in range(1, k):
-            dpos = torch.arange(runner.pos + i - 1, runner.pos + i, device=dev)
-            dh = drafter.hidden(drafts[-1], dh, dpos, runner.state, span)
-            drafts.append(drafter.propose(dh))
-        d = _from_rank0(runner, torch.cat(drafts))                        # [k]
-        t1 = time.perf_counter()
-        vpos = torch.arange(runner.pos, runner.pos + k + 1, device=dev)
-        vh = runner.verify(torch.cat([y, d]))
-        j_t, bonus_t = accept_chain_device(runner.logits(vh), d, p, gen)
-        out_t = _from_rank0(runner, torch.cat([d, bonus_t.view(1), j_t.view(1)]))   # rank 0 decides
-        bonus_t = out_t[-2:-1]
-        out = out_t.tolist()                                              # the round's one host sync
-        j, bonus = out[-1], out[-2]
-        t2 = time.perf_counter()
-        runner.commit(j + 1, k + 1)
-        t3 = time.perf_counter()
-        stats.draft_s += t1 - t0
-        stats.verify_s += t2 - t1
-        stats.rollback_s += t3 - t2
-        stats.add_round(j)
-        if cursor is not None:
-            cursor.round_done(j, bonus_t.view(1), torch.cat([d[:j], bonus_t.view(1)]), vh[: j + 1], vpos[: j + 1],
-                              t3 - t0)
-        emitted = out[:j] + [bonus]
-        for tok in emitted:
-            stats.committed += 1
-            yield tok, rnd
-        y = bonus_t.view(1)
-        ext_ids = torch.cat([d[:j], y])
-        ext_hidden, ext_pos = vh[: j + 1], vpos[: j + 1]

@@ -1,30 +1,31 @@
-"""One MTP round with fixed shapes and every input in a device buffer, so the whole round - draft-extend,
-draft steps, verify, acceptance, KDA rollback and the next round's inputs - is one CUDA-graph replay.
+"""The MTP round: one implementation with fixed shapes and every input in a device buffer, run eagerly on CPU
+(and for sampling requests) and replayed as one CUDA graph per attention span for greedy requests on CUDA. The
+round - draft-extend, draft steps, verify, acceptance, KDA rollback and the next round's inputs - has no
+data-dependent shape and no host read but the one that ends it:
 
-The eager round in :func:`bytebound.speculative.mtp.mtp_tokens` has data-dependent shapes: the draft-extend
-runs over the ``j + 1`` tokens committed last round, and the KDA rollback indexes a Python list with a host
-integer. Here both are made static:
-
-* **Padded draft-extend.** The NEXTN always runs over all ``k + 1`` positions of the previous verify
-  (``pos - j - 1 .. pos - j - 1 + k``) and the draft continues from row ``j`` (``index_select`` with the device
-  tensor ``j``). Rows past ``j`` pair rejected drafts with their hiddens. Causal attention keeps them out of
+* **Padded draft-extend.** The NEXTN always runs over ``k + 1`` positions ending past the committed length
+  (``pos - j - 1 .. pos - j - 1 + k``, ``j`` the previous round's accepted drafts) and the draft continues from row
+  ``j`` (``index_select`` with the device tensor ``j``). Rows past ``j`` pair rejected drafts (or, after a seed
+  with fewer than ``k + 1`` pending positions, padding) with their hiddens. Causal attention keeps them out of
   rows ``<= j``. Their NEXTN cache slots are ``>= pos`` and each is rewritten before any query reads it: draft
   ``i`` writes slot ``pos + i - 1`` and reads slots ``<= pos + i - 1``, and the next round's extend rewrites
   ``pos .. pos + k`` (so e.g. slot ``pos + k - 1`` after ``j = 0`` is never read while stale).
-* **On-device rollback.** The verify records the KDA state after every token (``KDAState.history``). The state
-  after token ``j`` is selected with ``index_select`` and copied back in place (with kda=triton straight from the
-  fused kernel's per-token buffers, ``KDAState.history_tensors``).
-* **Next inputs in place.** The round writes ``y`` (its bonus token), the extend ids and hiddens, ``j`` and
-  ``pos`` into the buffers the next replay reads. The host reads one small tensor per round, ``out = [d_1..d_k,
-  bonus, j]``, to emit tokens. That read is the round's only sync.
+* **The runner's state protocol.** ``runner.begin_verify(k)`` (host: room, ``runner.pos_buf``), ``runner.verify``
+  at ``pos_buf + 0..k`` (KDA states recorded per token), ``runner.commit_state(j)`` with the device tensor ``j``
+  (an index into the recorded states: with kda=triton the fused kernel's per-token buffers) inside the body, and
+  ``runner.commit_length(j)`` on the host after the read.
+* **Next inputs in place.** The round writes ``y`` (its bonus token), the extend ids and hiddens and ``j`` into
+  the buffers the next round reads. The host reads one small tensor per round, ``out = [d_1..d_k, bonus, j]``, to
+  emit tokens. That read is the round's only sync.
 
-The first round needs ``pos >= k + 1``: :func:`static_mtp_tokens` runs the NEXTN eagerly over the prompt except
-its last ``k + 1`` positions, then treats those as the previous round's "verify" with all drafts accepted
-(``j = k``).
+The first round after a prefill of ``P`` tokens: the NEXTN runs eagerly over all but the last ``min(P, k + 1)``
+prompt positions, and those are the first round's extend, as if a previous round had accepted ``j = min(P, k +
+1) - 1`` drafts (:meth:`StaticRound.seed`).
 
 Graph capture (``StaticRound(..., capture=True)``, CUDA only) bakes in the sampling mode: it is used for greedy
-requests, and sampling requests run the same body eagerly (their RNG stays with the request's generator). On
-CPU the body always runs eagerly; the tests check it against plain greedy decoding token for token.
+requests, and sampling requests run the same body eagerly (their RNG stays with the request's generator). With
+tensor parallelism (``runner.tp``) the body takes rank 0's drafts and verdict, a collective, so it is not
+captured.
 """
 
 from __future__ import annotations
@@ -33,24 +34,28 @@ import time
 
 import torch
 
-from bytebound.layers.kda import KDAState
-from bytebound.runner.graphs import _restore, _snapshot, capture_graph
+from bytebound.runner.graphs import capture_graph
 from bytebound.sampling import SamplingParams, sample
 from bytebound.speculative.accept import accept_chain_device
-from bytebound.speculative.mtp import mtp_tokens, nextn_prefix
+from bytebound.speculative.mtp import _from_rank0, nextn_prefix
 
 
 class StaticRound:
     """Static buffers + the round body for ``runner`` and ``drafter`` (steps ``k``).
 
     Buffers (device): ``y [1]`` int64 last committed token, not yet run; ``ext_ids [k+1]`` / ``ext_hidden
-    [k+1, H]`` the NEXTN inputs for the previous verify's positions; ``j`` / ``pos`` 0-d int64 (accepted drafts of
-    the previous round, committed length); ``out [k+2]`` int64 ``[drafts.., bonus, j]`` of the last round.
+    [k+1, H]`` the NEXTN inputs for the previous round's verify positions; ``j`` 0-d int64 (accepted drafts of the
+    previous round: the extend row the drafts continue from); ``out [k+2]`` int64 ``[drafts.., bonus, j]`` of the
+    last round. The committed length comes from the runner (``runner.pos_buf``, written by ``begin_verify``).
 
     Args:
         runner: a ``ModelRunner``. drafter: an ``MTPDrafter`` of the same model. p / gen: the sampling
         parameters and generator the round uses (captured graphs: greedy only). capture: record the body in
-        a CUDA graph (raises ``RuntimeError`` off CUDA).
+        a CUDA graph per attention span.
+
+    Raises:
+        RuntimeError: ``capture`` off CUDA. ValueError: ``capture`` with a sampling ``p`` or with tensor
+            parallelism.
     """
 
     def __init__(self, runner, drafter, p: SamplingParams, gen: torch.Generator | None = None,
@@ -62,11 +67,11 @@ class StaticRound:
         self.ext_ids = torch.zeros(k + 1, dtype=torch.long, device=dev)
         self.ext_hidden = torch.zeros(k + 1, cfg.hidden_size, dtype=runner.model.dtype, device=dev)
         self.j = torch.zeros((), dtype=torch.long, device=dev)
-        self.pos = torch.full((), k + 1, dtype=torch.long, device=dev)     # any valid position for warm-up
         self.out = torch.zeros(k + 2, dtype=torch.long, device=dev)
         self.ar = torch.arange(k + 1, device=dev)
-        self.kda = [st for st in runner.state if isinstance(st, KDAState)]
+        self.last: list[int] | None = None                     # the host copy of ``out`` after a step
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}       # attention span -> captured round
+        self.captured_shapes: list[dict] = []
         if capture:
             self._capture()
 
@@ -77,135 +82,159 @@ class StaticRound:
         return self.r.kv_span(self.r.pos + self.k + 1) if self.r.static_kv else None
 
     def _body(self, kv_len: int | None = None) -> None:
+        """One round after ``runner.begin_verify(k)``: device work only (no host read), so it can be captured."""
         r, dr, k, ar = self.r, self.dr, self.k, self.ar
-        state, model = r.state, r.model
+        pos = r.pos_buf
         # 1. draft-extend over the previous verify's k+1 positions; continue from row j
-        eh = dr.hidden(self.ext_ids, self.ext_hidden, self.pos - self.j - 1 + ar, state, kv_len)
+        eh = dr.hidden(self.ext_ids, self.ext_hidden, pos - self.j - 1 + ar, r.state, kv_len)
         dh = eh.index_select(0, self.j.view(1))                                 # [1, H]
         drafts = [dr.propose(dh)]        # full head, or the hot rows (fixed N: static shapes)
         # 2. k - 1 draft steps; draft i sits at pos + i - 1
         for i in range(1, k):
-            dh = dr.hidden(drafts[-1], dh, (self.pos + (i - 1)).view(1), state, kv_len)
+            dh = dr.hidden(drafts[-1], dh, (pos + (i - 1)).view(1), r.state, kv_len)
             drafts.append(dr.propose(dh))
-        d = torch.cat(drafts)                                                   # [k]
+        d = _from_rank0(r, torch.cat(drafts))                                   # [k]
         # 3. verify [y, d] at pos..pos+k, KDA state recorded after every token
-        for st in self.kda:
-            st.history = []
-        vh = model(torch.cat([self.y, d]).view(1, k + 1), self.pos + ar, state, kv_len)[0]
-        # 4. acceptance on the device
-        j, bonus = accept_chain_device(model.logits(vh), d, self.p, self.gen)
-        # 5. KDA rollback to the state after token j (MLA slots past the new pos are rewritten before use)
-        sel = j.view(1)
-        for st in self.kda:
-            conv_h, rec_h = st.history_tensors()       # the fused kda kernel's buffers as they are, else a stack
-            st.conv.copy_(conv_h.index_select(0, sel)[0])
-            st.rec.copy_(rec_h.index_select(0, sel)[0])
-            st.history = None
+        vh = r.verify(torch.cat([self.y, d]), pos + ar, kv_len)
+        # 4. acceptance on the device (tensor parallel: rank 0 decides for every rank)
+        j, bonus = accept_chain_device(r.logits(vh), d, self.p, self.gen)
+        verdict = _from_rank0(r, torch.cat([d, bonus.view(1), j.view(1)]))
+        j, bonus = verdict[-1], verdict[-2]
+        # 5. KDA states after token j (MLA slots past the new committed length are rewritten before use)
+        r.commit_state(j)
         # 6. the next round's inputs: token after position pos+t is d[t] for t < j and the bonus at t = j
-        self.out.copy_(torch.cat([d, bonus.view(1), j.view(1)]))
+        self.out.copy_(verdict)
         self.ext_ids.copy_(torch.where(ar == j, bonus, torch.cat([d, bonus.view(1)])))
         self.ext_hidden.copy_(vh)
         self.y.copy_(bonus.view(1))
         self.j.copy_(j)
-        self.pos.add_(j + 1)
 
     def _capture(self) -> None:
         if self.r.device.type != "cuda":
             raise RuntimeError("capturing an MTP round needs a CUDA device")
         if not self.p.greedy:
             raise ValueError("a captured MTP round is greedy-only: sampling rounds run eagerly")
-        bufs = [self.y, self.ext_ids, self.ext_hidden, self.j, self.pos]
+        if getattr(self.r, "tp", None) is not None:
+            raise ValueError("an MTP round with tensor parallelism is not captured (rank 0's verdict is a "
+                             "collective): it runs eagerly")
+        r, k = self.r, self.k
+        self.j.zero_()
+        bufs = [self.y, self.ext_ids, self.ext_hidden, self.j]
         saved = [b.clone() for b in bufs]
-        snap = _snapshot(self.r.state)
+        snap = r.snapshot()
 
         def reset_bufs():
             for b, v in zip(bufs, saved):
                 b.copy_(v)
         # One graph per attention span (runner.kv_buckets; one span, max_len, unless buckets are on), so the
         # round attends over what the sequence needs, like the decode graphs. Each replays only its own span.
-        for span in self.r.kv_buckets:
-            self.graphs[span], _ = capture_graph(lambda: self._body(span), 2, reset_bufs)
-            _restore(self.r.state, snap)
-            reset_bufs()
+        # Warm-up and capture run at a synthetic committed length 1 (with j = 0 the extend starts at position
+        # pos - j - 1 = 0); the snapshot puts the request's state back.
+        try:
+            for span in r.kv_buckets:
+                r.reset(1)
+                r.begin_verify(k)
+                self.graphs[span], _ = capture_graph(lambda: self._body(span), 2, reset_bufs)
+                reset_bufs()
+        finally:
+            r.restore(snap)
         self.captured_shapes = [{"op": "mtp_round", "draft_steps": self.k, "verify_tokens": self.k + 1,
                                  "kv_slots": span} for span in self.graphs]
 
     def start(self, prompt: torch.Tensor, hid: torch.Tensor, y: torch.Tensor) -> None:
-        """Set the buffers after a prefill of ``prompt [P]`` (``P >= k + 2``) with hiddens ``hid [P, H]`` and first
-        token ``y [1]``: the NEXTN runs eagerly over positions ``0 .. P-k-2``, the rest is the first replay's
-        extend."""
+        """Set the buffers after a prefill of ``prompt [P]`` (``P >= 1``) with hiddens ``hid [P, H]`` and first
+        token ``y [1]``: the NEXTN runs eagerly over all but the last ``min(P, k + 1)`` positions, the rest is the
+        first round's extend."""
         dev = self.r.device
         self.seed(torch.cat([prompt[1:].to(dev), y.view(1)]), hid, 0, y)
 
     def seed(self, ext_ids: torch.Tensor, ext_hidden: torch.Tensor, first: int, y: torch.Tensor) -> None:
         """Set the buffers from any committed point: ``ext_ids [E]`` / ``ext_hidden [E, H]`` are the NEXTN inputs
         not yet in its cache for positions ``first .. first + E - 1`` (token ``t + 1``, target hidden of ``t``),
-        ending at ``runner.pos - 1``, with ``E >= k + 1``; ``y [1]`` the last committed token, not yet run. The NEXTN
-        runs eagerly over all but the last ``k + 1`` positions; those become the next replay's extend (as if the
-        previous round had accepted all ``k`` drafts). After a prefill ``first = 0`` (:meth:`start`); after plain
-        decode steps, the positions they decoded (:mod:`bytebound.speculative.adaptive`).
+        ending at ``runner.pos - 1``, with ``E >= 1``; ``y [1]`` the last committed token, not yet run. The NEXTN
+        runs eagerly over all but the last ``m = min(E, k + 1)`` positions; those become the next round's extend
+        rows ``0..m-1`` (as if the previous round had accepted ``j = m - 1`` drafts; rows past it are padding).
+        After a prefill ``first = 0`` (:meth:`start`); after plain decode steps, the positions they decoded
+        (:mod:`bytebound.speculative.adaptive`).
 
         Raises:
-            ValueError: fewer than ``k + 1`` positions, or positions that do not end at ``runner.pos - 1``.
+            ValueError: no positions, or positions that do not end at ``runner.pos - 1``.
         """
         k, dev = self.k, self.r.device
         e = ext_ids.shape[0]
-        if e < k + 1 or first + e != self.r.pos:
-            raise ValueError(f"seeding an MTP round needs >= {k + 1} pending NEXTN positions ending at "
+        if e < 1 or first + e != self.r.pos:
+            raise ValueError(f"seeding an MTP round needs >= 1 pending NEXTN positions ending at "
                              f"{self.r.pos - 1}, got {e} from {first}")
-        n0 = e - k - 1
+        m = min(e, k + 1)
+        n0 = e - m
         nextn_prefix(self.dr, ext_ids[:n0], ext_hidden[:n0], torch.arange(first, first + n0, device=dev),
                      self.r.state)
-        self.ext_ids.copy_(ext_ids[n0:])
-        self.ext_hidden.copy_(ext_hidden[n0:])
+        self.ext_ids.zero_()
+        self.ext_hidden.zero_()
+        self.ext_ids[:m].copy_(ext_ids[n0:])
+        self.ext_hidden[:m].copy_(ext_hidden[n0:])
         self.y.copy_(y.view(1))
-        self.j.fill_(k)
-        self.pos.fill_(self.r.pos)
+        self.j.fill_(m - 1)
 
     @torch.inference_mode()
     def step(self) -> list[int]:
         """Run one round (graph replay if captured); returns ``[d_1..d_k, bonus, j]`` (the one host sync) and
-        advances ``runner.pos`` by ``j + 1``."""
+        commits ``j + 1`` tokens (``runner.pos`` advances by ``j + 1``).
+
+        Raises:
+            ValueError: the round's verify would exceed the runner's cache.
+        """
+        r = self.r
+        r.begin_verify(self.k)           # the verify writes k + 1 slots past the committed length
         span = self.span()
         g = self.graphs.get(span)
         if g is not None:
             g.replay()
         else:
             self._body(span)
-        out = self.out.tolist()
-        self.r.pos += out[-1] + 1
+        out = self.last = self.out.tolist()
+        r.commit_length(out[-1])
         return out
+
+    def rounds(self, stats, n: int = 0, clock=time.perf_counter, until=None):
+        """Rounds until the caller stops iterating: yields ``(token, round id)`` with ids ``n + 1, ...``, the
+        round's accepted drafts then its bonus token. ``stats`` (a ``SpecStats``) gets each round (``verify_s``:
+        the whole round's time - draft, verify and rollback are not separable inside one replay) before its
+        tokens leave; ``until(j, seconds) -> bool``, if given, is called then too, and True ends the rounds after
+        this round's tokens (the next inputs are then :meth:`pending`)."""
+        while True:
+            n += 1
+            t0 = clock()
+            out = self.step()
+            dt = clock() - t0
+            stats.verify_s += dt
+            j = out[-1]
+            stats.add_round(j)
+            stop = until is not None and until(j, dt)
+            for tok in out[:j] + [out[-2]]:
+                stats.committed += 1
+                yield tok, n
+            if stop:
+                return
+
+    def pending(self) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        """After a round: the NEXTN inputs its commit left pending, ``(ids [j+1], hidden [j+1, H], first
+        position, y [1])`` (copies), for plain decoding to continue from and a later :meth:`seed`."""
+        j = self.last[-1]
+        return (self.ext_ids[: j + 1].clone(), self.ext_hidden[: j + 1].clone(), self.r.pos - j - 1,
+                self.y.clone())
 
 
 @torch.inference_mode()
-def static_mtp_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, gen, stats,
-                      round_: StaticRound | None = None):
-    """Like :func:`bytebound.speculative.mtp.mtp_tokens`, but each round is one :class:`StaticRound` step (a CUDA
-    graph replay when ``round_`` was captured). Yields ``(token, round)``. Prompts shorter than ``k + 2``
-    tokens use the eager rounds.
-
-    ``stats.verify_s`` receives the whole round's time (draft, verify and rollback are not separable inside one
-    replay; ``draft_s`` and ``rollback_s`` stay 0).
-    """
-    k = drafter.steps
-    if prompt.shape[0] < k + 2:
-        yield from mtp_tokens(runner, drafter, prompt, p, gen, stats)
-        return
+def mtp_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, gen, stats,
+               round_: StaticRound | None = None):
+    """Yield ``(token, round)`` pairs: round 0 is the prefill's token, then one round id per verify (each a
+    :meth:`StaticRound.step`; a graph replay when ``round_`` was captured, else a new uncaptured round for ``p``
+    and ``gen``). The caller stops iterating at EOS / stop strings / max_tokens; only what it consumed is
+    committed (every round commits before its tokens leave)."""
     rnd = round_ if round_ is not None else StaticRound(runner, drafter, p, gen)
-    dev = runner.device
-    hid = runner.prefill(prompt.to(dev))
-    y = sample(runner.logits(hid[-1:]), p, gen).view(1)
+    hid = runner.prefill(prompt.to(runner.device))                            # [P, H]
+    y = _from_rank0(runner, sample(runner.logits(hid[-1:]), p, gen).view(1))   # [1] on the device
     yield int(y), 0
     rnd.start(prompt, hid, y)
-    n = 0
-    while True:
-        runner._check_room(k + 1)                      # the verify writes k + 1 slots past the committed length
-        n += 1
-        t0 = time.perf_counter()
-        out = rnd.step()
-        stats.verify_s += time.perf_counter() - t0
-        j, bonus = out[-1], out[-2]
-        stats.add_round(j)
-        for tok in out[:j] + [bonus]:
-            stats.committed += 1
-            yield tok, n
+    yield from rnd.rounds(stats)

@@ -122,7 +122,7 @@ class _Ctx:
         r.reset()
         with torch.inference_mode():
             self._hidden = r.prefill(torch.tensor(self.ids)).clone()
-        self._snap = snapshot_state(r)
+        self._snap = r.snapshot()
         r.reset()
 
     @property
@@ -137,7 +137,7 @@ class _Ctx:
         returns the prompt's hidden states."""
         if self._snap is None:
             self._prefill()
-        restore_state(self.engine.runner, self._snap)
+        self.engine.runner.restore(self._snap)
         return self._hidden
 
     def head_rows(self) -> tuple[torch.Tensor, list[str]]:
@@ -566,44 +566,21 @@ def canary_draft_hot_rows(engine, ctx) -> CanaryResult:
                f"{' and scales' if head.mode == 'fp8' else ''} bit-identical, logits within {err:.1e}", **meas)
 
 
-def snapshot_state(runner) -> tuple:
-    """Copies of the runner's per-layer state (MLA caches: the slots ``[0, pos)`` only) and ``pos``."""
-    pos, snap = runner.pos, []
-    for st in runner.state:
-        d = {}
-        for k, v in vars(st).items():
-            if isinstance(v, torch.Tensor):
-                d[k] = v[:, :pos].clone() if k == "kv" else v.clone()
-        snap.append(d)
-    return snap, pos
-
-
-def restore_state(runner, snap) -> None:
-    """Restore in place (graph-captured buffers keep their addresses)."""
-    tensors, pos = snap
-    for st, d in zip(runner.state, tensors):
-        for k, v in d.items():
-            (getattr(st, k)[:, :pos] if k == "kv" else getattr(st, k)).copy_(v)
-        if hasattr(st, "history"):
-            st.history = None
-    runner.pos = pos
-
-
 @torch.inference_mode()
 def decode_vs_verify(runner, tok: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The MTP verify's correctness property, from the runner's current state: ``n`` greedy decode steps from
     ``tok [1]``, then the same ``n`` tokens (``tok`` and the first ``n - 1`` decoded ones) as one verify forward
     from the same state. Returns float32 logits ``(decode [n, V], verify [n, V])``, which must agree up to the
     dtype's rounding; the state is restored afterwards."""
-    model, snap = runner.model, snapshot_state(runner)
+    model, snap = runner.model, runner.snapshot()
     toks, seq = [tok.view(1)], []
     for _ in range(n):
         lg = model.logits(runner.forward(toks[-1])).float()
         seq.append(lg[0])
         toks.append(lg.argmax(-1).view(1))
-    restore_state(runner, snap)
+    runner.restore(snap)
     ver = model.logits(runner.verify(torch.cat(toks[:n]))).float()
-    restore_state(runner, snap)
+    runner.restore(snap)
     return torch.stack(seq), ver
 
 
@@ -643,10 +620,10 @@ def canary_graph_replay(engine, ctx) -> CanaryResult:
     replay, eager = graph_step_fns(r, g)
     h = ctx.after_prefill()
     tok = int(r.logits(h[-1:]).argmax(-1)[0])
-    snap = snapshot_state(r)
+    snap = r.snapshot()
     pos = r.pos
     le = eager(tok).float().clone()
-    restore_state(r, snap)
+    r.restore(snap)
     lg = replay(tok).float().clone()
     r.reset()
     tol = _rtol(engine.model.dtype)
@@ -665,7 +642,8 @@ def canary_graph_replay(engine, ctx) -> CanaryResult:
 @torch.inference_mode()
 def canary_spec_vs_plain(engine, ctx) -> CanaryResult:
     from bytebound.sampling import SamplingParams
-    from bytebound.speculative.mtp import SpecStats, mtp_tokens
+    from bytebound.speculative.mtp import SpecStats
+    from bytebound.speculative.round import mtp_tokens
     name, lever = "spec_vs_plain", "mtp"
     dr = engine.drafter
     if dr is None:
@@ -686,6 +664,8 @@ def canary_spec_vs_plain(engine, ctx) -> CanaryResult:
     stats = SpecStats(dr.steps)
     spec = []
     with position_routes(r) as spec_routes:
+        # an uncaptured round (the captured one runs the same body, but a replay runs no Python: the routes the
+        # diagnosis below compares would not be recorded)
         src = mtp_tokens(r, dr, ids, SamplingParams(max_tokens=n, ignore_eos=True), None, stats)
         try:
             for tok, _ in src:

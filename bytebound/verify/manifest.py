@@ -15,6 +15,10 @@ server and stored with bench results). Levers:
 * ``cuda_graphs``: ``runner.graph`` and its captured shapes (CUDA graphs, or the compiled CPU step of
   ``--cpu-compile``), or eager.
 
+``plan``: the engine's execution plan (``runner.plan.BackendPlan.to_dict``): per entry (the kernel ops and the
+switches router, norm, moe_shared, kv, round, graphs) and per regime (decode M = 1, verify M = k + 1, prefill) the
+implementation and why it was chosen (user override, device default, tuned table, fallback, width).
+
 Each lever carries ``ok`` (resolved as requested) and ``verified`` (pass | fail | not checked, from the
 canaries). ``status``: healthy | degraded (a problem, not strict) | unverified (canaries not run).
 """
@@ -111,7 +115,7 @@ def _resolution(r) -> dict:
     d = {"requested": r.requested, "resolved": r.resolved, "ok": r.fallback_from is None and r.requested == r.resolved}
     if r.fallback_from:
         d["fallback_from"], d["reason"] = r.fallback_from, r.reason
-    for extra in ("prefill", "tuning"):
+    for extra in ("prefill", "tuning", "fused"):
         if getattr(r, extra, None):
             d[extra] = getattr(r, extra)
     return d
@@ -208,7 +212,9 @@ def _graph_lever(engine) -> dict:
         requested = "eager (CPU: no CUDA graphs)"
         ok = g is None or bool(shapes)
     else:
-        requested = "eager (--enforce-eager)" if getattr(cfg, "enforce_eager", False) else "captured"
+        plan = getattr(engine, "plan", None)
+        want = plan.requested.get("graphs", "captured") if plan is not None else "captured"
+        requested = "captured" if want == "captured" else "eager (--backend graphs=eager / --enforce-eager)"
         ok = requested.startswith("eager") == (g is None)
     return {"requested": requested, "resolved": got, "ok": ok, "captured_shapes": shapes}
 
@@ -263,6 +269,12 @@ def build_manifest(engine) -> dict:
         levers[lever]["verified"] = v
         levers[lever]["canaries"] = list(names)
     problems = lever_problems(levers)
+    plan = getattr(engine, "plan", None)
+    plan_d = plan.to_dict() if hasattr(plan, "to_dict") else None
+    for name in sorted(getattr(plan, "explicit", ())):       # a switch the user named that did not resolve
+        r = plan.resolutions.get(name)
+        if name not in levers and r is not None and r.fallback_from:
+            problems.append((name, f"requested {r.fallback_from!r}, resolved {r.resolved!r} ({r.reason})"))
     failed = [r for r in recs or [] if r["status"] == "fail"]
     not_checked = [f"{r['name']}: {r['message']}" for r in recs or [] if r["status"] == "skip"]
     if recs is None:
@@ -292,6 +304,8 @@ def build_manifest(engine) -> dict:
                   "num_experts": mc.num_experts, "nextn_layers": mc.num_nextn_predict_layers,
                   "loaded_tensors": loaded, "expected_tensors": expected},
         "levers": levers,
+        # every binding decision per entry and regime: what serves decode / verify / prefill and why (runner.plan)
+        "plan": plan_d,
         "problems": [{"lever": lv, "message": msg} for lv, msg in problems],
         "canaries": recs,
         "canary_seconds": round(sum(r["seconds"] for r in recs), 4) if recs else None,
@@ -329,6 +343,20 @@ def format_manifest(man: dict) -> str:
                      f"resolved={_short(d.get('resolved'))}{extra}{ver}")
         if name == "moe" and d.get("tuning"):
             lines.append("      launch configs: " + "; ".join(f"{k}: {v}" for k, v in d["tuning"].items()))
+    pl = man.get("plan")
+    if pl:
+        w = pl["regimes"]
+        lines.append(f"  plan (decode {w['decode']} | verify {w['verify']} | prefill {w['prefill']}):")
+        for name, e in pl["entries"].items():
+            cells = []
+            for regime in ("decode", "verify", "prefill"):
+                c = e["regimes"].get(regime)
+                if c is None or c["impl"] == "not used":
+                    cells.append("-")
+                else:
+                    cells.append(f"{c['impl']} [{c['why']}]")
+            same = cells[0] if len(set(cells) - {"-"}) == 1 and cells[0] != "-" else None
+            lines.append(f"    {name:<11} " + (f"all regimes: {same}" if same else " | ".join(cells)))
     if man["canaries"] is not None:
         lines.append(f"  canaries ({man['canary_seconds']:.3f} s):")
         for r in man["canaries"]:

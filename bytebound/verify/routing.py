@@ -43,17 +43,18 @@ def position_routes(runner):
             return ids, w
         return router
 
-    orig_forward = runner.forward
-
-    def forward(ids):
-        start[0] = runner.pos
-        return orig_forward(ids)
+    def at_pos(orig):              # a forward or a verify starts at the committed length
+        def call(*args, **kw):
+            start[0] = runner.pos
+            return orig(*args, **kw)
+        return call
 
     # Wrappers are instance attributes; whatever instance attribute was there before (another wrapper) comes back
     # afterwards, else deleting ours re-exposes the class's method.
-    saved = [(obj, name, obj.__dict__.get(name)) for obj, name in [(runner, "forward")] + [(m, "router") for _, m in moes]]
+    saved = [(obj, name, obj.__dict__.get(name))
+             for obj, name in [(runner, "forward"), (runner, "verify")] + [(m, "router") for _, m in moes]]
     graph, runner.graph = runner.graph, None
-    runner.forward = forward
+    runner.forward, runner.verify = at_pos(runner.forward), at_pos(runner.verify)
     for i, m in moes:
         m.router = wrap_router(i, m)
     try:

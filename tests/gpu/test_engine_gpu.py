@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from bytebound.runner.plan import PLAIN_SWITCHES     # the registry backends alone, as bare bind_model bound them
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="needs a CUDA GPU: run scripts/gpu_check.sh on the device")]
 
@@ -30,7 +32,8 @@ def test_graph_replay_equals_eager_64_steps(tmp_path, moe, linear):
     from bytebound.runner.runner import ModelRunner
     path = NANO if (NANO / "config.json").exists() else _tiny_ckpt(tmp_path)
     model = load_model(path, "cuda")
-    bind_model(model, BackendPlan.default("cuda", moe=moe, linear=linear, lm_head="torch"), "cuda", "fp8")
+    bind_model(model, BackendPlan.default("cuda", moe=moe, linear=linear, lm_head="torch", **PLAIN_SWITCHES), "cuda",
+               "fp8")
     prompt = torch.randint(0, model.cfg.vocab_size, (37,), device="cuda")
 
     def run(graph: bool) -> list[torch.Tensor]:
@@ -96,9 +99,8 @@ def test_graph_replay_interleaved_with_eager_full_width(full_width_model, moe, l
     from bytebound.runner.backends import BackendPlan, bind_model
     from bytebound.runner.graphs import capture_decode
     from bytebound.runner.runner import ModelRunner
-    from bytebound.verify.canaries import restore_state, snapshot_state
     model = full_width_model
-    bind_model(model, BackendPlan.default("cuda", moe=moe, linear=linear, kda=kda), "cuda", "bf16")
+    bind_model(model, BackendPlan.default("cuda", moe=moe, linear=linear, kda=kda, **PLAIN_SWITCHES), "cuda", "bf16")
     r = ModelRunner(model, 256)
     capture_decode(r)
     g = r.graph
@@ -106,10 +108,10 @@ def test_graph_replay_interleaved_with_eager_full_width(full_width_model, moe, l
     tok = model.logits(h[-1:]).argmax(-1).view(1)
     errs = []
     for step in range(3):
-        snap = snapshot_state(r)
+        snap = r.snapshot()
         r.graph = None
         eager = r.forward(tok).float().clone()
-        restore_state(r, snap)
+        r.restore(snap)
         r.graph = g
         replay = r.forward(tok).float().clone()
         errs.append(float((replay - eager).norm() / eager.norm()))
@@ -152,7 +154,7 @@ def test_graph_replay_equals_eager_across_kv_buckets():
     from bytebound.runner.graphs import capture_decode
     from bytebound.runner.runner import ModelRunner
     model = load_model(NANO, "cuda")
-    bind_model(model, BackendPlan.default("cuda"), "cuda", "fp8")
+    bind_model(model, BackendPlan.default("cuda", **PLAIN_SWITCHES), "cuda", "fp8")
     prompt = torch.randint(0, model.cfg.vocab_size, (37,), device="cuda")
 
     def run(graph: bool) -> list[torch.Tensor]:
@@ -196,18 +198,19 @@ def test_verify_equals_sequential_decode_full_width(full_width_model, path):
     from bytebound.layers.moe import RoutedExperts
     from bytebound.runner.backends import BackendPlan, bind_model
     from bytebound.runner.runner import ModelRunner
-    from bytebound.verify.canaries import _rtol, logit_tie_tolerance, restore_state, snapshot_state
+    from bytebound.verify.canaries import _rtol, logit_tie_tolerance
     from bytebound.verify.routing import first_route_flip, position_routes
     model = full_width_model
-    fused = dict(fused_router=path in ("engine_defaults", "fused_router"),
-                 fused_norm=path in ("engine_defaults", "fused_norm"),
-                 fused_shared=None if path in ("engine_defaults", "fused_shared") else False,
-                 router_gemv=path in ("engine_defaults", "router_gemv"))
-    bind_model(model, BackendPlan.default("cuda", mla="triton" if path == "mla_triton" else None), "cuda", "fp8",
-               **fused)
+    # the plan's switches per path (moe_shared None: the CUDA default, fused wherever the MoE backend can)
+    fused = dict(router="gemv" if path in ("engine_defaults", "router_gemv") else
+                 "triton" if path == "fused_router" else "torch",
+                 norm="triton" if path in ("engine_defaults", "fused_norm") else "torch",
+                 moe_shared=None if path in ("engine_defaults", "fused_shared") else "separate")
+    bind_model(model, BackendPlan.default("cuda", mla="triton" if path == "mla_triton" else None, **fused), "cuda",
+               "fp8")
     saved = {}
     if path == "fused_moe":      # the one-launch fused kernel (int64 fixed-point atomics) instead of 'split'
-        from bytebound.kernels.triton_moe import DEFAULT_CONFIG
+        from bytebound.kernels.moe_host import DEFAULT_CONFIG
         for m in model.modules():
             if isinstance(m, RoutedExperts):
                 saved[id(m.fn)] = (m.fn, {mm: m.fn.configs.get(mm) for mm in (1, 4)})   # None: from the table
@@ -216,7 +219,7 @@ def test_verify_equals_sequential_decode_full_width(full_width_model, path):
     r = ModelRunner(model, 256, kv_buckets=buckets)
     try:
         h = r.prefill(torch.randint(0, model.cfg.vocab_size, (61,), device="cuda"))   # verify crosses slot 64
-        snap = snapshot_state(r)
+        snap = r.snapshot()
         tok = model.logits(h[-1:]).argmax(-1)
         p0 = r.pos
         with position_routes(r) as dec_routes:      # decode_vs_verify, with each half's routes recorded
@@ -226,15 +229,15 @@ def test_verify_equals_sequential_decode_full_width(full_width_model, path):
                 seq.append(lg[0])
                 toks.append(lg.argmax(-1).view(1))
         seq = torch.stack(seq)
-        restore_state(r, snap)
+        r.restore(snap)
         with position_routes(r) as ver_routes:
             ver = model.logits(r.verify(torch.cat(toks[:4]))).float()
-        restore_state(r, snap)
-        bind_model(model, BackendPlan.default("cuda", moe="torch", linear="torch"), "cuda", "fp8", **fused)
-        restore_state(r, snap)
+        r.restore(snap)
+        bind_model(model, BackendPlan.default("cuda", moe="torch", linear="torch", **fused), "cuda", "fp8")
+        r.restore(snap)
         toks = [int(tok)] + seq[:3].argmax(-1).tolist()
         yard = torch.cat([model.logits(r.forward(torch.tensor([t], device="cuda"))).float() for t in toks])
-        restore_state(r, snap)
+        r.restore(snap)
         rel = lambda a, b: float((a - b).norm() / b.norm())                                   # noqa: E731
         errs = [rel(ver[i], seq[i]) for i in range(4)]
         bar = max(rel(yard[i], seq[i]) for i in range(4))
@@ -255,7 +258,7 @@ def test_verify_equals_sequential_decode_full_width(full_width_model, path):
                     fn.configs.pop(mm, None)
                 else:
                     fn.configs[mm] = cfg
-        bind_model(model, BackendPlan.default("cuda"), "cuda", "bf16")     # the fixture is shared: reset
+        bind_model(model, BackendPlan.default("cuda", **PLAIN_SWITCHES), "cuda", "bf16")     # shared fixture: reset
 
 
 @torch.inference_mode()
@@ -272,13 +275,13 @@ def test_prefill_equals_sequential_decode_full_width(full_width_model):
     from bytebound.runner.runner import ModelRunner
     from bytebound.verify.routing import first_route_flip, position_routes
     model = full_width_model
-    fused = dict(fused_router=True, fused_norm=True, fused_shared=None, router_gemv=True)
+    fused = dict(router="gemv", norm="triton")     # the CUDA defaults (moe_shared: fused where the backend can)
     n = 40
     prompt = torch.randint(0, model.cfg.vocab_size, (n,), device="cuda",
                            generator=torch.Generator(device="cuda").manual_seed(5))
     r = ModelRunner(model, 256)
     try:
-        bind_model(model, BackendPlan.default("cuda"), "cuda", "fp8", **fused)
+        bind_model(model, BackendPlan.default("cuda", **fused), "cuda", "fp8")
         assert type(model.decoder_layers[-1].mlp.experts.fn.prefill).__name__ == "GroupedMoE"
         with position_routes(r) as pre:
             r.prefill(prompt)
@@ -286,13 +289,13 @@ def test_prefill_equals_sequential_decode_full_width(full_width_model):
         with position_routes(r) as dec:
             for i in range(n):
                 r.forward(prompt[i:i + 1])
-        bind_model(model, BackendPlan.default("cuda", moe="torch", linear="torch"), "cuda", "fp8", **fused)
+        bind_model(model, BackendPlan.default("cuda", moe="torch", linear="torch", **fused), "cuda", "fp8")
         r.reset()
         with position_routes(r) as yard:
             for i in range(n):
                 r.forward(prompt[i:i + 1])
     finally:
-        bind_model(model, BackendPlan.default("cuda"), "cuda", "bf16")     # the fixture is shared: reset
+        bind_model(model, BackendPlan.default("cuda", **PLAIN_SWITCHES), "cuda", "bf16")     # shared fixture: reset
     rel = lambda a, b: float((a - b).norm() / b.norm())                   # noqa: E731
     stops = [f for f in (first_route_flip(dec, pre, range(n)), first_route_flip(dec, yard, range(n))) if f]
     pairs = []

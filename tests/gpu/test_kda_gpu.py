@@ -1,14 +1,18 @@
 """The fused KDA decode/verify kernel (``kernels.triton_kda``, kda backend ``triton``) on the GPU at Ling-3.0-flash's
-full KDA shape (32 heads x head_dim 128, hidden 2560), M = 1..4 and 6 (run by scripts/gpu_check.sh):
+full KDA shape (32 heads x head_dim 128, hidden 2560), M = 1..4 and 6, at every V_SPLIT (1, 2, 4, 8 programs per
+head; run by scripts/gpu_check.sh):
 
 * the kernel against the float64 oracle of tests/test_triton_kda.py (conv, gates, recurrence, gated norm), with
   every token's history entry;
-* CUDA-graph replay == eager, bit for bit (o, both states, the history buffers);
+* CUDA-graph replay == eager, bit for bit (o, both states, the history buffers), two eager calls bit-equal, two
+  replays bit-equal (the split kernel's tickets are reset by each launch);
 * the whole layer with ``layer.fused_fn`` against the layer's torch path (``torch_kda``) and against the current
   CUDA default (``fla``: fused_recurrent for M = 1, the stepwise verify for M > 1), outputs, states and rollback.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -18,6 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 DEV = "cuda"
 H, K = 32, 128
+V_SPLITS = [1, 2, 4, 8]
 
 
 @pytest.fixture(scope="module")
@@ -26,26 +31,41 @@ def tk():
     return triton_kda
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 6])
-@pytest.mark.parametrize("lower_bound", [-5.0, None])
-def test_fused_kernel_ling_shape_vs_float64(tk, m, lower_bound):
-    from test_triton_kda import close64, make_inputs, reference64, run_kernel
+@functools.lru_cache(maxsize=None)
+def _case64(m, lower_bound):
+    """Inputs and float64 oracle of one (M, gate) case (shared by the V_SPLIT variants)."""
+    from test_triton_kda import make_inputs, reference64
     x, p, s = make_inputs(1, m, H, K, K, seed=100 + m, in_dtype=torch.bfloat16)
-    o, st, ch, rh = run_kernel(tk, x, p, s, lower_bound, hist=True)
-    o64, conv64, recs64, convs64 = reference64(x, p, s, lower_bound, H, K, K)
+    return (x, p, s), reference64(x, p, s, lower_bound, H, K, K)
+
+
+@pytest.mark.parametrize("v_split,m", [(1, m) for m in (1, 2, 3, 4, 6)] +
+                         [(vs, m) for vs in V_SPLITS[1:] for m in (1, 2, 3, 4)])
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_fused_kernel_ling_shape_vs_float64(tk, m, lower_bound, v_split):
+    """Every output, state and history entry against the float64 oracle; the bf16 output (checked for both gates
+    at V_SPLIT 1, for the safe gate at the others: the store does not depend on the gate) within one bf16 step."""
+    from test_triton_kda import close64, run_kernel
+    (x, p, s), (o64, conv64, recs64, convs64) = _case64(m, lower_bound)
+    o, st, ch, rh = run_kernel(tk, x, p, s, lower_bound, hist=True, v_split=v_split)
     close64(o, o64)
     close64(st["rec"], recs64[-1])
     close64(rh, recs64)
     assert torch.equal(st["conv"].cpu().double(), conv64)
     assert torch.equal(ch.cpu().double(), convs64)
+    if v_split > 1 and lower_bound is None:
+        return
     # bf16 output (the engine's): one rounding of the float32 value, so within one bf16 step of it
-    ob, _, _, _ = run_kernel(tk, x, p, s, lower_bound, out_dtype=torch.bfloat16)
+    ob, _, _, _ = run_kernel(tk, x, p, s, lower_bound, out_dtype=torch.bfloat16, v_split=v_split)
     assert ob.dtype == torch.bfloat16
     torch.testing.assert_close(ob.float(), o, rtol=2 ** -8, atol=1e-6)
 
 
+@pytest.mark.parametrize("v_split", V_SPLITS)
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-def test_fused_kernel_graph_replay_equals_eager(tk, m):
+def test_fused_kernel_graph_replay_equals_eager(tk, m, v_split):
+    """Eager twice from the same state (bit-equal), then one captured call replayed twice from that state: each
+    replay == eager bit for bit, and the tickets are back at zero after every launch."""
     from test_triton_kda import make_inputs
     x, p, s = make_inputs(1, m, H, K, K, seed=200 + m, in_dtype=torch.bfloat16)
     x = {k: v.to(DEV) for k, v in x.items()}
@@ -55,12 +75,21 @@ def test_fused_kernel_graph_replay_equals_eager(tk, m):
         return {k: v.clone().to(DEV) for k, v in s.items()}, torch.zeros(m, 1, 2 * H * K + H * K, 3, device=DEV), \
             torch.zeros(m, 1, H, K, K, device=DEV)
 
+    tickets = torch.zeros(H, dtype=torch.int32, device=DEV)
+
     def call(st, ch, rh):
         return tk.fused_kda(x["qkv"], x["f"], x["gate"], x["b"], p["conv_weight"], st["conv"], p["a_log"],
-                            p["dt_bias"], st["rec"], p["norm_weight"], 1e-6, -5.0, torch.bfloat16, ch, rh)
+                            p["dt_bias"], st["rec"], p["norm_weight"], 1e-6, -5.0, torch.bfloat16, ch, rh,
+                            v_split=v_split, tickets=tickets)
 
     st_e, ch_e, rh_e = fresh()
     o_e = call(st_e, ch_e, rh_e)
+    st_2, ch_2, rh_2 = fresh()
+    o_2 = call(st_2, ch_2, rh_2)
+    torch.cuda.synchronize()
+    assert torch.equal(o_2, o_e) and torch.equal(st_2["rec"], st_e["rec"]) and torch.equal(rh_2, rh_e)
+    assert torch.equal(st_2["conv"], st_e["conv"]) and torch.equal(ch_2, ch_e)
+    assert not tickets.any()
     st_g, ch_g, rh_g = fresh()
     call(st_g, ch_g, rh_g)                       # compile outside the capture
     torch.cuda.synchronize()
@@ -68,13 +97,24 @@ def test_fused_kernel_graph_replay_equals_eager(tk, m):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         o_g = call(st_g, ch_g, rh_g)
-    for k in st_g:
-        st_g[k].copy_(st_g0[k].to(DEV))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(o_g, o_e)
-    assert torch.equal(st_g["rec"], st_e["rec"]) and torch.equal(st_g["conv"], st_e["conv"])
-    assert torch.equal(rh_g, rh_e) and torch.equal(ch_g, ch_e)
+    for _ in range(2):
+        for k in st_g:
+            st_g[k].copy_(st_g0[k].to(DEV))
+        ch_g.zero_()
+        rh_g.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(o_g, o_e)
+        assert torch.equal(st_g["rec"], st_e["rec"]) and torch.equal(st_g["conv"], st_e["conv"])
+        assert torch.equal(rh_g, rh_e) and torch.equal(ch_g, ch_e)
+        assert not tickets.any()
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_default_launch_is_legal(tk, m):
+    """The launch this GPU resolves for Ling's shape (table entry or the SM-filling default) is a legal V_SPLIT."""
+    vs, nw, source = tk.resolve_launch(1, H, K, K, m, DEV)
+    assert vs in tk.V_SPLITS and nw in (1, 2, 4, 8, 16) and source
 
 
 def ling_layer(seed=0):
@@ -131,9 +171,10 @@ def _state(layer, seed):
     return st
 
 
+@pytest.mark.parametrize("v_split", V_SPLITS)
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("ref_backend", ["torch", "fla"])
-def test_layer_fused_vs_reference_paths(tk, layer, m, ref_backend):
+def test_layer_fused_vs_reference_paths(tk, layer, m, ref_backend, v_split):
     """Layer output (after o_proj), states and every history entry: fused vs the torch reference / fla path, with
     the same projections (so the inputs of the fused part are identical bf16 values)."""
     from bytebound.kernels.registry import resolve
@@ -148,6 +189,7 @@ def test_layer_fused_vs_reference_paths(tk, layer, m, ref_backend):
         st_ref.history = []
         want = layer(x, st_ref)
         layer.fused_fn = tk.FusedKDA(layer)
+        layer.fused_fn.v_split = v_split
         st.history = []
         got = layer(x, st)
         layer.fused_fn, layer.kda_fn = None, torch_kda
@@ -166,13 +208,15 @@ def test_layer_fused_vs_reference_paths(tk, layer, m, ref_backend):
     torch.testing.assert_close(st.rec, st_ref.rec, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("v_split", V_SPLITS)
 @pytest.mark.parametrize("m", [1, 4])
-def test_layer_fused_graph_replay_equals_eager(tk, layer, m):
+def test_layer_fused_graph_replay_equals_eager(tk, layer, m, v_split):
     """The whole layer (FP8 projections + fused kernel + o_proj) captured in one CUDA graph, with a history request:
     replay == eager bit for bit, states and history included."""
     from bytebound.runner.graphs import capture_graph
     x = torch.randn(1, m, layer.q_proj.in_features, device=DEV).to(torch.bfloat16)
     layer.fused_fn = tk.FusedKDA(layer)
+    layer.fused_fn.v_split = v_split
     try:
         st_e = _state(layer, 7)
         with torch.no_grad():
@@ -216,11 +260,11 @@ def test_full_width_decode_graph_replay_equals_eager_with_fused_kda():
     from bytebound.runner.backends import BackendPlan, bind_model
     from bytebound.runner.graphs import capture_decode
     from bytebound.runner.runner import ModelRunner
-    from bytebound.verify.canaries import restore_state, snapshot_state
     d = json.loads(Path(LING3_FLASH_CONFIG).read_text())
     d["num_hidden_layers"] = 6
     model = dummy_model(LingConfig.from_dict(d), "cuda", torch.bfloat16)
-    plan = bind_model(model, BackendPlan.default("cuda", kda="triton"), "cuda", "bf16")
+    from bytebound.runner.plan import PLAIN_SWITCHES
+    plan = bind_model(model, BackendPlan.default("cuda", kda="triton", **PLAIN_SWITCHES), "cuda", "bf16")
     assert plan.resolutions["kda"].resolved == "triton" and "fused kernel" in plan.resolutions["kda"].prefill
     r = ModelRunner(model, 256)
     capture_decode(r)
@@ -228,10 +272,10 @@ def test_full_width_decode_graph_replay_equals_eager_with_fused_kda():
     h = r.prefill(torch.randint(0, model.cfg.vocab_size, (24,), device="cuda"))   # > 8 tokens: chunk_kda
     tok = model.logits(h[-1:]).argmax(-1).view(1)
     for _ in range(3):
-        snap = snapshot_state(r)
+        snap = r.snapshot()
         r.graph = None
         eager = r.forward(tok).clone()
-        restore_state(r, snap)
+        r.restore(snap)
         r.graph = g
         replay = r.forward(tok).clone()
         err = float((replay.float() - eager.float()).norm() / eager.float().norm())
@@ -241,7 +285,7 @@ def test_full_width_decode_graph_replay_equals_eager_with_fused_kda():
 
 @pytest.mark.skipif(not (NANO / "model.safetensors").exists(), reason="trained ling-nano weights not present")
 def test_nano_greedy_fused_kda_equals_fla_and_mtp_round():
-    """The bundled model on the GPU: greedy with kda=triton == greedy with kda=fla (the CUDA default), up to a
+    """The bundled model on the GPU: greedy with kda=triton (the CUDA default) == greedy with kda=fla, up to a
     near-tie of the fla run's logits at the first differing token; and with kda=triton the captured MTP round
     (verify through the fused M = 4 kernel, rollback from its history buffers) == plain greedy."""
     from bytebound.data.gsm8k import load_split
@@ -249,7 +293,7 @@ def test_nano_greedy_fused_kda_equals_fla_and_mtp_round():
     from bytebound.sampling import SamplingParams
     p = SamplingParams(max_tokens=64)
     kw = dict(model=str(NANO), device="cuda")
-    fla = Engine(**kw)
+    fla = Engine(**kw, backends={"kda": "fla"})
     fused = Engine(**kw, backends={"kda": "triton"})
     mtp = Engine(**kw, backends={"kda": "triton"}, speculative_steps=3, spec_static_round=True)
     assert fused.plan.resolutions["kda"].resolved == "triton" and fla.plan.resolutions["kda"].resolved == "fla"

@@ -89,7 +89,7 @@ MOE_IDS = ["gluon-atomics", "gluon-partials", "tl-atomics", "tl-partials", "spli
 
 
 def _moe_config(variant, partials):
-    from bytebound.kernels.triton_moe import DEFAULT_CONFIG, TL_DEFAULT_CONFIG
+    from bytebound.kernels.moe_host import DEFAULT_CONFIG, TL_DEFAULT_CONFIG
     if variant == "split":
         from bytebound.kernels.triton_moe_split import SPLIT_DEFAULT
         return dict(SPLIT_DEFAULT, **(partials or {}))
@@ -101,7 +101,7 @@ def _moe_config(variant, partials):
 
 def _bind(backend, ex, variant=None, partials=False):
     if backend == "triton":
-        from bytebound.kernels.triton_moe import MoEKernel
+        from bytebound.kernels.moe_host import MoEKernel
         cfg = _moe_config(variant, partials)
         return MoEKernel(ex, {m: cfg for m in range(1, 5)})
     from bytebound.kernels.humming_moe import HummingMoE
@@ -145,7 +145,7 @@ def test_triton_moe_ling(ling_experts, variant, m, shared, limit, partials):
 @pytest.mark.parametrize("variant,partials", MOE_MODES, ids=MOE_IDS)
 @pytest.mark.parametrize("m", [1, 3, 4])
 def test_triton_moe_tiny(variant, m, partials):
-    from bytebound.kernels.triton_moe import MoEKernel, fit_config
+    from bytebound.kernels.moe_host import MoEKernel, fit_config
     ex = make_experts(TINY["e"], TINY["h"], TINY["i"], limit=0.5, seed=3)
     fn = MoEKernel(ex)
     fn.configs = {mm: fit_config(_moe_config(variant, partials), TINY["h"], TINY["i"]) for mm in range(1, 5)}
@@ -207,7 +207,7 @@ def test_split_shared_expert(ling_experts, tiling, m, dup, limits):
     bit-identical on repeat. ``kp1`` is KP = 1 (the epilogue without partials), which only the tiny shape can
     run (Ling's H = 2560 is too wide for one slice): it runs there."""
     from bytebound.kernels.torch_ref import shared_expert_reference
-    from bytebound.kernels.triton_moe import MoEKernel, fit_config
+    from bytebound.kernels.moe_host import MoEKernel, fit_config
     if tiling is not None and tiling.get("KP") == 1:
         ex = make_experts(TINY["e"], TINY["h"], TINY["i"], seed=5)
         k, e, h, i = TINY["k"], TINY["e"], TINY["h"], TINY["i"]
@@ -245,7 +245,7 @@ def test_split_shared_expert_graph_and_layer():
 
     from bytebound.config import LingConfig
     from bytebound.errors import BackendError
-    from bytebound.kernels.triton_moe import MoEKernel, fit_config
+    from bytebound.kernels.moe_host import MoEKernel, fit_config
     from bytebound.layers.moe import MoE
     base = LingConfig.from_file("bytebound/assets/configs/ling-3.0-flash.json")
     cfg = dataclasses.replace(base, hidden_size=TINY["h"], moe_intermediate_size=TINY["i"],
@@ -299,7 +299,7 @@ def test_split_pdl_in_after_the_router(ling_experts, pdl_in, m, router):
     import torch.nn.functional as F
 
     from bytebound.kernels.torch_ref import shared_expert_reference
-    from bytebound.kernels.triton_moe import MoEKernel, fit_config
+    from bytebound.kernels.moe_host import MoEKernel, fit_config
     from bytebound.kernels.triton_router import fused_route, gemv_route
     ex = ling_experts
     g = torch.Generator(device=DEV).manual_seed(91 + m)

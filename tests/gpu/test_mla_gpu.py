@@ -132,7 +132,8 @@ def test_nano_graph_replay_equals_eager_with_triton_mla():
     from bytebound.runner.graphs import capture_decode
     from bytebound.runner.runner import ModelRunner
     model = load_model(NANO, "cuda")
-    plan = bind_model(model, BackendPlan.default("cuda", mla="triton"), "cuda", "bf16")
+    from bytebound.runner.plan import PLAIN_SWITCHES
+    plan = bind_model(model, BackendPlan.default("cuda", mla="triton", **PLAIN_SWITCHES), "cuda", "bf16")
     assert plan.resolutions["mla"].resolved == "triton"
     prompt = torch.randint(0, model.cfg.vocab_size, (40,), device="cuda")
 
@@ -150,7 +151,7 @@ def test_nano_graph_replay_equals_eager_with_triton_mla():
 
     for i, (a, b) in enumerate(zip(run(False), run(True))):
         assert torch.equal(a, b), f"step {i}: graph replay differs from eager"
-    bind_model(model, BackendPlan.default("cuda"), "cuda", "bf16")
+    bind_model(model, BackendPlan.default("cuda", **PLAIN_SWITCHES), "cuda", "bf16")
 
 
 @pytest.mark.skipif(not (NANO / "model.safetensors").exists(), reason="trained ling-nano weights not present")

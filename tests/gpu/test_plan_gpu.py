@@ -14,7 +14,7 @@ NANO = Path(__file__).resolve().parents[2] / "models" / "ling-nano"
 
 
 def test_moe_config_source_on_this_device():
-    from bytebound.kernels import triton_moe as tm
+    from bytebound.kernels import moe_host as tm
     name = torch.cuda.get_device_name()
     major, minor = torch.cuda.get_device_capability()
     cfg, source = tm.resolve_config(512, 2560, 768, 8, 1)

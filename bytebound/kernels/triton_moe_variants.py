@@ -1,4 +1,8 @@
-"""Backend ``triton`` of op ``moe``: one fused MXFP4 routed-MoE kernel for batch-1 decode (M=1) and verify (M<=4).
+"""Variants ``gluon`` and ``tl`` of backend ``triton``, op ``moe``: the routed MoE as one fused kernel per call.
+
+These run where no tuned ``split`` entry applies (``moe_host.DEFAULT_CONFIG``, the class default, is ``gluon``) or
+where ``BYTEBOUND_MOE_VARIANT`` or a table entry names them; every sm_90 GPU runs the ``split`` variant
+(``triton_moe_split.py``). The host object that launches them is ``moe_host.MoEKernel`` (:func:`launch_fused`).
 
 One launch computes ``y[m] = sum_j w[m, j] * down_e(SwiGLU(gate_e x[m], up_e x[m]))`` for the experts ``e =
 ids[m, j]`` straight from the checkpoint's MXFP4 bytes (``RoutedExperts``: ``w13 uint8 [E, 2I, H/2]``, ``w13_scale
@@ -14,8 +18,8 @@ ids.flat[s]``) and the intermediate slice ``[j*BI, (j+1)*BI)``:
    pick ``e``). No host sync, no torch glue ops: the routing tensors go straight into the kernel.
 2. **gate/up GEMV**: rows ``gate[j-slice] | up[j-slice]`` (2*BI rows) times ``x [M, H]`` on tensor cores (mma
    m16n8k16, tokens padded to 8 columns); the E2M1 codes are decoded to BF16 in registers by a PRMT lookup
-   table (8 values per 32-bit word, ~2.6 instructions per weight including the E8M0 scale multiply), staged
-   through shared memory and read back with ldmatrix.
+   table (``triton_moe_split.ASM_DEQ8``: 8 values per 32-bit word, ~2.6 instructions per weight including the
+   E8M0 scale multiply), staged through shared memory and read back with ldmatrix.
 3. SwiGLU (optional clamp ``silu(g).clamp(max=L) * u.clamp(-L, L)``) and the routing weight, in float32; the
    slice's activations become the BF16 B operand of
 4. **down GEMV** over the slice: ``w2[e, :, j-slice]`` (all H rows, BI columns) -> partial ``[H, M]`` added with
@@ -26,123 +30,47 @@ ids.flat[s]``) and the intermediate slice ``[j*BI, (j+1)*BI)``:
    the workspace and the counter for the next call, so one launch is the whole op and it is CUDA-graph safe.
 
 Config ``"partials": true`` replaces 4-5 by plain stores: each program writes its float32 partial ``[H, M]`` to
-its own slot of a shared scratch ``[I/BI, M*top_k, H, M]`` and a second kernel (``_moe_reduce_partials``) sums
-the slots in a fixed order. Also bit-identical run to run, without the int64 atomics (at M = 4 they cost +72 %
-over float atomics on the H200), at the price of writing and reading the partials (15.7 MB at M = 4 with BI 64,
-1 MB at M = 1) and a second launch; at M = 4 it beat the int64 atomics on the H200 (docs/perf/history.md).
+its own slot of a shared scratch ``[I/BI, M*top_k, H, M]`` (``kernels.scratch``) and a second kernel
+(``_moe_reduce_partials``) sums the slots in a fixed order. Also bit-identical run to run, without the int64
+atomics, at the price of writing and reading the partials (15.7 MB at M = 4 with BI 64, 1 MB at M = 1) and a
+second launch (measurements: docs/perf/moe-kernels-h200.md).
 
 Two implementations of the same algorithm: ``gluon`` (Triton's explicit-layout dialect: the register layouts are
-chosen so the dequantisation needs no shuffles) and ``tl`` (plain Triton with ``tl.dot_scaled``; the
-compiler's generic MX up-cast, slower, kept as the fallback). A third variant, ``split``
-(``triton_moe_split.py``), is a different algorithm: two kernels (gate/up, then down) whose hundreds of small
-programs issue all their weight bytes up front, against this kernel's latency-bound serial chain. All are specialised per exact shape
-``(E, H, I, top_k, M)`` as constexprs and cached by Triton's JIT. Launch configs (variant, BI, BK, BH, warps)
-come from ``configs/triton_moe.json`` keyed by shape under the exact GPU name, else under the architecture's
-default GPU (every sm_90 part uses the H200's entries), written by ``scripts/bench_moe.py --tune``; anything else
-uses :data:`DEFAULT_CONFIG`. :func:`resolve_config` also says which key matched (the manifest records it).
-
-Constraints: M <= :data:`MAX_M` per launch (more raises :class:`BackendError` unless ``fn.prefill`` is set;
-``runner.backends.bind_model`` sets it to this kernel over 4-token slices), bf16
-activations, E8M0 scale bytes < 255. Graph capture: the callable allocates only its output (caching allocator)
-and launches one kernel (two in the partials mode and the ``split`` variant); the atomic workspace and counter
-belong to the binding. The partials buffer and the ``split`` scratch are shared by every binding on a device
-(allocated, or grown, on the first call of a shape, which must therefore happen before capture). So MoE calls
-must not run concurrently on two streams.
+chosen so the dequantisation needs no shuffles) and ``tl`` (plain Triton with ``tl.dot_scaled``; the compiler's
+generic MX up-cast, slower, kept as the fallback). Both are specialised per exact shape ``(E, H, I, top_k, M)`` as
+constexprs and cached by Triton's JIT. Config keys: ``BI``, ``BK`` (gate/up K step), ``BH`` (down rows per step),
+``num_warps``, ``num_stages`` (``tl``), ``deterministic``, ``partials``, ``reduce_bh``, ``reduce_warps``
+(:func:`fit_fused_config` fits the tiling to a model's shape).
 """
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import torch
 
 from bytebound.errors import BackendError
-from bytebound.kernels.limits import MAX_VERIFY_M as MAX_M     # the one verify-width limit (kernels/limits.py)
-from bytebound.kernels.registry import cuda_only, needs_capability, optional_triton, register
-
-# Deterministic accumulation: partial sums enter the workspace as int64 fixed point (value * 2^28), and integer
-# addition does not depend on the order the programs arrive in, so the output is bit-identical run to run (float32
-# atomics differ in the last bit: measured 1 of 2560 outputs at M=1, 4 of 10240 at M=4 on the H200). Resolution
-# 2^-28 = 3.7e-9 absolute, range +-3.4e10: far below bf16's 3 significant digits for any value a hidden state holds.
-FIXED_SHIFT = 28
-NP = 8                      # token columns of the mma tile (m16n8k16)
-CONFIG_PATH = Path(__file__).resolve().parent / "configs" / "triton_moe.json"
-DEFAULT_CONFIG = {"variant": "gluon", "BI": 64, "BK": 128, "BH": 256, "num_warps": 4}   # H200 sweep: best at M=1, 4
-TL_DEFAULT_CONFIG = {"variant": "tl", "BI": 32, "BK": 256, "BH": 128, "num_warps": 4, "num_stages": 3}
+from bytebound.kernels.registry import optional_triton
+from bytebound.kernels.scratch import scratch
+from bytebound.kernels.triton_moe_split import ASM_DEQ8, ASM_FENCE, GLUON_ERR, fit_pow2, gl, gluon
 
 triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machines without Triton
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
+if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-    _GLUON_ERR = None
-except Exception as exc:  # pragma: no cover
-    gluon = gl = mma_v2 = async_copy = None
-    _GLUON_ERR = f"triton.experimental.gluon is not importable: {exc}"
 
-
+# Deterministic accumulation: partial sums enter the workspace as int64 fixed point (value * 2^28), and integer
+# addition does not depend on the order the programs arrive in, so the output is bit-identical run to run (float32
+# atomics differ in the last bit of a few outputs per call: docs/perf/moe-kernels-h200.md). Resolution 2^-28 = 3.7e-9 absolute, range +-3.4e10:
+# far below bf16's 3 significant digits for any value a hidden state holds.
+FIXED_SHIFT = 28
 FIXED_ONE = tl.constexpr(float(1 << FIXED_SHIFT)) if tl is not None else None
-
-
-def available(dev) -> str | None:
-    return cuda_only(dev) or _TRITON_ERR or needs_capability(dev, 8, "mma.m16n8k16 bf16")
-
-
-# E2M1 -> BF16 lookup tables for PRMT (bytes 0..7 = magnitude codes 0..7):
-#   low byte  [00 00 80 C0 00 40 80 C0] and high byte [00 3F 3F 3F 40 40 40 40] of 0, .5, 1, 1.5, 2, 3, 4, 6;
-#   sign byte table [00 80] indexed by the code's bit 3.
-LUT_WORDS = (0xC0800000, 0xC0804000, 0x3F3F3F00, 0x40404040, 0x00008000)
-
-
-def _lut_tensor(device) -> torch.Tensor:
-    vals = [v - (1 << 32) if v >= 1 << 31 else v for v in LUT_WORDS]
-    return torch.tensor(vals + [0, 0, 0], dtype=torch.int32, device=device)
+REDUCE_BH = 32             # hidden rows per program of _moe_reduce_partials (80 programs at H = 2560); config
+#                            keys "reduce_bh" / "reduce_warps" override it
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Gluon implementation
 # ---------------------------------------------------------------------------------------------------------
 if gluon is not None:
-    # One int32 word = 8 E2M1 codes (code t in bits 4t..4t+3 = k order). $8 word, $9 bf16x2 (scale, scale),
-    # $10..$14 the LUT words (passed as registers so ptxas keeps them resident instead of re-materialising).
-    # Outputs $0..$7: the 8 BF16 values in k order.
-    _ASM_DEQ8 = gl.constexpr("""
-{
-.reg .b32 a<13>;
-.reg .b32 o<4>;
-and.b32  a0, $8, 0x88888888;
-shr.u32  a1, a0, 3;
-and.b32  a2, $8, 0x77777777;
-shr.u32  a3, a2, 16;
-shr.u32  a4, a0, 19;
-prmt.b32 a5, $10, $11, a2;
-prmt.b32 a6, $10, $11, a3;
-prmt.b32 a7, $12, $13, a2;
-prmt.b32 a8, $12, $13, a3;
-prmt.b32 a9, $14, 0, a1;
-prmt.b32 a10, $14, 0, a4;
-or.b32   a11, a7, a9;
-or.b32   a12, a8, a10;
-prmt.b32 o0, a5, a11, 0x5140;
-prmt.b32 o1, a5, a11, 0x7362;
-prmt.b32 o2, a6, a12, 0x5140;
-prmt.b32 o3, a6, a12, 0x7362;
-mul.rn.bf16x2 o0, o0, $9;
-mul.rn.bf16x2 o1, o1, $9;
-mul.rn.bf16x2 o2, o2, $9;
-mul.rn.bf16x2 o3, o3, $9;
-mov.b32 {$0, $1}, o0;
-mov.b32 {$2, $3}, o1;
-mov.b32 {$4, $5}, o2;
-mov.b32 {$6, $7}, o3;
-}
-""")
-
-    _ASM_FENCE = gl.constexpr("fence.acq_rel.gpu; mov.u32 $0, 0;")
-
     @gluon.jit
     def _g_dequant(w, s, c0, c1, c2, c3, c4):
         """``w`` int32 ``[R, NB, Q]`` (Q <= 4 consecutive words of one 32-value scale block), ``s`` uint8
@@ -150,7 +78,7 @@ mov.b32 {$6, $7}, o3;
         s16 = s.to(gl.int32) << 7
         s2 = gl.expand_dims(s16 | (s16 << 16), 2)
         s2 = gl.broadcast(s2, w)[0]
-        o = gl.inline_asm_elementwise(_ASM_DEQ8, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r",
+        o = gl.inline_asm_elementwise(ASM_DEQ8, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r",
                                       [w, s2, c0, c1, c2, c3, c4], (gl.bfloat16,) * 8, True, 1)
         v = gl.join(gl.join(gl.join(o[0], o[4]), gl.join(o[2], o[6])),
                     gl.join(gl.join(o[1], o[5]), gl.join(o[3], o[7])))
@@ -328,7 +256,7 @@ mov.b32 {$6, $7}, o3;
             # ---- completion ticket: the last program converts the workspace and re-arms it ----
             FL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
             fz = gl.arange(0, 32 * NW, layout=gl.SliceLayout(1, FL))
-            gl.inline_asm_elementwise(_ASM_FENCE, "=r,r", [fz], gl.int32, False, 1)   # every thread: fence
+            gl.inline_asm_elementwise(ASM_FENCE, "=r,r", [fz], gl.int32, False, 1)   # every thread: fence
             gl.thread_barrier()
             ticket = gl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
             if ticket == NPROG - 1:
@@ -459,142 +387,16 @@ if tl is not None:
         tl.store(out_ptr + mv[None, :] * H + h[:, None], acc.to(tl.bfloat16), mask=mv[None, :] < M)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# configs
-# ---------------------------------------------------------------------------------------------------------
-REDUCE_BH = 32             # hidden rows per program of _moe_reduce_partials (80 programs at H = 2560); config
-#                            keys "reduce_bh" / "reduce_warps" override it
-_SCRATCH: dict = {}        # (device, name) -> buffers shared by every binding (partials mode, 'split' variant)
+def fit_fused_config(cfg: dict, h: int, i: int) -> dict:
+    """Shrink a ``gluon`` / ``tl`` config's BI/BK/BH to divide this model's I/H (tiny test models).
 
-
-def scratch(device, name: str, numel: int, dtype=torch.float32) -> torch.Tensor:
-    """A zero-initialised buffer ``name`` of at least ``numel`` elements, shared by every MoE binding on
-    ``device``: the partials mode's per-program partials ``[NJ, S, H, MV]``, the ``split`` variant's activations,
-    partials and tickets.
-
-    One buffer serves every MoE layer: the layers run one after another on one stream and each launch has
-    consumed its scratch before the next layer's writes it (at full scale 15.7 MB of partials instead of 0.6 GB
-    for 40 per-layer copies). Ticket buffers stay zero between launches (each launch resets its own). Growing a
-    buffer keeps the older ones alive, because a captured CUDA graph holds their addresses."""
-    bufs = _SCRATCH.setdefault((str(torch.device(device)), name), [])
-    if not bufs or bufs[-1].numel() < numel:
-        bufs.append(torch.zeros(numel, dtype=dtype, device=device))
-    return bufs[-1]
-
-
-def shape_key(e: int, h: int, i: int, k: int, m: int) -> str:
-    return f"E{e}_H{h}_I{i}_k{k}_M{m}"
-
-
-def gpu_name(device=None) -> str:
-    """``torch.cuda.get_device_name(device)``, or ``"cpu"`` without CUDA."""
-    return torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cpu"
-
-
-def gpu_arch(device=None) -> str | None:
-    """The CUDA architecture of ``device`` as ``"sm_<major><minor>"`` (``torch.cuda.get_device_capability``;
-    e.g. ``"sm_90"`` for every Hopper part: H100, H200, H800, H20, GH200), or None without CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
-
-
-def load_configs(path: Path = CONFIG_PATH) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        return {}
-
-
-UNTUNED = "untuned class default"
-
-
-def resolve_config(e, h, i, k, m, device=None, path: Path | None = None) -> tuple[dict, str]:
-    """The launch config for this GPU and shape, and which table key supplied it (recorded in the manifest).
-
-    Lookup order, for the shape key ``E{e}_H{h}_I{i}_k{k}_M{m}`` (:func:`shape_key`):
-
-    1. the entry under the exact device name (``torch.cuda.get_device_name()``) -> ``"tuned for <name>"``;
-    2. the architecture default: the table's ``"_arch_defaults"`` maps an architecture (:func:`gpu_arch`, e.g.
-       ``"sm_90"``) to the GPU whose entries every part of that architecture uses (all sm_90 GPUs run the H200's
-       tuned ``split`` kernels, and with them the fused shared expert) -> ``"sm_90 default (tuned on NVIDIA H200)"``;
-       the tuning depends on the memory system and SM count, which differ within an architecture, so a GPU's own
-       tuned entries (``scripts/bench_moe.py --tune``) come first;
-    3. :data:`DEFAULT_CONFIG` -> ``"untuned class default (...)"``.
-
-    The table is ``configs/triton_moe.json``, or the file named by the environment variable
-    ``BYTEBOUND_MOE_CONFIG`` (e.g. a fresh ``bench_moe.py --tune`` table; the source then names the file). The
-    environment variable ``BYTEBOUND_MOE_VARIANT`` (gluon | tl | split) forces the implementation after the lookup:
-    the entry's tiling carries over between the two implementations of the fused algorithm, a ``split`` entry to
-    ``split``; otherwise the forced variant's defaults.
-
-    Returns:
-        ``(config dict, source str)``; the config is not yet fitted to the shape (:func:`fit_config`).
-    """
-    env_path = os.environ.get("BYTEBOUND_MOE_CONFIG")
-    path = Path(path or env_path or CONFIG_PATH)
-    table = load_configs(path)
-    key = shape_key(e, h, i, k, m)
-    name, arch = gpu_name(device), gpu_arch(device)
-    tuned_on = table.get("_arch_defaults", {}).get(arch) if arch else None
-    cfg = dict(DEFAULT_CONFIG)
-    if key in table.get(name, {}):
-        cfg.update(table[name][key])
-        source = f"tuned for {name}"
-    elif tuned_on and key in table.get(tuned_on, {}):
-        cfg.update(table[tuned_on][key])
-        source = f"{arch} default (tuned on {tuned_on})"
-    else:
-        where = name if arch is None else f"{name} or {arch}"
-        source = f"{UNTUNED} (no entry for {where} at {key})"
-    if path != CONFIG_PATH:
-        source += f", table {path}"
-    forced = os.environ.get("BYTEBOUND_MOE_VARIANT")
-    if forced == "split":
-        cfg = dict(_split().SPLIT_DEFAULT, **(cfg if cfg.get("variant") == "split" else {}))
-    elif forced:
-        # the table entry's tiling carries over only between the two implementations of the fused algorithm
-        keep = cfg if cfg.get("variant") in ("gluon", "tl") else {}
-        cfg = dict(TL_DEFAULT_CONFIG if forced == "tl" else DEFAULT_CONFIG, **{kk: v for kk, v in keep.items()
-                                                                           if kk not in ("variant",)})
-        cfg["variant"] = forced
-    if forced:
-        source += f"; variant forced by BYTEBOUND_MOE_VARIANT={forced}"
-    return cfg, source
-
-
-def lookup_config(e, h, i, k, m, device=None, path: Path | None = None) -> dict:
-    """The launch config of :func:`resolve_config` without its source."""
-    return resolve_config(e, h, i, k, m, device, path)[0]
-
-
-def _split():
-    """The ``split`` variant's module (imported on first use: it imports this one)."""
-    from bytebound.kernels import triton_moe_split
-    return triton_moe_split
-
-
-def _fit(block: int, n: int, lo: int) -> int:
-    """Largest power-of-two block <= ``block`` that divides ``n`` (>= ``lo``), else 0 (tensor shapes must be
-    powers of two)."""
-    b = 1 << (max(int(block), 1).bit_length() - 1)
-    while b >= lo:
-        if n % b == 0:
-            return b
-        b //= 2
-    return 0
-
-
-def fit_config(cfg: dict, h: int, i: int) -> dict:
-    """Shrink BI/BK/BH to divide this model's I/H (tiny test models); raises BackendError if impossible."""
-    if cfg.get("variant") == "split":
-        return _split().fit_split_config(cfg, h, i)
+    Raises:
+        BackendError: no power-of-two tiling fits (H and I must be multiples of 32)."""
     cfg = dict(cfg)
     lo_bi = 16 if cfg["variant"] == "gluon" else 32
-    cfg["BI"] = _fit(cfg["BI"], i, lo_bi)
-    cfg["BK"] = _fit(cfg["BK"], h, 32)
-    cfg["BH"] = _fit(cfg["BH"], h, 16)
+    cfg["BI"] = fit_pow2(cfg["BI"], i, lo_bi)
+    cfg["BK"] = fit_pow2(cfg["BK"], h, 32)
+    cfg["BH"] = fit_pow2(cfg["BH"], h, 16)
     if not (cfg["BI"] and cfg["BK"] and cfg["BH"]) or cfg["BK"] // 32 > 32:
         raise BackendError(f"moe[triton]: no tiling of H={h}, I={i} for config {cfg} (H and I must be multiples "
                            "of 32; use moe backend 'torch' or 'humming')")
@@ -603,149 +405,39 @@ def fit_config(cfg: dict, h: int, i: int) -> dict:
     return cfg
 
 
-class MoEKernel:
-    """The bound callable for one ``RoutedExperts``: owns the workspace ``[H, 8]`` float32, the ticket
-    counter and the per-M configs; ``__call__(x, ids, w)`` launches the configured variant (module docstring)."""
+def launch_fused(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict) -> None:
+    """Run the fused kernel (and, in the ``partials`` mode, the reduce) for one call of
+    :class:`~bytebound.kernels.moe_host.MoEKernel` ``kern`` with the fitted ``gluon`` / ``tl`` config ``cfg``.
 
-    max_tokens = MAX_M
+    ``x bf16 [M, H]``, ``ids int32/int64 [M, k]``, ``w float32 [M, k]`` (contiguous), ``out bf16 [M, H]``. The
+    atomic workspace ``kern.ws`` and ticket ``kern.cnt`` belong to the binding, the partials to ``kernels.scratch``.
 
-    def __init__(self, ex, configs: dict[int, dict] | None = None):
-        if ex.fmt != "mxfp4":
-            raise BackendError(f"moe[triton] needs MXFP4 experts, got fmt={ex.fmt!r} (use moe backend 'torch')")
-        dev = ex.w13.device
-        if dev.type != "cuda":
-            raise BackendError("moe[triton] needs the experts on a CUDA device")
-        self.ex = ex
-        self.e, self.h, self.i = ex.n, ex.hidden, ex.inter
-        if ex.w13_scale.dtype != torch.uint8 or ex.w2_scale.dtype != torch.uint8:
-            raise BackendError("moe[triton]: scales must be uint8 E8M0 bytes")
-        for name in ("w13", "w13_scale", "w2", "w2_scale"):
-            if not getattr(ex, name).is_contiguous():
-                raise BackendError(f"moe[triton]: experts.{name} must be contiguous")
-        # int32 word views of the packed codes (no copy)
-        self.w13w = ex.w13.data.view(torch.uint8).view(torch.int32)
-        self.w2w = ex.w2.data.view(torch.uint8).view(torch.int32)
-        self.s13 = ex.w13_scale.data
-        self.s2 = ex.w2_scale.data
-        # one workspace per accumulation mode (int64 fixed point: deterministic; float32: the atomics' order)
-        self.ws = {True: torch.zeros(self.h, NP, dtype=torch.int64, device=dev),
-                   False: torch.zeros(self.h, NP, dtype=torch.float32, device=dev)}
-        self.cnt = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.lut = _lut_tensor(dev)
-        self.sm90 = torch.cuda.get_device_capability(dev)[0] >= 9     # PDL (the 'split' variant's kernel B)
-        self.limit = ex.limit
-        self.configs = dict(configs or {})
-        self._fitted: dict[int, tuple] = {}  # m -> (the config it was fitted from, fitted to (H, I), its source)
-        # Delegate for M > MAX_M (bind_model sets it to this kernel over 4-token slices; humming or torch also
-        # fit); None -> BackendError, as the registry contract asks.
-        self.prefill = None
-        self.shared = None     # triton_moe_split.SharedFP8: the layer's shared expert, inside the 'split' kernels
-
-    def bind_shared(self, mlp) -> None:
-        """Run the layer's shared expert (``mlp``, a ``layers.moe.DenseMLP`` with FP8 128x128-block projections)
-        inside the ``split`` kernels, as one more slot of each: ``__call__`` then returns routed + shared for the
-        token counts whose config is ``split`` (:meth:`shared_for`), and the layer skips its own shared expert
-        there. The gate and up weights are copied once into one ``[2I, H]`` tensor (3.9 MB per Ling-3.0-flash
-        layer); the block scales become BF16x2 factors ``scale x 2^120`` (see ``triton_moe_split._ASM_FP8X4``).
-
-        Raises:
-            BackendError: the projections are not FP8 with 128x128 blocks, the shared intermediate size differs
-                from the routed one, or a block scale is not a power of two of at most 2^7 (the checkpoint's
-                ``scale_fmt: ue8m0``; ``scale x 2^120`` must be a normal BF16)."""
-        from bytebound.kernels.triton_moe_split import shared_fp8
-        self.shared = shared_fp8(mlp, self.h, self.i)
-
-    def shared_for(self, m: int, k: int) -> bool:
-        """Whether ``__call__`` with ``m`` tokens of top-``k`` routing includes the shared expert (bound, and a
-        ``split`` config for ``m``)."""
-        return self.shared is not None and m <= MAX_M and self.config(m, k)["variant"] == "split"
-
-    def config(self, m: int, k: int) -> dict:
-        """The launch config for ``m`` tokens: a caller-given one (``configs``) or the table's, fitted to this
-        model's shape once."""
-        return self._config(m, k)[1]
-
-    def config_source(self, m: int, k: int) -> str:
-        """Which table key supplied :meth:`config` for ``m`` tokens (:func:`resolve_config`'s source, or
-        ``"given by the caller"``), prefixed with the variant: e.g. ``"split, sm_90 default (tuned on NVIDIA
-        H200)"``."""
-        _, cfg, source = self._config(m, k)
-        return f"{cfg['variant']}, {source}"
-
-    def _config(self, m: int, k: int) -> tuple:
-        src = self.configs.get(m)
-        done = self._fitted.get(m)
-        if done is None or done[0] is not src:       # (the cache holds src, so identity cannot be recycled)
-            if src is None:
-                cfg, source = resolve_config(self.e, self.h, self.i, k, m, self.cnt.device)
-            else:
-                cfg, source = src, "given by the caller"
-            done = (src, fit_config(cfg, self.h, self.i), source)
-            self._fitted[m] = done
-        return done
-
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, shared: bool = True) -> torch.Tensor:
-        """Routed sum ``[M, H]`` bf16, plus the bound shared expert when ``shared`` and :meth:`shared_for` (the
-        prefill delegate calls with ``shared=False``: there the layer adds its dense shared expert itself)."""
-        m, k = ids.shape
-        if m > MAX_M:
-            if self.prefill is not None:
-                return self.prefill(x, ids, w)
-            raise BackendError(f"moe[triton] handles at most {MAX_M} tokens per call (got {m}); "
-                               "bind 'humming' or 'torch' for prefill (or set fn.prefill)")
-        if x.dtype != torch.bfloat16:
-            raise BackendError(f"moe[triton] needs bf16 activations, got {x.dtype}")
-        cfg = self.config(m, k)
-        x = x.contiguous()
-        ids = ids.contiguous()
-        w = w.to(torch.float32).contiguous()
-        out = torch.empty(m, self.h, dtype=torch.bfloat16, device=x.device)
-        if cfg["variant"] == "split":
-            _split().launch_split(self, x, ids, w, out, cfg, self.shared if shared else None)
-            return out
-        grid = (self.i // cfg["BI"], m * k)
-        sp = triton.next_power_of_2(max(m * k, 32))
-        limit = float(self.limit) if self.limit is not None else 0.0
-        fixed = bool(cfg.get("deterministic", True))
-        partials = bool(cfg.get("partials", False))
-        ws = self.ws[fixed]
-        nj, mv = self.i // cfg["BI"], (1 if m == 1 else 4)
-        part = scratch(x.device, "partials", nj * m * k * self.h * mv) if partials else ws
-        common = dict(H=self.h, I=self.i, TOPK=k, M=m, SP=sp, BI=cfg["BI"], BK=cfg["BK"], BH=cfg["BH"],
-                      HAS_LIMIT=self.limit is not None, FIXED=fixed, PARTIALS=partials)
-        if cfg["variant"] == "gluon":
-            if gluon is None:
-                raise BackendError(f"moe[triton] variant 'gluon': {_GLUON_ERR}")
-            _moe_fused_gluon[grid](x, ids, w, self.w13w, self.s13, self.w2w, self.s2, ws, self.cnt, out,
-                                   self.lut, part, limit, num_warps=cfg["num_warps"], **common)
-        elif cfg["variant"] == "tl":
-            _moe_fused_tl[grid](x, ids, w, self.ex.w13.data, self.s13, self.ex.w2.data, self.s2, ws,
-                                self.cnt, out, part, limit, num_warps=cfg["num_warps"],
-                                num_stages=cfg.get("num_stages", 3), **common)
-        else:
-            raise BackendError(f"moe[triton]: unknown variant {cfg['variant']!r}")
-        if partials:
-            bhr = _fit(cfg.get("reduce_bh", REDUCE_BH), self.h, 1)
-            _moe_reduce_partials[(self.h // bhr,)](part, ids, out, H=self.h, S=m * k, SP=sp, NJ=nj, M=m, MV=mv,
-                                                   BHR=bhr, num_warps=cfg.get("reduce_warps", 4))
-        return out
-
-    def weight_bytes(self, n_experts: int) -> int:
-        """Bytes of weights + scales read for ``n_experts`` distinct experts."""
-        per = (self.ex.w13[0].numel() + self.ex.w13_scale[0].numel() + self.ex.w2[0].numel()
-               + self.ex.w2_scale[0].numel())
-        return n_experts * per
-
-
-@register("moe", "triton", available)
-class TritonMoE:
-    """Fused MXFP4 MoE for M <= 4 (decode and MTP verify). See the module docstring."""
-    name = "triton"
-
-    def __init__(self, configs: dict[int, dict] | None = None):
-        self.configs = configs
-
-    def bind(self, ex, dtype):
-        if dtype != torch.bfloat16:
-            raise BackendError(f"moe[triton] runs in bf16, model dtype is {dtype}")
-        return MoEKernel(ex, self.configs)
+    Raises:
+        BackendError: variant ``gluon`` without an importable Gluon, or a variant that is neither ``gluon`` nor
+            ``tl``."""
+    m, k = ids.shape
+    grid = (kern.i // cfg["BI"], m * k)
+    sp = triton.next_power_of_2(max(m * k, 32))
+    limit = float(kern.limit) if kern.limit is not None else 0.0
+    fixed = bool(cfg.get("deterministic", True))
+    partials = bool(cfg.get("partials", False))
+    ws = kern.ws[fixed]
+    nj, mv = kern.i // cfg["BI"], (1 if m == 1 else 4)
+    part = scratch(x.device, "partials", nj * m * k * kern.h * mv) if partials else ws
+    common = dict(H=kern.h, I=kern.i, TOPK=k, M=m, SP=sp, BI=cfg["BI"], BK=cfg["BK"], BH=cfg["BH"],
+                  HAS_LIMIT=kern.limit is not None, FIXED=fixed, PARTIALS=partials)
+    if cfg["variant"] == "gluon":
+        if gluon is None:
+            raise BackendError(f"moe[triton] variant 'gluon': {GLUON_ERR}")
+        _moe_fused_gluon[grid](x, ids, w, kern.w13w, kern.s13, kern.w2w, kern.s2, ws, kern.cnt, out,
+                               kern.lut, part, limit, num_warps=cfg["num_warps"], **common)
+    elif cfg["variant"] == "tl":
+        _moe_fused_tl[grid](x, ids, w, kern.ex.w13.data, kern.s13, kern.ex.w2.data, kern.s2, ws,
+                            kern.cnt, out, part, limit, num_warps=cfg["num_warps"],
+                            num_stages=cfg.get("num_stages", 3), **common)
+    else:
+        raise BackendError(f"moe[triton]: unknown variant {cfg['variant']!r}")
+    if partials:
+        bhr = fit_pow2(cfg.get("reduce_bh", REDUCE_BH), kern.h, 1)
+        _moe_reduce_partials[(kern.h // bhr,)](part, ids, out, H=kern.h, S=m * k, SP=sp, NJ=nj, M=m, MV=mv,
+                                               BHR=bhr, num_warps=cfg.get("reduce_warps", 4))

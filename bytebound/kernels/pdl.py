@@ -1,0 +1,64 @@
+"""Programmatic dependent launch (PDL, sm_90+) for the small decode/verify kernels.
+
+Inside a CUDA graph a kernel boundary still costs the next grid's launch and ramp (~1-3 us). With PDL a kernel
+launched with ``launch_pdl=True`` may start as soon as every program of the kernel before it has issued
+``griddepcontrol.launch_dependents``; its own ``griddepcontrol.wait`` then blocks until that kernel has
+completed and its memory is visible (CUDA Programming Guide, "Programmatic Dependent Launch and
+Synchronization"; PTX ISA ``griddepcontrol``). :func:`enter` issues both at the very top of a kernel, before any
+load or store, so the kernel is safe whatever it follows (the caching allocator may hand it memory the
+previous kernel still reads: nothing is touched before the wait) and lets the next kernel launch early. The
+FP8 GEMVs (``triton_fp8``) additionally prefetch their weights between the two; the MoE kernels keep their own
+protocol (``triton_moe_split``). Users: the RMSNorm / add+RMSNorm kernel (``triton_norm``), the fused KDA kernel
+(``triton_kda``) and the three MLA decode/verify kernels (``triton_mla``).
+
+A kernel not launched with ``launch_pdl`` waits for full completion of the previous one, as without PDL, and
+its ``griddepcontrol.wait`` returns at once. ``BYTEBOUND_PDL=0`` in the environment turns PDL off for these
+kernels (a diagnostic for A/B timing; read once at import).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from bytebound.kernels.registry import optional_triton
+
+triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machines without Triton
+
+_OFF = os.environ.get("BYTEBOUND_PDL", "1") == "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def enabled(device: torch.device) -> bool:
+    """PDL for a launch on ``device``: CUDA with compute capability >= 9.0, not under Triton's interpreter (no
+    PTX there), not switched off by ``BYTEBOUND_PDL=0``."""
+    if _OFF or os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
+        return False
+    return _sm_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+def launch_kwargs(device: torch.device) -> dict:
+    """Extra launch arguments of a kernel that calls :func:`enter`: ``{"launch_pdl": True}`` where PDL is on."""
+    return {"launch_pdl": True} if enabled(device) else {}
+
+
+if tl is not None:
+    @triton.jit
+    def gdc(ASM: tl.constexpr, NT: tl.constexpr):
+        """One PTX instruction with no operands (``griddepcontrol.*``) issued by every thread (``NT`` = 32 *
+        num_warps elements of a 1-D tensor: at least one per thread)."""
+        tl.inline_asm_elementwise(ASM, "=r,r", [tl.arange(0, NT)], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def enter(PDL: tl.constexpr, NT: tl.constexpr):
+        """First statement of a PDL kernel (``PDL`` true): let the next kernel launch, then wait for the previous
+        kernel's completion and memory. ``NT``: 32 * num_warps. A no-op when ``PDL`` is false."""
+        if PDL:
+            gdc("griddepcontrol.launch_dependents; mov.u32 $0, 0;", NT)
+            gdc("griddepcontrol.wait; mov.u32 $0, 0;", NT)

@@ -1,0 +1,31 @@
+"""Per-device scratch buffers shared by the decode kernels that run one after another on one stream.
+
+The ``split`` MoE kernels (``kernels.triton_moe_split``: activations, partials, tickets), the fused MoE kernels'
+``partials`` mode (``kernels.triton_moe_variants``) and the one-launch router (``kernels.triton_router.gemv_route``:
+logits, ticket) each need a workspace per launch, but never two at once: the MoE layers and their routers run in
+sequence on one stream and each launch has consumed its scratch before the next one writes it. So one buffer per
+``(device, name)`` serves every layer (at full scale 15.7 MB of MoE partials instead of 0.6 GB for 40 per-layer
+copies). The price: such kernels must not run concurrently on two streams.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_BUFFERS: dict = {}        # (device, name) -> [buffers, smallest first]; the last one is current
+
+
+def scratch(device, name: str, numel: int, dtype=torch.float32) -> torch.Tensor:
+    """A zero-initialised buffer ``name`` of at least ``numel`` elements of ``dtype`` on ``device``, shared by
+    every caller of that name on that device (module docstring).
+
+    Ticket buffers stay zero between launches (each launch resets its own). Growing a buffer keeps the older ones
+    alive, because a captured CUDA graph holds their addresses. A buffer is allocated (or grown) on the first call
+    of a shape, which must therefore happen before capture.
+
+    Returns:
+        a 1-D tensor of ``numel`` or more elements (the current buffer of that name, not a fresh one)."""
+    bufs = _BUFFERS.setdefault((str(torch.device(device)), name), [])
+    if not bufs or bufs[-1].numel() < numel:
+        bufs.append(torch.zeros(numel, dtype=dtype, device=device))
+    return bufs[-1]

@@ -1,0 +1,230 @@
+"""Issue 19's launch fusions on the GPU at Ling-3.0-flash widths (run by scripts/gpu_check.sh):
+
+* the residual add fused into the next RMSNorm (``kernels.triton_norm.add_rmsnorm``) at hidden 2560, M = 1..4: the
+  new residual bit-equal to torch's add, the normed value as the plain norm kernel on it; graph replay == eager;
+* beta's b_proj inside the fused KDA kernel (``fused_kda(x=, b_weight=)``) at 32 heads x 128, hidden 2560, M = 1..4,
+  against the same kernel fed cuBLAS's b_proj output; graph replay == eager, history included;
+* the post-attention add + norm folded into the router launch (``gemv_route_add_norm``) at Ling's routing (512
+  experts, 8 groups, top-8, hidden 2560), M = 1..4, against torch's add, the norm and ``route``; graph == eager;
+* a six-layer model at full width bound as the engine binds it on CUDA: decode graph replay == eager bit for bit,
+  and the kernels of one decode-graph replay counted (torch.profiler) with the fusions off and on, so the saving
+  is measured: at least one launch per residual add (2 per layer), one per fused KDA layer and one more per MoE
+  layer (its post-attention norm).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="needs a CUDA GPU (run scripts/gpu_check.sh on the device)")]
+
+DEV = "cuda"
+HID, H, K = 2560, 32, 128
+
+
+def _graph(fn):
+    from bytebound.runner.graphs import capture_graph
+    return capture_graph(fn, warmup=2)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("wdt", [torch.bfloat16, torch.float32])
+def test_add_rmsnorm_ling_width(m, wdt):
+    from bytebound.kernels.triton_norm import add_rmsnorm, rmsnorm
+    from bytebound.layers.norm import RMSNorm
+    g = torch.Generator(device=DEV).manual_seed(m)
+    norm = RMSNorm(HID, 1e-6).to(DEV)
+    norm.weight.data = (torch.rand(HID, generator=g, device=DEV) + 0.5).to(wdt)
+    h = (torch.randn(1, m, HID, generator=g, device=DEV) * 3).to(torch.bfloat16)
+    delta = (torch.randn(1, m, HID, generator=g, device=DEV) * 0.4).to(torch.bfloat16)
+    x, h2 = add_rmsnorm(delta, h, norm.weight, norm.eps)
+    want_h = h + delta
+    assert torch.equal(h2, want_h)
+    assert torch.equal(x, rmsnorm(want_h, norm.weight, norm.eps))
+    want = norm(want_h)           # the torch module: float32 statistics summed in another order
+    ulp = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp(min=1e-30))) - 7)
+    assert ((x.float() - want.float()).abs() <= 2 * ulp).all()
+    assert (x != want).float().mean() < 0.01
+    graph, out = _graph(lambda: add_rmsnorm(delta, h, norm.weight, norm.eps))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], x) and torch.equal(out[1], h2)
+
+
+def _kda_inputs(m, seed):
+    from test_triton_kda import make_inputs
+    x, p, s = make_inputs(1, m, H, K, K, seed=seed, in_dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(seed)
+    xin = torch.randn(1, m, HID, generator=g).to(torch.bfloat16)
+    wb = (torch.randn(H, HID, generator=g) * 0.02).to(torch.bfloat16)
+    return ({k: v.to(DEV) for k, v in x.items()}, {k: v.to(DEV) for k, v in p.items()}, s, xin.to(DEV),
+            wb.to(DEV))
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_fused_kda_beta_from_x_ling_shape(m):
+    """The in-kernel b_proj against cuBLAS's (``F.linear`` in bf16, then the kernel reads b): both round the float32
+    dot to bf16, in different summation orders, so beta may differ by one bf16 step of its logit."""
+    from bytebound.kernels import triton_kda as tk
+    x, p, s, xin, wb = _kda_inputs(m, 400 + m)
+
+    def call(b, xx, ww, st, ch, rh):
+        return tk.fused_kda(x["qkv"], x["f"], x["gate"], b, p["conv_weight"], st["conv"], p["a_log"], p["dt_bias"],
+                            st["rec"], p["norm_weight"], 1e-6, -5.0, torch.bfloat16, ch, rh, x=xx, b_weight=ww)
+
+    def fresh():
+        return ({k: v.clone().to(DEV) for k, v in s.items()}, torch.zeros(m, 1, 3 * H * K, 3, device=DEV),
+                torch.zeros(m, 1, H, K, K, device=DEV))
+    st_b, ch_b, rh_b = fresh()
+    o_b = call(torch.nn.functional.linear(xin, wb), None, None, st_b, ch_b, rh_b)
+    st_x, ch_x, rh_x = fresh()
+    o_x = call(None, xin, wb, st_x, ch_x, rh_x)
+    err = ((o_x.float() - o_b.float()).norm() / o_b.float().norm()).item()
+    assert err < 1e-2, err
+    torch.testing.assert_close(st_x["rec"], st_b["rec"], rtol=2e-2, atol=1e-3)
+    assert torch.equal(st_x["conv"], st_b["conv"]) and torch.equal(ch_x, ch_b)
+    # graph replay == eager, bit for bit
+    st_g, ch_g, rh_g = fresh()
+    st0 = {k: v.clone() for k, v in st_g.items()}
+
+    def body():
+        return call(None, xin, wb, st_g, ch_g, rh_g)
+    from bytebound.runner.graphs import capture_graph
+    graph, o_g = capture_graph(body, warmup=2, between=lambda: [st_g[k].copy_(st0[k]) for k in st_g])
+    for k in st_g:
+        st_g[k].copy_(st0[k])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o_g, o_x) and torch.equal(st_g["rec"], st_x["rec"]) and torch.equal(rh_g, rh_x)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_gemv_route_add_norm_ling(m):
+    from bytebound.kernels.triton_router import gemv_route_add_norm
+    from bytebound.layers.moe import route
+    from bytebound.layers.norm import RMSNorm
+    e, g, tg, k = 512, 8, 4, 8
+    gen = torch.Generator(device=DEV).manual_seed(10 + m)
+    norm = RMSNorm(HID, 1e-6).to(DEV)
+    norm.weight.data = (torch.rand(HID, generator=gen, device=DEV) + 0.5).to(torch.bfloat16)
+    wg = torch.randn(e, HID, generator=gen, device=DEV) * 0.02
+    b = torch.randn(e, generator=gen, device=DEV) * 0.1
+    h = (torch.randn(m, HID, generator=gen, device=DEV) * 3).to(torch.bfloat16)
+    delta = (torch.randn(m, HID, generator=gen, device=DEV) * 0.4).to(torch.bfloat16)
+
+    def call():
+        return gemv_route_add_norm(delta, h, norm.weight, norm.eps, wg, b, k, g, tg, True, 2.5)
+    ids, w, x, h2 = call()
+    assert torch.equal(h2, h + delta)
+    want = norm(h + delta)
+    ulp = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp(min=1e-30))) - 7)
+    assert ((x.float() - want.float()).abs() <= 2 * ulp).all() and (x != want).float().mean() < 0.01
+    rid, rw = route(torch.nn.functional.linear(x.float(), wg), b, k, g, tg, True, 2.5)
+    for i in range(m):
+        got = dict(zip(ids[i].tolist(), w[i].tolist()))
+        ref = dict(zip(rid[i].tolist(), rw[i].tolist()))
+        assert got.keys() == ref.keys()
+        assert all(abs(got[j] - ref[j]) <= 1e-4 * max(1.0, abs(ref[j])) for j in got)
+    graph, out = _graph(call)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b_) for a, b_ in zip(out, (ids, w, x, h2)))
+
+
+def _kernels_per_replay(runner, pos: int, replays: int = 3) -> float:
+    """CUDA kernels in one replay of the captured decode graph (torch.profiler, as scripts/bench_decode.py counts
+    ``kernels_per_step``, without the LM head: the fusions do not touch it)."""
+    from torch.profiler import ProfilerActivity, profile
+    from bytebound.runner.graphs import capture_decode
+    capture_decode(runner)
+    tok = torch.tensor([17], device=DEV)
+    runner.graph.replay(tok, pos)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(replays):
+            runner.graph.replay(tok, pos + 1 + i)
+        torch.cuda.synchronize()
+    runner.graph = None
+    n = sum(e.count for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")
+            and e.self_device_time_total > 0)
+    return n / replays
+
+
+@torch.inference_mode()
+def test_full_width_decode_fusions_graph_equals_eager_and_kernel_count():
+    from bytebound.checkpoint.synthetic import dummy_model
+    from bytebound.config import LING3_FLASH_CONFIG, LingConfig
+    from bytebound.layers.kda import KimiDeltaAttention
+    from bytebound.layers.moe import MoE
+    from bytebound.layers.norm import RMSNorm
+    from bytebound.runner.backends import BackendPlan, bind_model
+    from bytebound.runner.graphs import capture_decode
+    from bytebound.runner.runner import ModelRunner
+    d = json.loads(Path(LING3_FLASH_CONFIG).read_text())
+    d["num_hidden_layers"] = 6
+    model = dummy_model(LingConfig.from_dict(d), DEV, torch.bfloat16)
+    # the device's default plan, as the engine binds it (router=gemv, norm=triton, moe_shared=fused, kda=triton)
+    plan = bind_model(model, BackendPlan.default(DEV), DEV, "bf16")
+    kda = [m for m in model.modules() if isinstance(m, KimiDeltaAttention) and m.fused_fn is not None]
+    assert kda and all(m.fused_fn.beta_in_kernel for m in kda), plan.resolutions["kda"].fused
+    assert plan.resolutions["kda"].fused == "b_proj inside the fused kernel"
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm) and m.add_fn is not None]
+    moes = [m for m in model.modules() if isinstance(m, MoE) and m.gemv_add_norm_fn is not None]
+    assert moes and "post-attention add + norm" in plan.resolutions["moe"].router
+    r = ModelRunner(model, 256)
+    h = r.prefill(torch.randint(0, model.cfg.vocab_size, (12,), device=DEV))
+    tok = model.logits(h[-1:]).argmax(-1).view(1)
+    capture_decode(r)
+    g = r.graph
+    snap = r.snapshot()
+    for _ in range(2):
+        s = r.snapshot()
+        r.graph = None
+        eager = r.forward(tok).clone()
+        r.restore(s)
+        r.graph = g
+        replay = r.forward(tok).clone()
+        assert torch.equal(replay, eager)
+        tok = model.logits(replay).argmax(-1).view(1)
+    r.graph = None
+
+    def step():         # one eager decode step from the snapshot, then the counted graph replays (they mutate)
+        r.restore(snap)
+        out = r.forward(torch.tensor([17], device=DEV)).clone()
+        r.restore(snap)
+        return out, _kernels_per_replay(r, snap.pos)
+    fused_out, fused = step()
+    for m in norms:
+        m.add_fn_saved, m.add_fn = m.add_fn, None
+    for m in kda:
+        m.fused_fn.beta_in_kernel = False
+    for m in moes:
+        m.gemv_add_norm_saved, m.gemv_add_norm_fn = m.gemv_add_norm_fn, None
+    try:
+        unfused_out, unfused = step()
+    finally:
+        for m in norms:
+            m.add_fn = m.add_fn_saved
+        for m in kda:
+            m.fused_fn.beta_in_kernel = True
+        for m in moes:
+            m.gemv_add_norm_fn = m.gemv_add_norm_saved
+    L = model.cfg.num_hidden_layers
+    n_moe = sum(isinstance(layer.mlp, MoE) for layer in model.decoder_layers)     # (the NEXTN layer's is not run)
+    expect = 2 * L + len(kda) + n_moe
+    print(f"\nkernels per decode-graph replay ({L} layers, {len(kda)} fused KDA, {n_moe} MoE): unfused "
+          f"{unfused:.1f}, fused {fused:.1f}, saved {unfused - fused:.1f} (expected >= {expect})")
+    if os.environ.get("OUT"):           # the device tool's result folder (scripts/gpu_check.sh)
+        Path(os.environ["OUT"], "fuse_kernel_count.json").write_text(json.dumps(
+            {"layers": L, "fused_kda_layers": len(kda), "moe_layers": n_moe, "add_norms": len(norms),
+             "kernels_unfused": unfused, "kernels_fused": fused}, indent=2))
+    assert unfused - fused >= expect
+    # the same step either way, up to beta's bf16 rounding (summation order of the b_proj dot)
+    err = ((fused_out.float() - unfused_out.float()).norm() / unfused_out.float().norm()).item()
+    assert err < 2e-2, err

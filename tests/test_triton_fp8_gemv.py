@@ -1,0 +1,128 @@
+"""The decode/verify FP8 block GEMV (``kernels.triton_fp8.fp8_block_gemv``, M <= 4) against a float64 dequantised
+reference, in Triton's interpreter on a CPU machine (CI without Triton skips): the FMA and tensor-core (``DOT``)
+paths, split-K with its ticketed fixed-order reduction, ragged N and K, the one-chunk-ahead loads (``PRE``), M =
+1..4; and the host side (config fitting, the table, the decode shapes). GPU runs at every Ling decode shape, graph
+replay == eager and repeat bit-equality: ``tests/gpu/test_gemv_gpu.py``.
+
+The bound is elementwise: the output's BF16 rounding (half a step, <= 2^-8 of the value) plus a float32
+summation allowance of K * 2^-24 of the sum of |terms| (the weight, its scale and x are exact in float32, and the
+tensor-core path's BF16 operands are exact too: E4M3 -> BF16 loses nothing)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from bytebound.quant import dequantize_fp8_block, quantize_fp8_block
+from conftest import ROOT, needs_triton, triton_module_fixture
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+fp8k = triton_module_fixture("fp8k", "bytebound.kernels.triton_fp8", bf16_round_nearest=True)
+
+
+def case(n, k, m, block=(128, 128), seed=0):
+    """E4M3 weight with block scales that differ by 2^-3..2^3 between neighbouring blocks, and BF16 x with a few
+    large channels; returns x, w, s and the float64 reference with its elementwise bound."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.exp2(torch.randint(-3, 4, (math.ceil(n / block[0]),), generator=g).float())
+    cols = torch.exp2(torch.randint(-3, 4, (math.ceil(k / block[1]),), generator=g).float())
+    w = (torch.randn(n, k, generator=g) * 0.05 * rows.repeat_interleave(block[0])[:n, None]
+         * cols.repeat_interleave(block[1])[None, :k])
+    wq, sw = quantize_fp8_block(w, block)
+    x = torch.randn(m, k, generator=g) * 2
+    x[:, torch.randperm(k, generator=g)[:3]] *= 30
+    x = x.to(torch.bfloat16)
+    wd = dequantize_fp8_block(wq, sw, block, torch.float64)
+    ref = x.double() @ wd.t()
+    bound = ref.abs() * 2.0 ** -8 + (x.double().abs() @ wd.abs().t()) * k * 2.0 ** -24
+    return x.to(DEV), wq.to(DEV), sw.to(DEV), ref, bound
+
+
+def check(y, ref, bound):
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+    err = (y.double().cpu() - ref).abs()
+    assert torch.isfinite(y.float()).all()
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item():.3e}"
+
+
+CFGS = {
+    "fma": {"BN": 16, "BK": 64, "SPLIT": 1, "num_warps": 4},
+    "fma-split3": {"BN": 16, "BK": 64, "SPLIT": 3, "num_warps": 4},
+    "fma-pre-split2": {"BN": 32, "BK": 64, "SPLIT": 2, "num_warps": 4, "PRE": True},
+    "dot-split2": {"BN": 16, "BK": 64, "SPLIT": 2, "num_warps": 4, "DOT": True},
+    "dot-pre": {"BN": 32, "BK": 128, "SPLIT": 1, "num_warps": 4, "DOT": True, "PRE": True},
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(CFGS))
+@pytest.mark.parametrize("n,k", [(48, 320), (64, 384)])         # ragged N (48 % 32) and K (320 % 128, % 64 * 3)
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_gemv_matches_float64(fp8k, name, n, k, m):
+    x, w, s, ref, bound = case(n, k, m, seed=n + k + m)
+    cfg = fp8k.fit_gemv_config(CFGS[name], n, k, m)
+    y = fp8k.fp8_block_gemv(x, w, s, cfg=cfg)
+    check(y, ref, bound)
+    if cfg["SPLIT"] > 1:
+        # the last program of each row tile re-armed its ticket: the next launch starts from zero
+        assert int(fp8k.gemv_scratch(x.device, "ticket", 1, torch.int32).abs().sum()) == 0
+        assert torch.equal(fp8k.fp8_block_gemv(x, w, s, cfg=cfg), y)
+
+
+@needs_triton
+def test_gemv_small_scale_blocks(fp8k):
+    """A 32x32 scale block: BN is cut to divide it, the tensor-core chunk to one scale block."""
+    x, w, s, ref, bound = case(96, 256, 3, block=(32, 32), seed=5)
+    cfg = fp8k.fit_gemv_config({"BN": 64, "BK": 128, "DOT": True, "SPLIT": 2, "num_warps": 4}, 96, 256, 3, (32, 32))
+    assert cfg["BN"] == 32 and cfg["BK"] == 32
+    check(fp8k.fp8_block_gemv(x, w, s, (32, 32), cfg=cfg), ref, bound)
+
+
+@needs_triton
+def test_linear_binding_uses_gemv(fp8k):
+    """``TritonLinear``'s callable (CUDA-only bind, so the per-M configs and the GEMV call are exercised directly
+    here): the default path of ``fp8_block_linear`` for M <= 4."""
+    x, w, s, ref, bound = case(80, 256, 4, seed=9)
+    for m in (1, 4):
+        check(fp8k.fp8_block_linear(x[:m], w, s), ref[:m], bound[:m])
+
+
+def test_fit_gemv_config_properties():
+    from bytebound.kernels.triton_fp8 import fit_gemv_config, gemv_config
+    for n, k in [(20480, 2560), (2560, 4096), (576, 2560), (32, 2560), (2560, 768), (100, 300)]:
+        for m in (1, 4):
+            for raw in [{"BN": 48, "BK": 200}, {"BN": 256, "BK": 512, "DOT": True}, {"BN": 16, "BK": 256, "SPLIT": 7}]:
+                c = fit_gemv_config(raw, n, k, m)
+                assert 128 % c["BN"] == 0 and c["BK"] & (c["BK"] - 1) == 0 and c["BK"] >= 16
+                assert not c["DOT"] or 128 % c["BK"] == 0
+                assert c["KS"] % c["BK"] == 0 and c["SPLIT"] * c["KS"] >= k > (c["SPLIT"] - 1) * c["KS"]
+                assert c["PF"] % 16 == 0
+            c = gemv_config(n, k, m)           # CPU: no architecture entry, the default, fitted
+            assert c["SPLIT"] >= 1 and "KS" in c
+    c = fit_gemv_config({"BN": 16, "BK": 64}, 64, 64, 1, (96, 128))       # rows of a 96-row scale block
+    assert 96 % c["BN"] == 0
+
+
+def test_gemv_table_entries_are_valid():
+    from bytebound.kernels.triton_fp8 import GEMV_CONFIG_PATH, GEMV_KEYS, gemv_table
+    raw = json.loads(GEMV_CONFIG_PATH.read_text())
+    assert "_format" in raw
+    for arch, entries in gemv_table().items():
+        assert arch.startswith("sm_")
+        for key, cfg in entries.items():
+            assert key.startswith("N") and "_K" in key and "_M" in key
+            assert set(cfg) <= set(GEMV_KEYS) and {"BN", "BK", "num_warps"} <= set(cfg)
+
+
+def test_decode_shapes_are_the_models():
+    """The benchmark's (and the GPU test's) shape list comes from the model: the fused KDA projection and o_proj
+    are there with their layer counts."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_gemv import decode_shapes
+    shapes = {(e["n"], e["k"]): e for e in decode_shapes()}
+    assert shapes[(20480, 2560)]["count"] == 35 and shapes[(2560, 4096)]["count"] == 35 + 8
+    assert (576, 2560) in shapes and (2560, 5120) in shapes and (2560, 6144) in shapes
