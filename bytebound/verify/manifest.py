@@ -205,7 +205,9 @@ def _graph_lever(engine) -> dict:
     if rnd is not None and rnd.graphs:                     # the MTP round (--spec-static-round)
         shapes += rnd.captured_shapes
     got = "captured" if g is not None else "eager"
-    if engine.device.type != "cuda" and getattr(cfg, "cpu_compile", False) and not cfg.enforce_eager:
+    plan = getattr(engine, "plan", None)
+    named = plan is not None and "graphs" in plan.explicit          # --backend graphs=... / --enforce-eager win
+    if engine.device.type != "cuda" and getattr(cfg, "cpu_compile", False) and not named:
         requested, got = "compiled (--cpu-compile: torch.compile, inductor C++)", ("compiled" if g else "eager")
         ok = g is not None and bool(shapes)
     elif engine.device.type != "cuda":
