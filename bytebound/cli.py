@@ -58,6 +58,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--enforce-eager", action="store_true", help="deprecated: --backend graphs=eager")
+    p.add_argument("--cpu-compile", action="store_true",
+                   help="CPU: compile the one-token decode step with torch.compile (inductor, C++; needs a C++ "
+                        "compiler). Faster steps, but the first compile takes minutes on a 2-core machine and a "
+                        "warm cache still seconds (docs/perf/cpu-decode-nano.md)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="N processes, one shard of the model each (heads, experts, vocabulary; gloo on CPU, NCCL on "
                         "CUDA with one GPU per rank); bytebound starts them itself, or runs as a rank under torchrun")
@@ -96,6 +100,7 @@ def engine_config(a):
                         lm_head="fp32" if a.enable_fp32_lm_head else a.lm_head, backends=backends,
                         allow_fallback=a.allow_fallback, speculative_steps=steps, max_model_len=a.max_model_len,
                         load_format=a.load_format, enforce_eager=a.enforce_eager,
+                        cpu_compile=getattr(a, "cpu_compile", False),
                         spec_static_round=a.spec_static_round, kv_buckets=a.decode_kv_buckets,
                         fused_router=a.fused_router, fused_norm=a.fused_norm,
                         fused_shared=a.fused_shared_expert, fused_router_gemv=a.fused_router_gemv,

@@ -68,6 +68,10 @@ class EngineConfig:
     kv_buckets: bool | None = None
     spec_static_round: bool | None = None
     cpu_threads: int | None = 1       # batch-1 CPU steps are many tiny ops: one thread avoids sync overhead
+    # CPU: the one-token decode step compiled by torch.compile (inductor C++; runner.cpu_compile), the CPU
+    # counterpart of the CUDA graph. Opt-in: the first compile takes minutes on a 2-core machine, a warm
+    # inductor cache still seconds (docs/perf/cpu-decode-nano.md). enforce_eager wins over it.
+    cpu_compile: bool = False
     # N processes, one shard each (bytebound.parallel): the process must already be rank r of an N-process group
     # (bytebound's --tensor-parallel-size launcher or torchrun, bytebound.parallel.init_from_env).
     tensor_parallel_size: int = 1
@@ -311,6 +315,9 @@ class Engine:
         if self.plan.choice("graphs") == "captured":
             from bytebound.runner.graphs import capture_decode
             capture_decode(self.runner)
+        elif cfg.cpu_compile and dev.type == "cpu" and "graphs" not in self.plan.explicit:
+            from bytebound.runner.cpu_compile import compile_decode
+            compile_decode(self.runner)         # BackendError (named) when inductor fails
         hot = None
         draft_vocab_on = cfg.draft_vocab not in (None, 0, "", "0")
         if cfg.speculative_steps and draft_vocab_on:

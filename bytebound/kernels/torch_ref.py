@@ -74,6 +74,21 @@ def _moe_rows_cpu(ex, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> to
     return (rows[0] if len(rows) == 1 else torch.cat(rows, 0)).to(dtype)
 
 
+def _moe_rows_traced(ex, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The few-row routed sum in a form torch.compile traces without host syncs: the chosen experts' rows are
+    indexed inside elementwise products reduced over the input dimension, which inductor fuses into one loop that
+    reads the rows in place (no gathered copy, no ``.tolist()``). ``x [M, H]``, ``ids [M, k]`` int64, ``w [M, k]``
+    float32 -> ``[M, H]`` in x's dtype. Same maths as :func:`_moe_rows_cpu`; the summation order differs."""
+    # ``_traced_deq``: the resident experts in bfloat16 where that is exact (E2M1 x E8M0 values; runner.cpu_compile),
+    # half the bytes of the float32 copy for the same products
+    deq = getattr(ex, "_traced_deq", None) or getattr(ex, "_deq", None)
+    w13, w2 = deq if deq is not None else (ex.w13, ex.w2)
+    h = (w13[ids].to(x.dtype) * x[:, None, None, :]).sum(-1)              # [M, k, 2I]
+    a = swiglu(h[..., :ex.inter], h[..., ex.inter:], ex.limit)            # [M, k, I]
+    o = (w2[ids].to(x.dtype) * a[:, :, None, :]).sum(-1)                   # [M, k, H]
+    return (o.float() * w[..., None]).sum(1).to(x.dtype)
+
+
 def moe_reference(ex, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Routed-expert sum ``y[m] = sum_j w[m, j] * SwiGLU_{ids[m, j]}(x[m])``; ``x [M, H]`` -> ``[M, H]``.
 
@@ -83,6 +98,8 @@ def moe_reference(ex, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> to
     m, k = ids.shape
     inter = ex.inter
     if m * k <= GATHER_MAX_ROWS and x.device.type == "cpu" and _resident(ex):
+        if torch.compiler.is_compiling():
+            return _moe_rows_traced(ex, x, ids, w)
         return _moe_rows_cpu(ex, x, ids, w)
     if m * k <= GATHER_MAX_ROWS:
         w13, w2 = _expert_weights(ex, ids.reshape(-1), x.dtype)            # [Mk,2I,H], [Mk,H,I]
@@ -137,13 +154,36 @@ def lm_head_reference(head, x: torch.Tensor) -> torch.Tensor:
 
 
 # ---- registered backends ------------------------------------------------------------------------
+def traced_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x W^T`` as an elementwise product reduced over the input dimension, for torch.compile on a CPU: inductor
+    turns it into one vectorised loop that reads ``w`` in its own dtype (bfloat16: half the bytes of float32) and
+    multiplies and sums in float32. ``x [..., K]`` float32, ``w [N, K]`` -> ``[..., N]`` float32. With ``w`` holding
+    exactly the values of the float32 weight, only the summation order differs from ``F.linear``."""
+    return (x[..., None, :] * w.float()).sum(-1)
+
+
+class BoundLinear:
+    """The torch backend's bound projection: ``F.linear(x, weight)`` with ``weight [out, in]`` prepared once.
+
+    ``traced``: None, or the same values in bfloat16 (set by ``runner.cpu_compile`` where the conversion is exact,
+    e.g. dequantised E4M3 x power-of-two scales); the compiled CPU decode step then reads it through
+    :func:`traced_linear`. Eager calls always use ``weight``."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight, self.traced = weight, None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.traced is not None and torch.compiler.is_compiling():
+            return traced_linear(x, self.traced)
+        return F.linear(x, self.weight)
+
+
 class TorchLinear:
-    """Dequantises FP8 block weights once to the compute dtype and calls ``F.linear``."""
+    """Dequantises FP8 block weights once to the compute dtype and calls ``F.linear`` (:class:`BoundLinear`)."""
     name = "torch"
 
     def bind(self, lin, dtype):
-        w = lin.dequantized(dtype).contiguous()
-        return lambda x: F.linear(x, w)
+        return BoundLinear(lin.dequantized(dtype).contiguous())
 
 
 class TorchMoE:

@@ -12,7 +12,8 @@ server and stored with bench results). Levers:
   cost c, a / c, switches, the reason of the last decision; ``fell_back``: decoding plainly because MTP did not pay).
 * ``draft_sharing``: whether the draft's embedding and LM head are the target's *objects* (identity, ``is``),
   and whether the head's weight tensor is merely aliased (the seed's silent failure).
-* ``cuda_graphs``: ``runner.graph`` and its captured shapes, or eager.
+* ``cuda_graphs``: ``runner.graph`` and its captured shapes (CUDA graphs, or the compiled CPU step of
+  ``--cpu-compile``), or eager.
 
 ``plan``: the engine's execution plan (``runner.plan.BackendPlan.to_dict``): per entry (the kernel ops and the
 switches router, norm, moe_shared, kv, round, graphs) and per regime (decode M = 1, verify M = k + 1, prefill) the
@@ -204,7 +205,12 @@ def _graph_lever(engine) -> dict:
     if rnd is not None and rnd.graphs:                     # the MTP round (--spec-static-round)
         shapes += rnd.captured_shapes
     got = "captured" if g is not None else "eager"
-    if engine.device.type != "cuda":
+    plan = getattr(engine, "plan", None)
+    named = plan is not None and "graphs" in plan.explicit          # --backend graphs=... / --enforce-eager win
+    if engine.device.type != "cuda" and getattr(cfg, "cpu_compile", False) and not named:
+        requested, got = "compiled (--cpu-compile: torch.compile, inductor C++)", ("compiled" if g else "eager")
+        ok = g is not None and bool(shapes)
+    elif engine.device.type != "cuda":
         requested = "eager (CPU: no CUDA graphs)"
         ok = g is None or bool(shapes)
     else:
