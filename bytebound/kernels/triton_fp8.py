@@ -376,6 +376,15 @@ def _read_gemv_table(path: str) -> dict:
     return {k: v for k, v in table.items() if not k.startswith("_")}
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(x: int) -> int:
+    """Smallest power of two >= x (x >= 1): host-side config arithmetic that must work without Triton."""
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
 def gemv_default(n: int, k: int, m: int, sm_count: int = 132) -> dict:
     """The config for a shape the table lacks (and for GPUs it has no architecture entry for): FMA path, 16 or 32
     rows per program, 256-column chunks, and split-K up to about :data:`GEMV_WAVES` programs per SM."""
@@ -399,18 +408,18 @@ def fit_gemv_config(cfg: dict, n: int, k: int, m: int, block=(128, 128), sm_coun
         bn //= 2
     if bn < 1 or sbn % bn:
         raise BackendError(f"linear[triton]: scale block {tuple(block)} has no power-of-two row tiling")
-    bk = max(16, triton.next_power_of_2(int(out["BK"])))
+    bk = max(16, _next_pow2(int(out["BK"])))
     dot = bool(out["DOT"]) and bn >= 16 and sbk >= 16
     if dot:
         while bk > sbk or sbk % bk:
             bk //= 2
-    bk = min(bk, max(16, triton.next_power_of_2(k)))
-    tiles = triton.cdiv(n, bn)
+    bk = min(bk, max(16, _next_pow2(k)))
+    tiles = _cdiv(n, bn)
     split = int(out["SPLIT"])
     if split <= 0:
-        split = max(1, min(triton.cdiv(k, bk), (GEMV_WAVES * sm_count) // tiles))
-    ks = triton.cdiv(triton.cdiv(k, min(split, triton.cdiv(k, bk))), bk) * bk
-    split = triton.cdiv(k, ks)
+        split = max(1, min(_cdiv(k, bk), (GEMV_WAVES * sm_count) // tiles))
+    ks = _cdiv(_cdiv(k, min(split, _cdiv(k, bk))), bk) * bk
+    split = _cdiv(k, ks)
     pf = int(out["PF"]) if k % 16 == 0 else 0
     out.update(BN=bn, BK=bk, DOT=dot, PRE=bool(out["PRE"]), SPLIT=split, KS=ks, PF=min(pf, ks) // 16 * 16)
     return out
@@ -467,7 +476,7 @@ def gemv_reserve(device, n: int, k: int, block=(128, 128), cfgs=None) -> None:
     for m in range(1, MAX_M + 1):
         cfg = cfgs[m] if cfgs else gemv_config(n, k, m, device, block)
         if cfg["SPLIT"] > 1:
-            tiles = triton.cdiv(n, cfg["BN"])
+            tiles = _cdiv(n, cfg["BN"])
             gemv_scratch(device, "part", tiles * cfg["SPLIT"] * 4 * cfg["BN"])
             gemv_scratch(device, "ticket", tiles, torch.int32)
 
