@@ -73,6 +73,14 @@ if tl is not None:
     from bytebound.kernels.pdl import enter as pdl_enter
 
     @triton.jit
+    def _store_window(ptr, ch, w0, w1, w2, mask):
+        """Store a 3-input conv window (oldest first) of channels ``ch`` at ``ptr + ch * 3 + {0, 1, 2}``: the
+        layout of the conv state and of its per-token history."""
+        tl.store(ptr + ch * 3 + 0, w0, mask=mask)
+        tl.store(ptr + ch * 3 + 1, w1, mask=mask)
+        tl.store(ptr + ch * 3 + 2, w2, mask=mask)
+
+    @triton.jit
     def _conv_silu_step(x, w0, w1, w2, c0, c1, c2, c3):
         """One causal depthwise-conv output (kernel 4) + SiLU: window (w0 oldest .. w2 newest) and input x."""
         y = c0 * w0 + c1 * w1 + c2 * w2 + c3 * x
@@ -184,20 +192,12 @@ if tl is not None:
             tl.store(scr + (t * 3 + 2) * BK + ck, tl.exp(g), mask=mk)
             if HIST:
                 hc = conv_hist_ptr + (t * B + bi) * C * 3
-                tl.store(hc + chq * 3 + 0, wq0, mask=mown)
-                tl.store(hc + chq * 3 + 1, wq1, mask=mown)
-                tl.store(hc + chq * 3 + 2, wq2, mask=mown)
-                tl.store(hc + chk * 3 + 0, wk0, mask=mown)
-                tl.store(hc + chk * 3 + 1, wk1, mask=mown)
-                tl.store(hc + chk * 3 + 2, wk2, mask=mown)
+                _store_window(hc, chq, wq0, wq1, wq2, mown)
+                _store_window(hc, chk, wk0, wk1, wk2, mown)
         if VS == 1:
             # with VS > 1 the last program of the head writes the q/k windows back (after the ticket, see below)
-            tl.store(conv_b + chq * 3 + 0, wq0, mask=mk)
-            tl.store(conv_b + chq * 3 + 1, wq1, mask=mk)
-            tl.store(conv_b + chq * 3 + 2, wq2, mask=mk)
-            tl.store(conv_b + chk * 3 + 0, wk0, mask=mk)
-            tl.store(conv_b + chk * 3 + 1, wk1, mask=mk)
-            tl.store(conv_b + chk * 3 + 2, wk2, mask=mk)
+            _store_window(conv_b, chq, wq0, wq1, wq2, mk)
+            _store_window(conv_b, chk, wk0, wk1, wk2, mk)
         tl.debug_barrier()          # phase 2 reads the scratch that other threads of this program wrote
 
         # ---- phase 2: value-side conv, the delta rule on this program's [K, BVS] state slice, S^T q ----
@@ -250,14 +250,10 @@ if tl is not None:
                 tl.store(scr + PO + M * BVS + t, tl.sum(o * o, axis=0))
             if HIST:
                 hc = conv_hist_ptr + (t * B + bi) * C * 3
-                tl.store(hc + chv * 3 + 0, wv0, mask=mv)
-                tl.store(hc + chv * 3 + 1, wv1, mask=mv)
-                tl.store(hc + chv * 3 + 2, wv2, mask=mv)
+                _store_window(hc, chv, wv0, wv1, wv2, mv)
                 tl.store(rec_hist_ptr + ((t * B + bi) * H + h) * K * V + soff, s, mask=m2)
         tl.store(rec_bh + soff, s, mask=m2)
-        tl.store(conv_b + chv * 3 + 0, wv0, mask=mv)
-        tl.store(conv_b + chv * 3 + 1, wv1, mask=mv)
-        tl.store(conv_b + chv * 3 + 2, wv2, mask=mv)
+        _store_window(conv_b, chv, wv0, wv1, wv2, mv)
 
         if VS > 1:
             # ---- the head's last program: the gated RMSNorm over the whole V row (triton_moe_split's tickets) ----
@@ -268,12 +264,8 @@ if tl is not None:
             ticket = tl.atomic_add(ticket_ptr + pid, 1, sem="acq_rel", scope="gpu")
             if ticket == VS - 1:
                 # every program of the head has read the old q/k windows (phase 1, before its ticket)
-                tl.store(conv_b + chq * 3 + 0, wq0, mask=mk)
-                tl.store(conv_b + chq * 3 + 1, wq1, mask=mk)
-                tl.store(conv_b + chq * 3 + 2, wq2, mask=mk)
-                tl.store(conv_b + chk * 3 + 0, wk0, mask=mk)
-                tl.store(conv_b + chk * 3 + 1, wk1, mask=mk)
-                tl.store(conv_b + chk * 3 + 2, wk2, mask=mk)
+                _store_window(conv_b, chq, wq0, wq1, wq2, mk)
+                _store_window(conv_b, chk, wk0, wk1, wk2, mk)
                 cf = tl.arange(0, BV)
                 mf = cf < V
                 # slice j of the row lives in program (pid, j)'s scratch; .cg: read L2, not a stale L1 line
