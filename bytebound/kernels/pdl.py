@@ -13,7 +13,8 @@ protocol (``triton_moe_split``). Users: the RMSNorm / add+RMSNorm kernel (``trit
 
 A kernel not launched with ``launch_pdl`` waits for full completion of the previous one, as without PDL, and
 its ``griddepcontrol.wait`` returns at once. ``BYTEBOUND_PDL=0`` in the environment turns PDL off for these
-kernels (a diagnostic for A/B timing; read once at import).
+kernels (a diagnostic for A/B timing; read once at import); the router's trigger for the MoE kernels follows
+:func:`capable` alone, as the MoE kernels' own protocol does.
 """
 
 from __future__ import annotations
@@ -35,24 +36,26 @@ def _sm_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-def enabled(device: torch.device) -> bool:
-    """PDL for a launch on ``device``: CUDA with compute capability >= 9.0, not under Triton's interpreter (no
-    PTX there), not switched off by ``BYTEBOUND_PDL=0``."""
-    if _OFF or os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
+def capable(device: torch.device) -> bool:
+    """Whether ``griddepcontrol`` can run for a launch on ``device``: CUDA with compute capability >= 9.0, not under
+    Triton's interpreter (no PTX there)."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
         return False
     return _sm_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
 
 
-def launch_kwargs(device: torch.device) -> dict:
-    """Extra launch arguments of a kernel that calls :func:`enter`: ``{"launch_pdl": True}`` where PDL is on."""
-    return {"launch_pdl": True} if enabled(device) else {}
+def enabled(device: torch.device) -> bool:
+    """PDL for the kernels that enter through :func:`enter` and the FP8 GEMVs: :func:`capable` and not switched
+    off by ``BYTEBOUND_PDL=0``. A kernel that calls :func:`enter` is launched with ``launch_pdl=True`` when this
+    holds."""
+    return not _OFF and capable(device)
 
 
 if tl is not None:
     @triton.jit
     def gdc(ASM: tl.constexpr, NT: tl.constexpr):
-        """One PTX instruction with no operands (``griddepcontrol.*``) issued by every thread (``NT`` = 32 *
-        num_warps elements of a 1-D tensor: at least one per thread)."""
+        """One PTX instruction with no operands (``griddepcontrol.*``, ``fence.*``) issued by every thread (``NT``
+        = 32 * num_warps elements of a 1-D tensor: at least one per thread)."""
         tl.inline_asm_elementwise(ASM, "=r,r", [tl.arange(0, NT)], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit

@@ -68,11 +68,7 @@ def available(dev) -> str | None:
 
 
 if tl is not None:
-    @triton.jit
-    def _gdc(ASM: tl.constexpr, NT: tl.constexpr):
-        """One PTX instruction with no operands (``griddepcontrol.*``, ``fence.*``) issued by every thread (``NT``
-        = 32 * num_warps elements of a 1-D tensor: at least one per thread)."""
-        tl.inline_asm_elementwise(ASM, "=r,r", [tl.arange(0, NT)], dtype=tl.int32, is_pure=False, pack=1)
+    from bytebound.kernels.pdl import gdc as _gdc     # griddepcontrol / fence, every thread
 
     @triton.jit
     def _l2_prefetch(row_ptr, nbytes):
@@ -442,12 +438,6 @@ def gemv_scratch(device, name: str, numel: int, dtype=torch.float32) -> torch.Te
     return bufs[-1]
 
 
-def _gemv_pdl(device: torch.device) -> bool:
-    """PDL (``griddepcontrol``, ``launch_pdl``) on sm_90+ GPUs, never under Triton's interpreter (no PTX), off
-    with ``BYTEBOUND_PDL=0`` (``kernels.pdl.enabled``)."""
-    return pdl_enabled(device)
-
-
 def _device_info(dev: torch.device) -> tuple[str | None, int]:
     """(architecture "sm_XY" or None without CUDA, multiprocessor count)."""
     if dev.type != "cuda":
@@ -518,7 +508,7 @@ def fp8_block_gemv(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tens
         cnt = gemv_scratch(dev, "ticket", tiles, torch.int32)
     else:
         part = cnt = out                    # unused
-    pdl = bool(cfg.get("PDL", True)) and _gemv_pdl(dev)
+    pdl = bool(cfg.get("PDL", True)) and pdl_enabled(dev)   # off under the interpreter, BYTEBOUND_PDL=0
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     nw = cfg["num_warps"]
     extra = {"launch_pdl": True} if pdl else {}

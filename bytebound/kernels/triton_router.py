@@ -27,13 +27,13 @@ blamed on the fast paths was a routing near-tie that the committed defaults hit 
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
 from bytebound.errors import BackendError
 from bytebound.kernels.limits import MAX_VERIFY_M as MAX_M     # the one verify-width limit (kernels/limits.py)
+from bytebound.kernels.pdl import capable as pdl_capable
 from bytebound.kernels.registry import optional_triton
 from bytebound.kernels.scratch import scratch
 
@@ -164,18 +164,11 @@ if tl is not None:
             tl.store(cnt_ptr, 0)
 
 
-@functools.lru_cache(maxsize=None)
-def _pdl_capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
 def _pdl_out(device: torch.device) -> bool:
     """Whether the routing kernels may issue ``griddepcontrol.launch_dependents`` (PDL: the MoE kernel A that
     follows, config ``pdl_in``, then starts early and waits for the routing itself). The instruction needs sm_90;
     older GPUs and Triton's interpreter (which cannot run PTX) get kernels without it."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
-        return False
-    return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+    return pdl_capable(device)
 
 
 def shape_error(e: int, n_group: int) -> str | None:
