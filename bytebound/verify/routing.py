@@ -32,14 +32,17 @@ def position_routes(runner):
     start = [0]
     moes = [(i, layer.mlp) for i, layer in enumerate(runner.model.decoder_layers) if isinstance(layer.mlp, MoE)]
 
+    def record(i, x, ids):         # layer i routed rows x [M, H] to experts ids [M, k]
+        xs, ss = x.float(), ids.sort(-1).values
+        for r in range(x.shape[0]):
+            routes.setdefault(start[0] + r, {})[i] = (xs[r].clone(), ss[r].clone())
+
     def wrap_router(i, m):
         orig = m.router
 
         def router(x):
             ids, w = orig(x)
-            xs, ss = x.float(), ids.sort(-1).values
-            for r in range(x.shape[0]):
-                routes.setdefault(start[0] + r, {})[i] = (xs[r].clone(), ss[r].clone())
+            record(i, x, ids)
             return ids, w
         return router
 
@@ -48,9 +51,7 @@ def position_routes(runner):
 
         def fold(*args, **kw):
             ids, w, x, h = orig(*args, **kw)
-            xs, ss = x.float(), ids.sort(-1).values
-            for r in range(x.shape[0]):
-                routes.setdefault(start[0] + r, {})[i] = (xs[r].clone(), ss[r].clone())
+            record(i, x, ids)
             return ids, w, x, h
         return fold
 
