@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bytebound.analysis.bandwidth import cuda_event_times, measure_read_bandwidth  # noqa: E402
+from bytebound.analysis.kernels import kernel_table  # noqa: E402
 from bytebound.analysis.ledger import build_ledger  # noqa: E402
 from bytebound.bench.report import git_commit  # noqa: E402
 from bytebound.config import LING3_FLASH_CONFIG, LingConfig  # noqa: E402
@@ -83,24 +84,18 @@ def decode_tpot(runner, ctx: int, steps: int = 64) -> tuple[float, float]:
 
 
 def kernels_per_step(runner, ctx: int, steps: int = 3):
-    """GPU kernels per decode step with the LM head (torch.profiler over ``steps`` graph replays, as the engine
-    runs a step: replay + head); None on CPU."""
+    """GPU kernels per decode step with the LM head (``analysis.kernels.kernel_table`` over ``steps`` graph
+    replays at positions ``ctx + 1 ..`` after one at ``ctx``, as the engine runs a step: replay + head); None on
+    CPU."""
     if runner.device.type != "cuda":
         return None
-    from torch.profiler import ProfilerActivity, profile
     if runner.graph is None:
         capture_decode(runner)
     tok = torch.tensor([17], device=runner.device)
+    pos = iter(range(ctx, ctx + steps + 1))
     with torch.inference_mode():
-        runner.model.logits(runner.graph.replay(tok, ctx))
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for i in range(steps):
-                runner.model.logits(runner.graph.replay(tok, ctx + 1 + i))
-            torch.cuda.synchronize()
-    n = sum(e.count for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")
-            and e.self_device_time_total > 0)
-    return n / steps
+        _, totals = kernel_table(lambda: runner.model.logits(runner.graph.replay(tok, next(pos))), steps)
+    return totals["kernels"]
 
 
 def what_ran(plan) -> dict:

@@ -27,37 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bytebound.analysis.bandwidth import cuda_event_times  # noqa: E402
+from bytebound.analysis.kernels import kernel_table  # noqa: E402
 from bytebound.config import LING3_FLASH_CONFIG  # noqa: E402
 from bytebound.engine.engine import Engine, EngineConfig  # noqa: E402
 from bytebound.runner.graphs import capture_decode  # noqa: E402
-
-
-def kernel_table(prof, steps: int, cuda: bool) -> tuple[list[dict], dict]:
-    """Rows ``{name, calls, us, us_per_call}`` per step (sorted by ``us``) and totals, from a finished profile."""
-    rows = []
-    for e in prof.key_averages():
-        t = e.self_device_time_total if cuda else e.self_cpu_time_total
-        if cuda and not (str(getattr(e, "device_type", "")).endswith("CUDA") and t > 0):
-            continue
-        if not cuda and t <= 0:
-            continue
-        rows.append({"name": e.key[:90], "calls": e.count / steps, "us": t / steps, "us_per_call": t / max(e.count, 1)})
-    rows.sort(key=lambda r: -r["us"])
-    return rows, {"kernels": sum(r["calls"] for r in rows), "kernel_us": sum(r["us"] for r in rows)}
-
-
-def profile(fn, steps: int, cuda: bool):
-    from torch.profiler import ProfilerActivity, profile as prof_ctx
-    acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    with prof_ctx(activities=acts) as p:
-        for _ in range(steps):
-            fn()
-        if cuda:
-            torch.cuda.synchronize()
-    return kernel_table(p, steps, cuda)
 
 
 def main(argv=None) -> int:
@@ -94,7 +67,7 @@ def main(argv=None) -> int:
         else:
             runner.reset(a.ctx)
             step = lambda: runner.model.logits(runner.forward(tok))                          # noqa: E731
-        rows, tot = profile(step, a.steps, cuda)
+        rows, tot = kernel_table(step, a.steps, cuda)
         out["decode"] = {"totals": tot, "kernels": rows}
         if a.verify_m:
             runner.graph = None
@@ -108,7 +81,7 @@ def main(argv=None) -> int:
             if cuda:
                 wall = sorted(cuda_event_times(verify, 10, warmup=2))
                 out["verify_eager_wall_ms"] = wall[len(wall) // 2] * 1e3
-            rows, tot = profile(verify, a.steps, cuda)
+            rows, tot = kernel_table(verify, a.steps, cuda)
             out["verify"] = {"m": a.verify_m, "totals": tot, "kernels": rows}
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / f"{a.name}.json").write_text(json.dumps(out, indent=1))

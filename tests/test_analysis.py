@@ -348,3 +348,22 @@ def test_cli_bad_bandwidth_device_context(args, flag, capsys):
     assert main(["--config", "none", *args]) == 2
     err = capsys.readouterr().err
     assert "ConfigError" in err and flag in err
+
+
+def test_kernel_table_counts_ops_per_call():
+    """analysis.kernels.kernel_table (the kernels-per-step counter of the decode benchmarks): per call of fn, on
+    CPU the ops it ran, with the untimed first call left out."""
+    import torch
+    from bytebound.analysis.kernels import kernel_table
+    a, b = torch.ones(64), torch.ones(64)
+    calls = []
+
+    def fn():
+        calls.append(1)
+        torch.mul(torch.add(a, b), torch.add(a, b))
+    rows, totals = kernel_table(fn, 3, cuda=False)
+    by = {r["name"]: r for r in rows}
+    assert len(calls) == 4                                   # one untimed call, then the three profiled
+    assert by["aten::add"]["calls"] == 2 and by["aten::mul"]["calls"] == 1
+    assert totals["kernels"] == sum(r["calls"] for r in rows) >= 3
+    assert [r["us"] for r in rows] == sorted((r["us"] for r in rows), reverse=True)

@@ -138,22 +138,16 @@ def test_gemv_route_add_norm_ling(m):
 
 
 def _kernels_per_replay(runner, pos: int, replays: int = 3) -> float:
-    """CUDA kernels in one replay of the captured decode graph (torch.profiler, as scripts/bench_decode.py counts
-    ``kernels_per_step``, without the LM head: the fusions do not touch it)."""
-    from torch.profiler import ProfilerActivity, profile
+    """CUDA kernels in one replay of the captured decode graph (``analysis.kernels.kernel_table``, as
+    scripts/bench_decode.py counts ``kernels_per_step``, without the LM head: the fusions do not touch it)."""
+    from bytebound.analysis.kernels import kernel_table
     from bytebound.runner.graphs import capture_decode
     capture_decode(runner)
     tok = torch.tensor([17], device=DEV)
-    runner.graph.replay(tok, pos)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(replays):
-            runner.graph.replay(tok, pos + 1 + i)
-        torch.cuda.synchronize()
+    at = iter(range(pos, pos + replays + 1))
+    _, totals = kernel_table(lambda: runner.graph.replay(tok, next(at)), replays)
     runner.graph = None
-    n = sum(e.count for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")
-            and e.self_device_time_total > 0)
-    return n / replays
+    return totals["kernels"]
 
 
 @torch.inference_mode()
