@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     out: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "date": dt.date.today().isoformat(),
                  "commit": os.environ.get("BYTEBOUND_COMMIT", "unknown"), "weights": "synthetic (dummy)",
                  "config": a.config, "ctx": a.ctx, "steps": a.steps,
+                 "command": " ".join(["python3", "scripts/profile_decode.py", *sys.argv[1:]]),
                  "resolved": {k: v.resolved for k, v in eng.plan.resolutions.items()}}
     with torch.inference_mode():
         if cuda:
@@ -85,7 +86,8 @@ def main(argv=None) -> int:
             out["verify"] = {"m": a.verify_m, "totals": tot, "kernels": rows}
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / f"{a.name}.json").write_text(json.dumps(out, indent=1))
-    md = [f"# Kernel table: {out['device']}, {out['date']}, commit {out['commit']}, {out['weights']}, ctx {a.ctx}", ""]
+    md = [f"# Kernel table: {out['device']}, {out['date']}, commit {out['commit']}, {out['weights']}, ctx {a.ctx}", "",
+          f"Command: `{out['command']}`", ""]
     for part in ("decode", "verify"):
         if part not in out:
             continue
