@@ -177,7 +177,7 @@ def test_graph_replay_equals_eager_across_kv_buckets():
 
 
 @pytest.mark.parametrize("path", ["engine_defaults", "no_fused", "fused_moe", "fused_router", "fused_norm", "fused_shared",
-                                  "router_gemv", "kv_buckets", "mla_triton"])
+                                  "router_gemv", "router_fold", "kv_buckets", "mla_triton"])
 @torch.inference_mode()
 def test_verify_equals_sequential_decode_full_width(full_width_model, path):
     """The MTP verify forward (4 tokens, KDA states recorded) gives the logits of 4 sequential decode steps, at
@@ -185,7 +185,8 @@ def test_verify_equals_sequential_decode_full_width(full_width_model, path):
     one kernel, the shared expert inside the MoE kernels, kv buckets, the committed MoE table, whose H200 entries are the two-kernel ``split`` variant), with
     none of the fused paths, with the
     one-launch fused MoE kernel (int64 atomics) at M = 1 and 4 instead, with each fused path alone, and with the
-    triton MLA decode/verify backend (``mla_triton``).
+    triton MLA decode/verify backend (``mla_triton``). ``router_fold``: the router GEMV with the triton norm, the
+    one pair that folds the post-attention add+RMSNorm into the router launch, and nothing else.
 
     BF16, so not bit equality. The bar is the same argmax and an error no larger than the yardstick measured in
     the same test: the same 4 decode steps (same state, same tokens) with the torch MoE and torch linears, two
@@ -202,9 +203,9 @@ def test_verify_equals_sequential_decode_full_width(full_width_model, path):
     from bytebound.verify.routing import first_route_flip, position_routes
     model = full_width_model
     # the plan's switches per path (moe_shared None: the CUDA default, fused wherever the MoE backend can)
-    fused = dict(router="gemv" if path in ("engine_defaults", "router_gemv") else
+    fused = dict(router="gemv" if path in ("engine_defaults", "router_gemv", "router_fold") else
                  "triton" if path == "fused_router" else "torch",
-                 norm="triton" if path in ("engine_defaults", "fused_norm") else "torch",
+                 norm="triton" if path in ("engine_defaults", "fused_norm", "router_fold") else "torch",
                  moe_shared=None if path in ("engine_defaults", "fused_shared") else "separate")
     bind_model(model, BackendPlan.default("cuda", mla="triton" if path == "mla_triton" else None, **fused), "cuda",
                "fp8")
