@@ -123,22 +123,24 @@ if tl is not None:
         PO: tl.constexpr = PB + (MP if BETA_X else 0)
         scr = scratch_ptr + (pid * VS + vs).to(tl.int64) * SCR
         if BETA_X:
-            # beta = sigmoid(b_proj x) for this head and all M tokens: the dot of the normed layer input x [M, HID]
+            # beta = sigmoid(b_proj x) for this head, token by token: the dot of the normed layer input x [M, HID]
             # with row h of the b_proj weight [H, HID], float32 sums, rounded to x's dtype as the torch path's
-            # ``b_proj(x)`` output is before ``sigmoid(.float())``. The weight row is read once for all M tokens
-            # (by each of the head's VS programs: 5 KB at Ling's width, cheaper than passing beta between them).
-            rt = tl.arange(0, MP)
-            mt = rt < M
-            acc = tl.zeros([MP, BH], tl.float32)
-            for c0 in range(0, HID, BH):
-                cols = c0 + tl.arange(0, BH)
-                mc = cols < HID
-                wv = tl.load(wb_ptr + h * HID + cols, mask=mc, other=0.0).to(tl.float32)
-                xv = tl.load(x_ptr + bi * s_x_b + rt[:, None] * s_x_t + cols[None, :],
-                             mask=mt[:, None] & mc[None, :], other=0.0).to(tl.float32)
-                acc += xv * wv[None, :]
-            bl = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
-            tl.store(scr + PB + rt, tl.sigmoid(bl), mask=mt)
+            # ``b_proj(x)`` output is before ``sigmoid(.float())`` (each of the head's VS programs computes it: 5 KB
+            # at Ling's width, cheaper than passing beta between them). One token at a time over 1-D [BH] chunks,
+            # not one [M, BH] tile: a 2-D tile's reduction tree depends on its shape, so token t's beta (and every
+            # state after it) would round differently in an M = 4 verify than in the M = 1 decode step; this way
+            # verify row t equals the decode step of the same inputs bit for bit (the weight row's re-reads per
+            # token hit L1).
+            for t in tl.static_range(M):
+                acc = tl.zeros([BH], tl.float32)
+                for c0 in range(0, HID, BH):
+                    cols = c0 + tl.arange(0, BH)
+                    mc = cols < HID
+                    wv = tl.load(wb_ptr + h * HID + cols, mask=mc, other=0.0).to(tl.float32)
+                    xv = tl.load(x_ptr + bi * s_x_b + t * s_x_t + cols, mask=mc, other=0.0).to(tl.float32)
+                    acc += xv * wv
+                bl = tl.sum(acc, axis=0).to(x_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+                tl.store(scr + PB + t, tl.sigmoid(bl))
 
         # ---- phase 1: the key-side vectors of all M tokens (conv + SiLU, L2 norms, gate), 1-D over K ----
         # Kept apart from the [K, V] phase on purpose (module docstring): there a K-vector is replicated over the

@@ -119,10 +119,39 @@ def test_graph_replay_interleaved_with_eager_full_width(full_width_model, moe, l
     assert max(errs) <= 1e-2, f"moe={moe} linear={linear} kda={kda}: replay vs eager rel err per step {errs}"
 
 
+def assert_same_or_near_tie(plain, question: str, want: list[int], got: list[int], what: str) -> None:
+    """``got`` (speculative greedy tokens) equals ``want`` (plain greedy), or first differs where the plain decode's
+    logits hold a near-tie (``verify.canaries.logit_tie_tolerance``, the ``spec_vs_plain`` canary's rule): the
+    M = 4 verify rounds differently from the M = 1 step, so an exact or near tie may break the other way (BF16
+    logits tie exactly often). The plain logits are replayed as ``generate`` makes them: prefill, then one decode
+    step per token."""
+    from bytebound.verify.canaries import logit_tie_tolerance
+    if got == want:
+        return
+    n = min(len(got), len(want))
+    k = next((i for i in range(n) if got[i] != want[i]), None)
+    assert k is not None, f"{what}: one output is a prefix of the other ({len(want)} vs {len(got)} tokens)"
+    r = plain.runner
+    r.reset()
+    try:
+        with torch.inference_mode():
+            lg = r.logits(r.prefill(torch.tensor(plain.encode_prompt(question, chat=True)))[-1:])
+            for t in want[:k]:
+                lg = r.logits(r.forward(torch.tensor([t], device=plain.device)))
+        lg = lg[0].float()
+        gap = float(lg[want[k]] - lg[got[k]])
+        tol = logit_tie_tolerance(lg, plain.model.dtype)
+    finally:
+        r.reset()
+    assert gap <= tol, f"{what}: first differs at token {k} ({want[k]} vs {got[k]}), plain logit gap {gap:.4g} > " \
+                       f"near-tie tolerance {tol:.4g}"
+
+
 @pytest.mark.skipif(not (NANO / "model.safetensors").exists(), reason="trained ling-nano weights not present")
 def test_captured_mtp_round_equals_plain_greedy():
-    """MTP with the whole round in one CUDA graph (speculative.round): greedy output == plain greedy on the GPU,
-    and the same rounds as the eager MTP implementation."""
+    """MTP with the whole round in one CUDA graph (speculative.round) and the same round run eagerly: greedy output
+    == plain greedy on the GPU, up to a first difference at a near-tie of the plain logits
+    (:func:`assert_same_or_near_tie`)."""
     from bytebound.data.gsm8k import load_split
     from bytebound.engine.engine import Engine
     from bytebound.sampling import SamplingParams
@@ -136,8 +165,8 @@ def test_captured_mtp_round_equals_plain_greedy():
         want = plain.generate(r["question"], p, chat=True)[0].token_ids
         a = eager.generate(r["question"], p, chat=True)[0]
         b = graph.generate(r["question"], p, chat=True)[0]
-        assert b.token_ids == want, "captured MTP rounds diverged from plain greedy"
-        assert a.token_ids == want
+        assert_same_or_near_tie(plain, r["question"], want, b.token_ids, "captured MTP rounds vs plain greedy")
+        assert_same_or_near_tie(plain, r["question"], want, a.token_ids, "eager MTP rounds vs plain greedy")
         assert b.spec["accept_length"] > 1.2
     # information only (speed is measured in benchmarks): the last prompt's TPOT per mode, trained nano model
     print(f"\nnano TPOT ms: plain {plain.generate(r['question'], p, chat=True)[0].tpot_s * 1e3:.2f}, "

@@ -110,6 +110,46 @@ def test_fused_kernel_graph_replay_equals_eager(tk, m, v_split):
         assert not tickets.any()
 
 
+@pytest.mark.parametrize("v_split", V_SPLITS)
+@pytest.mark.parametrize("beta_in_kernel", [False, True])
+def test_fused_kernel_verify_rows_equal_sequential_decode(tk, v_split, beta_in_kernel):
+    """An M = 4 call (the MTP verify) equals four M = 1 calls (decode steps) on the same inputs, bit for bit: every
+    output row, both final states and each token's history entry. Greedy speculative == plain decoding rests on
+    this: the verify commits the states of its accepted rows, and decode continues from them. ``beta_in_kernel``:
+    beta from ``x`` and the b_proj weight inside the kernel (the engine's path), else from given b logits."""
+    from test_triton_kda import make_inputs
+    m, hid = 4, 2560
+    x, p, s = make_inputs(1, m, H, K, K, seed=300 + v_split, in_dtype=torch.bfloat16)
+    x = {k: v.to(DEV) for k, v in x.items()}
+    p = {k: v.to(DEV) for k, v in p.items()}
+    g = torch.Generator(device=DEV).manual_seed(7)
+    xin = (torch.randn(1, m, hid, device=DEV, generator=g)).to(torch.bfloat16)
+    wb = (torch.randn(H, hid, device=DEV, generator=g) * hid ** -0.5).to(torch.bfloat16)
+
+    def call(t0, t1, st, ch, rh):
+        sl = slice(t0, t1)
+        beta = dict(x=xin[:, sl], b_weight=wb) if beta_in_kernel else {}
+        return tk.fused_kda(x["qkv"][:, sl], x["f"][:, sl], x["gate"][:, sl], None if beta_in_kernel else x["b"][:, sl],
+                            p["conv_weight"], st["conv"], p["a_log"], p["dt_bias"], st["rec"], p["norm_weight"], 1e-6,
+                            -5.0, torch.bfloat16, ch, rh, v_split=v_split, **beta)
+
+    def fresh(n):
+        return ({k: v.clone().to(DEV) for k, v in s.items()}, torch.zeros(n, *s["conv"].shape, device=DEV),
+                torch.zeros(n, *s["rec"].shape, device=DEV))
+
+    st4, ch4, rh4 = fresh(m)
+    o4 = call(0, m, st4, ch4, rh4)
+    st1 = {k: v.clone().to(DEV) for k, v in s.items()}
+    for t in range(m):
+        _, ch1, rh1 = fresh(1)
+        o1 = call(t, t + 1, st1, ch1, rh1)
+        torch.cuda.synchronize()
+        assert torch.equal(o1[:, 0], o4[:, t]), f"token {t}: verify row != decode step output"
+        assert torch.equal(rh1[0], rh4[t]) and torch.equal(ch1[0], ch4[t]), f"token {t}: history != decode state"
+        assert torch.equal(st1["rec"], rh4[t]) and torch.equal(st1["conv"], ch4[t])
+    assert torch.equal(st1["rec"], st4["rec"]) and torch.equal(st1["conv"], st4["conv"])
+
+
 @pytest.mark.parametrize("m", [1, 4])
 def test_default_launch_is_legal(tk, m):
     """The launch this GPU resolves for Ling's shape (table entry or the SM-filling default) is a legal V_SPLIT."""
