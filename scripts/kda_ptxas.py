@@ -1,12 +1,11 @@
 """Compile the fused KDA kernel (``kernels.triton_kda``) for a GPU target without a GPU and print ptxas' resource
-usage (registers, stack = spills) per (M, history, V_SPLIT, num_warps): a register-pressure check that runs on a CPU
-machine.
+usage (registers, stack = spills) per (V_SPLIT, num_warps): a register-pressure check that runs on a CPU machine.
+The token count M and the history flag are run-time arguments of the kernel, so one binary serves decode and verify.
 
 Pointers and row strides are declared 16-divisible, as Triton specialises them at a real launch on the engine's
 tensors (the layout, and so the register count, depends on it). Needs Triton with its bundled ptxas/cuobjdump.
 
-    python scripts/kda_ptxas.py [--arch 90] [--heads 32 --head-dim 128] [--tokens 1,4,6,8] [--warps 4,8,16]
-                                [--v-splits 1,2,4,8]
+    python scripts/kda_ptxas.py [--arch 90] [--heads 32 --head-dim 128] [--warps 4,8,16] [--v-splits 1,2,4,8]
 """
 
 from __future__ import annotations
@@ -21,20 +20,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def resource_usage(m: int, hist: bool, warps: int, heads: int, d: int, arch: int, safe: bool = True,
-                   v_split: int = 1) -> str:
-    """ptxas' ``REG:.. STACK:..`` line for one specialisation of ``_fused_kda_kernel``."""
+def resource_usage(warps: int, heads: int, d: int, arch: int, safe: bool = True, v_split: int = 1,
+                   hidden: int = 2560) -> str:
+    """ptxas' ``REG:.. STACK:..`` line for one specialisation of ``_fused_kda_kernel`` (beta computed in the
+    kernel from an input of ``hidden`` channels, as the engine binds it)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from bytebound.kernels import triton_kda as tk
     fn = tk._fused_kda_kernel
     f32, bf16 = "*fp32", "*bf16"
-    types = dict(qkv_ptr=bf16, f_ptr=bf16, gate_ptr=bf16, b_ptr=bf16, o_ptr=bf16, ticket_ptr="*i32",
-                 lower_bound="fp32", eps="fp32", scale="fp32", B="i32")
+    types = dict(qkv_ptr=bf16, f_ptr=bf16, gate_ptr=bf16, b_ptr=bf16, x_ptr=bf16, wb_ptr=bf16, o_ptr=bf16,
+                 ticket_ptr="*i32",
+                 lower_bound="fp32", eps="fp32", scale="fp32", B="i32", HIST="i1")
     bk = triton.next_power_of_2(d)
-    const = dict(H=heads, K=d, V=d, BK=bk, BV=bk, M=m, SAFE_GATE=safe, HIST=hist, VS=v_split,
-                 SCR=tk._scratch_per_program(m, bk, bk, v_split), FENCE=True)
+    # M, HIST and SCR are run-time arguments of the kernel (one binary for decode and verify); PDL as the engine
+    # launches it
+    const = dict(H=heads, K=d, V=d, BK=bk, BV=bk, SAFE_GATE=safe, VS=v_split, FENCE=True, PDL=True,
+                 NTH=32 * warps, BETA_X=True, HID=hidden, BH=min(512, triton.next_power_of_2(hidden)))
     sig, attrs = {}, {}
     for i, n in enumerate(fn.arg_names):
         sig[n] = "constexpr" if n in const else types.get(n, f32 if n.endswith("_ptr") else "i32")
@@ -55,15 +58,13 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--tokens", default="1,4,6,8")
     ap.add_argument("--warps", default="4,8,16")
     ap.add_argument("--v-splits", default="1")
     a = ap.parse_args(argv)
-    for m in (int(x) for x in a.tokens.split(",")):
-        for vs in (int(x) for x in a.v_splits.split(",")):
-            for w in (int(x) for x in a.warps.split(",")):
-                print(f"M={m} history={m > 1} V_SPLIT={vs} num_warps={w}: "
-                      f"{resource_usage(m, m > 1, w, a.heads, a.head_dim, a.arch, v_split=vs)}", flush=True)
+    for vs in (int(x) for x in a.v_splits.split(",")):
+        for w in (int(x) for x in a.warps.split(",")):
+            print(f"V_SPLIT={vs} num_warps={w}: {resource_usage(w, a.heads, a.head_dim, a.arch, v_split=vs)}",
+                  flush=True)
     return 0
 
 

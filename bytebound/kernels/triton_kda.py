@@ -94,16 +94,20 @@ if tl is not None:
                                   is_pure=False, pack=1)
         tl.debug_barrier()
 
-    @triton.jit
+    # M (tokens), HIST (per-token history stores) and SCR (scratch floats per program) are run-time arguments,
+    # not specialised (Triton would otherwise fold M = 1 into a separate binary): one compiled kernel serves the
+    # decode step and the MTP verify, so verify row t runs exactly the decode step's instructions on the same
+    # inputs and rounds the same way, and the states the verify commits are the ones decode would have made.
+    @triton.jit(do_not_specialize=["M", "HIST", "SCR"])
     def _fused_kda_kernel(
             qkv_ptr, s_qkv_b, s_qkv_t, f_ptr, s_f_b, s_f_t, gate_ptr, s_gate_b, s_gate_t, b_ptr, s_b_b, s_b_t,
             x_ptr, s_x_b, s_x_t, wb_ptr,
             convw_ptr, conv_ptr, alog_ptr, dtb_ptr, rec_ptr, normw_ptr, o_ptr, s_o_b, s_o_t,
             conv_hist_ptr, rec_hist_ptr, scratch_ptr, ticket_ptr, lower_bound, eps, scale,
             B, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-            M: tl.constexpr, SAFE_GATE: tl.constexpr, HIST: tl.constexpr, VS: tl.constexpr, SCR: tl.constexpr,
+            M, SAFE_GATE: tl.constexpr, HIST, VS: tl.constexpr, SCR,
             FENCE: tl.constexpr, BETA_X: tl.constexpr = False, HID: tl.constexpr = 1, BH: tl.constexpr = 1,
-            MP: tl.constexpr = 1, PDL: tl.constexpr = False, NTH: tl.constexpr = 128):
+            PDL: tl.constexpr = False, NTH: tl.constexpr = 128):
         pdl_enter(PDL, NTH)             # kernels.pdl: nothing is read before the previous kernel completed
         pid = tl.program_id(0)          # batch row x head
         if VS == 1:
@@ -117,10 +121,13 @@ if tl is not None:
         BVS: tl.constexpr = BV // VS
         conv_b = conv_ptr + bi * C * 3
         # This program's scratch (SCR floats): [M, 3, BK] l2-normalised scaled q, l2-normalised k, decay exp(g);
-        # with BETA_X then [MP] beta of the M tokens; with VS > 1 then, from offset PO, [M, BVS] its slice of the
+        # with BETA_X then [M] beta of the M tokens; with VS > 1 then, from offset PO, [M, BVS] its slice of the
         # un-normalised o and [M] its sums of squares.
-        PB: tl.constexpr = M * 3 * BK
-        PO: tl.constexpr = PB + (MP if BETA_X else 0)
+        PB = M * 3 * BK
+        if BETA_X:
+            PO = PB + M
+        else:
+            PO = PB
         scr = scratch_ptr + (pid * VS + vs).to(tl.int64) * SCR
         if BETA_X:
             # beta = sigmoid(b_proj x) for this head, token by token: the dot of the normed layer input x [M, HID]
@@ -131,7 +138,7 @@ if tl is not None:
             # state after it) would round differently in an M = 4 verify than in the M = 1 decode step; this way
             # verify row t equals the decode step of the same inputs bit for bit (the weight row's re-reads per
             # token hit L1).
-            for t in tl.static_range(M):
+            for t in range(M):
                 acc = tl.zeros([BH], tl.float32)
                 for c0 in range(0, HID, BH):
                     cols = c0 + tl.arange(0, BH)
@@ -170,7 +177,7 @@ if tl is not None:
         wk2 = tl.load(conv_b + chk * 3 + 2, mask=mk, other=0.0)
         rate = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
         dtb = tl.load(dtb_ptr + h * K + ck, mask=mk, other=0.0).to(tl.float32)
-        for t in tl.static_range(M):
+        for t in range(M):
             xrow = qkv_ptr + bi * s_qkv_b + t * s_qkv_t
             xq = tl.load(xrow + chq, mask=mk, other=0.0).to(tl.float32)
             xk = tl.load(xrow + chk, mask=mk, other=0.0).to(tl.float32)
@@ -221,7 +228,7 @@ if tl is not None:
         soff = rk[:, None] * V + cv[None, :]
         rec_bh = rec_ptr + (bi * H + h) * K * V
         s = tl.load(rec_bh + soff, mask=m2, other=0.0)
-        for t in tl.static_range(M):
+        for t in range(M):
             xv = tl.load(qkv_ptr + bi * s_qkv_b + t * s_qkv_t + chv, mask=mv, other=0.0).to(tl.float32)
             v = _conv_silu_step(xv, wv0, wv1, wv2, cv0, cv1, cv2, cv3)
             wv0, wv1, wv2 = wv1, wv2, xv
@@ -274,7 +281,7 @@ if tl is not None:
                 part = scratch_ptr + (pid * VS + cf // BVS).to(tl.int64) * SCR + PO + cf % BVS
                 head = scratch_ptr + (pid * VS).to(tl.int64) * SCR + PO + M * BVS
                 nwf = tl.load(normw_ptr + cf, mask=mf, other=0.0).to(tl.float32)
-                for t in tl.static_range(M):
+                for t in range(M):
                     ss = tl.load(head + t, cache_modifier=".cg")
                     for j in tl.static_range(1, VS):
                         ss += tl.load(head + j * SCR + t, cache_modifier=".cg")
@@ -371,10 +378,10 @@ def resolve_launch(batch: int, heads: int, dk: int, dv: int, tokens: int, device
 
 
 def _scratch_per_program(tokens: int, bk: int, bv: int, v_split: int, beta: bool = False) -> int:
-    """float32 elements of one program's scratch: ``[T, 3, BK]`` key-side vectors, with ``beta`` then
-    ``[next_pow2(T)]`` beta, with ``v_split > 1`` then ``[T, BV / v_split]`` un-normalised o and ``[T]`` sums of
-    squares; rounded up to 16 (64-byte blocks)."""
-    n = tokens * 3 * bk + (triton.next_power_of_2(tokens) if beta else 0) + \
+    """float32 elements of one program's scratch: ``[T, 3, BK]`` key-side vectors, with ``beta`` then ``[T]``
+    beta, with ``v_split > 1`` then ``[T, BV / v_split]`` un-normalised o and ``[T]`` sums of squares; rounded up
+    to 16 (64-byte blocks)."""
+    n = tokens * 3 * bk + (tokens if beta else 0) + \
         (tokens * (bv // v_split) + tokens if v_split > 1 else 0)
     return -(-n // 16) * 16
 
@@ -519,7 +526,7 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
         bsz, H=h, K=dk, V=dv, BK=bk, BV=bv, M=t, SAFE_GATE=lower_bound is not None, HIST=hist, VS=v_split,
         SCR=_scratch_per_program(t, bk, bv, v_split, beta_x),
         FENCE=qkv.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", BETA_X=beta_x, HID=hid,
-        BH=min(512, triton.next_power_of_2(hid)), MP=triton.next_power_of_2(t), PDL=pdl, NTH=32 * num_warps,
+        BH=min(512, triton.next_power_of_2(hid)), PDL=pdl, NTH=32 * num_warps,
         num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
     return o
 

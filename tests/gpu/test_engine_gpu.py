@@ -119,34 +119,6 @@ def test_graph_replay_interleaved_with_eager_full_width(full_width_model, moe, l
     assert max(errs) <= 1e-2, f"moe={moe} linear={linear} kda={kda}: replay vs eager rel err per step {errs}"
 
 
-def assert_same_or_near_tie(plain, question: str, want: list[int], got: list[int], what: str) -> None:
-    """``got`` (speculative greedy tokens) equals ``want`` (plain greedy), or first differs where the plain decode's
-    logits hold a near-tie (``verify.canaries.logit_tie_tolerance``, the ``spec_vs_plain`` canary's rule): the
-    M = 4 verify rounds differently from the M = 1 step, so an exact or near tie may break the other way (BF16
-    logits tie exactly often). The plain logits are replayed as ``generate`` makes them: prefill, then one decode
-    step per token."""
-    from bytebound.verify.canaries import logit_tie_tolerance
-    if got == want:
-        return
-    n = min(len(got), len(want))
-    k = next((i for i in range(n) if got[i] != want[i]), None)
-    assert k is not None, f"{what}: one output is a prefix of the other ({len(want)} vs {len(got)} tokens)"
-    r = plain.runner
-    r.reset()
-    try:
-        with torch.inference_mode():
-            lg = r.logits(r.prefill(torch.tensor(plain.encode_prompt(question, chat=True)))[-1:])
-            for t in want[:k]:
-                lg = r.logits(r.forward(torch.tensor([t], device=plain.device)))
-        lg = lg[0].float()
-        gap = float(lg[want[k]] - lg[got[k]])
-        tol = logit_tie_tolerance(lg, plain.model.dtype)
-    finally:
-        r.reset()
-    assert gap <= tol, f"{what}: first differs at token {k} ({want[k]} vs {got[k]}), plain logit gap {gap:.4g} > " \
-                       f"near-tie tolerance {tol:.4g}"
-
-
 @pytest.mark.skipif(not (NANO / "model.safetensors").exists(), reason="trained ling-nano weights not present")
 def test_captured_mtp_round_equals_plain_greedy():
     """MTP with the whole round in one CUDA graph (speculative.round) and the same round run eagerly: greedy output
@@ -155,6 +127,7 @@ def test_captured_mtp_round_equals_plain_greedy():
     from bytebound.data.gsm8k import load_split
     from bytebound.engine.engine import Engine
     from bytebound.sampling import SamplingParams
+    from _parity import assert_same_or_near_tie
     p = SamplingParams(max_tokens=64)
     kw = dict(model=str(NANO), device="cuda")
     plain = Engine(**kw)
