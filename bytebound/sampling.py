@@ -95,17 +95,90 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None)
 
 
 def draw(pr: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
-    """Sample one index per row of ``pr [.., V]`` by inverse CDF, one float64 uniform per row.
+    """Sample one index per row of ``pr [.., V]`` by inverse CDF, one float64 uniform per row
+    (:func:`inverse_cdf`).
 
     Used instead of ``torch.multinomial``: with ``multinomial`` on a shared CPU generator the chi-square test of
     MTP sampling (tests/test_spec_sampling.py) failed at p < 1e-4; with inverse-CDF draws it passes (cause
     inside multinomial not isolated). Sync-free on CUDA.
     """
+    rows = pr.numel() // pr.shape[-1]
+    return inverse_cdf(pr, torch.rand(rows, 1, generator=gen, device=pr.device, dtype=torch.float64))
+
+
+def inverse_cdf(pr: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The index per row of ``pr [.., V]`` (float, unnormalised allowed) where the float64 cumulative sum first
+    reaches ``u * total``, ``u [rows, 1]`` float64 uniforms in [0, 1) (``rows`` = the product of ``pr``'s leading
+    dims): :func:`draw` with its uniforms given, so a captured MTP round can read them from a buffer. int64
+    ``[..]``, sync-free."""
     flat = pr.reshape(-1, pr.shape[-1]).double()
     cdf = flat.cumsum(-1)
-    u = torch.rand(flat.shape[0], 1, generator=gen, device=pr.device, dtype=torch.float64) * cdf[:, -1:]
-    idx = torch.searchsorted(cdf, u).clamp(max=pr.shape[-1] - 1)
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:]).clamp(max=pr.shape[-1] - 1)
     return idx.view(pr.shape[:-1])
+
+
+class SamplingBuffers:
+    """A request's temperature / top-p / top-k as device tensors, for :func:`probs_device`: one CUDA graph that
+    reads them serves every sampling setting (the captured MTP round, ``speculative.round``). :meth:`write` fills
+    them from a :class:`SamplingParams` with device fills only (no host sync, nothing captured).
+
+    Buffers (0-d, on ``device``): ``temperature`` float32 ``max(T, 1e-6)`` (the divisor :func:`probs` uses),
+    ``inv_temperature`` float32 ``1 / temperature`` rounded once in float32 (the factor CUDA's division by a
+    Python scalar multiplies with, see :func:`probs_device`), ``top_p`` float32, ``top_p_on`` bool (``top_p <
+    1`` decided on the Python float, as :func:`probs` decides it), ``top_k`` int64.
+    """
+
+    def __init__(self, device, p: SamplingParams | None = None):
+        f32 = dict(dtype=torch.float32, device=device)
+        self.temperature = torch.ones((), **f32)
+        self.inv_temperature = torch.ones((), **f32)
+        self.top_p = torch.ones((), **f32)
+        self.top_p_on = torch.zeros((), dtype=torch.bool, device=device)
+        self.top_k = torch.zeros((), dtype=torch.long, device=device)
+        if p is not None:
+            self.write(p)
+
+    def write(self, p: SamplingParams) -> None:
+        """Set the buffers to ``p``'s settings (``p.temperature``, ``p.top_p``, ``p.top_k``)."""
+        t = torch.tensor(max(float(p.temperature), 1e-6), dtype=torch.float32)     # the float32 divisor
+        self.temperature.fill_(float(t))
+        self.inv_temperature.fill_(float(torch.ones((), dtype=torch.float32) / t))  # float32 division, on host
+        self.top_p.fill_(float(p.top_p))
+        self.top_p_on.fill_(float(p.top_p) < 1.0)
+        self.top_k.fill_(int(p.top_k))
+
+
+def probs_device(logits: torch.Tensor, b: SamplingBuffers) -> torch.Tensor:
+    """:func:`probs` with the settings in device tensors (``b``): float32 ``[.., V]`` from ``logits [.., V]``,
+    static shapes, no host read (CUDA-graph capturable). The same float32 operations in the same order, so the
+    result equals :func:`probs` bit for bit (tests/test_sampling.py on CPU, tests/gpu/test_engine_gpu.py on CUDA):
+
+    * temperature: CUDA divides a tensor by a Python scalar as a multiply by the scalar's float32 reciprocal
+      (ATen's ``div_true_kernel_cuda``), the CPU truly divides; each device here does what :func:`probs` does
+      there.
+    * top-k: the k-th largest value is read from a full descending sort (``topk`` needs k on the host); values
+      ``>=`` it stay (ties at the k-th value all stay), renormalised; a filter that :func:`probs` would skip (k
+      <= 0 or k >= V) is computed and then not selected, so its renormalisation leaves no trace.
+    * top-p: as :func:`probs`, on a second sort of the top-k result (the order of tied values at the cut must be
+      the one :func:`probs`'s sort gives), selected by ``top_p_on``.
+    """
+    x = logits.float()
+    x = x * b.inv_temperature if x.is_cuda else x / b.temperature
+    pr = torch.softmax(x, -1)
+    v = pr.shape[-1]
+    sp = pr.sort(-1, descending=True).values
+    kth = sp.gather(-1, (b.top_k - 1).clamp(0, v - 1).expand(*sp.shape[:-1], 1))
+    filt = torch.where(pr >= kth, pr, torch.zeros_like(pr))
+    filt = filt / filt.sum(-1, keepdim=True)
+    pr = torch.where((b.top_k > 0) & (b.top_k < v), filt, pr)
+    sp, idx = pr.sort(-1, descending=True)
+    cum = sp.cumsum(-1)
+    keep = (cum - sp) < b.top_p
+    keep[..., 0] = True                                  # the most likely token always stays (see probs)
+    sp = torch.where(keep, sp, torch.zeros_like(sp))
+    pp = torch.zeros_like(pr).scatter_(-1, idx, sp)
+    pp = pp / pp.sum(-1, keepdim=True)
+    return torch.where(b.top_p_on, pp, pr)
 
 
 def make_generator(p: SamplingParams, device) -> torch.Generator | None:
@@ -117,4 +190,5 @@ def make_generator(p: SamplingParams, device) -> torch.Generator | None:
     return g
 
 
-__all__ = ["SamplingParams", "probs", "sample", "draw", "make_generator"]
+__all__ = ["SamplingParams", "SamplingBuffers", "probs", "probs_device", "sample", "draw", "inverse_cdf",
+           "make_generator"]

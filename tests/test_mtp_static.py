@@ -94,16 +94,106 @@ def test_static_round_sampling_runs_eagerly(engines):
     assert again.token_ids == out.token_ids                 # seeded: reproducible
 
 
-def test_capture_needs_cuda_and_greedy(engines):
+def test_capture_needs_cuda(engines):
     _, spec = engines
-    with pytest.raises(RuntimeError, match="CUDA"):
-        StaticRound(spec.runner, spec.drafter, SamplingParams(), capture=True)
+    for p in (SamplingParams(), SamplingParams(temperature=0.6, top_p=0.95, top_k=29)):
+        with pytest.raises(RuntimeError, match="CUDA"):
+            StaticRound(spec.runner, spec.drafter, p, capture=True)
 
 
-def test_round_body_has_no_host_sync(quant_ckpt, monkeypatch):
+def test_a_round_serves_only_its_kind(engines):
+    _, spec = engines
+    greedy = StaticRound(spec.runner, spec.drafter, SamplingParams())
+    sampled = StaticRound(spec.runner, spec.drafter, SamplingParams(temperature=1.0))
+    with pytest.raises(ValueError, match="greedy MTP round cannot serve a sampling request"):
+        greedy.use(SamplingParams(temperature=0.6), torch.Generator())
+    with pytest.raises(ValueError, match="sampled MTP round cannot serve a greedy request"):
+        sampled.use(SamplingParams(temperature=0.6, top_k=1), None)      # top_k 1 is greedy
+    assert greedy.use(SamplingParams(top_k=7), None) is greedy           # temperature 0: greedy
+    p = SamplingParams(temperature=0.6, top_p=0.9, top_k=5)
+    sampled.use(p, None)
+    assert float(sampled.sp.top_p) == pytest.approx(0.9) and int(sampled.sp.top_k) == 5
+    assert bool(sampled.sp.top_p_on) and float(sampled.sp.temperature) == pytest.approx(0.6)
+
+
+SAMPLED = [dict(temperature=0.6, top_p=0.95, top_k=29, seed=1), dict(temperature=1.0, seed=2),
+           dict(temperature=0.3, top_k=5, seed=3), dict(temperature=1.5, top_p=0.5, seed=4)]
+
+
+def _inline_rule(logits, drafts, p, gen):
+    """The sampled acceptance as the round ran it before its uniforms moved to buffers: ``probs`` with the
+    request's settings, then ``n`` float32 uniforms and one float64 uniform drawn inline from ``gen``, written out
+    here on the host (an independent reference of the rule and of its use of the generator)."""
+    from bytebound.sampling import probs
+    pr = probs(logits, p)
+    n = drafts.shape[0]
+    u = torch.rand(n, generator=gen)
+    j = 0
+    while j < n and float(u[j]) < float(pr[j, int(drafts[j])]):
+        j += 1
+    row = pr[j].clone()
+    if j < n:
+        row[int(drafts[j])] = 0.0
+    cdf = row.double().cumsum(0)
+    v = torch.rand(1, 1, generator=gen, dtype=torch.float64)[0] * cdf[-1]
+    return torch.tensor(j), torch.searchsorted(cdf, v).clamp(max=row.numel() - 1)[0]
+
+
+@pytest.mark.skipif(not (NANO / "model.safetensors").exists(), reason="trained ling-nano weights not present")
+def test_sampled_rounds_equal_the_inline_rule(monkeypatch):
+    """The sampled round reads its settings from device buffers (``probs_device``) and its uniforms from a buffer
+    that ``step`` fills before the body: for a fixed seed it must emit exactly the tokens of the rule drawing
+    inline (:func:`_inline_rule`, the round as it was), on the trained model (drafts often accepted, so both the
+    accept tests and the bonus draws matter), over several settings."""
+    import bytebound.speculative.round as round_mod
+    from bytebound.data.gsm8k import load_split
+    spec = Engine(model=str(NANO), max_model_len=256, speculative_steps=STEPS)
+    qs = [r["question"] for r in load_split("test")[:2]]
+    reqs = [(q, SamplingParams(max_tokens=40, ignore_eos=True, **kw)) for q in qs for kw in SAMPLED]
+    got = [spec.generate(q, p, chat=True)[0] for q, p in reqs]
+    assert sum(o.spec["committed"] for o in got) > 1.3 * sum(o.spec["rounds"] for o in got), "drafts accepted"
+    cur = {}
+    step = StaticRound.step
+
+    def recording_step(self):
+        cur["round"] = self
+        return step(self)
+    with monkeypatch.context() as m:
+        m.setattr(StaticRound, "step", recording_step)
+        m.setattr(round_mod, "chain_uniforms", lambda *a: None)            # nothing drawn ahead
+        m.setattr(round_mod, "probs_device", lambda logits, sp: logits)
+        m.setattr(round_mod, "accept_sampled",
+                  lambda logits, d, u, u_draw: _inline_rule(logits, d, cur["round"].p, cur["round"].gen))
+        want = [spec.generate(q, p, chat=True)[0].token_ids for q, p in reqs]
+    for (q, p), o, w in zip(reqs, got, want):
+        assert o.token_ids == w, (q[:30], p)
+
+
+def test_one_sampled_round_serves_every_request(engines):
+    """The engine's captured sampled round is one object for every sampling request (CUDA): run on CPU uncaptured,
+    a single round rewritten per request (settings, generator) gives each request exactly the tokens a fresh round
+    of its own gives, in any order, with greedy requests in between."""
+    _, spec = engines
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    reqs = [SamplingParams(max_tokens=24, ignore_eos=True, **kw) for kw in SAMPLED] + [G]
+    fresh = [spec.generate(prompt, p)[0].token_ids for p in reqs]
+    shared = StaticRound(spec.runner, spec.drafter, SamplingParams(temperature=1.0))
+    spec.spec_round_sampled = shared
+    try:
+        for i in (4, 0, 3, 1, 4, 2, 0):
+            assert spec.generate(prompt, reqs[i])[0].token_ids == fresh[i], reqs[i]
+    finally:
+        spec.spec_round_sampled = None
+    assert shared.last is not None and shared.p == reqs[0]
+
+
+@pytest.mark.parametrize("p", [SamplingParams(), SamplingParams(temperature=0.6, top_p=0.95, top_k=29)],
+                         ids=["greedy", "sampled"])
+def test_round_body_has_no_host_sync(quant_ckpt, monkeypatch, p):
     """The round body must never read device data on the host (that is a sync on CUDA, and breaks graph capture):
     run it with the model, state and buffers on the ``meta`` device, where any such read (``.item()``, ``int(t)``,
-    indexing with a 0-d tensor, data-dependent shapes) raises. With the CUDA runner's static attention span."""
+    indexing with a 0-d tensor, data-dependent shapes) raises. With the CUDA runner's static attention span; the
+    greedy and the sampled body (settings and uniforms from buffers)."""
     import bytebound.kernels.torch_ref as torch_ref
     from bytebound.runner.backends import BackendPlan, bind_model
     from bytebound.runner.runner import ModelRunner
@@ -116,7 +206,7 @@ def test_round_body_has_no_host_sync(quant_ckpt, monkeypatch):
             mod.prepare(model.dtype)
     runner = ModelRunner(model, 128, "meta")
     runner.static_kv = True                                       # as on CUDA: attend over all slots, masked
-    rnd = StaticRound(runner, MTPDrafter(model, STEPS), SamplingParams())
+    rnd = StaticRound(runner, MTPDrafter(model, STEPS), p)
     runner.reset(1)
     runner.begin_verify(STEPS)                                    # host side of a round: room, pos_buf
     with torch.inference_mode():

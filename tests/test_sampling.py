@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from bytebound.errors import RequestError
-from bytebound.sampling import MAX_TOKENS_LIMIT, SamplingParams, make_generator, probs, sample
+from bytebound.sampling import (MAX_TOKENS_LIMIT, SamplingBuffers, SamplingParams, draw, inverse_cdf, make_generator,
+                                probs, probs_device, sample)
 
 P5 = [0.4, 0.3, 0.15, 0.1, 0.05]
 LOGITS5 = torch.tensor(P5).log()
@@ -176,3 +177,64 @@ def test_tiny_top_p_keeps_the_most_likely_token():
         pr = probs(logits, p)
         assert torch.isfinite(pr).all() and pr[0, 1] == 1.0, (tp, pr)
         assert int(sample(logits, p, torch.Generator().manual_seed(0))[0]) == 1
+
+
+# ---- probs_device: probs with the settings in device tensors (the captured sampled MTP round) ---------------
+V_DEV = 257
+
+
+def _logit_sets():
+    g = torch.Generator().manual_seed(0)
+    return {"normal": torch.randn(4, V_DEV, generator=g) * 3,
+            # quarter-steps: many exactly tied probabilities, at the k-th value and at the top-p cut
+            "ties": (torch.randn(4, V_DEV, generator=g) * 4).round() / 4,
+            "flat": torch.zeros(4, V_DEV),
+            "peaked": torch.randn(4, V_DEV, generator=g) * 40}
+
+
+@pytest.mark.parametrize("name", ["normal", "ties", "flat", "peaked"])
+def test_probs_device_equals_probs_bit_for_bit(name):
+    """Every setting through one buffer set, rewritten per setting as a captured round's is per request: the same
+    float32 bits as ``probs``, filters off (top_k 0 / -1 / >= V, top_p 1), on, at their edges (top_k 1 and V - 1,
+    top_p below float32's range or one ulp under 1 in float64), temperature 0 (clamped), tiny and large."""
+    x = _logit_sets()[name]
+    b = SamplingBuffers("cpu")
+    n_on = 0
+    for t in (0.0, 1e-7, 0.05, 0.6, 1.0, 3.0, 100.0):
+        for k in (0, -1, 1, 2, 29, V_DEV - 1, V_DEV, V_DEV + 5):
+            for tp in (1.0, 0.95, 0.5, 0.3, 1e-300, 1 - 2 ** -40):
+                p = SamplingParams(temperature=t, top_k=k, top_p=tp)
+                b.write(p)
+                want = probs(x, p)
+                got = probs_device(x, b)
+                assert got.dtype == torch.float32 and torch.equal(got, want), (name, t, k, tp)
+                n_on += int((want == 0).any())
+    assert n_on > 0, "the settings must actually filter"
+
+
+def test_probs_device_one_row_and_fresh_buffers():
+    x = _logit_sets()["ties"][0]                                       # [V]: no batch dimension
+    for p in (SamplingParams(temperature=0.6, top_p=0.95, top_k=29), SamplingParams(temperature=2.0, top_k=3)):
+        assert torch.equal(probs_device(x, SamplingBuffers("cpu", p)), probs(x, p))
+
+
+def test_probs_device_differs_when_a_filter_differs():
+    """The buffers are read: the same logits under a different top-k / top-p / temperature give other bits."""
+    x = _logit_sets()["normal"]
+    base = SamplingParams(temperature=0.6, top_p=0.95, top_k=29)
+    ref = probs_device(x, SamplingBuffers("cpu", base))
+    for kw in (dict(top_k=28), dict(top_p=0.9), dict(temperature=0.7)):
+        other = SamplingParams(**{**dict(temperature=0.6, top_p=0.95, top_k=29), **kw})
+        assert not torch.equal(probs_device(x, SamplingBuffers("cpu", other)), ref), kw
+
+
+def test_inverse_cdf_is_draw_with_its_uniforms():
+    """``draw`` = ``inverse_cdf`` on the one float64 uniform per row it draws; and the inverse CDF picks the first
+    index whose cumulative mass reaches u * total (hand-checked rows, unnormalised)."""
+    pr = probs(_logit_sets()["normal"], SamplingParams(temperature=1.0, top_k=40))
+    a = draw(pr, torch.Generator().manual_seed(9))
+    u = torch.rand(4, 1, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    assert torch.equal(inverse_cdf(pr, u), a)
+    row = torch.tensor([0.0, 2.0, 0.0, 1.0, 1.0])                     # cdf 0, 2, 2, 3, 4
+    got = [int(inverse_cdf(row, torch.tensor([[v]], dtype=torch.float64))) for v in (0.1, 0.49, 0.5, 0.51, 0.76, 0.999)]
+    assert got == [1, 1, 1, 3, 4, 4]

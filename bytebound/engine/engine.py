@@ -328,9 +328,14 @@ class Engine:
             raise ConfigError("--speculative-draft-vocab (draft_vocab) needs MTP (--speculative-algorithm NEXTN)")
         self.drafter = (MTPDrafter(self.model, cfg.speculative_steps, cfg.draft_share, hot)
                         if cfg.speculative_steps else None)
-        self.spec_round = None          # the captured greedy MTP round (CUDA: round=static, graphs=captured)
+        # The captured MTP rounds (CUDA: round=static, graphs=captured): one for greedy requests, one for sampling
+        # requests (their settings and uniforms in device buffers: one graph per span serves every setting). Two
+        # bodies, not one with a flag: the greedy round would otherwise pay the sampled one's softmax and sorts.
+        self.spec_round = self.spec_round_sampled = None
         if self.drafter is not None and self.static_round and self.plan.choice("graphs") == "captured":
             self.spec_round = StaticRound(self.runner, self.drafter, SamplingParams(), None, capture=True)
+            self.spec_round_sampled = StaticRound(self.runner, self.drafter, SamplingParams(temperature=1.0), None,
+                                                  capture=True)
 
     def rebind(self, backends: dict | None = None, **changes) -> "Engine":
         """Re-plan and re-bind the loaded model: ``backends`` replaces ``config.backends`` (plan entries) and
@@ -406,8 +411,8 @@ class Engine:
     def _tokens(self, ids: torch.Tensor, p: SamplingParams, gen, stats: SpecStats | None):
         """Raw token source: plain decode or MTP rounds; yields ``(token, round)``."""
         if self.drafter is not None:
-            # the captured greedy round when there is one, else an uncaptured round for this request
-            rnd = self.spec_round if (p.greedy and self.spec_round is not None) else None
+            # the captured round of the request's kind when there is one, else an uncaptured round for it
+            rnd = self.spec_round if p.greedy else self.spec_round_sampled
             if self.adaptive is not None:
                 src = adaptive_tokens(self.runner, self.drafter, ids, p, gen, stats, self.adaptive, rnd)
             else:

@@ -275,7 +275,9 @@ def record_regimes(model, plan: BackendPlan, impl: dict | None = None) -> None:
     out["graphs"] = {"decode": PlanEntry(g, why, detail),
                      "verify": PlanEntry(g if plan.choice("round") == "static" else "eager",
                                          why if plan.choice("round") == "static" else "regime",
-                                         None if plan.choice("round") == "static" else "eager MTP rounds")
+                                         ("one round graph per attention span for greedy requests and one for "
+                                          "sampling requests" if g == "captured" else None)
+                                         if plan.choice("round") == "static" else "eager MTP rounds")
                      if k1 else unused,
                      "prefill": PlanEntry("eager", "regime", "prefill shapes vary per prompt")}
     plan.entries = out

@@ -9,7 +9,8 @@ One object (:class:`BackendPlan`) holds every decision the engine makes about *h
   cuBLAS GEMV, ``torch``), ``norm`` (``triton`` | ``torch``), ``moe_shared`` (``fused``: the shared expert as one
   more slot of the routed MoE kernels, ``separate``: a dense MLP of its own), ``kv`` (``buckets``: attention spans
   in powers of two from 1024, one decode graph each; ``exact``: every ``max_model_len`` slot), ``round``
-  (``static``: MTP rounds with static shapes, one graph replay per greedy round on CUDA; ``eager``) and
+  (``static``: MTP rounds with static shapes, one graph replay per round on CUDA, greedy and sampling requests
+  alike; ``eager``) and
   ``graphs`` (``captured`` | ``eager``: CUDA-graph capture of the decode step and the MTP round).
 
 Each entry is chosen from (device capability, the tuning tables, the user's overrides) by :meth:`BackendPlan.build`

@@ -275,11 +275,11 @@ def adaptive_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, ge
         p / gen: sampling parameters and generator (shared by plain steps and rounds). stats: the request's
         ``SpecStats`` (rounds only; plain steps are counted by ``ctrl``). ctrl: the engine's controller.
         round_: the :class:`~bytebound.speculative.round.StaticRound` for the rounds (the engine's captured
-            greedy round), else an uncaptured one for ``p`` and ``gen``.
+            round of ``p``'s kind, set to serve ``p`` and ``gen``), else an uncaptured one for ``p`` and ``gen``.
     """
     dev, k = runner.device, drafter.steps
     clock = ctrl.clock
-    rnd = round_ if round_ is not None else StaticRound(runner, drafter, p, gen)
+    rnd = round_.use(p, gen) if round_ is not None else StaticRound(runner, drafter, p, gen)
     hid = runner.prefill(prompt.to(dev))
     y = sample(runner.logits(hid[-1:]), p, gen).view(1)
     yield int(y), 0

@@ -1,7 +1,7 @@
 """The MTP round: one implementation with fixed shapes and every input in a device buffer, run eagerly on CPU
-(and for sampling requests) and replayed as one CUDA graph per attention span for greedy requests on CUDA. The
-round - draft-extend, draft steps, verify, acceptance, KDA rollback and the next round's inputs - has no
-data-dependent shape and no host read but the one that ends it:
+and replayed as one CUDA graph per attention span on CUDA (greedy and sampling requests alike). The round -
+draft-extend, draft steps, verify, acceptance, KDA rollback and the next round's inputs - has no data-dependent
+shape and no host read but the one that ends it:
 
 * **Padded draft-extend.** The NEXTN always runs over ``k + 1`` positions ending past the committed length
   (``pos - j - 1 .. pos - j - 1 + k``, ``j`` the previous round's accepted drafts) and the draft continues from row
@@ -22,10 +22,14 @@ The first round after a prefill of ``P`` tokens: the NEXTN runs eagerly over all
 prompt positions, and those are the first round's extend, as if a previous round had accepted ``j = min(P, k +
 1) - 1`` drafts (:meth:`StaticRound.seed`).
 
-Graph capture (``StaticRound(..., capture=True)``, CUDA only) bakes in the sampling mode: it is used for greedy
-requests, and sampling requests run the same body eagerly (their RNG stays with the request's generator). With
-tensor parallelism (``runner.tp``) the body takes rank 0's drafts and verdict, a collective, so it is not
-captured.
+Greedy and sampled rounds are two bodies (a round is one or the other; the engine holds a captured round of
+each): the greedy one takes the target argmax and is what it always was; the sampled one reads the request's
+temperature / top-p / top-k from device buffers (``sampling.SamplingBuffers``, written per request by
+:meth:`StaticRound.use`) and the round's uniforms from a buffer too: :meth:`StaticRound.step` draws them from the
+request's generator just before the body (``accept.chain_uniforms``, the same draws in the same order as the
+acceptance rule makes them inline), so replay equals the eager body bit for bit and the seed still decides the
+output. With tensor parallelism (``runner.tp``) the body takes rank 0's drafts and verdict, a collective, so it is
+not captured.
 """
 
 from __future__ import annotations
@@ -35,8 +39,8 @@ import time
 import torch
 
 from bytebound.runner.graphs import capture_graph
-from bytebound.sampling import SamplingParams, sample
-from bytebound.speculative.accept import accept_chain_device
+from bytebound.sampling import SamplingBuffers, SamplingParams, probs_device, sample
+from bytebound.speculative.accept import accept_chain_device, accept_sampled, chain_uniforms
 from bytebound.speculative.mtp import _from_rank0, nextn_prefix
 
 
@@ -47,15 +51,16 @@ class StaticRound:
     [k+1, H]`` the NEXTN inputs for the previous round's verify positions; ``j`` 0-d int64 (accepted drafts of the
     previous round: the extend row the drafts continue from); ``out [k+2]`` int64 ``[drafts.., bonus, j]`` of the
     last round. The committed length comes from the runner (``runner.pos_buf``, written by ``begin_verify``).
+    A sampled round (``p`` not greedy) also has ``sp`` (a ``SamplingBuffers``: the request's settings) and the
+    uniforms of one round, ``u [k]`` float32 (the draft tests) and ``u_draw [1, 1]`` float64 (the bonus draw).
 
     Args:
         runner: a ``ModelRunner``. drafter: an ``MTPDrafter`` of the same model. p / gen: the sampling
-        parameters and generator the round uses (captured graphs: greedy only). capture: record the body in
-        a CUDA graph per attention span.
+        parameters and generator of the first request (:meth:`use` sets later ones); whether ``p`` is greedy
+        decides which body the round has. capture: record the body in a CUDA graph per attention span.
 
     Raises:
-        RuntimeError: ``capture`` off CUDA. ValueError: ``capture`` with a sampling ``p`` or with tensor
-            parallelism.
+        RuntimeError: ``capture`` off CUDA. ValueError: ``capture`` with tensor parallelism.
     """
 
     def __init__(self, runner, drafter, p: SamplingParams, gen: torch.Generator | None = None,
@@ -63,6 +68,11 @@ class StaticRound:
         self.r, self.dr, self.p, self.gen = runner, drafter, p, gen
         k = self.k = drafter.steps
         dev, cfg = runner.device, runner.model.cfg
+        self.sampled = not p.greedy
+        if self.sampled:
+            self.sp = SamplingBuffers(dev, p)
+            self.u = torch.zeros(k, dtype=torch.float32, device=dev)
+            self.u_draw = torch.zeros(1, 1, dtype=torch.float64, device=dev)
         self.y = torch.zeros(1, dtype=torch.long, device=dev)
         self.ext_ids = torch.zeros(k + 1, dtype=torch.long, device=dev)
         self.ext_hidden = torch.zeros(k + 1, cfg.hidden_size, dtype=runner.model.dtype, device=dev)
@@ -74,6 +84,22 @@ class StaticRound:
         self.captured_shapes: list[dict] = []
         if capture:
             self._capture()
+
+    def use(self, p: SamplingParams, gen: torch.Generator | None) -> "StaticRound":
+        """Serve the request with settings ``p`` and generator ``gen`` from now on (a captured round serves every
+        request of its kind): a sampled round writes ``p`` into its buffers. Returns ``self``.
+
+        Raises:
+            ValueError: ``p`` greedy for a sampled round, or sampling for a greedy one.
+        """
+        if p.greedy == self.sampled:
+            have, got = ("sampled", "greedy") if self.sampled else ("greedy", "sampling")
+            raise ValueError(f"a {have} MTP round cannot serve a {got} request (temperature={p.temperature}, "
+                             f"top_k={p.top_k})")
+        self.p, self.gen = p, gen
+        if self.sampled:
+            self.sp.write(p)
+        return self
 
     def span(self) -> int | None:
         """Attention span for the next round: the smallest of ``runner.kv_buckets`` that holds the verify's last
@@ -96,8 +122,12 @@ class StaticRound:
         d = _from_rank0(r, torch.cat(drafts))                                   # [k]
         # 3. verify [y, d] at pos..pos+k, KDA state recorded after every token
         vh = r.verify(torch.cat([self.y, d]), pos + ar, kv_len)
-        # 4. acceptance on the device (tensor parallel: rank 0 decides for every rank)
-        j, bonus = accept_chain_device(r.logits(vh), d, self.p, self.gen)
+        # 4. acceptance on the device (tensor parallel: rank 0 decides for every rank); a sampled round reads its
+        # settings and this round's uniforms (drawn by step) from buffers
+        if self.sampled:
+            j, bonus = accept_sampled(probs_device(r.logits(vh), self.sp), d, self.u, self.u_draw)
+        else:
+            j, bonus = accept_chain_device(r.logits(vh), d, self.p, None)
         verdict = _from_rank0(r, torch.cat([d, bonus.view(1), j.view(1)]))
         j, bonus = verdict[-1], verdict[-2]
         # 5. KDA states after token j (MLA slots past the new committed length are rewritten before use)
@@ -112,8 +142,6 @@ class StaticRound:
     def _capture(self) -> None:
         if self.r.device.type != "cuda":
             raise RuntimeError("capturing an MTP round needs a CUDA device")
-        if not self.p.greedy:
-            raise ValueError("a captured MTP round is greedy-only: sampling rounds run eagerly")
         if getattr(self.r, "tp", None) is not None:
             raise ValueError("an MTP round with tensor parallelism is not captured (rank 0's verdict is a "
                              "collective): it runs eagerly")
@@ -139,7 +167,8 @@ class StaticRound:
         finally:
             r.restore(snap)
         self.captured_shapes = [{"op": "mtp_round", "draft_steps": self.k, "verify_tokens": self.k + 1,
-                                 "kv_slots": span} for span in self.graphs]
+                                 "kv_slots": span, "sampling": "sampled" if self.sampled else "greedy"}
+                                for span in self.graphs]
 
     def start(self, prompt: torch.Tensor, hid: torch.Tensor, y: torch.Tensor) -> None:
         """Set the buffers after a prefill of ``prompt [P]`` (``P >= 1``) with hiddens ``hid [P, H]`` and first
@@ -186,6 +215,8 @@ class StaticRound:
         """
         r = self.r
         r.begin_verify(self.k)           # the verify writes k + 1 slots past the committed length
+        if self.sampled:                 # this round's uniforms, from the request's generator, outside any graph
+            chain_uniforms(self.gen, self.u, self.u_draw)
         span = self.span()
         g = self.graphs.get(span)
         if g is not None:
@@ -230,9 +261,10 @@ def mtp_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, gen, st
                round_: StaticRound | None = None):
     """Yield ``(token, round)`` pairs: round 0 is the prefill's token, then one round id per verify (each a
     :meth:`StaticRound.step`; a graph replay when ``round_`` was captured, else a new uncaptured round for ``p``
-    and ``gen``). The caller stops iterating at EOS / stop strings / max_tokens; only what it consumed is
-    committed (every round commits before its tokens leave)."""
-    rnd = round_ if round_ is not None else StaticRound(runner, drafter, p, gen)
+    and ``gen``; a given ``round_`` is set to serve them, :meth:`StaticRound.use`). The caller stops iterating at
+    EOS / stop strings / max_tokens; only what it consumed is committed (every round commits before its tokens
+    leave)."""
+    rnd = round_.use(p, gen) if round_ is not None else StaticRound(runner, drafter, p, gen)
     hid = runner.prefill(prompt.to(runner.device))                            # [P, H]
     y = _from_rank0(runner, sample(runner.logits(hid[-1:]), p, gen).view(1))   # [1] on the device
     yield int(y), 0

@@ -201,9 +201,10 @@ def _graph_lever(engine) -> dict:
     cfg = engine.config
     g = getattr(engine.runner, "graph", None)
     shapes = list(getattr(g, "captured_shapes", [])) if g is not None else []
-    rnd = getattr(engine, "spec_round", None)
-    if rnd is not None and rnd.graphs:                     # the MTP round (--spec-static-round)
-        shapes += rnd.captured_shapes
+    for name in ("spec_round", "spec_round_sampled"):      # the captured MTP rounds, greedy and sampled
+        rnd = getattr(engine, name, None)
+        if rnd is not None and rnd.graphs:
+            shapes += rnd.captured_shapes
     got = "captured" if g is not None else "eager"
     plan = getattr(engine, "plan", None)
     named = plan is not None and "graphs" in plan.explicit          # --backend graphs=... / --enforce-eager win

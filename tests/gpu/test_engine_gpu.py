@@ -148,6 +148,74 @@ def test_captured_mtp_round_equals_plain_greedy():
           f"accept length {b.spec['accept_length']:.2f}")
 
 
+SAMPLED = [dict(temperature=0.6, top_p=0.95, top_k=29), dict(temperature=1.0),
+           dict(temperature=0.3, top_k=5, top_p=0.8)]
+
+
+@pytest.mark.skipif(not (NANO / "model.safetensors").exists(), reason="trained ling-nano weights not present")
+def test_captured_sampled_mtp_round_equals_eager_round():
+    """Sampling requests replay the captured sampled MTP round (speculative.round; settings and uniforms in device
+    buffers): with a seed, token for token the output of the same round body run eagerly (``round=eager``), on the
+    trained nano model, GSM8K prompts, three settings; one round object serves them all. TPOT printed."""
+    from bytebound.data.gsm8k import load_split
+    from bytebound.engine.engine import Engine
+    from bytebound.sampling import SamplingParams
+    kw = dict(model=str(NANO), device="cuda")
+    plain = Engine(**kw)
+    eager = Engine(**kw, speculative_steps=3, backends={"round": "eager"})
+    graph = Engine(**kw, speculative_steps=3)
+    rnd = graph.spec_round_sampled
+    assert eager.spec_round_sampled is None and rnd is not None and rnd.graphs
+    assert {s["sampling"] for s in rnd.captured_shapes} == {"sampled"}
+    assert {s["sampling"] for s in graph.spec_round.captured_shapes} == {"greedy"}
+
+    def no_eager_body(*a, **k):
+        raise AssertionError("the captured sampled round ran its body eagerly")
+    rnd._body = no_eager_body                     # every sampled round of the graph engine must be a replay
+    qs = [r["question"] for r in load_split("test")[:3]]
+    accepted = rounds = 0
+    for i, q in enumerate(qs):
+        for s in SAMPLED:
+            p = SamplingParams(max_tokens=64, ignore_eos=True, seed=100 + i, **s)
+            rnd.last = None
+            b = graph.generate(q, p, chat=True)[0]
+            a = eager.generate(q, p, chat=True)[0]
+            assert rnd.last is not None
+            assert b.token_ids == a.token_ids, f"captured sampled round diverged from the eager round ({s})"
+            assert b.spec == {**a.spec, "verify_s": b.spec["verify_s"]}
+            accepted, rounds = accepted + b.spec["committed"], rounds + b.spec["rounds"]
+    again = graph.generate(qs[0], SamplingParams(max_tokens=64, ignore_eos=True, seed=100, **SAMPLED[0]), chat=True)
+    first = eager.generate(qs[0], SamplingParams(max_tokens=64, ignore_eos=True, seed=100, **SAMPLED[0]), chat=True)
+    assert again[0].token_ids == first[0].token_ids                       # seeded: reproducible after other requests
+    assert accepted > 1.2 * rounds, "drafts must be accepted for the acceptance tests to matter"
+    # information only (speed is measured in benchmarks): TPOT of the first prompt at the first setting
+    p = SamplingParams(max_tokens=64, ignore_eos=True, seed=7, **SAMPLED[0])
+    t = {name: e.generate(qs[0], p, chat=True)[0] for name, e in (("plain", plain), ("eager", eager),
+                                                                    ("graph", graph))}
+    print(f"\nnano sampled {SAMPLED[0]} TPOT ms: plain {t['plain'].tpot_s * 1e3:.2f}, MTP eager round "
+          f"{t['eager'].tpot_s * 1e3:.2f}, MTP captured round {t['graph'].tpot_s * 1e3:.2f}; accept length "
+          f"{t['graph'].spec['accept_length']:.2f}")
+
+
+def test_probs_device_equals_probs_on_cuda():
+    """The captured sampled round's target distribution (``sampling.probs_device``, settings in device tensors)
+    equals ``sampling.probs`` bit for bit on CUDA too, where dividing by the Python temperature is a multiply by
+    its float32 reciprocal (the reason probs_device multiplies there)."""
+    from bytebound.sampling import SamplingBuffers, SamplingParams, probs, probs_device
+    g = torch.Generator(device="cuda").manual_seed(0)
+    v = 157184                                                    # a full-size vocabulary: the sorts' real width
+    xs = [torch.randn(4, v, device="cuda", generator=g) * 3,
+          (torch.randn(4, v, device="cuda", generator=g) * 4).round() / 4]          # many ties
+    b = SamplingBuffers("cuda")
+    for x in xs:
+        for t in (1e-7, 0.3, 0.6, 1.0, 1.7, 100.0):
+            for k in (0, 1, 29, v - 1, v):
+                for tp in (1.0, 0.95, 0.5, 1e-300):
+                    p = SamplingParams(temperature=t, top_k=k, top_p=tp)
+                    b.write(p)
+                    assert torch.equal(probs_device(x, b), probs(x, p)), (t, k, tp)
+
+
 def test_graph_replay_equals_eager_across_kv_buckets():
     """One decode graph per attention span (runner.kv_buckets): replay == eager bit for bit while the sequence
     crosses span edges (37-token prompt, 64 steps, spans 64 / 128 / 256)."""
