@@ -106,10 +106,11 @@ def fuse_rows(parts: list[QLinear], pad: bool = False) -> QLinear | None:
     fused = QLinear(p0.in_features, rows, p0.fmt, p0.block, p0.weight.dtype, p0.weight.device)
     fp8 = p0.fmt == "fp8"
     with torch.no_grad():
-        w = fused.weight.data
+        # as bytes (the parts share one dtype): no fill or copy kernel of the E4M3 dtype is needed on any device
+        w = fused.weight.data.view(torch.uint8)
         w.zero_()                                           # the padding rows (the parts' rows are copied over)
         for p, (a, b) in zip(parts, spans):
-            w[a:b] = p.weight.data
+            w[a:b].copy_(p.weight.data.contiguous().view(torch.uint8))
         if fp8:
             fused.weight_scale_inv.data = torch.cat([p.weight_scale_inv.data for p in parts])
     s = 0
