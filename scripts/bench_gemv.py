@@ -39,10 +39,12 @@ DEFAULT_CONFIG = ROOT / "bytebound" / "assets" / "configs" / "ling-3.0-flash.jso
 
 def decode_shapes(config_path=DEFAULT_CONFIG) -> list[dict]:
     """``[{name, n, k, count}]``: every FP8 QLinear shape the model runs through ``linear[triton]`` at decode, as
-    ``bind_model`` binds them (KDA's q|k|v|f|g fused into one), with how many layers use it."""
+    ``bind_model`` binds them (KDA's q|k|v|f|g fused into one, MLA's q|kv_a|g into one with its scale-block padding:
+    ``layers.linear.fuse_layout``), with how many layers use it."""
     from bytebound.config import LingConfig
     from bytebound.layers.kda import KimiDeltaAttention
-    from bytebound.layers.linear import QLinear
+    from bytebound.layers.linear import QLinear, fuse_layout
+    from bytebound.layers.mla import GatedMLA
     from bytebound.models import model_class
     cfg = LingConfig.from_file(config_path)
     with torch.device("meta"):
@@ -56,6 +58,12 @@ def decode_shapes(config_path=DEFAULT_CONFIG) -> list[dict]:
             if all(p.fmt == "fp8" for p in parts):
                 fused.update(id(p) for p in parts)
                 key = ("kda.q|k|v|f|g", sum(p.out_features for p in parts), parts[0].in_features)
+        elif isinstance(m, GatedMLA):
+            parts = [m.q_proj, m.kv_a_proj_with_mqa, m.g_proj]
+            layout = fuse_layout(parts, pad=True)
+            if parts[0].fmt == "fp8" and not isinstance(layout, str):
+                fused.update(id(p) for p in parts)
+                key = ("mla.q|kv_a|g", layout[1], parts[0].in_features)
         elif isinstance(m, QLinear) and m.fmt == "fp8" and id(m) not in fused:
             short = ".".join(x for x in name.split(".") if not x.isdigit() and x not in ("model", "layers"))
             key = (short, m.out_features, m.in_features)

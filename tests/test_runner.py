@@ -90,6 +90,95 @@ def test_fused_kda_projections_equal_separate_ones(quant_ckpt, tmp_path):
     assert all(torch.equal(again.state_dict()[k], before[k]) for k in before)
 
 
+def test_fused_mla_projections_equal_separate_ones(quant_ckpt, tmp_path):
+    """bind_model fuses each MLA layer's q_proj | kv_a_proj_with_mqa | g_proj FP8 projections into one
+    (``linear.fuse_rows(pad=True)``): the tiny config's 32-row scale blocks put kv_a's 40 rows inside a block, so
+    24 zero rows follow it and g_proj starts on a block edge. The parts become row views with their own scale rows,
+    the state dict (hence a re-written checkpoint) is unchanged, the plan records the layout, and prefill and
+    decode steps (expanded and absorbed attention) give the logits of the three separate projections."""
+    from bytebound.checkpoint.loader import load_model
+    from bytebound.checkpoint.writer import save_pretrained
+    from bytebound.layers.mla import GatedMLA
+    from bytebound.runner.backends import BackendPlan, bind_model
+    model = load_model(quant_ckpt, "cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = bind_model(model, BackendPlan.default("cpu"), "cpu")
+    mlas = [m for m in model.modules() if isinstance(m, GatedMLA)]
+    assert mlas and all(m.proj_fn is not None for m in mlas)
+    m0 = mlas[0]
+    parts = (m0.q_proj, m0.kv_a_proj_with_mqa, m0.g_proj)
+    assert [p.out_features for p in parts] == [96, 40, 4] and all(p.fmt == "fp8" for p in parts)
+    assert m0.proj_spans == [(0, 96), (96, 136), (160, 164)]
+    assert plan.resolutions["mla"].fused == ("q_proj | kv_a_proj_with_mqa | g_proj: one fp8 projection of 164 rows "
+                                             "(24 zero rows keep the parts on 32-row scale-block edges)")
+    assert all(p.fn is None and p.backend.endswith("(fused)") for m in mlas
+               for p in (m.q_proj, m.kv_a_proj_with_mqa, m.g_proj))
+    # rows of one weight (g_proj 24 rows after kv_a's end), and one scale grid: kv_a's 2 scale rows, then g's
+    w0 = m0.q_proj.weight
+    assert m0.kv_a_proj_with_mqa.weight.data_ptr() == w0.data_ptr() + 96 * w0.shape[1]
+    assert m0.g_proj.weight.data_ptr() == w0.data_ptr() + 160 * w0.shape[1]
+    s0 = m0.q_proj.weight_scale_inv
+    assert m0.g_proj.weight_scale_inv.data_ptr() == s0.data_ptr() + (3 + 2) * s0.shape[1] * s0.element_size()
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    prompt = torch.randint(4, model.cfg.vocab_size, (21,), generator=torch.Generator().manual_seed(2))
+
+    def run():
+        r = ModelRunner(model, 64, "cpu")
+        out = [model.logits(r.prefill(prompt)[-1:])]
+        for t in (5, 9, 11):
+            out.append(model.logits(r.forward(torch.tensor([t]))))
+        out.append(model.logits(r.verify(torch.tensor([3, 7, 2]))))
+        return torch.cat([o.reshape(-1, o.shape[-1]) for o in out])
+    with torch.inference_mode():
+        fused = run()
+        saved = [(m.proj_fn, m.proj_spans) for m in mlas]
+        for m in mlas:
+            m.proj_fn = None
+        separate = run()
+    for m, (fn, spans) in zip(mlas, saved):
+        m.proj_fn, m.proj_spans = fn, spans
+    torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-5)
+    out = save_pretrained(model, tmp_path / "again", quant=model.cfg.quant, float_dtype=torch.float32)
+    again = load_model(out, "cpu")
+    assert all(torch.equal(again.state_dict()[k], before[k]) for k in before)
+
+
+def test_mla_projections_of_different_formats_stay_separate():
+    """A g_proj kept in BF16 (``modules_to_not_convert``) next to FP8 q_proj and kv_a cannot share one weight: the
+    layer keeps its three projections, and the plan records why."""
+    from dataclasses import replace
+
+    from bytebound.checkpoint.synthetic import dummy_model
+    from bytebound.config import tiny_config
+    from bytebound.layers.mla import GatedMLA
+    from bytebound.runner.backends import BackendPlan, bind_model
+    from conftest import quant_tiny
+    quant = replace(quant_tiny(), modules_to_not_convert=("lm_head", "b_proj", "attention.g_proj"))
+    model = dummy_model(tiny_config(quant=quant), "cpu", torch.float32)
+    mla = next(m for m in model.modules() if isinstance(m, GatedMLA))
+    assert (mla.q_proj.fmt, mla.g_proj.fmt) == ("fp8", "plain")
+    plan = bind_model(model, BackendPlan.default("cpu"), "cpu")
+    assert mla.proj_fn is None and mla.proj_spans is None and mla.g_proj.fn is not None
+    assert plan.resolutions["mla"].fused == ("q_proj | kv_a_proj_with_mqa | g_proj: three projections, not fused: "
+                                             "format differs (fp8 vs plain)")
+
+
+def test_fuse_layout_rules():
+    """``linear.fuse_layout``: plain parts stack as they are; FP8 parts start on scale-block edges (the last part's
+    tail excepted), padded with ``pad``, else refused with the reason; parts of different formats are refused."""
+    from bytebound.layers.linear import QLinear, fuse_layout
+    plain = [QLinear(64, n) for n in (96, 40, 4)]
+    assert fuse_layout(plain) == ([(0, 96), (96, 136), (136, 140)], 140)
+    fp8 = [QLinear(64, n, "fp8", (32, 32)) for n in (96, 40, 4)]
+    assert fuse_layout(fp8, pad=True) == ([(0, 96), (96, 136), (160, 164)], 164)
+    why = fuse_layout(fp8)
+    assert isinstance(why, str) and "inside a 32-row scale block (40 rows)" in why
+    assert fuse_layout([fp8[0], fp8[1]]) == ([(0, 96), (96, 136)], 136)         # the last part's tail is its own
+    assert fuse_layout([fp8[0], plain[1]], pad=True) == "format differs (fp8 vs plain)"
+    assert "input size differs" in fuse_layout([fp8[0], QLinear(32, 32, "fp8", (32, 32))])
+
+
 @torch.inference_mode()
 def test_decode_vs_verify_agree_and_leave_the_state():
     """``verify.canaries.decode_vs_verify`` (the GPU test and scripts/verify_vs_decode.py use it): on the CPU

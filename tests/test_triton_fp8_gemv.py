@@ -91,6 +91,36 @@ def test_linear_binding_uses_gemv(fp8k):
         check(fp8k.fp8_block_linear(x[:m], w, s), ref[:m], bound[:m])
 
 
+@needs_triton
+@pytest.mark.parametrize("name", ["fma-split3", "dot-split2", "dot-pre"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_fused_rows_gemv_equals_separate(fp8k, name, m):
+    """Three projections of one input fused as an MLA layer's q|kv_a|g (``linear.fuse_rows(pad=True)``, 128-row
+    scale blocks): 256 rows, 136 (ends inside a block: 120 zero rows follow) and 16. With one launch config the
+    fused GEMV's columns of each part are bit-equal to that part's own GEMV (same row tiles, same K chunks and
+    split), the padding columns are 0, and the whole output is within the float64 bound."""
+    from bytebound.layers.linear import QLinear, fuse_rows
+    k = 320
+    parts = []
+    for i, n in enumerate((256, 136, 16)):
+        _, w, s, _, _ = case(n, k, m, seed=100 * i + m)
+        lin = QLinear(k, n, "fp8", (128, 128), torch.bfloat16, DEV)
+        lin.weight.data, lin.weight_scale_inv.data = w, s
+        parts.append(lin)
+    x = case(8, k, m, seed=7)[0]
+    fused = fuse_rows(parts, pad=True)
+    assert fused.row_spans == [(0, 256), (256, 392), (512, 528)] and fused.weight_scale_inv.shape == (5, 3)
+    cfg = fp8k.fit_gemv_config(CFGS[name], 528, k, m)
+    y = fp8k.fp8_block_gemv(x, fused.weight, fused.weight_scale_inv, cfg=cfg)
+    assert not y[:, 392:512].any()
+    for lin, (a, b) in zip(parts, fused.row_spans):
+        one = fp8k.fp8_block_gemv(x, lin.weight, lin.weight_scale_inv, cfg=cfg)
+        assert torch.equal(y[:, a:b], one)
+        wd = dequantize_fp8_block(lin.weight.cpu(), lin.weight_scale_inv.cpu(), (128, 128), torch.float64)
+        ref = x.double().cpu() @ wd.t()
+        check(y[:, a:b], ref, ref.abs() * 2.0 ** -8 + (x.double().cpu().abs() @ wd.abs().t()) * k * 2.0 ** -24)
+
+
 def test_fit_gemv_config_properties():
     from bytebound.kernels.triton_fp8 import fit_gemv_config, gemv_config
     for n, k in [(20480, 2560), (2560, 4096), (576, 2560), (32, 2560), (2560, 768), (100, 300)]:
@@ -119,10 +149,14 @@ def test_gemv_table_entries_are_valid():
 
 
 def test_decode_shapes_are_the_models():
-    """The benchmark's (and the GPU test's) shape list comes from the model: the fused KDA projection and o_proj
-    are there with their layer counts."""
+    """The benchmark's (and the GPU test's) shape list comes from the model: the fused KDA projection, the fused MLA
+    q|kv_a|g projection (6144 + 576 rows, 64 zero rows, 32: 6816, in the 7 MLA decoder layers and the NEXTN
+    layer) and o_proj are there with their layer counts; the MLA parts alone are not."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench_gemv import decode_shapes
     shapes = {(e["n"], e["k"]): e for e in decode_shapes()}
     assert shapes[(20480, 2560)]["count"] == 35 and shapes[(2560, 4096)]["count"] == 35 + 8
-    assert (576, 2560) in shapes and (2560, 5120) in shapes and (2560, 6144) in shapes
+    assert shapes[(6816, 2560)]["count"] == 8 and shapes[(6816, 2560)]["name"] == "mla.q|kv_a|g"
+    assert (576, 2560) not in shapes and (32, 2560) not in shapes
+    assert shapes[(6144, 2560)]["name"] == "mlp.gate_proj / mlp.up_proj"        # the dense MLP's, not q_proj
+    assert (2560, 5120) in shapes and (2560, 6144) in shapes

@@ -19,6 +19,7 @@ from bytebound.layers.mla import GatedMLA
 from conftest import ROOT, needs_triton, triton_module_fixture
 
 mla = triton_module_fixture("mla", "bytebound.kernels.triton_mla", bf16_round_nearest=True)
+fp8k = triton_module_fixture("fp8k", "bytebound.kernels.triton_fp8", bf16_round_nearest=True)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 YARN = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 131072}
@@ -168,6 +169,61 @@ def test_layer_matches_torch_path(mla, t, pos):
     # identical cache rows up to one BF16 step (float32 statistics in another summation order)
     assert (bf16_steps(st_tri.kv, st_ref.kv) <= 1.01).all()
     assert (st_tri.kv != st_ref.kv).float().mean() < 0.01
+
+
+def fp8_projections(layer: GatedMLA) -> None:
+    """Replace q_proj, kv_a_proj_with_mqa and g_proj by FP8 128x128-block copies of their weights (as Ling stores
+    them; kv_a's 576 rows end inside a scale block)."""
+    from bytebound.layers.linear import QLinear
+    from bytebound.quant import quantize_fp8_block
+    for name in ("q_proj", "kv_a_proj_with_mqa", "g_proj"):
+        plain = getattr(layer, name)
+        lin = QLinear(plain.in_features, plain.out_features, "fp8", (128, 128), torch.bfloat16, DEV)
+        wq, sc = quantize_fp8_block(plain.weight.detach().float().cpu(), (128, 128))
+        lin.weight.data, lin.weight_scale_inv.data = wq.to(DEV), sc.to(DEV)
+        setattr(layer, name, lin)
+
+
+@needs_triton
+@pytest.mark.parametrize("t,pos", [(1, 45), (4, 60)])
+@torch.no_grad()
+def test_layer_fused_projection_equals_three(mla, fp8k, t, pos):
+    """The decode/verify layer as bind_model binds it on CUDA: q|kv_a|g as one FP8 GEMV (``linear.fuse_rows(pad=
+    True)``: 768 | 576 + 64 zero rows | 4) whose output slices feed the attention kernels as strided views, against
+    the same layer with three GEMVs. With one GEMV launch config both give the same bits (output and cache); the
+    torch path (dequantised projections, float32 absorbed attention) is the yardstick of the whole."""
+    from bytebound.layers.linear import fuse_rows
+    from bytebound.layers.mla import MLAState
+    layer = make_layer(4, 128, 128, seed=8)
+    fp8_projections(layer)
+    parts = [layer.q_proj, layer.kv_a_proj_with_mqa, layer.g_proj]
+    kv = filled_cache(layer, pos, 96)
+    x = torch.randn(1, t, 64, generator=torch.Generator().manual_seed(11)).to(DEV, torch.bfloat16)
+    positions = torch.arange(pos, pos + t, device=DEV)
+    st_ref = MLAState(kv.clone())
+    want = layer(x, positions, st_ref, 96)                   # unbound: torch path, dequantised projections
+    fused = fuse_rows(parts, pad=True)
+    assert fused.row_spans == [(0, 768), (768, 1344), (1408, 1412)]
+    cfg = fp8k.fit_gemv_config({"BN": 16, "BK": 64, "SPLIT": 1, "num_warps": 4}, 1412, 64, t)
+
+    def gemv(lin):
+        return lambda v: fp8k.fp8_block_gemv(v.reshape(-1, 64), lin.weight, lin.weight_scale_inv, lin.block,
+                                             cfg).view(*v.shape[:-1], -1)
+    layer.attn_fn = mla.TritonMLA(SMALL).bind(layer, torch.bfloat16)
+    try:
+        for p in parts:
+            p.fn = gemv(p)
+        st_sep = MLAState(kv.clone())
+        sep = layer(x, positions, st_sep, 96)
+        for p in parts:
+            p.fn = None
+        layer.proj_fn, layer.proj_spans = gemv(fused), fused.row_spans
+        st_fused = MLAState(kv.clone())
+        got = layer(x, positions, st_fused, 96)
+    finally:
+        layer.attn_fn = layer.proj_fn = layer.proj_spans = None
+    assert torch.equal(got, sep) and torch.equal(st_fused.kv, st_sep.kv)
+    assert rel(got, want) < 6e-3, rel(got, want)
 
 
 @needs_triton

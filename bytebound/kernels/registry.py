@@ -35,7 +35,8 @@ class Resolution:
     router: str | None = None       # moe only: who computes the group-limited top-k for M <= 4 ("torch" | "triton")
     shared: str | None = None       # moe only: where the shared expert runs ("dense" | "fused into the routed kernels")
     tuning: dict | None = None      # moe only: per token count "M=<m>" the launch config and which table key matched
-    fused: str | None = None        # kda only: what the fused decode kernel takes in (beta's b_proj inside, or why not)
+    fused: str | None = None        # kda: what the fused decode kernel takes in (beta's b_proj inside, or why not);
+    #                                 mla: the q|kv_a|g projection (one fused, or why three)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -2,8 +2,9 @@
 
 The torch reference (``GatedMLA._absorbed_attn``) runs the absorbed form as float32 einsums plus about twenty
 glue ops per layer. This backend runs the same maths (DeepSeek-V2 arXiv 2405.04434 section 2.1.2, FlashMLA's
-latent-space decode) in three launches between the layer's projections (q_proj, kv_a_proj_with_mqa, g_proj
-before, dense after):
+latent-space decode) in three launches between the layer's projections (q_proj | kv_a_proj_with_mqa | g_proj
+before, bound by ``runner.backends.bind_model`` as one FP8 GEMV whose output columns ``q``, ``ckv`` and ``g`` are
+strided views; dense after), so a decode/verify layer is five launches after its input norm:
 
 1. ``_mla_prep``, two roles in one grid. Per new token: kv_a RMSNorm of the latent (float32 statistics, rounded
    where ``layers.norm.RMSNorm`` rounds), interleaved RoPE/YaRN of k_pe (cos/sin computed in-kernel from
@@ -280,6 +281,8 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
     Args:
         q: ``[B, T, H, nope + P]`` BF16 (q_proj output, rope part un-rotated). ckv: ``[B, T, R + P]`` BF16
             (kv_a_proj_with_mqa output, latent not yet normed). g: ``[B, T, H]`` (g_proj output, pre-sigmoid).
+            Each may be a column slice of one fused projection's output (``GatedMLA.proj_spans``): only the last
+            dim must be contiguous, B and T are read through their strides.
         positions: ``[T]`` int64 on the device, the tokens' cache slots (read on the device, no host sync, so
             not range-checked here: the runner keeps them below ``max_len``).
         kv: ``[B, max_len, R + P]`` BF16 latent cache (``MLAState.kv``), updated in place at ``positions``.

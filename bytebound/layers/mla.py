@@ -10,6 +10,11 @@
 Decode/verify (T <= 8) uses the *absorbed* form over the latent cache: ``q_nope`` is mapped through
 ``W_kc [H, 128, 512]`` into latent space and the latent attention output through ``W_vc [H, 128, 512]``, so
 the per-token cache read is 576 values, never the expanded keys (DeepSeek-V2 section 2.1.2).
+
+q_proj, kv_a_proj_with_mqa and g_proj read the same input: bound (``runner.backends.bind_model``) they run as one
+projection (``proj_fn``, rows of one weight: ``layers.linear.fuse_rows``), so with the ``mla`` backend 'triton' a
+decode/verify layer is five launches: that GEMV, ``_mla_prep``, ``_mla_attn_split``, ``_mla_combine_out`` and
+``dense`` (``kernels.triton_mla``).
 """
 
 from __future__ import annotations
@@ -66,6 +71,11 @@ class GatedMLA(nn.Module):
         # decode/verify attention bound at load (``kernels.triton_mla``): ``attn_fn(q [B,T,H,192], kv_a [B,T,576],
         # g [B,T,H], positions, cache, kv_len) -> gated [B,T,H,v]``; None runs the torch code below
         self.attn_fn = None
+        # q|kv_a|g in one projection, set by runner.backends.bind_model: ``proj_fn(x [B,T,hidden]) -> [B,T,N]``
+        # holding q_proj's, kv_a_proj_with_mqa's and g_proj's outputs at columns ``proj_spans`` (start, stop) each
+        # (FP8 scale-block padding in between is never read); None: the three projections
+        self.proj_fn = None
+        self.proj_spans: list[tuple[int, int]] | None = None
 
     def new_state(self, batch: int, max_len: int, dtype, device) -> MLAState:
         return MLAState(torch.zeros(batch, max_len, self.rank + self.rope_dim, dtype=dtype, device=device))
@@ -92,10 +102,14 @@ class GatedMLA(nn.Module):
         what CUDA-graph replay uses).
         """
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.nope + self.rope_dim)
-        ckv = self.kv_a_proj_with_mqa(x)
+        if self.proj_fn is not None:        # one GEMV/GEMM; q, ckv and g are column slices of its output (views)
+            y = self.proj_fn(x)
+            q, ckv, g = (y[..., i:j] for i, j in self.proj_spans)
+        else:
+            q, ckv, g = self.q_proj(x), self.kv_a_proj_with_mqa(x), self.g_proj(x)
+        q = q.view(b, t, self.heads, self.nope + self.rope_dim)
         if self.attn_fn is not None and state is not None and t <= ABSORB_MAX_T:
-            out = self.attn_fn(q, ckv, self.g_proj(x), positions, state.kv, kv_len)   # norm, rope, cache, gate
+            out = self.attn_fn(q, ckv, g, positions, state.kv, kv_len)        # norm, rope, cache, gate
             return self.dense(out.reshape(b, t, self.heads * self.vdim))
         q = q.transpose(1, 2)                                                  # [B,H,T,192]
         q_nope, q_pe = q.split([self.nope, self.rope_dim], -1)
@@ -116,7 +130,7 @@ class GatedMLA(nn.Module):
                 out = self._absorbed_attn(q_nope, q_pe, lat_c, pe_c, positions, kpos)
             else:
                 out = self._expanded(q_nope, q_pe, lat_c, pe_c, positions, kpos)
-        gate = torch.sigmoid(self.g_proj(x).float())                          # [B,T,H]
+        gate = torch.sigmoid(g.float())                                       # [B,T,H]
         out = (out.float() * gate[..., None]).to(x.dtype)                     # [B,T,H,v]
         return self.dense(out.reshape(b, t, self.heads * self.vdim))
 

@@ -11,7 +11,7 @@ from bytebound.errors import BackendError, ConfigError
 from bytebound.kernels.limits import MAX_VERIFY_M, verify_width
 from bytebound.kernels.registry import Resolution, resolve
 from bytebound.layers.kda import KimiDeltaAttention
-from bytebound.layers.linear import QLinear, fuse_rows
+from bytebound.layers.linear import QLinear, fuse_layout, fuse_rows
 from bytebound.layers.mla import ABSORB_MAX_T, GatedMLA
 from bytebound.layers.moe import DenseMLP, MoE, RoutedExperts
 from bytebound.layers.norm import RMSNorm, RMSNormGated
@@ -56,7 +56,10 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
     ``moe_shared`` (``fused``: ``MoEKernel.bind_shared``, the triton backend's ``split`` variant, FP8 shared
     experts). ``kv``, ``round`` and ``graphs`` are recorded here and applied by the engine (runner, MTP round,
     capture). A device default that cannot serve this model falls back, recorded; an entry the user named
-    (``plan.explicit``) raises instead unless ``plan.allow_fallback``.
+    (``plan.explicit``) raises instead unless ``plan.allow_fallback``. Projections of one input are bound as one
+    ``linear`` call (``layers.linear.fuse_rows``, the parts become row views): a KDA layer's q|k|v|f|g
+    (``proj_fn``), an MLA layer's q|kv_a|g (``proj_fn`` and ``proj_spans``; FP8 parts padded to scale-block edges;
+    ``plan.resolutions["mla"].fused`` says which, or why not), on CPU a dense MLP's gate|up.
 
     Raises:
         BackendError: a named backend or switch is unusable here (CUDA-only on another device, a shape the kernel
@@ -146,6 +149,17 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
         elif isinstance(m, GatedMLA):
             # decode/verify (T <= ABSORB_MAX_T with a cache); the torch backend binds None (the layer's own code)
             m.attn_fn = _bind_or_fall_back(plan, "mla", "torch", lambda: impl["mla"].bind(m, dtype))
+            # q|kv_a|g read the same input: one launch instead of three (prefill: one GEMM); zero rows pad a part
+            # that ends inside an FP8 scale block (Ling: kv_a's 576 rows to 640), so each keeps its own scale rows
+            parts = [m.q_proj, m.kv_a_proj_with_mqa, m.g_proj]
+            layout = fuse_layout(parts, pad=True)
+            fused = None if isinstance(layout, str) else fuse_rows(parts, pad=True)
+            m.proj_fn = impl["linear"].bind(fused, dtype) if fused is not None else None
+            m.proj_spans = fused.row_spans if fused is not None else None
+            if fused is not None:       # modules() yields the layer before its projections
+                fused_parts.update(id(x) for x in parts)
+            if plan.resolutions["mla"].fused is None:          # the first layer's (they share a format)
+                plan.resolutions["mla"].fused = _mla_proj_note(parts, layout)
         elif isinstance(m, RMSNormGated):
             m.fn = gated_fn
         elif isinstance(m, RMSNorm):
@@ -169,6 +183,17 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
             plan.resolutions["kda"].tuning = {"fla_autotune": fla_kda.CONFIGS}
     record_regimes(model, plan, impl)
     return plan
+
+
+def _mla_proj_note(parts: list[QLinear], layout) -> str:
+    """``Resolution.fused`` of ``mla``: the one q|kv_a|g projection (rows, padding) or why the three stay separate."""
+    names = "q_proj | kv_a_proj_with_mqa | g_proj"
+    if isinstance(layout, str):
+        return f"{names}: three projections, not fused: {layout}"
+    spans, rows = layout
+    pad = rows - sum(b - a for a, b in spans)
+    return (f"{names}: one {parts[0].fmt} projection of {rows} rows"
+            + (f" ({pad} zero rows keep the parts on {parts[0].block[0]}-row scale-block edges)" if pad else ""))
 
 
 def _refuse_or_fall_back(plan: BackendPlan, name: str, instead: str, why: str) -> None:
@@ -298,7 +323,7 @@ def _fast_paths(model, plan: BackendPlan, router: str | None) -> dict[str, int]:
             note(f"moe[{plan.resolutions['moe'].resolved}]", m.fn)
         elif isinstance(m, QLinear):
             note(f"linear[{plan.resolutions['linear'].resolved}]", m.fn)
-        elif isinstance(m, KimiDeltaAttention):
+        elif isinstance(m, (KimiDeltaAttention, GatedMLA)):
             note(f"linear[{plan.resolutions['linear'].resolved}]", m.proj_fn)
     note(f"lm_head[{plan.resolutions['lm_head'].resolved}] ({model.lm_head.mode})", model.lm_head.fn)
     if router:

@@ -8,8 +8,9 @@
   experts, 8 groups, top-8, hidden 2560), M = 1..4, against torch's add, the norm and ``route``; graph == eager;
 * a six-layer model at full width bound as the engine binds it on CUDA: decode graph replay == eager bit for bit,
   and the kernels of one decode-graph replay counted (torch.profiler) with the fusions off and on, so the saving
-  is measured: at least one launch per residual add (2 per layer), one per fused KDA layer and one more per MoE
-  layer (its post-attention norm).
+  is measured: at least one launch per residual add (2 per layer), one per fused KDA layer, one more per MoE
+  layer (its post-attention norm) and two per MLA layer (q_proj | kv_a_proj_with_mqa | g_proj as one GEMV instead
+  of three; the MLA layer is then 5 launches: that GEMV, the three kernels of ``kernels.triton_mla``, dense).
 """
 
 from __future__ import annotations
@@ -154,7 +155,9 @@ def _kernels_per_replay(runner, pos: int, replays: int = 3) -> float:
 def test_full_width_decode_fusions_graph_equals_eager_and_kernel_count():
     from bytebound.checkpoint.synthetic import dummy_model
     from bytebound.config import LING3_FLASH_CONFIG, LingConfig
+    from bytebound.kernels.triton_fp8 import TritonLinear
     from bytebound.layers.kda import KimiDeltaAttention
+    from bytebound.layers.mla import GatedMLA
     from bytebound.layers.moe import MoE
     from bytebound.layers.norm import RMSNorm
     from bytebound.runner.backends import BackendPlan, bind_model
@@ -171,6 +174,11 @@ def test_full_width_decode_fusions_graph_equals_eager_and_kernel_count():
     norms = [m for m in model.modules() if isinstance(m, RMSNorm) and m.add_fn is not None]
     moes = [m for m in model.modules() if isinstance(m, MoE) and m.gemv_add_norm_fn is not None]
     assert moes and "post-attention add + norm" in plan.resolutions["moe"].router
+    # the decoder layers' MLA (the NEXTN layer's is not run): q|kv_a|g as one FP8 GEMV, kv_a padded 576 -> 640 rows
+    mlas = [layer.attention for layer in model.decoder_layers if isinstance(layer.attention, GatedMLA)]
+    assert mlas and all(m.proj_fn is not None and m.attn_fn is not None for m in mlas)
+    assert plan.resolutions["mla"].fused == ("q_proj | kv_a_proj_with_mqa | g_proj: one fp8 projection of 6816 rows "
+                                             "(64 zero rows keep the parts on 128-row scale-block edges)")
     r = ModelRunner(model, 256)
     h = r.prefill(torch.randint(0, model.cfg.vocab_size, (12,), device=DEV))
     tok = model.logits(h[-1:]).argmax(-1).view(1)
@@ -200,6 +208,11 @@ def test_full_width_decode_fusions_graph_equals_eager_and_kernel_count():
         m.fused_fn.beta_in_kernel = False
     for m in moes:
         m.gemv_add_norm_saved, m.gemv_add_norm_fn = m.gemv_add_norm_fn, None
+    parts = [p for m in mlas for p in (m.q_proj, m.kv_a_proj_with_mqa, m.g_proj)]
+    for m in mlas:                      # the three projections, each bound as the triton linear binds it alone
+        m.proj_saved, m.proj_fn = m.proj_fn, None
+    for p in parts:
+        p.fn = TritonLinear().bind(p, torch.bfloat16)
     try:
         unfused_out, unfused = step()
     finally:
@@ -209,15 +222,19 @@ def test_full_width_decode_fusions_graph_equals_eager_and_kernel_count():
             m.fused_fn.beta_in_kernel = True
         for m in moes:
             m.gemv_add_norm_fn = m.gemv_add_norm_saved
+        for m in mlas:
+            m.proj_fn = m.proj_saved
+        for p in parts:
+            p.fn = None
     L = model.cfg.num_hidden_layers
     n_moe = sum(isinstance(layer.mlp, MoE) for layer in model.decoder_layers)     # (the NEXTN layer's is not run)
-    expect = 2 * L + len(kda) + n_moe
-    print(f"\nkernels per decode-graph replay ({L} layers, {len(kda)} fused KDA, {n_moe} MoE): unfused "
-          f"{unfused:.1f}, fused {fused:.1f}, saved {unfused - fused:.1f} (expected >= {expect})")
+    expect = 2 * L + len(kda) + n_moe + 2 * len(mlas)
+    print(f"\nkernels per decode-graph replay ({L} layers, {len(kda)} fused KDA, {n_moe} MoE, {len(mlas)} MLA): "
+          f"unfused {unfused:.1f}, fused {fused:.1f}, saved {unfused - fused:.1f} (expected >= {expect})")
     if os.environ.get("OUT"):           # the device tool's result folder (scripts/gpu_check.sh)
         Path(os.environ["OUT"], "fuse_kernel_count.json").write_text(json.dumps(
-            {"layers": L, "fused_kda_layers": len(kda), "moe_layers": n_moe, "add_norms": len(norms),
-             "kernels_unfused": unfused, "kernels_fused": fused}, indent=2))
+            {"layers": L, "fused_kda_layers": len(kda), "moe_layers": n_moe, "mla_layers": len(mlas),
+             "add_norms": len(norms), "kernels_unfused": unfused, "kernels_fused": fused}, indent=2))
     assert unfused - fused >= expect
     # the same step either way, up to beta's bf16 rounding (summation order of the b_proj dot)
     err = ((fused_out.float() - unfused_out.float()).norm() / unfused_out.float().norm()).item()

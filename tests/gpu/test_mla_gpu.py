@@ -6,7 +6,10 @@ key block and the last splits are partly or wholly past the positions). Checked 
 reference (``tests/test_triton_mla.ref64``), next to the layer's float32 torch path as the yardstick; the layer
 forward with the backend bound against the torch forward; CUDA-graph replay == eager bit for bit. The bundled
 nano model with the backend: captured decode == eager over 48 steps across two kv buckets, and greedy tokens
-equal to the torch MLA's (or a near-tie).
+equal to the torch MLA's (or a near-tie). The layer as bind_model binds it with FP8 q_proj / kv_a_proj_with_mqa /
+g_proj: their one fused GEMV (``linear.fuse_rows(pad=True)``, 6144 | 576 + 64 zero rows | 32) against the three
+GEMVs, M = 1..4: bit-equal (output and cache) when the three use the fused GEMV's launch config, within the
+float64 reference's accuracy of the three as they bind on their own (their own table configs); graph == eager.
 """
 
 from __future__ import annotations
@@ -36,6 +39,39 @@ def ling_layer():
     layer.prepare(torch.bfloat16)
     assert (layer.heads, layer.nope, layer.rope_dim, layer.vdim, layer.rank) == (32, 128, 64, 128, 512)
     return layer
+
+
+FP8_PROJ = ("q_proj", "kv_a_proj_with_mqa", "g_proj")
+
+
+@pytest.fixture(scope="module")
+def ling_fp8_layer():
+    """A Ling-shaped layer whose q_proj, kv_a_proj_with_mqa, g_proj and dense are FP8 128x128 blocks (ue8m0 scales,
+    as the checkpoint stores them), and the first three fused as bind_model fuses them. Returns ``(layer, fused
+    QLinear)``."""
+    from bytebound.config import LING3_FLASH_CONFIG, LingConfig
+    from bytebound.layers.linear import fuse_rows
+    from bytebound.layers.mla import GatedMLA
+    from bytebound.quant import quantize_fp8_block
+    cfg = LingConfig.from_file(LING3_FLASH_CONFIG)
+    torch.manual_seed(1)
+    fp8 = FP8_PROJ + ("dense",)
+    layer = GatedMLA(cfg, lambda name: "fp8" if name in fp8 else "plain", dtype=torch.bfloat16, device=DEV)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if p.dtype != torch.float8_e4m3fn and not name.endswith("weight_scale_inv"):
+                p.copy_(torch.randn(p.shape, device=DEV) / p.shape[-1] ** 0.5)
+        for name in fp8:
+            lin = getattr(layer, name)
+            wq, sc = quantize_fp8_block(torch.randn(lin.weight.shape, device=DEV) / lin.in_features ** 0.5)
+            lin.weight.copy_(wq)
+            lin.weight_scale_inv.copy_(sc)
+        layer.kv_a_layernorm.weight.copy_(torch.rand(layer.rank, device=DEV) + 0.5)
+    layer = layer.to(DEV)
+    layer.prepare(torch.bfloat16)
+    fused = fuse_rows([getattr(layer, n) for n in FP8_PROJ], pad=True)
+    assert fused.row_spans == [(0, 6144), (6144, 6720), (6784, 6816)]
+    return layer, fused
 
 
 def filled(n: int, max_len: int, seed: int) -> torch.Tensor:
@@ -118,6 +154,76 @@ def test_graph_replay_equals_eager(ling_layer, m):
     eager2 = fn(q, ckv, gl, positions, kv_e, span)
     torch.cuda.synchronize()
     assert torch.equal(out, eager2) and torch.equal(kv_g, kv_e)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_fused_projection_layer_equals_three_projections(ling_fp8_layer, m):
+    """Five launches per layer (fused GEMV, prep, attention, combine, dense) against seven (three GEMVs first)."""
+    from bytebound.analysis.kernels import kernel_table
+    from bytebound.kernels.triton_fp8 import TritonLinear, fp8_block_gemv, gemv_config
+    from bytebound.kernels.triton_mla import TritonMLA
+    from bytebound.layers.mla import MLAState
+    from bytebound.quant import dequantize_fp8_block
+    from bytebound.runner.graphs import capture_graph
+    from test_triton_mla import ref64
+    layer, fused = ling_fp8_layer
+    parts = [getattr(layer, n) for n in FP8_PROJ]
+    span, pos = 2048 + 64, 2048 - m
+    kv = filled(pos, span + 64, seed=50 + m)
+    g = torch.Generator(device=DEV).manual_seed(60 + m)
+    x = torch.randn(1, m, 2560, generator=g, device=DEV).to(torch.bfloat16)
+    positions = torch.arange(pos, pos + m, device=DEV)
+    cfg = gemv_config(6816, 2560, m, DEV)             # the fused GEMV's launch config (its table entry or default)
+
+    def same_cfg(p):
+        return lambda v: fp8_block_gemv(v.reshape(-1, 2560), p.weight, p.weight_scale_inv, p.block,
+                                        cfg).view(*v.shape[:-1], -1)
+
+    def run():
+        st = MLAState(kv.clone())
+        return layer(x, positions, st, span), st.kv
+
+    def kernels() -> float:             # CUDA kernels of one layer call (the same slots rewritten each call)
+        kv_c = kv.clone()
+        return kernel_table(lambda: layer(x, positions, MLAState(kv_c), span), 3)[1]["kernels"]
+    layer.attn_fn = TritonMLA().bind(layer, torch.bfloat16)
+    layer.dense.fn = TritonLinear().bind(layer.dense, torch.bfloat16)
+    try:
+        layer.proj_fn, layer.proj_spans = TritonLinear().bind(fused, torch.bfloat16), fused.row_spans
+        out_f, kv_f = run()
+        n_fused = kernels()
+        kv_g = kv.clone()
+        graph, out_g = capture_graph(lambda: layer(x, positions, MLAState(kv_g), span),
+                                     between=lambda: kv_g.copy_(kv))
+        kv_g.copy_(kv)
+        graph.replay()
+        torch.cuda.synchronize()
+        layer.proj_fn = layer.proj_spans = None
+        for p in parts:
+            p.fn = same_cfg(p)
+        out_s, kv_s = run()
+        for p in parts:                                  # as bind_model binds them unfused: each its own config
+            p.fn = TritonLinear().bind(p, torch.bfloat16)
+        out_t, _ = run()
+        n_three = kernels()
+    finally:
+        layer.attn_fn = layer.proj_fn = layer.proj_spans = layer.dense.fn = None
+        for p in parts:
+            p.fn = None
+    assert (n_fused, n_three) == (5, 7)
+    assert torch.equal(out_f, out_s) and torch.equal(kv_f, kv_s)
+    assert torch.equal(out_g, out_f) and torch.equal(kv_g, kv_f)
+    # float64 reference from the correctly rounded BF16 projections (neither GEMV's summation order)
+    x64 = x.double()
+    def w64(p):
+        return dequantize_fp8_block(p.weight, p.weight_scale_inv, p.block, torch.float64)
+    q, ckv, gl = ((x64 @ w64(p).t()).to(torch.bfloat16) for p in parts)
+    o64, _ = ref64(layer, q.view(1, m, 32, 192), ckv, gl, positions, kv)
+    want64 = o64.reshape(1, m, -1) @ w64(layer.dense).t()
+    e_f, e_t = rel(out_f, want64), rel(out_t, want64)
+    print(f"M {m}: layer rel vs float64: fused projection {e_f:.2e}, three projections (own configs) {e_t:.2e}")
+    assert e_t < 6e-3 and e_f < 1.5 * e_t + 1e-3
 
 
 NANO = Path(__file__).resolve().parents[2] / "models" / "ling-nano"
