@@ -111,6 +111,19 @@ def nano_ckpt(tmp_path_factory):
                            tokenizer_dir=NANO_TOKENIZER)
 
 
+@pytest.fixture
+def row_wise(monkeypatch):
+    """Every linear one row at a time, so a verify's projections do the arithmetic of decode steps
+    (tests/test_state_protocol.py, test_mtp_cpu.py's ``test_rollback_exact_with_row_wise_linear``)."""
+    lin = torch.nn.functional.linear
+
+    def linear(x, w, b=None):
+        x2 = x.reshape(-1, x.shape[-1])
+        out = torch.cat([lin(x2[i:i + 1], w, b) for i in range(x2.shape[0])], 0)
+        return out.view(*x.shape[:-1], w.shape[0])
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+
+
 @pytest.fixture(scope="session")
 def tiny_random_ckpt(tmp_path_factory):
     """A plain random tiny checkpoint with the ling-nano tokenizer (bench and server tests)."""

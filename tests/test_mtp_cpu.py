@@ -221,7 +221,7 @@ ROW_WISE_TOL = 1e-6          # relative to the state's largest entry: a few floa
 
 
 @pytest.mark.parametrize("j", range(STEPS + 1))
-def test_rollback_exact_with_row_wise_linear(bound_model, monkeypatch, j):
+def test_rollback_exact_with_row_wise_linear(bound_model, row_wise, j):
     """With every linear computed one row at a time (so verify and decode do identical float arithmetic in the
     projections), the first KDA layer's conv + recurrent state and the first MLA layer's cache after
     verify + commit(j) equal those of j+1 decode steps to float32 rounding, and every other committed length
@@ -229,14 +229,7 @@ def test_rollback_exact_with_row_wise_linear(bound_model, monkeypatch, j):
     rollback to the wrong boundary cannot pass. Not bit-equality: the elementwise kernels (sigmoid, exp)
     vectorise a 4-token verify differently from a 1-token decode on some CPUs (AVX2: the 1-token tensors fall
     in the scalar tail), about 1 ulp; bit-exactness of the mechanism itself, where shapes match, is
-    test_rollback_independent_of_rejected_tokens."""
-    lin = torch.nn.functional.linear
-
-    def row_wise(x, w, b=None):
-        x2 = x.reshape(-1, x.shape[-1])
-        out = torch.cat([lin(x2[i:i + 1], w, b) for i in range(x2.shape[0])], 0)
-        return out.view(*x.shape[:-1], w.shape[0])
-    monkeypatch.setattr(torch.nn.functional, "linear", row_wise)
+    test_rollback_independent_of_rejected_tokens. (``row_wise``: the conftest fixture.)"""
     g = torch.Generator().manual_seed(200 + j)
     prompt = torch.randint(4, 128, (63 - j,), generator=g)
     toks = torch.randint(4, 128, (STEPS + 1,), generator=g)

@@ -26,14 +26,11 @@ def chi2_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
-def test_chain_acceptance_is_lossless():
-    g = torch.Generator().manual_seed(0)
-    table = torch.randn(V, V, generator=g) * 2.5                 # target logits of the next token given this one
-    wrong = torch.randn(V, V, generator=g) * 2.5                 # draft: argmax of an unrelated table
-    p = SamplingParams(temperature=0.6, top_p=0.95, top_k=29)
-    target = probs(table, p)                                     # [V, V] exact next-token distributions
-    y = 7
-    gen = torch.Generator().manual_seed(1)
+def first_two_tokens(table: torch.Tensor, draft, p: SamplingParams, y: int, gen: torch.Generator):
+    """``N`` speculative decodes from token ``y`` through the real ``accept_chain``, each until two tokens are
+    emitted: rounds of ``STEPS`` chain drafts ``draft(cur, i)`` (the ``i``-th draft after token ``cur``), verified
+    against the Markov target ``table`` (``[V, V]`` logits of the next token given this one). Returns the counts
+    of the first and of the second emitted token (``[V]`` int64 each) and the number of accepted drafts."""
     first = torch.zeros(V, dtype=torch.long)
     second = torch.zeros(V, dtype=torch.long)
     accepted = 0
@@ -42,16 +39,20 @@ def test_chain_acceptance_is_lossless():
         while len(out) < 2:
             drafts, cur = [], last
             for _ in range(STEPS):                               # chain drafting, each draft after the previous
-                cur = int(wrong[cur].argmax()) if len(drafts) % 2 == 0 else int(table[cur].argmax())
+                cur = draft(cur, len(drafts))
                 drafts.append(cur)
-            ctx = [last] + drafts
-            j, bonus = accept_chain(table[ctx], drafts, p, gen)
+            j, bonus = accept_chain(table[[last] + drafts], drafts, p, gen)
             accepted += j
             out += drafts[:j] + [bonus]
             last = out[-1]
         first[out[0]] += 1
         second[out[1]] += 1
-    assert accepted > 0.05 * N, "the test must exercise both acceptance and rejection"
+    return first, second, accepted
+
+
+def assert_follow_target(first: torch.Tensor, second: torch.Tensor, target: torch.Tensor, y: int) -> None:
+    """The counts of :func:`first_two_tokens` fit p(t1 | y) and p(t2 | y) = sum_t1 p(t1 | y) p(t2 | t1) (chi-square
+    p > 0.01 each), and the first token's total variation distance from p(t1 | y) is below 0.02."""
     exp1 = target[y] * N
     exp2 = (target[y][:, None] * target).sum(0) * N             # marginal of t2 = sum_t1 p(t1|y) p(t2|t1)
     p1, p2 = chi2_pvalue(first, exp1), chi2_pvalue(second, exp2)
@@ -59,6 +60,20 @@ def test_chain_acceptance_is_lossless():
     assert p2 > 0.01, p2
     tv1 = 0.5 * (first.double() / N - target[y].double()).abs().sum()
     assert tv1 < 0.02, tv1
+
+
+def test_chain_acceptance_is_lossless():
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(V, V, generator=g) * 2.5                 # target logits of the next token given this one
+    wrong = torch.randn(V, V, generator=g) * 2.5                 # draft: argmax of an unrelated table
+    p = SamplingParams(temperature=0.6, top_p=0.95, top_k=29)
+    target = probs(table, p)                                     # [V, V] exact next-token distributions
+    y = 7
+    gen = torch.Generator().manual_seed(1)
+    first, second, accepted = first_two_tokens(
+        table, lambda cur, i: int(wrong[cur].argmax()) if i % 2 == 0 else int(table[cur].argmax()), p, y, gen)
+    assert accepted > 0.05 * N, "the test must exercise both acceptance and rejection"
+    assert_follow_target(first, second, target, y)
 
 
 def test_greedy_acceptance_longest_prefix_and_bonus():
@@ -112,29 +127,8 @@ def test_chain_acceptance_is_lossless_with_a_hot_vocabulary_draft():
     cold_mass = float(target[y][[t for t in range(V) if t not in hot_set]].sum())
     assert cold_mass > 0.2, "the target must put real mass outside the hot set"
     gen = torch.Generator().manual_seed(6)
-    first = torch.zeros(V, dtype=torch.long)
-    second = torch.zeros(V, dtype=torch.long)
-    accepted = 0
-    for _ in range(N):
-        out, last = [], y
-        while len(out) < 2:
-            drafts, cur = [], last
-            for _ in range(STEPS):
-                cur = nxt[cur]
-                drafts.append(cur)
-            j, bonus = accept_chain(table[[last] + drafts], drafts, p, gen)
-            accepted += j
-            out += drafts[:j] + [bonus]
-            last = out[-1]
-        first[out[0]] += 1
-        second[out[1]] += 1
+    first, second, accepted = first_two_tokens(table, lambda cur, i: nxt[cur], p, y, gen)
     assert accepted > 0.05 * N, "the test must exercise both acceptance and rejection"
     cold = [t for t in range(V) if t not in hot_set]
     assert int(first[cold].sum()) > 0.15 * N                      # cold tokens do appear (residual draws)
-    exp1 = target[y] * N
-    exp2 = (target[y][:, None] * target).sum(0) * N
-    p1, p2 = chi2_pvalue(first, exp1), chi2_pvalue(second, exp2)
-    assert p1 > 0.01, p1
-    assert p2 > 0.01, p2
-    tv1 = 0.5 * (first.double() / N - target[y].double()).abs().sum()
-    assert tv1 < 0.02, tv1
+    assert_follow_target(first, second, target, y)

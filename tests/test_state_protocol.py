@@ -38,18 +38,6 @@ def rel(x: torch.Tensor, y: torch.Tensor) -> float:
     return ((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.fixture
-def row_wise(monkeypatch):
-    """Every linear one row at a time, so a verify's projections do the arithmetic of decode steps."""
-    lin = torch.nn.functional.linear
-
-    def linear(x, w, b=None):
-        x2 = x.reshape(-1, x.shape[-1])
-        out = torch.cat([lin(x2[i:i + 1], w, b) for i in range(x2.shape[0])], 0)
-        return out.view(*x.shape[:-1], w.shape[0])
-    monkeypatch.setattr(torch.nn.functional, "linear", linear)
-
-
 def _prompt_and_tokens(model, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     v = model.cfg.vocab_size

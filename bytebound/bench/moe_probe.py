@@ -25,7 +25,7 @@ from bytebound.errors import BackendError
 from bytebound.kernels import triton_moe_split
 from bytebound.kernels.limits import MAX_VERIFY_M
 from bytebound.kernels.moe_host import MoEKernel
-from bytebound.kernels.triton_moe_split import gl, gluon, mxfp4_tile
+from bytebound.kernels.triton_moe_split import gl, gluon, mxfp4_index, mxfp4_tile
 
 PROBES = ("gateup_only", "down_only", "load_only", "compute_only")
 
@@ -49,12 +49,7 @@ if gluon is not None:
     @gluon.jit
     def _tile_fake(w_ptr, s_ptr, row, cb, K: gl.constexpr, WD: gl.constexpr):
         """``compute_only``'s ``mxfp4_tile``: words and scales computed from the element's index, no memory load."""
-        NS: gl.constexpr = WD.shape[1]
-        SD: gl.constexpr = gl.SliceLayout(3, WD)
-        sb = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD)))
-        tb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SD)))
-        q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WD))))
-        w3 = row[:, None, None] * (K // 8) + cb * 16 + sb[None, :, None] * 16 + tb[None, None, :] * 4
+        w3, q, _, _ = mxfp4_index(row, cb, K, WD)         # the production tile's indices
         # a value known only at run time (as the expert index is), so the words are not folded into constants
         e = w_ptr.to(gl.int64) >> 4
         wv = (w3[:, :, :, None] * 4 + q[None, None, None, :] + e) * 668265263

@@ -258,17 +258,28 @@ mov.b32 {$2, $3}, a1;
         return ids, e, gl.sum(gl.where((ids == e) & (t < s), 1, 0), axis=0) == 0
 
     @gluon.jit
-    def mxfp4_tile(w_ptr, s_ptr, row, cb, K: gl.constexpr, WD: gl.constexpr):
-        """One expert's MXFP4 tile for :func:`frag_dequant`: int32 words ``[R, NS, 4, 4]`` (layout ``WD``) and E8M0
-        bytes ``[R, NS, 4]`` of rows ``row`` (``[R]``, layout ``SliceLayout(1, SliceLayout(2, SliceLayout(3,
-        WD)))``) and the ``NS`` 128-column super-blocks from ``cb`` of a ``[*, K]`` matrix; ``w_ptr`` / ``s_ptr``
-        point at the expert's words / scales."""
+    def mxfp4_index(row, cb, K: gl.constexpr, WD: gl.constexpr):
+        """The index maths of :func:`mxfp4_tile` (also the benchmark probe's, ``bench.moe_probe``, which replaces
+        the loads): for rows ``row`` (``[R]``, layout ``SliceLayout(1, SliceLayout(2, SliceLayout(3, WD)))``) and
+        the ``NS`` 128-column super-blocks from ``cb`` of a ``[*, K]`` matrix, ``(w3, q, sb, tb)``: ``w3`` int32
+        ``[R, NS, 4]`` (layout ``SliceLayout(3, WD)``), the offset of the first of the 4 int32 words of each row,
+        super-block and lane column group in the expert's words ``[*, K/8]``; ``q`` ``[4]`` the word within it;
+        ``sb`` ``[NS]`` and ``tb`` ``[4]``, the super-block and the lane column group."""
         NS: gl.constexpr = WD.shape[1]
         SD: gl.constexpr = gl.SliceLayout(3, WD)
         sb = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD)))
         tb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SD)))
         q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WD))))
         w3 = row[:, None, None] * (K // 8) + cb * 16 + sb[None, :, None] * 16 + tb[None, None, :] * 4
+        return w3, q, sb, tb
+
+    @gluon.jit
+    def mxfp4_tile(w_ptr, s_ptr, row, cb, K: gl.constexpr, WD: gl.constexpr):
+        """One expert's MXFP4 tile for :func:`frag_dequant`: int32 words ``[R, NS, 4, 4]`` (layout ``WD``) and E8M0
+        bytes ``[R, NS, 4]`` of rows ``row`` (``[R]``, layout ``SliceLayout(1, SliceLayout(2, SliceLayout(3,
+        WD)))``) and the ``NS`` 128-column super-blocks from ``cb`` of a ``[*, K]`` matrix (indices:
+        :func:`mxfp4_index`); ``w_ptr`` / ``s_ptr`` point at the expert's words / scales."""
+        w3, q, sb, tb = mxfp4_index(row, cb, K, WD)
         wv = gl.load(w_ptr + (w3[:, :, :, None] + q[None, None, None, :]))
         sv = gl.load(s_ptr + row[:, None, None] * (K // 32) + cb * 4 + sb[None, :, None] * 4 + tb[None, None, :])
         return wv, sv

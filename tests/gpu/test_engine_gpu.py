@@ -30,6 +30,7 @@ def test_graph_replay_equals_eager_64_steps(tmp_path, moe, linear):
     from bytebound.runner.backends import BackendPlan, bind_model
     from bytebound.runner.graphs import capture_decode
     from bytebound.runner.runner import ModelRunner
+    from _replay import greedy_logits
     path = NANO if (NANO / "config.json").exists() else _tiny_ckpt(tmp_path)
     model = load_model(path, "cuda")
     bind_model(model, BackendPlan.default("cuda", moe=moe, linear=linear, lm_head="torch", **PLAIN_SWITCHES), "cuda",
@@ -42,12 +43,7 @@ def test_graph_replay_equals_eager_64_steps(tmp_path, moe, linear):
             capture_decode(r)
         h = r.prefill(prompt)
         tok = model.logits(h[-1:]).argmax(-1)
-        outs = []
-        for _ in range(64):
-            lg = model.logits(r.forward(tok.view(1))[None])
-            outs.append(lg.clone())
-            tok = lg.argmax(-1).view(1)
-        return outs
+        return greedy_logits(model, r, tok, 64)
 
     eager, graph = run(False), run(True)
     for i, (a, b) in enumerate(zip(eager, graph)):
@@ -99,23 +95,18 @@ def test_graph_replay_interleaved_with_eager_full_width(full_width_model, moe, l
     from bytebound.runner.backends import BackendPlan, bind_model
     from bytebound.runner.graphs import capture_decode
     from bytebound.runner.runner import ModelRunner
+    from _replay import replay_vs_eager
     model = full_width_model
     bind_model(model, BackendPlan.default("cuda", moe=moe, linear=linear, kda=kda, **PLAIN_SWITCHES), "cuda", "bf16")
     r = ModelRunner(model, 256)
     capture_decode(r)
-    g = r.graph
     h = r.prefill(torch.randint(0, model.cfg.vocab_size, (24,), device="cuda"))
     tok = model.logits(h[-1:]).argmax(-1).view(1)
     errs = []
-    for step in range(3):
-        snap = r.snapshot()
-        r.graph = None
-        eager = r.forward(tok).float().clone()
-        r.restore(snap)
-        r.graph = g
-        replay = r.forward(tok).float().clone()
+    next_tok = lambda y: model.logits(y.float().to(model.dtype)).argmax(-1).view(1)         # noqa: E731
+    for eager, replay in replay_vs_eager(r, tok, 3, next_tok):
+        eager, replay = eager.float(), replay.float()
         errs.append(float((replay - eager).norm() / eager.norm()))
-        tok = model.logits(replay.to(model.dtype)).argmax(-1).view(1)
     assert max(errs) <= 1e-2, f"moe={moe} linear={linear} kda={kda}: replay vs eager rel err per step {errs}"
 
 
@@ -223,6 +214,7 @@ def test_graph_replay_equals_eager_across_kv_buckets():
     from bytebound.runner.backends import BackendPlan, bind_model
     from bytebound.runner.graphs import capture_decode
     from bytebound.runner.runner import ModelRunner
+    from _replay import greedy_logits
     model = load_model(NANO, "cuda")
     bind_model(model, BackendPlan.default("cuda", **PLAIN_SWITCHES), "cuda", "fp8")
     prompt = torch.randint(0, model.cfg.vocab_size, (37,), device="cuda")
@@ -234,13 +226,8 @@ def test_graph_replay_equals_eager_across_kv_buckets():
             assert [s["kv_slots"] for s in r.graph.captured_shapes] == [64, 128, 256]
         h = r.prefill(prompt)
         tok = model.logits(h[-1:]).argmax(-1)
-        outs = []
         with torch.inference_mode():
-            for _ in range(64):
-                lg = model.logits(r.forward(tok.view(1))[None])
-                outs.append(lg.clone())
-                tok = lg.argmax(-1).view(1)
-        return outs
+            return greedy_logits(model, r, tok, 64)
 
     for i, (a, b) in enumerate(zip(run(False), run(True))):
         assert torch.equal(a, b), f"step {i}: graph replay differs from eager"

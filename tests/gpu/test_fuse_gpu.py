@@ -163,6 +163,7 @@ def test_full_width_decode_fusions_graph_equals_eager_and_kernel_count():
     from bytebound.runner.backends import BackendPlan, bind_model
     from bytebound.runner.graphs import capture_decode
     from bytebound.runner.runner import ModelRunner
+    from _replay import replay_vs_eager
     d = json.loads(Path(LING3_FLASH_CONFIG).read_text())
     d["num_hidden_layers"] = 6
     model = dummy_model(LingConfig.from_dict(d), DEV, torch.bfloat16)
@@ -183,17 +184,9 @@ def test_full_width_decode_fusions_graph_equals_eager_and_kernel_count():
     h = r.prefill(torch.randint(0, model.cfg.vocab_size, (12,), device=DEV))
     tok = model.logits(h[-1:]).argmax(-1).view(1)
     capture_decode(r)
-    g = r.graph
     snap = r.snapshot()
-    for _ in range(2):
-        s = r.snapshot()
-        r.graph = None
-        eager = r.forward(tok).clone()
-        r.restore(s)
-        r.graph = g
-        replay = r.forward(tok).clone()
+    for eager, replay in replay_vs_eager(r, tok, 2, lambda y: model.logits(y).argmax(-1).view(1)):
         assert torch.equal(replay, eager)
-        tok = model.logits(replay).argmax(-1).view(1)
     r.graph = None
 
     def step():         # one eager decode step from the snapshot, then the counted graph replays (they mutate)

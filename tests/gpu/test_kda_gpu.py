@@ -335,6 +335,7 @@ def test_full_width_decode_graph_replay_equals_eager_with_fused_kda():
     from bytebound.runner.backends import BackendPlan, bind_model
     from bytebound.runner.graphs import capture_decode
     from bytebound.runner.runner import ModelRunner
+    from _replay import replay_vs_eager
     d = json.loads(Path(LING3_FLASH_CONFIG).read_text())
     d["num_hidden_layers"] = 6
     model = dummy_model(LingConfig.from_dict(d), "cuda", torch.bfloat16)
@@ -343,19 +344,11 @@ def test_full_width_decode_graph_replay_equals_eager_with_fused_kda():
     assert plan.resolutions["kda"].resolved == "triton" and "fused kernel" in plan.resolutions["kda"].prefill
     r = ModelRunner(model, 256)
     capture_decode(r)
-    g = r.graph
     h = r.prefill(torch.randint(0, model.cfg.vocab_size, (24,), device="cuda"))   # > 8 tokens: chunk_kda
     tok = model.logits(h[-1:]).argmax(-1).view(1)
-    for _ in range(3):
-        snap = r.snapshot()
-        r.graph = None
-        eager = r.forward(tok).clone()
-        r.restore(snap)
-        r.graph = g
-        replay = r.forward(tok).clone()
+    for eager, replay in replay_vs_eager(r, tok, 3, lambda y: model.logits(y).argmax(-1).view(1)):
         err = float((replay.float() - eager.float()).norm() / eager.float().norm())
         assert torch.equal(replay, eager), f"replay differs from eager (rel err {err:.3g})"
-        tok = model.logits(replay).argmax(-1).view(1)
 
 
 @pytest.mark.skipif(not (NANO / "model.safetensors").exists(), reason="trained ling-nano weights not present")

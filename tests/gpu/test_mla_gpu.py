@@ -237,6 +237,7 @@ def test_nano_graph_replay_equals_eager_with_triton_mla():
     from bytebound.runner.backends import BackendPlan, bind_model
     from bytebound.runner.graphs import capture_decode
     from bytebound.runner.runner import ModelRunner
+    from _replay import greedy_logits
     model = load_model(NANO, "cuda")
     from bytebound.runner.plan import PLAIN_SWITCHES
     plan = bind_model(model, BackendPlan.default("cuda", mla="triton", **PLAIN_SWITCHES), "cuda", "bf16")
@@ -248,12 +249,7 @@ def test_nano_graph_replay_equals_eager_with_triton_mla():
         if graph:
             capture_decode(r)
         tok = model.logits(r.prefill(prompt)[-1:]).argmax(-1)
-        outs = []
-        for _ in range(48):                       # crosses slot 64: both buckets' graphs
-            lg = model.logits(r.forward(tok.view(1))[None])
-            outs.append(lg.clone())
-            tok = lg.argmax(-1).view(1)
-        return outs
+        return greedy_logits(model, r, tok, 48)   # crosses slot 64: both buckets' graphs
 
     for i, (a, b) in enumerate(zip(run(False), run(True))):
         assert torch.equal(a, b), f"step {i}: graph replay differs from eager"
