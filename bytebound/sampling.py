@@ -123,15 +123,13 @@ class SamplingBuffers:
     them from a :class:`SamplingParams` with device fills only (no host sync, nothing captured).
 
     Buffers (0-d, on ``device``): ``temperature`` float32 ``max(T, 1e-6)`` (the divisor :func:`probs` uses),
-    ``inv_temperature`` float32 ``1 / temperature`` rounded once in float32 (the factor CUDA's division by a
-    Python scalar multiplies with, see :func:`probs_device`), ``top_p`` float32, ``top_p_on`` bool (``top_p <
-    1`` decided on the Python float, as :func:`probs` decides it), ``top_k`` int64.
+    ``top_p`` float32, ``top_p_on`` bool (``top_p < 1`` decided on the Python float, as :func:`probs` decides
+    it), ``top_k`` int64.
     """
 
     def __init__(self, device, p: SamplingParams | None = None):
         f32 = dict(dtype=torch.float32, device=device)
         self.temperature = torch.ones((), **f32)
-        self.inv_temperature = torch.ones((), **f32)
         self.top_p = torch.ones((), **f32)
         self.top_p_on = torch.zeros((), dtype=torch.bool, device=device)
         self.top_k = torch.zeros((), dtype=torch.long, device=device)
@@ -142,7 +140,6 @@ class SamplingBuffers:
         """Set the buffers to ``p``'s settings (``p.temperature``, ``p.top_p``, ``p.top_k``)."""
         t = torch.tensor(max(float(p.temperature), 1e-6), dtype=torch.float32)     # the float32 divisor
         self.temperature.fill_(float(t))
-        self.inv_temperature.fill_(float(torch.ones((), dtype=torch.float32) / t))  # float32 division, on host
         self.top_p.fill_(float(p.top_p))
         self.top_p_on.fill_(float(p.top_p) < 1.0)
         self.top_k.fill_(int(p.top_k))
@@ -153,17 +150,17 @@ def probs_device(logits: torch.Tensor, b: SamplingBuffers) -> torch.Tensor:
     static shapes, no host read (CUDA-graph capturable). The same float32 operations in the same order, so the
     result equals :func:`probs` bit for bit (tests/test_sampling.py on CPU, tests/gpu/test_engine_gpu.py on CUDA):
 
-    * temperature: CUDA divides a tensor by a Python scalar as a multiply by the scalar's float32 reciprocal
-      (ATen's ``div_true_kernel_cuda``), the CPU truly divides; each device here does what :func:`probs` does
-      there.
+    * temperature: a true float32 division by ``b.temperature`` (the float32 value of :func:`probs`'s divisor).
+      On CUDA a multiply by the float32 reciprocal (what ATen's ``div_true_kernel_cuda`` documents for a CPU-scalar
+      divisor) was not bit-equal to :func:`probs` on the H200 (torch 2.11, T = 1.7), the true division is what
+      the GPU test checks.
     * top-k: the k-th largest value is read from a full descending sort (``topk`` needs k on the host); values
       ``>=`` it stay (ties at the k-th value all stay), renormalised; a filter that :func:`probs` would skip (k
       <= 0 or k >= V) is computed and then not selected, so its renormalisation leaves no trace.
     * top-p: as :func:`probs`, on a second sort of the top-k result (the order of tied values at the cut must be
       the one :func:`probs`'s sort gives), selected by ``top_p_on``.
     """
-    x = logits.float()
-    x = x * b.inv_temperature if x.is_cuda else x / b.temperature
+    x = logits.float() / b.temperature
     pr = torch.softmax(x, -1)
     v = pr.shape[-1]
     sp = pr.sort(-1, descending=True).values
