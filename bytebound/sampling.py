@@ -123,13 +123,15 @@ class SamplingBuffers:
     them from a :class:`SamplingParams` with device fills only (no host sync, nothing captured).
 
     Buffers (0-d, on ``device``): ``temperature`` float32 ``max(T, 1e-6)`` (the divisor :func:`probs` uses),
-    ``top_p`` float32, ``top_p_on`` bool (``top_p < 1`` decided on the Python float, as :func:`probs` decides
+    ``inv_temperature`` float32 ``1 / max(T, 1e-6)`` divided in double and rounded once (the factor CUDA's
+    division by a Python scalar multiplies with, see :func:`probs_device`), ``top_p`` float32, ``top_p_on`` bool (``top_p < 1`` decided on the Python float, as :func:`probs` decides
     it), ``top_k`` int64.
     """
 
     def __init__(self, device, p: SamplingParams | None = None):
         f32 = dict(dtype=torch.float32, device=device)
         self.temperature = torch.ones((), **f32)
+        self.inv_temperature = torch.ones((), **f32)
         self.top_p = torch.ones((), **f32)
         self.top_p_on = torch.zeros((), dtype=torch.bool, device=device)
         self.top_k = torch.zeros((), dtype=torch.long, device=device)
@@ -140,6 +142,7 @@ class SamplingBuffers:
         """Set the buffers to ``p``'s settings (``p.temperature``, ``p.top_p``, ``p.top_k``)."""
         t = torch.tensor(max(float(p.temperature), 1e-6), dtype=torch.float32)     # the float32 divisor
         self.temperature.fill_(float(t))
+        self.inv_temperature.fill_(1.0 / max(float(p.temperature), 1e-6))   # double division, one float32 rounding
         self.top_p.fill_(float(p.top_p))
         self.top_p_on.fill_(float(p.top_p) < 1.0)
         self.top_k.fill_(int(p.top_k))
@@ -150,17 +153,18 @@ def probs_device(logits: torch.Tensor, b: SamplingBuffers) -> torch.Tensor:
     static shapes, no host read (CUDA-graph capturable). The same float32 operations in the same order, so the
     result equals :func:`probs` bit for bit (tests/test_sampling.py on CPU, tests/gpu/test_engine_gpu.py on CUDA):
 
-    * temperature: a true float32 division by ``b.temperature`` (the float32 value of :func:`probs`'s divisor).
-      On CUDA a multiply by the float32 reciprocal (what ATen's ``div_true_kernel_cuda`` documents for a CPU-scalar
-      divisor) was not bit-equal to :func:`probs` on the H200 (torch 2.11, T = 1.7), the true division is what
-      the GPU test checks.
+    * temperature: CUDA divides a tensor by a Python scalar as a multiply by the reciprocal computed in double
+      and rounded once to float32 (ATen's ``div_true_kernel_cuda``; on the H200 neither a true float32 division
+      nor the float32 reciprocal of float32(T) is bit-equal at every T, e.g. T = 1.7); the CPU truly divides.
+      Each device here does what :func:`probs` does there.
     * top-k: the k-th largest value is read from a full descending sort (``topk`` needs k on the host); values
       ``>=`` it stay (ties at the k-th value all stay), renormalised; a filter that :func:`probs` would skip (k
       <= 0 or k >= V) is computed and then not selected, so its renormalisation leaves no trace.
     * top-p: as :func:`probs`, on a second sort of the top-k result (the order of tied values at the cut must be
       the one :func:`probs`'s sort gives), selected by ``top_p_on``.
     """
-    x = logits.float() / b.temperature
+    x = logits.float()
+    x = x * b.inv_temperature if x.is_cuda else x / b.temperature
     pr = torch.softmax(x, -1)
     v = pr.shape[-1]
     sp = pr.sort(-1, descending=True).values
