@@ -238,7 +238,7 @@ def test_compile_notice_names_the_cache(quant_ckpt, monkeypatch, capsys, tmp_pat
     eng = _engine(quant_ckpt, cpu_compile="auto")
     err = capsys.readouterr().err
     assert seen == [True] and eng.cpu_compile_fallback is None
-    assert f"compiling the CPU decode step (512 cache slots), one-time" in err and str(tmp_path) in err
+    assert "compiling the CPU decode step (512 cache slots), one-time" in err and str(tmp_path) in err
     assert "--no-cpu-compile" in err and "ready in 41.5 s" in err
 
 

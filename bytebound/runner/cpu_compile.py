@@ -145,6 +145,7 @@ class CompiledDecode:
         self.pos.fill_(pos)
         if span in self.compile_s:
             return self.fn(self.tok, self.pos, span)
+        import torch._inductor.config       # not imported by ``import torch``
         if self.notice is not None:
             self.notice(span, None)
         t0 = time.perf_counter()
