@@ -231,15 +231,19 @@ def test_compile_notice_names_the_cache(quant_ckpt, monkeypatch, capsys, tmp_pat
     seen = []
 
     def fake(runner, notice=None, eager_on_error=False):
-        seen.append(eager_on_error)
+        seen.append((eager_on_error, notice))
         notice(512, None)
         notice(512, 41.5)
     monkeypatch.setattr(cpu_compile, "compile_decode", fake)
     eng = _engine(quant_ckpt, cpu_compile="auto")
     err = capsys.readouterr().err
-    assert seen == [True] and eng.cpu_compile_fallback is None
+    assert [s[0] for s in seen] == [True] and eng.cpu_compile_fallback is None
     assert "compiling the CPU decode step (512 cache slots), one-time" in err and str(tmp_path) in err
     assert "--no-cpu-compile" in err and "ready in 41.5 s" in err
+    seen[0][1](1024, None, "torch.compile could not compile the CPU decode step (1024 slots): boom")   # mid-request
+    err = capsys.readouterr().err
+    assert "FALLBACK cpu_compile: running the eager CPU decode step from here on" in err and "boom" in err
+    assert "1024 slots" in eng.cpu_compile_fallback
 
 
 def test_unavailable_reason_names_compiler_and_headers(monkeypatch, tmp_path):
@@ -291,7 +295,8 @@ def test_span_compile_failure_mid_request_continues_eagerly(bound_quant_model):
         raise RuntimeError("inductor fell over")
     for on_error in (True, False):
         runner = ModelRunner(model, 64, "cpu", kv_buckets=(32,))
-        g = CompiledDecode(runner, warmup=False, eager_on_error=on_error)
+        told = []
+        g = CompiledDecode(runner, warmup=False, notice=lambda *a: told.append(a), eager_on_error=on_error)
         g.fn, g.compile_s = broken, {32: 1.0}           # as if the 32-slot span compiled at start-up
         runner.graph = g
         runner.prefill(prompt)                          # 40 tokens: the next step needs the 64-slot span
@@ -301,5 +306,6 @@ def test_span_compile_failure_mid_request_continues_eagerly(bound_quant_model):
             continue
         got = [runner.forward(nxt), runner.forward(nxt)]
         assert runner.graph is None and "inductor fell over" in g.failed
+        assert told == [(64, None), (64, None, g.failed)]           # before the compile, then the failure
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

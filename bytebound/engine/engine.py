@@ -351,8 +351,12 @@ class Engine:
             return
         reason = compile_unavailable_reason()
         if reason is None:
-            def notice(span: int, seconds: float | None) -> None:
-                if seconds is None:
+            def notice(span: int, seconds: float | None, error: str | None = None) -> None:
+                if error is not None:           # a later span failed mid-request: eager from here on
+                    self.cpu_compile_fallback = error
+                    print(f"[bytebound] FALLBACK cpu_compile: running the eager CPU decode step from here on "
+                          f"({error})", file=sys.stderr, flush=True)
+                elif seconds is None:
                     print(f"[bytebound] compiling the CPU decode step ({span} cache slots), one-time: about a "
                           f"minute on 2 cores, seconds once cached in {inductor_cache_dir()} (--no-cpu-compile "
                           "runs eagerly)", file=sys.stderr, flush=True)

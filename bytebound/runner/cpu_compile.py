@@ -38,6 +38,7 @@ from bytebound.errors import BackendError
 # model's demo (a 72-token prompt + 256 tokens) stays inside the first span, so it compiles one graph.
 CPU_SMALLEST_SPAN = 512
 _STEP_ARGS = ("tok", "pos", "span")     # the compiled step's arguments (CompiledDecode.__init__)
+Notice = Callable[..., None]            # notice(span, seconds | None, error: str | None = None): CompiledDecode
 # Inductor settings for the step's compiles. cpp.vec_isa_ok: trust the CPU flags the kernel reports instead of
 # dry-compiling and loading one probe library per vector ISA (each includes ATen's vector headers at -O3: seconds
 # per ISA on a small machine, docs/perf/cpu-decode-nano.md); the ISA chosen is the same, and a toolchain that
@@ -94,18 +95,17 @@ class CompiledDecode:
     ``captured_shapes`` lists the compiled spans (for the start-up manifest), ``compile_s`` the wall seconds each
     span's first call took (tracing, inductor's compile or its on-disk cache, and the step itself).
 
-    ``notice(span, seconds)``: called before a span's first compile (``seconds`` None) and after it (the wall
-    seconds), for a start-up message; None: silent. ``eager_on_error``: a span that fails to compile later (a
+    ``notice(span, seconds, error)``: called before a span's first compile (``seconds`` None) and after it (the
+    wall seconds), for a start-up message; None: silent. ``eager_on_error``: a span that fails to compile later (a
     sequence reaching a new span mid-request) uninstalls the compiled step and runs that step and every later one
-    eagerly (``failed`` holds the reason) instead of raising.
+    eagerly instead of raising; ``failed`` holds the reason, also given to ``notice`` as ``error``.
 
     Raises:
         BackendError: the runner is not on a CPU, or torch.compile cannot compile the step (the message has the
             compiler's reason; the caller may run eagerly instead).
     """
 
-    def __init__(self, runner, warmup: bool = True, notice: Callable[[int, float | None], None] | None = None,
-                 eager_on_error: bool = False):
+    def __init__(self, runner, warmup: bool = True, notice: Notice | None = None, eager_on_error: bool = False):
         if runner.device.type != "cpu":
             raise BackendError("the compiled CPU decode step (--cpu-compile) needs device cpu; CUDA captures graphs")
         self.runner = runner
@@ -157,11 +157,13 @@ class CompiledDecode:
                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             if not self.eager_on_error or not self.compile_s:       # the start-up compile: the caller decides
                 raise err from e
-            # a later span, mid-request: the compile failed before the step ran (tracing works on fake
-            # tensors), so the state is untouched and the eager step can take this position and the rest
+            # a later span, mid-request: dynamo and inductor fail while tracing (on fake tensors) or building,
+            # before the step runs, so the state is untouched and the eager step can take this position and the rest
             self.failed = str(err)
             if self.runner.graph is self:
                 self.runner.graph = None
+            if self.notice is not None:
+                self.notice(span, None, self.failed)
             return self.runner.model(token.view(1, 1), torch.arange(pos, pos + 1), self.runner.state, None)[0]
         self.compile_s[span] = time.perf_counter() - t0
         if self.notice is not None:
@@ -201,7 +203,7 @@ def prepare_traced_weights(model) -> dict:
     return out
 
 
-def compile_decode(runner, warmup: bool = True, notice: Callable[[int, float | None], None] | None = None,
+def compile_decode(runner, warmup: bool = True, notice: Notice | None = None,
                    eager_on_error: bool = False) -> CompiledDecode:
     """Install the compiled CPU decode step on ``runner`` (``runner.graph``, which ``ModelRunner.forward``
     replays for every one-token step). The runner's spans become powers of two from ``CPU_SMALLEST_SPAN`` up to
