@@ -8,8 +8,9 @@ import sys
 from bytebound.engine.engine import DEFAULT_MODEL
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that starts an engine."""
+def add_engine_args(p: argparse.ArgumentParser, cpu_compile: bool | str = False) -> None:
+    """Flags shared by every command that starts an engine. ``cpu_compile``: the command's default for
+    ``--cpu-compile`` (``"auto"``: compile the CPU decode step where torch.compile can, else run eagerly)."""
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint dir (default: bundled ling-nano)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: fp32 on CPU, bf16 on CUDA")
@@ -58,10 +59,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--enforce-eager", action="store_true", help="deprecated: --backend graphs=eager")
-    p.add_argument("--cpu-compile", action="store_true",
+    if cpu_compile == "auto":
+        what = ("default: on where torch.compile can build it (else eager, with the reason); the first run "
+                "compiles for about a minute on 2 cores, later ones load the cache in seconds")
+    else:
+        what = "default: off; the first compile takes about a minute on a 2-core machine"
+    p.add_argument("--cpu-compile", action=onoff, default=cpu_compile,
                    help="CPU: compile the one-token decode step with torch.compile (inductor, C++; needs a C++ "
-                        "compiler). Faster steps, but the first compile takes minutes on a 2-core machine and a "
-                        "warm cache still seconds (docs/perf/cpu-decode-nano.md)")
+                        f"compiler) for 2-3x faster steps ({what}; docs/perf/cpu-decode-nano.md). "
+                        "--no-cpu-compile or --enforce-eager runs the eager step")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="N processes, one shard of the model each (heads, experts, vocabulary; gloo on CPU, NCCL on "
                         "CUDA with one GPU per rank); bytebound starts them itself, or runs as a rank under torchrun")
@@ -96,11 +102,15 @@ def engine_config(a):
         adaptive = dict(speculative_adaptive=a.speculative_adaptive, adaptive_window=a.adaptive_window,
                         adaptive_margin=a.adaptive_margin, adaptive_probe_every=a.adaptive_probe_every,
                         adaptive_probe_max=a.adaptive_probe_max, adaptive_probe_rounds=a.adaptive_probe_rounds)
+    cpu_compile = getattr(a, "cpu_compile", False)
+    if cpu_compile and a.device == "cpu":       # the command line keeps inductor's kernels across reboots
+        from bytebound.runner.cpu_compile import use_persistent_cache
+        use_persistent_cache()
     return EngineConfig(model=a.model, device=a.device, dtype=a.dtype,
                         lm_head="fp32" if a.enable_fp32_lm_head else a.lm_head, backends=backends,
                         allow_fallback=a.allow_fallback, speculative_steps=steps, max_model_len=a.max_model_len,
                         load_format=a.load_format, enforce_eager=a.enforce_eager,
-                        cpu_compile=getattr(a, "cpu_compile", False),
+                        cpu_compile=cpu_compile,
                         spec_static_round=a.spec_static_round, kv_buckets=a.decode_kv_buckets,
                         fused_router=a.fused_router, fused_norm=a.fused_norm,
                         fused_shared=a.fused_shared_expert, fused_router_gemv=a.fused_router_gemv,
@@ -152,7 +162,8 @@ def cmd_generate(a) -> int:
 
 
 def cmd_demo(a) -> int:
-    """Answer one GSM8K test question with the bundled model: print the answer, the gold and the speed."""
+    """Answer one GSM8K test question with the bundled model: print the answer, the gold and the speed. On a
+    CPU it compiles the decode step by default (``--cpu-compile`` auto)."""
     from bytebound.data.gsm8k import FEW_SHOT_STOP, answers_match, extract_answer, few_shot_prompt, load_split
     from bytebound.engine.engine import Engine
     from bytebound.sampling import SamplingParams
@@ -201,7 +212,7 @@ def main(argv=None) -> int:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.set_defaults(fn=cmd_generate)
     d = sub.add_parser("demo", help="answer a GSM8K test question with the bundled model, print answer and speed")
-    add_engine_args(d)
+    add_engine_args(d, cpu_compile="auto")
     d.add_argument("--index", type=int, default=0, help="GSM8K test question index")
     d.add_argument("--format", default="chat", choices=["chat", "5shot"])
     d.add_argument("--max-tokens", type=int, default=256)

@@ -141,3 +141,171 @@ def test_engine_cpu_compile_manifest_and_tokens(quant_ckpt):
     canary = next(c for c in eng.canaries if c.name == "graph_replay")
     assert canary.status == "pass", canary
     assert eng.generate(prompt, p)[0].token_ids == eager.token_ids
+
+
+# --- the demo's default (cpu_compile="auto") and its fallbacks: fast, the compile itself is mocked ---------------
+
+def test_demo_defaults_to_auto_and_other_commands_stay_eager(monkeypatch, tmp_path):
+    """``bytebound demo`` asks for the compiled step where it can be built, ``--no-cpu-compile`` /
+    ``--cpu-compile`` override it, other commands keep the eager default; a compiling command line points
+    inductor's cache at a directory that survives reboots unless TORCHINDUCTOR_CACHE_DIR is set."""
+    import os
+
+    import bytebound.cli as cli
+    got = []
+    monkeypatch.setattr(cli, "cmd_demo", lambda a: got.append(cli.engine_config(a)) or 0)
+    monkeypatch.setattr(cli, "cmd_generate", lambda a: got.append(cli.engine_config(a)) or 0)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "restored-after-the-test")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert cli.main(["generate", "--prompt", "x"]) == 0 and got[-1].cpu_compile is False
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    assert cli.main(["demo", "--no-cpu-compile"]) == 0 and got[-1].cpu_compile is False
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    assert cli.main(["demo"]) == 0 and got[-1].cpu_compile == "auto" and not got[-1].enforce_eager
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "bytebound" / "torchinductor")
+    assert cli.main(["demo", "--cpu-compile"]) == 0 and got[-1].cpu_compile is True
+    assert cli.main(["generate", "--prompt", "x", "--cpu-compile"]) == 0 and got[-1].cpu_compile is True
+    assert cli.main(["demo", "--enforce-eager"]) == 0 and got[-1].enforce_eager
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert cli.main(["demo"]) == 0 and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def _engine(ckpt, **kw):
+    from bytebound.engine.engine import Engine, EngineConfig
+    return Engine(EngineConfig(model=str(ckpt), max_model_len=128, **kw))
+
+
+def _broken_compile(*a, **k):
+    raise BackendError("torch.compile could not compile the CPU decode step (128 slots): CppCompileError: boom")
+
+
+def test_auto_falls_back_to_eager_with_the_reason(quant_ckpt, monkeypatch, capsys):
+    """cpu_compile="auto": a failed compile leaves the eager step (same tokens as an eager engine), prints one
+    FALLBACK line with the compiler's reason and records it in the manifest; cpu_compile=True raises instead."""
+    from bytebound.runner import cpu_compile
+    from bytebound.sampling import SamplingParams
+    from bytebound.verify.manifest import build_manifest
+    p = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompt = [5, 9, 17, 33]
+    want = _engine(quant_ckpt).generate(prompt, p)[0].token_ids
+    monkeypatch.setattr(cpu_compile, "compile_unavailable_reason", lambda: None)
+    monkeypatch.setattr(cpu_compile, "compile_decode", _broken_compile)
+    eng = _engine(quant_ckpt, cpu_compile="auto")
+    err = capsys.readouterr().err
+    assert "FALLBACK cpu_compile: running the eager CPU decode step" in err and "CppCompileError: boom" in err
+    assert eng.runner.graph is None and "CppCompileError: boom" in eng.cpu_compile_fallback
+    lever = build_manifest(eng)["levers"]["cuda_graphs"]
+    assert lever["resolved"] == "eager" and lever["ok"] and "boom" in lever["fallback_reason"], lever
+    assert eng.generate(prompt, p)[0].token_ids == want
+    with pytest.raises(BackendError, match="boom"):
+        _engine(quant_ckpt, cpu_compile=True)
+
+
+def test_auto_skips_the_compile_when_it_cannot_work(quant_ckpt, monkeypatch, capsys):
+    """No C++ compiler (or Python headers): "auto" does not try (no trace, no wait) and says why; True raises the
+    same reason; --enforce-eager (graphs=eager) and a bad value are handled before any compile."""
+    from bytebound.errors import ConfigError
+    from bytebound.runner import cpu_compile
+    calls = []
+    monkeypatch.setattr(cpu_compile, "compile_decode", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(cpu_compile, "compile_unavailable_reason", lambda: "no C++ compiler for torch.compile")
+    eng = _engine(quant_ckpt, cpu_compile="auto")
+    assert eng.runner.graph is None and eng.cpu_compile_fallback == "no C++ compiler for torch.compile"
+    assert "FALLBACK cpu_compile" in capsys.readouterr().err
+    with pytest.raises(BackendError, match="--cpu-compile: no C\\+\\+ compiler"):
+        _engine(quant_ckpt, cpu_compile=True)
+    monkeypatch.setattr(cpu_compile, "compile_unavailable_reason", lambda: None)
+    eng = _engine(quant_ckpt, cpu_compile="auto", enforce_eager=True)
+    assert not calls and eng.cpu_compile_fallback is None and "cpu_compile" not in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="cpu_compile must be False, True or 'auto'"):
+        _engine(quant_ckpt, cpu_compile="yes")
+
+
+def test_compile_notice_names_the_cache(quant_ckpt, monkeypatch, capsys, tmp_path):
+    """Around each compile the engine prints a one-line notice (one-time cost, where it is cached, the way out)
+    and the seconds it took."""
+    from bytebound.runner import cpu_compile
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_compile, "compile_unavailable_reason", lambda: None)
+    seen = []
+
+    def fake(runner, notice=None, eager_on_error=False):
+        seen.append((eager_on_error, notice))
+        notice(512, None)
+        notice(512, 41.5)
+    monkeypatch.setattr(cpu_compile, "compile_decode", fake)
+    eng = _engine(quant_ckpt, cpu_compile="auto")
+    err = capsys.readouterr().err
+    assert [s[0] for s in seen] == [True] and eng.cpu_compile_fallback is None
+    assert "compiling the CPU decode step (512 cache slots), one-time" in err and str(tmp_path) in err
+    assert "--no-cpu-compile" in err and "ready in 41.5 s" in err
+    seen[0][1](1024, None, "torch.compile could not compile the CPU decode step (1024 slots): boom")   # mid-request
+    err = capsys.readouterr().err
+    assert "FALLBACK cpu_compile: running the eager CPU decode step from here on" in err and "boom" in err
+    assert "1024 slots" in eng.cpu_compile_fallback
+
+
+def test_unavailable_reason_names_compiler_and_headers(monkeypatch, tmp_path):
+    import sysconfig
+
+    import torch._inductor.cpp_builder as cb
+    from bytebound.runner.cpu_compile import compile_unavailable_reason
+
+    def no_cxx():
+        raise FileNotFoundError("g++")
+    monkeypatch.setattr(cb, "get_cpp_compiler", no_cxx)
+    assert "no C++ compiler" in compile_unavailable_reason()
+    monkeypatch.setattr(cb, "get_cpp_compiler", lambda: "g++")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    assert "no Python.h" in compile_unavailable_reason()
+    (tmp_path / "Python.h").write_text("")
+    assert compile_unavailable_reason() is None
+
+
+def test_failed_compile_leaves_the_runner_eager(bound_quant_model, monkeypatch):
+    """compile_decode raising (the start-up compile failed) restores the runner's spans and drops the bfloat16
+    weight copies, so the eager step runs exactly as before."""
+    from bytebound.runner import cpu_compile
+    runner = ModelRunner(bound_quant_model, 1024, "cpu")
+
+    def broken(*a, **k):
+        raise BackendError("no")
+    monkeypatch.setattr(cpu_compile, "CompiledDecode", broken)
+    with pytest.raises(BackendError):
+        compile_decode(runner)
+    assert runner.graph is None and runner.kv_buckets == (1024,)
+    assert all(getattr(m, "_traced_deq", None) is None for m in bound_quant_model.modules())
+    assert all(getattr(getattr(m, a, None), "traced", None) is None for m in bound_quant_model.modules()
+               for a in ("fn", "proj_fn", "gate_up_fn"))
+
+
+@torch.inference_mode()
+def test_span_compile_failure_mid_request_continues_eagerly(bound_quant_model):
+    """eager_on_error: a sequence reaching a span whose compile fails takes the eager step from that position on
+    (same hidden as an eager runner), and the runner drops the compiled step; without it the error is raised."""
+    model = bound_quant_model
+    prompt = torch.randint(4, model.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    nxt = torch.tensor([7])
+    eager = ModelRunner(model, 64, "cpu")
+    eager.prefill(prompt)
+    want = [eager.forward(nxt), eager.forward(nxt)]
+
+    def broken(*a):
+        raise RuntimeError("inductor fell over")
+    for on_error in (True, False):
+        runner = ModelRunner(model, 64, "cpu", kv_buckets=(32,))
+        told = []
+        g = CompiledDecode(runner, warmup=False, notice=lambda *a: told.append(a), eager_on_error=on_error)
+        g.fn, g.compile_s = broken, {32: 1.0}           # as if the 32-slot span compiled at start-up
+        runner.graph = g
+        runner.prefill(prompt)                          # 40 tokens: the next step needs the 64-slot span
+        if not on_error:
+            with pytest.raises(BackendError, match="64 slots.*inductor fell over"):
+                runner.forward(nxt)
+            continue
+        got = [runner.forward(nxt), runner.forward(nxt)]
+        assert runner.graph is None and "inductor fell over" in g.failed
+        assert told == [(64, None), (64, None, g.failed)]           # before the compile, then the failure
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

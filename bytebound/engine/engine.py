@@ -69,9 +69,11 @@ class EngineConfig:
     spec_static_round: bool | None = None
     cpu_threads: int | None = 1       # batch-1 CPU steps are many tiny ops: one thread avoids sync overhead
     # CPU: the one-token decode step compiled by torch.compile (inductor C++; runner.cpu_compile), the CPU
-    # counterpart of the CUDA graph. Opt-in: the first compile takes minutes on a 2-core machine, a warm
-    # inductor cache still seconds (docs/perf/cpu-decode-nano.md). enforce_eager wins over it.
-    cpu_compile: bool = False
+    # counterpart of the CUDA graph. False (default here: the first compile takes about a minute on a 2-core
+    # machine, docs/perf/cpu-decode-nano.md), True (compile; BackendError when it cannot), or "auto" (compile
+    # when it can, else run eagerly with the reason printed and in ``cpu_compile_fallback``; ``bytebound demo``'s
+    # default). enforce_eager / --backend graphs=... win over it.
+    cpu_compile: bool | str = False
     # N processes, one shard each (bytebound.parallel): the process must already be rank r of an N-process group
     # (bytebound's --tensor-parallel-size launcher or torchrun, bytebound.parallel.init_from_env).
     tensor_parallel_size: int = 1
@@ -222,6 +224,9 @@ class Engine:
             raise ConfigError(f"--max-model-len must be >= 2, got {cfg.max_model_len}")
         if cfg.speculative_steps < 0:
             raise ConfigError(f"--speculative-num-steps must be >= 0, got {cfg.speculative_steps}")
+        if cfg.cpu_compile not in (False, True, "auto"):
+            raise ConfigError(f"cpu_compile must be False, True or 'auto', got {cfg.cpu_compile!r}")
+        self.cpu_compile_fallback: str | None = None    # why cpu_compile="auto" runs the eager step
         check_knobs(cfg)
         adaptive = (AdaptiveSpeculation(cfg.adaptive_window, cfg.adaptive_margin, cfg.adaptive_probe_every,
                                         cfg.adaptive_probe_max, cfg.adaptive_probe_rounds, cfg.adaptive_calibration,
@@ -316,8 +321,7 @@ class Engine:
             from bytebound.runner.graphs import capture_decode
             capture_decode(self.runner)
         elif cfg.cpu_compile and dev.type == "cpu" and "graphs" not in self.plan.explicit:
-            from bytebound.runner.cpu_compile import compile_decode
-            compile_decode(self.runner)         # BackendError (named) when inductor fails
+            self._compile_cpu_step(cfg.cpu_compile == "auto")
         hot = None
         draft_vocab_on = cfg.draft_vocab not in (None, 0, "", "0")
         if cfg.speculative_steps and draft_vocab_on:
@@ -336,6 +340,44 @@ class Engine:
             self.spec_round = StaticRound(self.runner, self.drafter, SamplingParams(), None, capture=True)
             self.spec_round_sampled = StaticRound(self.runner, self.drafter, SamplingParams(temperature=1.0), None,
                                                   capture=True)
+
+    def _compile_cpu_step(self, auto: bool) -> None:
+        """Install the compiled CPU decode step (``runner.cpu_compile``), with a one-line notice on stderr around
+        each compile. ``auto``: when it cannot be built (no C++ compiler, no Python headers, a failed compile),
+        keep the eager step, print why and record it in ``cpu_compile_fallback``; under tensor parallelism it is
+        not tried.
+
+        Raises:
+            BackendError: not ``auto`` and the step cannot be compiled."""
+        from bytebound.runner.cpu_compile import compile_decode, compile_unavailable_reason, inductor_cache_dir
+        self.cpu_compile_fallback = None
+        if auto and self.tp is not None:        # not a failure: "auto" leaves tensor parallelism eager, silently
+            self.cpu_compile_fallback = "not tried with tensor parallelism (single-process only)"
+            return
+        reason = compile_unavailable_reason()
+        if reason is None:
+            def notice(span: int, seconds: float | None, error: str | None = None) -> None:
+                if error is not None:           # a later span failed mid-request: eager from here on
+                    self.cpu_compile_fallback = error
+                    print(f"[bytebound] FALLBACK cpu_compile: running the eager CPU decode step from here on "
+                          f"({error})", file=sys.stderr, flush=True)
+                elif seconds is None:
+                    print(f"[bytebound] compiling the CPU decode step ({span} cache slots), one-time: about a "
+                          f"minute on 2 cores, seconds once cached in {inductor_cache_dir()} (--no-cpu-compile "
+                          "runs eagerly)", file=sys.stderr, flush=True)
+                else:
+                    print(f"[bytebound] CPU decode step ready in {seconds:.1f} s", file=sys.stderr, flush=True)
+            try:
+                compile_decode(self.runner, notice=notice, eager_on_error=auto)
+                return
+            except BackendError as e:
+                if not auto:
+                    raise
+                reason = str(e)
+        elif not auto:
+            raise BackendError(f"--cpu-compile: {reason}")
+        self.cpu_compile_fallback = reason
+        print(f"[bytebound] FALLBACK cpu_compile: running the eager CPU decode step ({reason})", file=sys.stderr)
 
     def rebind(self, backends: dict | None = None, **changes) -> "Engine":
         """Re-plan and re-bind the loaded model: ``backends`` replaces ``config.backends`` (plan entries) and

@@ -1,5 +1,6 @@
-"""Compiled CPU decode step (opt-in, ``--cpu-compile``): ``torch.compile`` (inductor's C++ backend) of the
-batch-1 one-token step, embedding -> decoder layers -> final norm, the CPU counterpart of ``runner.graphs``.
+"""Compiled CPU decode step (``--cpu-compile``; ``bytebound demo``'s default, else opt-in): ``torch.compile``
+(inductor's C++ backend) of the batch-1 one-token step, embedding -> decoder layers -> final norm, the CPU
+counterpart of ``runner.graphs``.
 
 On a CPU the eager decode step of a small model is per-op overhead (thousands of ATen calls per token for the
 bundled ling-nano, docs/perf/cpu-decode-nano.md) and weight reads: inductor fuses the elementwise work and the bf16
@@ -20,9 +21,14 @@ guards could only fail by a rebinding, and checking them would cost about as muc
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+import sysconfig
 import time
 import types
+from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -32,6 +38,46 @@ from bytebound.errors import BackendError
 # model's demo (a 72-token prompt + 256 tokens) stays inside the first span, so it compiles one graph.
 CPU_SMALLEST_SPAN = 512
 _STEP_ARGS = ("tok", "pos", "span")     # the compiled step's arguments (CompiledDecode.__init__)
+Notice = Callable[..., None]            # notice(span, seconds | None, error: str | None = None): CompiledDecode
+# Inductor settings for the step's compiles. cpp.vec_isa_ok: trust the CPU flags the kernel reports instead of
+# dry-compiling and loading one probe library per vector ISA (each includes ATen's vector headers at -O3: seconds
+# per ISA on a small machine, docs/perf/cpu-decode-nano.md); the ISA chosen is the same, and a toolchain that
+# cannot build it fails the compile, which the caller reports (and ``bytebound demo`` answers eagerly).
+INDUCTOR_OPTIONS = {"cpp.vec_isa_ok": True}
+
+
+def compile_unavailable_reason() -> str | None:
+    """Why torch.compile cannot build the CPU step here, found without compiling (None: nothing known against
+    it): no C++ compiler where inductor looks (``$CXX``/``torch._inductor.config.cpp.cxx``, else ``g++``), or no
+    ``Python.h`` (inductor's kernels are Python extensions), or Windows."""
+    if sys.platform == "win32":
+        return "torch.compile's CPU backend is not supported on Windows here"
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        get_cpp_compiler()
+    except Exception as e:              # InvalidCxxCompiler, or an import failure of inductor itself
+        return f"no C++ compiler for torch.compile/inductor ({type(e).__name__}; install g++ or set CXX)"
+    inc = sysconfig.get_paths().get("include")
+    if not inc or not (Path(inc) / "Python.h").is_file():
+        return f"no Python.h under {inc} (install the Python development headers, e.g. python3-dev)"
+    return None
+
+
+def inductor_cache_dir() -> str:
+    """Where inductor keeps its compiled kernels (``$TORCHINDUCTOR_CACHE_DIR``, else its default under the
+    temporary directory)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+
+
+def use_persistent_cache() -> str:
+    """Point inductor's cache at ``$XDG_CACHE_HOME/bytebound/torchinductor`` (``~/.cache/...``) unless
+    ``TORCHINDUCTOR_CACHE_DIR`` is set: inductor's default lives under the temporary directory, which many systems
+    empty at boot, and the first compile is the expensive part. For the command line; returns the directory."""
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, "bytebound", "torchinductor")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 def _keep_input_guards(entries) -> list[bool]:
@@ -49,12 +95,17 @@ class CompiledDecode:
     ``captured_shapes`` lists the compiled spans (for the start-up manifest), ``compile_s`` the wall seconds each
     span's first call took (tracing, inductor's compile or its on-disk cache, and the step itself).
 
+    ``notice(span, seconds, error)``: called before a span's first compile (``seconds`` None) and after it (the
+    wall seconds), for a start-up message; None: silent. ``eager_on_error``: a span that fails to compile later (a
+    sequence reaching a new span mid-request) uninstalls the compiled step and runs that step and every later one
+    eagerly instead of raising; ``failed`` holds the reason, also given to ``notice`` as ``error``.
+
     Raises:
         BackendError: the runner is not on a CPU, or torch.compile cannot compile the step (the message has the
             compiler's reason; the caller may run eagerly instead).
     """
 
-    def __init__(self, runner, warmup: bool = True):
+    def __init__(self, runner, warmup: bool = True, notice: Notice | None = None, eager_on_error: bool = False):
         if runner.device.type != "cpu":
             raise BackendError("the compiled CPU decode step (--cpu-compile) needs device cpu; CUDA captures graphs")
         self.runner = runner
@@ -62,6 +113,8 @@ class CompiledDecode:
         self.pos = torch.zeros(1, dtype=torch.long)
         self.compile_s: dict[int, float] = {}
         self.bf16_weights: dict | None = None      # what prepare_traced_weights converted (compile_decode)
+        self.notice, self.eager_on_error = notice, eager_on_error
+        self.failed: str | None = None
         model, state = runner.model, runner.state
 
         def step(tok, pos, span: int):
@@ -92,13 +145,29 @@ class CompiledDecode:
         self.pos.fill_(pos)
         if span in self.compile_s:
             return self.fn(self.tok, self.pos, span)
+        import torch._inductor.config       # not imported by ``import torch``
+        if self.notice is not None:
+            self.notice(span, None)
         t0 = time.perf_counter()
         try:
-            out = self.fn(self.tok, self.pos, span)
+            with torch._inductor.config.patch(INDUCTOR_OPTIONS):
+                out = self.fn(self.tok, self.pos, span)
         except Exception as e:          # dynamo / inductor failures have many types; report one named error
-            raise BackendError(f"torch.compile could not compile the CPU decode step ({span} slots): "
-                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+            err = BackendError(f"torch.compile could not compile the CPU decode step ({span} slots): "
+                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            if not self.eager_on_error or not self.compile_s:       # the start-up compile: the caller decides
+                raise err from e
+            # a later span, mid-request: dynamo and inductor fail while tracing (on fake tensors) or building,
+            # before the step runs, so the state is untouched and the eager step can take this position and the rest
+            self.failed = str(err)
+            if self.runner.graph is self:
+                self.runner.graph = None
+            if self.notice is not None:
+                self.notice(span, None, self.failed)
+            return self.runner.model(token.view(1, 1), torch.arange(pos, pos + 1), self.runner.state, None)[0]
         self.compile_s[span] = time.perf_counter() - t0
+        if self.notice is not None:
+            self.notice(span, self.compile_s[span])
         return out
 
 
@@ -134,11 +203,17 @@ def prepare_traced_weights(model) -> dict:
     return out
 
 
-def compile_decode(runner, warmup: bool = True) -> CompiledDecode:
+def compile_decode(runner, warmup: bool = True, notice: Notice | None = None,
+                   eager_on_error: bool = False) -> CompiledDecode:
     """Install the compiled CPU decode step on ``runner`` (``runner.graph``, which ``ModelRunner.forward``
     replays for every one-token step). The runner's spans become powers of two from ``CPU_SMALLEST_SPAN`` up to
-    its ``max_len`` unless it was given buckets. Raises BackendError as :class:`CompiledDecode` does."""
+    its ``max_len`` unless it was given buckets. ``notice``, ``eager_on_error``: as :class:`CompiledDecode`.
+
+    Raises:
+        BackendError: as :class:`CompiledDecode`; the runner is then left as it was (eager step, its spans, no
+            bfloat16 weight copies)."""
     from bytebound.runner.runner import pow2_buckets
+    buckets = runner.kv_buckets
     if runner.kv_buckets == (runner.max_len,):
         runner.kv_buckets = pow2_buckets(runner.max_len, CPU_SMALLEST_SPAN)
     # one specialised graph per span: dynamo's per-function recompile limit (8 by default) must not send a long
@@ -146,7 +221,25 @@ def compile_decode(runner, warmup: bool = True) -> CompiledDecode:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(runner.kv_buckets) + 1)
     runner.graph = None
     traced = prepare_traced_weights(runner.model)
-    g = CompiledDecode(runner, warmup)
+    try:
+        g = CompiledDecode(runner, warmup, notice, eager_on_error)
+    except BackendError:
+        runner.kv_buckets = buckets
+        drop_traced_weights(runner.model)
+        raise
     g.bf16_weights = traced
     runner.graph = g
     return g
+
+
+def drop_traced_weights(model) -> None:
+    """Undo :func:`prepare_traced_weights` (the eager step never reads the copies; this frees them)."""
+    from bytebound.kernels.torch_ref import BoundLinear
+    from bytebound.layers.moe import RoutedExperts
+    for m in model.modules():
+        for attr in ("fn", "proj_fn", "gate_up_fn"):
+            f = getattr(m, attr, None)
+            if isinstance(f, BoundLinear):
+                f.traced = None
+        if isinstance(m, RoutedExperts):
+            m._traced_deq = None

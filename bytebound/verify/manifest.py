@@ -208,6 +208,13 @@ def _graph_lever(engine) -> dict:
     got = "captured" if g is not None else "eager"
     plan = getattr(engine, "plan", None)
     named = plan is not None and "graphs" in plan.explicit          # --backend graphs=... / --enforce-eager win
+    if engine.device.type != "cuda" and getattr(cfg, "cpu_compile", False) == "auto" and not named:
+        # the demo's default: compiled where torch.compile can build the step, else eager with the reason
+        requested, got = "compiled where available (torch.compile, inductor C++; else eager)", (
+            "compiled" if g else "eager")
+        why = getattr(engine, "cpu_compile_fallback", None) or getattr(g, "failed", None)
+        return {"requested": requested, "resolved": got, "ok": g is None or bool(shapes), "captured_shapes": shapes,
+                **({"fallback_reason": why} if why else {})}
     if engine.device.type != "cuda" and getattr(cfg, "cpu_compile", False) and not named:
         requested, got = "compiled (--cpu-compile: torch.compile, inductor C++)", ("compiled" if g else "eager")
         ok = g is not None and bool(shapes)
