@@ -28,6 +28,9 @@ def test_all_from_checkpoint_hybrid_reproduces_quant_vs_float(tmp_path):
     allq = abl["all_from_checkpoint"]
     assert allq["top1_agreement_main"] == qf["top1_agreement_main"]
     assert allq["top1_agreement_nextn"] == qf["top1_agreement_nextn"]
-    assert allq["kl_main_nats_per_token"] == pytest.approx(qf["kl_main_nats_per_token"], rel=1e-6, abs=1e-9)
+    # The KL of two near-equal distributions is a difference of nearly equal float32 log-probabilities, so a
+    # different BLAS summation order (another CPU's kernels; 2.8e-6 relative on an AVX-512 Zen 4 VM) moves it far
+    # more than the logits themselves; a hybrid built from a wrong tensor moves it by orders of magnitude.
+    assert allq["kl_main_nats_per_token"] == pytest.approx(qf["kl_main_nats_per_token"], rel=1e-4, abs=1e-9)
     for label in ("fp8_linears_only", "mxfp4_experts_only", "bf16_storage_only"):
         assert 0.0 <= abl[label]["top1_agreement_main"] <= 1.0 and abl[label]["positions"] == qf["positions"]

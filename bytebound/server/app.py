@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -66,6 +67,11 @@ PROMPT_CHARS_PER_TOKEN = 32
 # emoji) is 12 bytes for one Python character.
 BODY_BYTES_PER_CHAR = 12
 BODY_SLACK = 1 << 20                # the rest of the body (sampling fields, chat roles) on top of the prompt
+# Deepest JSON nesting a request may have (the API's own bodies nest 4 levels). Checked before ``json.loads``, whose
+# own limit is the process's recursion limit: torch.compile (``serve --cpu-compile``) raises that to 2000, so
+# without this check the same body is refused or accepted depending on what the process compiled before.
+MAX_JSON_DEPTH = 256
+_JSON_TOKENS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')   # a whole string literal (skipped) or a bracket
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
@@ -513,6 +519,8 @@ async def _read_body(request: Request, limit: int) -> bytes:
 def _parse_json(raw: bytes) -> dict:
     """The JSON object in ``raw``; APIError 400 ``invalid_json`` when malformed (bad UTF-8, syntax, nesting too
     deep, an integer too long) or not an object."""
+    if _nested_deeper_than(raw, MAX_JSON_DEPTH):
+        raise APIError(400, f"malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
     try:
         body = json.loads(raw)
     except ValueError as e:              # JSONDecodeError, UnicodeDecodeError, int over the digit limit
@@ -522,6 +530,24 @@ def _parse_json(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise APIError(400, "the JSON body must be an object", code="invalid_json")
     return body
+
+
+def _nested_deeper_than(raw: bytes, limit: int) -> bool:
+    """Whether the JSON text ``raw`` opens more than ``limit`` arrays/objects at once (brackets inside string
+    literals do not count). Cheap for ordinary bodies: the scan runs only when the body holds more than ``limit``
+    opening brackets, and stops at the first level past the limit. Malformed text is left to ``json.loads``."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    depth = 0
+    for m in _JSON_TOKENS.finditer(raw):
+        c = m.group()
+        if c in (b"[", b"{"):
+            depth += 1
+            if depth > limit:
+                return True
+        elif c in (b"]", b"}"):
+            depth -= 1
+    return False
 
 
 def _peer(request: Request) -> str:
