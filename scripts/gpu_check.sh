@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -358,6 +358,16 @@ section_integration() {  # ninth session: the merged decode fusions (add+RMSNorm
         --out "$OUT" --name "profile-decode-nopdl-h200-$BYTEBOUND_COMMIT"
     run_step bench_kda python3 scripts/bench_kda.py --tokens 1,4 --backends triton --warps 4,8 --v-splits 1,2,4,8 \
         --out "$OUT/bench_kda.json"
+}
+
+section_adaptive() {     # issue 21: adaptive speculation on the bundled model's GSM8K (trained ling-nano, the seed's
+    #                        sampling T 0.6 / top-p 0.95 / top-k 29, captured sampled rounds): plain, fixed MTP and
+    #                        adaptive MTP on the same questions; acceptance: adaptive stays on and its TPOT is no worse
+    #                        than fixed MTP. Reports gsm8k-{plain,mtp,adaptive}.{json,md} in $OUT (LIMIT: ADAPTIVE_LIMIT)
+    local n="${ADAPTIVE_LIMIT:-30}" b=(python3 -m bytebound.cli bench gsm8k --device cuda --no-progress --out "$OUT")
+    run_step plain "${b[@]}" --limit "$n" --name gsm8k-plain
+    run_step mtp "${b[@]}" --limit "$n" --speculative-algorithm NEXTN --name gsm8k-mtp
+    run_step adaptive "${b[@]}" --limit "$n" --speculative-algorithm NEXTN --speculative-adaptive --name gsm8k-adaptive
 }
 
 section_env() {          # what the machine has
