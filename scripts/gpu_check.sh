@@ -363,11 +363,16 @@ section_integration() {  # ninth session: the merged decode fusions (add+RMSNorm
 section_adaptive() {     # issue 21: adaptive speculation on the bundled model's GSM8K (trained ling-nano, the seed's
     #                        sampling T 0.6 / top-p 0.95 / top-k 29, captured sampled rounds): plain, fixed MTP and
     #                        adaptive MTP on the same questions; acceptance: adaptive stays on and its TPOT is no worse
-    #                        than fixed MTP. Reports gsm8k-{plain,mtp,adaptive}.{json,md} in $OUT (LIMIT: ADAPTIVE_LIMIT)
-    local n="${ADAPTIVE_LIMIT:-30}" b=(python3 -m bytebound.cli bench gsm8k --device cuda --no-progress --out "$OUT")
-    run_step plain "${b[@]}" --limit "$n" --name gsm8k-plain
-    run_step mtp "${b[@]}" --limit "$n" --speculative-algorithm NEXTN --name gsm8k-mtp
-    run_step adaptive "${b[@]}" --limit "$n" --speculative-algorithm NEXTN --speculative-adaptive --name gsm8k-adaptive
+    #                        than fixed MTP. The three reports' .md in $OUT, everything (json, md, png) in
+    #                        $OUT/adaptive.tar: $OUT returns at most 8 files (questions: ADAPTIVE_LIMIT, default 30)
+    local n="${ADAPTIVE_LIMIT:-30}" x=/tmp/adaptive_runs
+    rm -rf "$x"; mkdir -p "$x"
+    local b=(python3 -m bytebound.cli bench gsm8k --device cuda --no-progress --out "$x" --limit "$n")
+    run_step plain "${b[@]}" --name gsm8k-plain
+    run_step mtp "${b[@]}" --speculative-algorithm NEXTN --name gsm8k-mtp
+    run_step adaptive "${b[@]}" --speculative-algorithm NEXTN --speculative-adaptive --name gsm8k-adaptive
+    cp "$x"/*.md "$OUT"/ 2>/dev/null
+    tar -cf "$OUT/adaptive.tar" -C "$x" . 2>&1 | tee -a "$LOG"
 }
 
 section_env() {          # what the machine has
