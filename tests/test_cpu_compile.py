@@ -238,7 +238,7 @@ def test_compile_notice_names_the_cache(quant_ckpt, monkeypatch, capsys, tmp_pat
     eng = _engine(quant_ckpt, cpu_compile="auto")
     err = capsys.readouterr().err
     assert [s[0] for s in seen] == [True] and eng.cpu_compile_fallback is None
-    assert "compiling the CPU decode step (512 cache slots), one-time" in err and str(tmp_path) in err
+    assert "compiling the CPU decode step (512 cache slots): 30-60 s on 2 cores the first time" in err and str(tmp_path) in err
     assert "--no-cpu-compile" in err and "ready in 41.5 s" in err
     seen[0][1](1024, None, "torch.compile could not compile the CPU decode step (1024 slots): boom")   # mid-request
     err = capsys.readouterr().err
@@ -309,3 +309,28 @@ def test_span_compile_failure_mid_request_continues_eagerly(bound_quant_model):
         assert told == [(64, None), (64, None, g.failed)]           # before the compile, then the failure
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_precompile_compiles_the_spans_a_request_reaches(bound_quant_model):
+    """precompile(first, last) runs one step at the last position of each span the steps first..last use that is
+    not compiled yet (and only those), then resets the runner, so the request starts clean; nothing past a failure
+    that uninstalled the compiled step."""
+    runner = ModelRunner(bound_quant_model, 64, "cpu", kv_buckets=(16, 32))
+    g = CompiledDecode(runner, warmup=False)
+    runner.graph, g.compile_s = g, {16: 1.0}            # as if the 16-slot span compiled at start-up
+    calls = []
+
+    def fake_replay(tok, pos):
+        calls.append(pos)
+        runner.pos = pos + 1                            # a real step would leave state behind: reset must clear it
+        g.compile_s[runner.kv_span(pos + 1)] = 0.5
+    g.replay = fake_replay
+    assert g.precompile(3, 10) == [] and calls == []    # inside the compiled span
+    assert g.precompile(20, 40) == [32, 64] and calls == [31, 63] and runner.pos == 0
+    assert g.precompile(20, 40) == [] and calls == [31, 63]
+    g2 = CompiledDecode(runner, warmup=False)
+    g2.compile_s = {16: 1.0}
+    runner.graph = None                                 # uninstalled (a span failed): nothing more is compiled
+    g2.replay = fake_replay
+    calls.clear()
+    assert g2.precompile(20, 40) == [] and calls == []

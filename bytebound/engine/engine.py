@@ -362,8 +362,8 @@ class Engine:
                     print(f"[bytebound] FALLBACK cpu_compile: running the eager CPU decode step from here on "
                           f"({error})", file=sys.stderr, flush=True)
                 elif seconds is None:
-                    print(f"[bytebound] compiling the CPU decode step ({span} cache slots), one-time: about a "
-                          f"minute on 2 cores, seconds once cached in {inductor_cache_dir()} (--no-cpu-compile "
+                    print(f"[bytebound] compiling the CPU decode step ({span} cache slots): 30-60 s on 2 cores "
+                          f"the first time, seconds once cached in {inductor_cache_dir()} (--no-cpu-compile "
                           "runs eagerly)", file=sys.stderr, flush=True)
                 else:
                     print(f"[bytebound] CPU decode step ready in {seconds:.1f} s", file=sys.stderr, flush=True)

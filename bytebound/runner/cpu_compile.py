@@ -132,6 +132,28 @@ class CompiledDecode:
             self.replay(torch.zeros(1, dtype=torch.long), 0)
             runner.reset()
 
+    def precompile(self, first: int, last: int) -> list[int]:
+        """Compile now every span that one-token steps at positions ``first .. last`` (inclusive) will use, so a
+        request that runs them (e.g. the demo's long 5-shot prompt, whose steps start past the first span) does not
+        stop mid-decode to compile (that time would land in its TPOT). Runs one step per new span at the span's
+        last position and then ``runner.reset()``: call it while the runner holds no request. Returns the spans it
+        compiled; a span that fails follows ``eager_on_error`` as :meth:`replay` does.
+
+        Raises:
+            ValueError: ``last`` past the runner's cache; BackendError: as :meth:`replay`.
+        """
+        r = self.runner
+        lo, hi = r.kv_span(first + 1), r.kv_span(max(last, first) + 1)
+        done = []
+        for s in (s for s in r.kv_buckets if lo <= s <= hi and s not in self.compile_s):
+            if r.graph is not self:         # a failed span uninstalled the compiled step: the rest runs eagerly
+                break
+            self.replay(torch.zeros(1, dtype=torch.long), s - 1)
+            r.reset()
+            if s in self.compile_s:
+                done.append(s)
+        return done
+
     @property
     def captured_shapes(self) -> list[dict]:
         bf = self.bf16_weights
