@@ -139,6 +139,9 @@ def cmd_generate(a) -> int:
             raise RequestError(f"--prompt-ids must be integers separated by commas or spaces, got {a.prompt_ids!r}")
         if not prompt:
             raise RequestError("--prompt-ids is empty")
+    if params.temperature == 0 and (a.top_p != 1.0 or a.top_k not in (0, -1) or a.seed is not None):
+        print("[bytebound] note: --temperature 0 is greedy decoding; --top-p/--top-k/--seed have no effect "
+              "(give --temperature > 0 to sample)", file=sys.stderr)
     eng = Engine(engine_config(a))
     print_fallbacks(eng)
     out = None
@@ -210,11 +213,12 @@ def main(argv=None) -> int:
     src.add_argument("--prompt-ids", help="prompt as token ids, e.g. '1,2,3' (needed with --load-format dummy: "
                                           "random weights come without a tokenizer)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 (the default) is greedy, where --top-p/--top-k/--seed do nothing")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (default 0: off)")
+    g.add_argument("--seed", type=int, default=None, help="seed of the sampler (default: a fresh one per run)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.set_defaults(fn=cmd_generate)
     d = sub.add_parser("demo", help="answer a GSM8K test question with the bundled model, print answer and speed")

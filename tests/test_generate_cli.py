@@ -56,6 +56,15 @@ def test_greedy_max_tokens_matches_engine(nano_ckpt, greedy):
     assert greedy.text.startswith(r5.stdout[:-1]) and len(r5.stdout) < len(r.stdout)
 
 
+def test_sampling_flags_at_temperature_0_are_named_as_ignored(nano_ckpt, greedy):
+    """--top-k / --seed without --temperature: greedy output, and a note says the flags do nothing (a user who
+    forgot --temperature otherwise sees the greedy text and no hint); no note for plain greedy."""
+    r = cli(nano_ckpt, "--max-tokens", "16", "--top-k", "5", "--seed", "3")
+    assert r.stdout == greedy.text + "\n"
+    assert "--temperature 0 is greedy decoding" in r.stderr
+    assert "greedy decoding" not in cli(nano_ckpt, "--max-tokens", "16").stderr
+
+
 def test_sampling_same_seed_same_output(nano_ckpt, engine, greedy):
     a = cli(nano_ckpt, "--max-tokens", "16", "--seed", "7", *SAMPLED)
     b = cli(nano_ckpt, "--max-tokens", "16", "--seed", "7", *SAMPLED)
