@@ -124,8 +124,8 @@ class SamplingBuffers:
 
     Buffers (0-d, on ``device``): ``temperature`` float32 ``max(T, 1e-6)`` (the divisor :func:`probs` uses),
     ``inv_temperature`` float32 ``1 / max(T, 1e-6)`` divided in double and rounded once (the factor CUDA's
-    division by a Python scalar multiplies with, see :func:`probs_device`), ``top_p`` float32, ``top_p_on`` bool (``top_p < 1`` decided on the Python float, as :func:`probs` decides
-    it), ``top_k`` int64.
+    division by a Python scalar multiplies with, see :func:`probs_device`), ``top_p`` float32, ``top_p_on`` bool
+    (``top_p < 1`` decided on the Python float, as :func:`probs` decides it), ``top_k`` int64.
     """
 
     def __init__(self, device, p: SamplingParams | None = None):
@@ -140,9 +140,9 @@ class SamplingBuffers:
 
     def write(self, p: SamplingParams) -> None:
         """Set the buffers to ``p``'s settings (``p.temperature``, ``p.top_p``, ``p.top_k``)."""
-        t = torch.tensor(max(float(p.temperature), 1e-6), dtype=torch.float32)     # the float32 divisor
-        self.temperature.fill_(float(t))
-        self.inv_temperature.fill_(1.0 / max(float(p.temperature), 1e-6))   # double division, one float32 rounding
+        t = max(float(p.temperature), 1e-6)        # probs' divisor; fill_ rounds each value once to float32
+        self.temperature.fill_(t)
+        self.inv_temperature.fill_(1.0 / t)         # divided in double, as ATen's CUDA division by a scalar
         self.top_p.fill_(float(p.top_p))
         self.top_p_on.fill_(float(p.top_p) < 1.0)
         self.top_k.fill_(int(p.top_k))
