@@ -152,14 +152,13 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
             # q|kv_a|g read the same input: one launch instead of three (prefill: one GEMM); zero rows pad a part
             # that ends inside an FP8 scale block (Ling: kv_a's 576 rows to 640), so each keeps its own scale rows
             parts = [m.q_proj, m.kv_a_proj_with_mqa, m.g_proj]
-            layout = fuse_layout(parts, pad=True)
-            fused = None if isinstance(layout, str) else fuse_rows(parts, pad=True)
+            fused = fuse_rows(parts, pad=True)
             m.proj_fn = impl["linear"].bind(fused, dtype) if fused is not None else None
             m.proj_spans = fused.row_spans if fused is not None else None
             if fused is not None:       # modules() yields the layer before its projections
                 fused_parts.update(id(x) for x in parts)
             if plan.resolutions["mla"].fused is None:          # the first layer's (they share a format)
-                plan.resolutions["mla"].fused = _mla_proj_note(parts, layout)
+                plan.resolutions["mla"].fused = _mla_proj_note(parts, fused)
         elif isinstance(m, RMSNormGated):
             m.fn = gated_fn
         elif isinstance(m, RMSNorm):
@@ -185,13 +184,14 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
     return plan
 
 
-def _mla_proj_note(parts: list[QLinear], layout) -> str:
-    """``Resolution.fused`` of ``mla``: the one q|kv_a|g projection (rows, padding) or why the three stay separate."""
+def _mla_proj_note(parts: list[QLinear], fused: QLinear | None) -> str:
+    """``Resolution.fused`` of ``mla``: the one q|kv_a|g projection (rows, padding) or, ``fused`` None, why the
+    three stay separate (``fuse_layout``'s reason)."""
     names = "q_proj | kv_a_proj_with_mqa | g_proj"
-    if isinstance(layout, str):
-        return f"{names}: three projections, not fused: {layout}"
-    spans, rows = layout
-    pad = rows - sum(b - a for a, b in spans)
+    if fused is None:
+        return f"{names}: three projections, not fused: {fuse_layout(parts, pad=True)}"
+    rows = fused.out_features
+    pad = rows - sum(b - a for a, b in fused.row_spans)
     return (f"{names}: one {parts[0].fmt} projection of {rows} rows"
             + (f" ({pad} zero rows keep the parts on {parts[0].block[0]}-row scale-block edges)" if pad else ""))
 
