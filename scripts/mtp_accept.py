@@ -34,25 +34,16 @@ def plain_margin(engine: Engine, question: str, plain: list[int], spec: list[int
     ``k``, relative to the largest |logit|. A margin at the level of the activation dtype's rounding (BF16 keeps 8
     significant bits: ~4e-3 relative) is a near-tie that the M = 4 verify forward, whose kernels round differently
     from the M = 1 decode step, may break the other way; a large margin is a bug."""
-    import torch
+    from bytebound.verify.canaries import replay_plain_logits
     if k >= min(len(plain), len(spec)):
         return {"margin": None, "why": "one output is a prefix of the other (different stop)"}
-    r = engine.runner
-    r.reset()
-    try:
-        ids = torch.tensor(engine.encode_prompt(question, chat=True))
-        lg = r.logits(r.prefill(ids)[-1:])
-        for t in plain[:k]:
-            lg = r.logits(r.forward(torch.tensor([t], device=engine.device)))
-        lg = lg[0].float()
-        top2 = lg.topk(2)
-        margin = float(lg[plain[k]] - lg[spec[k]])
-        return {"plain_tok": plain[k], "spec_tok": spec[k], "replayed_argmax": int(top2.indices[0]),
-                "margin": margin, "max_abs_logit": float(lg.abs().max()),
-                "rel_margin": margin / float(lg.abs().max()), "top2_gap": float(top2.values[0] - top2.values[1]),
-                "spec_tok_rank": int((lg > lg[spec[k]]).sum())}
-    finally:
-        r.reset()
+    lg = replay_plain_logits(engine, engine.encode_prompt(question, chat=True), plain[:k])
+    top2 = lg.topk(2)
+    margin = float(lg[plain[k]] - lg[spec[k]])
+    return {"plain_tok": plain[k], "spec_tok": spec[k], "replayed_argmax": int(top2.indices[0]),
+            "margin": margin, "max_abs_logit": float(lg.abs().max()),
+            "rel_margin": margin / float(lg.abs().max()), "top2_gap": float(top2.values[0] - top2.values[1]),
+            "spec_tok_rank": int((lg > lg[spec[k]]).sum())}
 
 
 def main() -> int:

@@ -664,3 +664,17 @@ def test_moe_canary_checks_a_fused_shared_expert(ckpt):
     finally:
         for m, f in zip(mods, saved):
             m.fn = f
+
+
+def test_replay_plain_logits_gives_generates_next_token(ckpt):
+    """replay_plain_logits (the parity checks' plain logits at a mismatch) replays what generate ran: after the
+    prompt and the first k greedy tokens its argmax is greedy token k, for every k; the runner is left reset."""
+    from bytebound.sampling import SamplingParams
+    eng = engine(ckpt, speculative_steps=0)
+    want = eng.generate("Janet's ducks", SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    ids = eng.encode_prompt("Janet's ducks")
+    for k in range(len(want)):
+        lg = C.replay_plain_logits(eng, ids, want[:k])
+        assert lg.dtype == torch.float32 and lg.shape == (eng.model.cfg.vocab_size,)
+        assert int(lg.argmax()) == want[k], k
+    assert eng.runner.pos == 0

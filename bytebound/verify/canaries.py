@@ -159,6 +159,22 @@ def logit_tie_tolerance(logits: torch.Tensor, dtype) -> float:
     return (1e-4 if dtype == torch.float32 else 2e-2) * float(logits.abs().max())
 
 
+@torch.inference_mode()
+def replay_plain_logits(engine, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor:
+    """The plain decode's logits for the token after ``prompt_ids`` + ``tokens``, made as ``Engine.generate`` makes
+    them (a prefill of the prompt, then one decode step per token): float32 ``[V]``, for judging a speculative vs
+    plain greedy mismatch against :func:`logit_tie_tolerance`. The runner is reset before and after."""
+    r = engine.runner
+    r.reset()
+    try:
+        lg = r.logits(r.prefill(torch.tensor(prompt_ids))[-1:])
+        for t in tokens:
+            lg = r.logits(r.forward(torch.tensor([t], device=engine.device)))
+        return lg[0].float()
+    finally:
+        r.reset()
+
+
 # ---- the canaries -------------------------------------------------------------------------------------
 def canary_levers(engine, ctx) -> CanaryResult:
     levers = build_levers(engine)
