@@ -63,7 +63,7 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_compile: bool | str = False)
         what = ("default: on where torch.compile can build it (else eager, with the reason); the first run "
                 "compiles for 30-60 s on 2 cores, later ones load the cache in seconds")
     else:
-        what = "default: off; the first compile takes about a minute on a 2-core machine"
+        what = "default: off; the first compile takes 30-60 s on 2 cores"
     p.add_argument("--cpu-compile", action=onoff, default=cpu_compile,
                    help="CPU: compile the one-token decode step with torch.compile (inductor, C++; needs a C++ "
                         f"compiler) for 2-3x faster steps ({what}; docs/perf/cpu-decode-nano.md). "
@@ -184,11 +184,12 @@ def cmd_demo(a) -> int:
         prompt, stop, chat = few_shot_prompt(rec["question"]), FEW_SHOT_STOP, False
     params = SamplingParams(max_tokens=a.max_tokens, stop=stop)
     from bytebound.runner.cpu_compile import CompiledDecode
-    n = len(eng.encode_prompt(prompt, chat=chat))
-    if isinstance(eng.runner.graph, CompiledDecode) and n < eng.runner.max_len:
+    if isinstance(eng.runner.graph, CompiledDecode):
         # compile the spans this answer's steps reach now, not mid-answer inside its TPOT (the 5-shot prompt's
         # steps start past the 512 slots compiled at start-up)
-        eng.runner.graph.precompile(n, min(n + a.max_tokens, eng.runner.max_len) - 1)
+        n = len(eng.encode_prompt(prompt, chat=chat))
+        if n < eng.runner.max_len:
+            eng.runner.graph.precompile(n, min(n + a.max_tokens, eng.runner.max_len) - 1)
     out = None
     for chunk in eng.stream(prompt, params, chat=chat):
         sys.stdout.write(chunk.text)

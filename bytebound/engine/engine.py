@@ -69,8 +69,8 @@ class EngineConfig:
     spec_static_round: bool | None = None
     cpu_threads: int | None = 1       # batch-1 CPU steps are many tiny ops: one thread avoids sync overhead
     # CPU: the one-token decode step compiled by torch.compile (inductor C++; runner.cpu_compile), the CPU
-    # counterpart of the CUDA graph. False (default here: the first compile takes about a minute on a 2-core
-    # machine, docs/perf/cpu-decode-nano.md), True (compile; BackendError when it cannot), or "auto" (compile
+    # counterpart of the CUDA graph. False (default here: the first compile takes 30-60 s on a 2-core machine,
+    # docs/perf/cpu-decode-nano.md), True (compile; BackendError when it cannot), or "auto" (compile
     # when it can, else run eagerly with the reason printed and in ``cpu_compile_fallback``; ``bytebound demo``'s
     # default). enforce_eager / --backend graphs=... win over it.
     cpu_compile: bool | str = False
