@@ -167,6 +167,8 @@ def cmd_generate(a) -> int:
 def cmd_demo(a) -> int:
     """Answer one GSM8K test question with the bundled model: print the answer, the gold and the speed. On a
     CPU it compiles the decode step by default (``--cpu-compile`` auto)."""
+    from dataclasses import replace
+
     from bytebound.data.gsm8k import FEW_SHOT_STOP, answers_match, extract_answer, few_shot_prompt, load_split
     from bytebound.engine.engine import Engine
     from bytebound.sampling import SamplingParams
@@ -175,7 +177,9 @@ def cmd_demo(a) -> int:
     if not 0 <= a.index < len(test):
         raise RequestError(f"--index must be in [0, {len(test) - 1}], got {a.index}")
     rec = test[a.index]
-    eng = Engine(engine_config(a))
+    # no start-up compile: the spans this answer reaches are compiled below (the 5-shot prompt's steps start past
+    # the first 512 slots, which would be compiled for nothing)
+    eng = Engine(replace(engine_config(a), cpu_compile_warmup=False))
     print_fallbacks(eng)
     print(f"GSM8K test #{a.index}: {rec['question']}\n")
     if a.format == "chat":
@@ -185,8 +189,7 @@ def cmd_demo(a) -> int:
     params = SamplingParams(max_tokens=a.max_tokens, stop=stop)
     from bytebound.runner.cpu_compile import CompiledDecode
     if isinstance(eng.runner.graph, CompiledDecode):
-        # compile the spans this answer's steps reach now, not mid-answer inside its TPOT (the 5-shot prompt's
-        # steps start past the 512 slots compiled at start-up)
+        # compile the spans this answer's steps reach now (only those), not mid-answer inside its TPOT
         n = len(eng.encode_prompt(prompt, chat=chat))
         if n < eng.runner.max_len:
             eng.runner.graph.precompile(n, min(n + a.max_tokens, eng.runner.max_len) - 1)

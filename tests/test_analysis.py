@@ -268,6 +268,45 @@ def test_cli_writes_json_and_pngs(tmp_path, capsys, config_path):
     assert "3.355" in out and "4.784" in out and "121.1" in out
 
 
+# exact values priced at the seed's measured operating points (TPOTs, accept length)
+PRICED_AT_SEED_MEASUREMENTS = ("b_eff_gbs", "utilisation", "b_eff_humming_gbs", "fp8_head_pred_tpot_ms",
+                               "spec_speedup", "spec_tpot_ms", "fallback_tpot_ms", "fallback_tok_s", "b_eff_mtp_gbs")
+
+
+def test_seed_measurements_price_only_the_model_they_were_measured_on(tmp_path, capsys, config_path):
+    """The seed's TPOTs and accept length were measured with Ling-3.0-flash on a DGX Spark: the exact column of
+    another model (ling-nano) is not priced at them (the output says so), only at the user's own --tpot etc."""
+    nano_dir = Path(__file__).resolve().parents[1] / "models" / "ling-nano"
+
+    def report(*args):
+        path = tmp_path / "r.json"
+        assert main([*args, "--json", str(path)]) == 0
+        return json.loads(path.read_text()), " ".join(capsys.readouterr().out.split())
+
+    flash, out = report("--config", str(config_path))
+    assert all(k in flash["exact"] for k in PRICED_AT_SEED_MEASUREMENTS)
+    assert flash["reference_points"]["seed_model"] and "not on this model" not in out
+    assert "172.7" in out                                    # B_eff of the exact flash ledger at 27.71 ms
+    nano, out = report("--config", str(nano_dir))
+    assert not any(k in nano["exact"] for k in PRICED_AT_SEED_MEASUREMENTS), nano["exact"].keys()
+    assert not nano["reference_points"]["seed_model"]
+    assert "not on this model" in out and "Ling-3.0-flash" in out and "--tpot" in out
+    assert nano["seed"] == flash["seed"]                     # the seed column is the seed's model either way
+    # the bytes, and the hardware's own numbers (floor at 273 GB/s, ridge), still apply
+    assert 0 < nano["exact"]["step_bytes_bf16_gb"] < 0.01 and nano["exact"]["floor_bf16_ms"] > 0
+    assert nano["exact"]["ridge_flop_per_byte"] == flash["exact"]["ridge_flop_per_byte"]
+    # measurements of this model, given on the command line, price it; the two without a flag stay out
+    mine, out = report("--config", str(nano_dir), "--tpot", "5", "--tpot-fp8-head", "4.5", "--accept-length", "2.5")
+    e = mine["exact"]
+    assert e["b_eff_gbs"] == pytest.approx(e["step_bytes_bf16_gb"] / 5e-3)
+    assert e["spec_tpot_ms"] == pytest.approx(4.5 * e["byte_ratio"] / 2.5)
+    assert e["fallback_tpot_ms"] == pytest.approx(4.5 * e["byte_ratio"])
+    assert "b_eff_humming_gbs" not in e and "b_eff_mtp_gbs" not in e and "not on this model" in out
+    for d in (tmp_path / "plots-nano", tmp_path / "plots-mine"):    # the plots leave the missing points out
+        assert main(["--config", str(nano_dir), "--plots", str(d)] + (["--tpot", "5"] if "mine" in d.name else [])) == 0
+        assert (d / "roofline.png").is_file() and (d / "speculative.png").is_file()
+
+
 def test_add_parser_sets_dispatch():
     import argparse
     from bytebound.analysis.cli import add_parser, run

@@ -171,6 +171,35 @@ def test_demo_defaults_to_auto_and_other_commands_stay_eager(monkeypatch, tmp_pa
     assert cli.main(["demo"]) == 0 and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
+@pytest.mark.parametrize("fmt", ["chat", "5shot"])
+def test_demo_compiles_only_the_spans_its_answer_reaches(monkeypatch, tmp_path, capsys, fmt):
+    """``bytebound demo`` compiles the attention spans its prompt + --max-tokens steps reach and no other: the
+    5-shot prompt (over 1000 tokens) starts past the first 512-slot span, which is not compiled at start-up. The
+    compile is a spy (torch.compile returns the eager step), so the test is cheap; the spans are those the compile
+    notices name."""
+    import re
+
+    import bytebound.cli as cli
+    from bytebound.runner import cpu_compile
+    from bytebound.runner.runner import pow2_buckets
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(cpu_compile, "compile_unavailable_reason", lambda: None)
+    traced = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: traced.append(kw) or fn)     # no inductor
+    max_tokens = 3
+    assert cli.main(["demo", "--format", fmt, "--max-tokens", str(max_tokens)]) == 0
+    out, err = capsys.readouterr()
+    assert len(traced) == 1 and "answer:" in out
+    n = int(re.search(r"prompt (\d+) tokens", out).group(1))
+    spans = [int(s) for s in re.findall(r"compiling the CPU decode step \((\d+) cache slots\)", err)]
+    buckets = pow2_buckets(4096, cpu_compile.CPU_SMALLEST_SPAN)          # the demo's default max_model_len
+    want = sorted({min(b for b in buckets if b >= p + 1) for p in range(n, n + max_tokens)})
+    assert spans == want, (n, spans)
+    if fmt == "5shot":
+        assert n > 1024 and 512 not in spans
+
+
 def _engine(ckpt, **kw):
     from bytebound.engine.engine import Engine, EngineConfig
     return Engine(EngineConfig(model=str(ckpt), max_model_len=128, **kw))
@@ -230,7 +259,7 @@ def test_compile_notice_names_the_cache(quant_ckpt, monkeypatch, capsys, tmp_pat
     monkeypatch.setattr(cpu_compile, "compile_unavailable_reason", lambda: None)
     seen = []
 
-    def fake(runner, notice=None, eager_on_error=False):
+    def fake(runner, warmup=True, notice=None, eager_on_error=False):
         seen.append((eager_on_error, notice))
         notice(512, None)
         notice(512, 41.5)
@@ -309,6 +338,26 @@ def test_span_compile_failure_mid_request_continues_eagerly(bound_quant_model):
         assert told == [(64, None), (64, None, g.failed)]           # before the compile, then the failure
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@torch.inference_mode()
+def test_first_compile_failure_without_warmup_follows_eager_on_error(bound_quant_model):
+    """warmup=False (the demo): the first compile happens in precompile, after start-up, so a failure there takes
+    the eager step under eager_on_error (cpu_compile "auto") as a later span's would, and raises without it."""
+    def broken(*a):
+        raise RuntimeError("inductor fell over")
+    for on_error in (True, False):
+        runner = ModelRunner(bound_quant_model, 64, "cpu", kv_buckets=(32,))
+        told = []
+        g = CompiledDecode(runner, warmup=False, notice=lambda *a: told.append(a), eager_on_error=on_error)
+        assert g.compile_s == {}                        # nothing compiled at construction
+        g.fn, runner.graph = broken, g
+        if not on_error:
+            with pytest.raises(BackendError, match="32 slots.*inductor fell over"):
+                g.precompile(5, 40)
+            continue
+        assert g.precompile(5, 40) == [] and runner.graph is None and "inductor fell over" in g.failed
+        assert told == [(32, None), (32, None, g.failed)] and runner.pos == 0
 
 
 def test_precompile_compiles_the_spans_a_request_reaches(bound_quant_model):

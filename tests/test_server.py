@@ -353,6 +353,34 @@ def test_untokenizable_prompt_and_huge_seed_are_400(srv):
         assert c.get("/health").status_code == 200
 
 
+def test_lone_surrogate_is_400_naming_the_field(srv, ref):
+    """A lone UTF-16 surrogate (JSON "\\ud800" without its pair) is not valid Unicode: the 400 says so and names
+    the field and message, not the tokenizer's TypeError; the server then serves the next request."""
+    cases = [("/v1/completions", {"prompt": "ab\ud800", "max_tokens": 2}, "prompt", "'prompt'"),
+             ("/v1/chat/completions", {"messages": [{"role": "system", "content": "be brief"},
+                                                    {"role": "user", "content": "x\udfffy"}], "max_tokens": 2},
+              "messages", "messages[1].content"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+                 {"type": "text", "text": "fine"}, {"type": "text", "text": "\udbff"}]}], "max_tokens": 2},
+              "messages", "messages[0].content[1].text"),
+             ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop": ["ok", "\ud83d"]}, "stop", "stop[1]")]
+    before = _errors(srv.url).get(("400", "invalid_unicode"), 0.0)
+    for path, body, param, where in cases:
+        raw = json.dumps({"model": NAME, **body}).encode()        # ensure_ascii: the surrogate travels as \uXXXX
+        assert b"\\ud" in raw
+        e = _err(_post(srv.url, path, raw), 400, param, "invalid_unicode")
+        assert e["type"] == "invalid_request_error"
+        assert where in e["message"] and "lone UTF-16 surrogate" in e["message"], e
+        assert "TypeError" not in e["message"], e
+    assert _errors(srv.url)[("400", "invalid_unicode")] == before + len(cases)
+    # a valid surrogate pair (an emoji as ensure_ascii writes it) is one character and fine
+    assert _post(srv.url, "/v1/completions", b'{"model": "%s", "prompt": "hi \\ud83d\\ude00", "max_tokens": 2}'
+                 % NAME.encode()).status_code == 200
+    want = expect(ref, "still serving", max_tokens=3)
+    r = _post(srv.url, "/v1/completions", {"prompt": "still serving", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text
+
+
 # ---- tester's findings: each bad request gets a 4xx OpenAI-style error naming the problem ------------------
 def _err(r, status, param="-", code="-"):
     assert r.status_code == status, (r.status_code, r.text)

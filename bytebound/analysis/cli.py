@@ -12,6 +12,9 @@ operating points with the exact ledger (exact column). Without ``--config`` the 
 Ling-3.0-flash config, or with ``--checkpoint DIR`` that checkpoint's own ``config.json``; ``--config none``
 shows the seed column only.
 Contexts: ``32K`` = 32,000 tokens (the seed's convention), ``32Ki`` = 32,768.
+The seed's TPOTs and accept length were measured with Ling-3.0-flash on a DGX Spark: the exact column prices
+another model at them only when they are given (``--tpot``, ``--tpot-fp8-head``, ``--accept-length``, measured
+on that model); the rows priced at the others show ``—``, and a note says so.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from bytebound.analysis.ledger import Ledger, build_ledger, expected_distinct_ex
 from bytebound.errors import BackendError, ByteboundError, ConfigError
 
 GB = 1e9
+# flag (argparse dest) -> the seed input it sets; a given value is a measurement of the model being priced
+MEASURED_FLAGS = {"tpot": "tpot_ms", "tpot_fp8_head": "tpot_fp8_head_ms", "accept_length": "accept_length"}
 
 
 def parse_context(text: str) -> tuple[int, ...]:
@@ -57,12 +62,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         f"config.json, else the bundled Ling-3.0-flash config {LING3_FLASH_CONFIG.name}); 'none' "
                         "shows the seed column only")
     p.add_argument("--checkpoint", help="price the stored tensors of this checkpoint (safetensors headers)")
-    p.add_argument("--tpot", type=float, default=d.tpot_ms, help="measured TPOT, BF16 head [ms]")
-    p.add_argument("--tpot-fp8-head", type=float, default=d.tpot_fp8_head_ms, help="measured TPOT, FP8 head [ms]")
+    seed = "(default: the seed's {:g}, measured with Ling-3.0-flash: it prices that model only)"
+    p.add_argument("--tpot", type=float, default=None, help="measured TPOT, BF16 head [ms] " + seed.format(d.tpot_ms))
+    p.add_argument("--tpot-fp8-head", type=float, default=None,
+                   help="measured TPOT, FP8 head [ms] " + seed.format(d.tpot_fp8_head_ms))
     p.add_argument("--bandwidth", default=str(d.bandwidth_gbs), help="GB/s, or 'measure' (streaming read here)")
     p.add_argument("--device", default=None, help="device for --bandwidth measure (default cuda if present)")
     p.add_argument("--peak-tflops", type=float, default=d.peak_flops / 1e12, help="peak TFLOP/s for the roofline")
-    p.add_argument("--accept-length", type=float, default=d.accept_length, help="a, tokens per round")
+    p.add_argument("--accept-length", type=float, default=None,
+                   help="a, tokens per round " + seed.format(d.accept_length))
     p.add_argument("--verify-cost", type=float, default=d.verify_cost, help="c, round time / plain step time")
     p.add_argument("--draft-tokens", type=int, default=d.draft_tokens, help="verify window k")
     p.add_argument("--draft-steps", type=int, default=3, help="NEXTN draft steps per round")
@@ -104,12 +112,16 @@ def _bandwidth(args) -> tuple[float, str]:
         raise BackendError(f"--bandwidth measure on --device {dev}: {type(e).__name__}: {e}") from None
 
 
-def exact_values(led: Ledger, s: sd.SeedInputs, draft_steps: int) -> dict[str, float]:
+def exact_values(led: Ledger, s: sd.SeedInputs, draft_steps: int,
+                 measured=sd.MEASURED) -> dict[str, float]:
     """The seed's quantities recomputed from the exact ledger ``led`` (BF16 head) at the same operating points.
 
     Speculation: c_B = round bytes / plain-step bytes (FP8 head), S = a / c_B (seed section 8 with the byte
     ratio in place of the measured time ratio), TPOT_MTP = TPOT_fp8 c_B / a, fallback = c_B TPOT_fp8 (section 11),
     and the round's effective bandwidth at the reported MTP TPOT: (round bytes / a) / TPOT_MTP (section 10).
+    ``measured``: the fields of ``s`` named in :data:`~bytebound.analysis.seed.MEASURED` that were measured on
+    ``led``'s model; a value priced at another measurement is left out (TPOTs of another model say nothing of
+    this one's bandwidth).
     """
     f8 = led.with_head("fp8")
     b16, b8 = led.bytes, f8.bytes
@@ -139,10 +151,44 @@ def exact_values(led: Ledger, s: sd.SeedInputs, draft_steps: int) -> dict[str, f
         "b_eff_mtp_gbs": sd.effective_bandwidth(f8.round_bytes(s.draft_tokens, draft_steps) / s.accept_length,
                                                 s.tpot_mtp_ms),
     }
+    for key, points in PRICED_AT.items():
+        if not set(points) <= set(measured):
+            del v[key]
     for n in s.contexts:
         v[f"kv_{n}_bytes"] = n * kv
         v[f"kv_{n}_pct"] = 100 * n * kv / b16
     return v
+
+
+# exact value -> the measured seed inputs it is priced at
+PRICED_AT = {"b_eff_gbs": ("tpot_ms",), "utilisation": ("tpot_ms",), "b_eff_humming_gbs": ("tpot_humming_ms",),
+             "fp8_head_pred_tpot_ms": ("tpot_humming_ms",), "spec_speedup": ("accept_length",),
+             "spec_tpot_ms": ("tpot_fp8_head_ms", "accept_length"), "fallback_tpot_ms": ("tpot_fp8_head_ms",),
+             "fallback_tok_s": ("tpot_fp8_head_ms",), "b_eff_mtp_gbs": ("tpot_mtp_ms", "accept_length")}
+
+
+def is_seed_model(cfg) -> bool:
+    """Whether ``cfg`` is the model the seed measured, the Ling-3.0-flash fp4 checkpoint: the same active
+    parameters and bytes per decode step as the bundled config (another shape or another quantization is
+    another model, and the seed's TPOTs and accept length say nothing about it)."""
+    from bytebound.config import LING3_FLASH_CONFIG, LingConfig
+    led, ref = build_ledger(cfg), build_ledger(LingConfig.from_file(LING3_FLASH_CONFIG))
+    return (led.params, led.bytes) == (ref.params, ref.bytes)
+
+
+def _reference_note(s: sd.SeedInputs, measured, config) -> str | None:
+    """Why rows of the exact column show ``—``: the seed's measurements that are not this model's; None when
+    every one it would be priced at applies."""
+    names = {"tpot_ms": f"TPOT {s.tpot_ms:g} ms (--tpot)", "tpot_humming_ms": f"TPOT {s.tpot_humming_ms:g} ms "
+             "with Humming", "tpot_fp8_head_ms": f"FP8-head TPOT {s.tpot_fp8_head_ms:g} ms (--tpot-fp8-head)",
+             "tpot_mtp_ms": f"MTP TPOT {s.tpot_mtp_ms:g} ms", "accept_length": f"accept length "
+             f"{s.accept_length:.2f} (--accept-length)"}
+    missing = [n for k, n in names.items() if k not in measured]
+    if not missing:
+        return None
+    return (f"exact ledger of {config}: not priced at the seed's {', '.join(missing)}, measured with "
+            "Ling-3.0-flash on a DGX Spark, not on this model: those rows show — (the flags named take this "
+            "model's own measurements). Bytes, the bandwidth floor and the ridge point apply as they are.")
 
 
 def _rows(sv: dict[str, sd.SeedValue], ex: dict[str, float] | None, s: sd.SeedInputs) -> list[list[str]]:
@@ -252,14 +298,15 @@ def build_report(args) -> dict:
     bw, source = _bandwidth(args)
     for name in ("tpot", "tpot_fp8_head", "accept_length", "verify_cost", "peak_tflops"):
         v = getattr(args, name)
-        if not (v > 0 and v != float("inf")):
+        if v is not None and not (v > 0 and v != float("inf")):
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, got {v}")
     if args.draft_tokens < 1 or args.draft_steps < 0:
         raise ConfigError("--draft-tokens must be >= 1 and --draft-steps >= 0")
-    s = replace(sd.SeedInputs(), tpot_ms=args.tpot, tpot_fp8_head_ms=args.tpot_fp8_head, bandwidth_gbs=bw,
-                peak_flops=args.peak_tflops * 1e12, accept_length=args.accept_length, verify_cost=args.verify_cost,
-                draft_tokens=args.draft_tokens, contexts=parse_context(args.context))
-    led = ex = None
+    own = {f: getattr(args, k) for k, f in MEASURED_FLAGS.items() if getattr(args, k) is not None}
+    s = replace(sd.SeedInputs(), **own, bandwidth_gbs=bw, peak_flops=args.peak_tflops * 1e12,
+                verify_cost=args.verify_cost, draft_tokens=args.draft_tokens, contexts=parse_context(args.context))
+    led = ex = note = None
+    seed_model = False
     config = resolve_config(args.config, args.checkpoint)
     if config is not None:
         from bytebound.config import LingConfig
@@ -270,7 +317,10 @@ def build_report(args) -> dict:
             led = ledger_from_specs(cfg, specs)
         else:
             led = build_ledger(cfg)
-        ex = exact_values(led, s, args.draft_steps)
+        seed_model = is_seed_model(cfg)
+        measured = sd.MEASURED if seed_model else tuple(own)
+        ex = exact_values(led, s, args.draft_steps, measured)
+        note = _reference_note(s, measured, config)
     elif args.checkpoint:
         raise ConfigError("--checkpoint needs --config (the layer kinds and routing come from it)")
     sv = sd.seed_report(s)
@@ -279,6 +329,8 @@ def build_report(args) -> dict:
                    "config": None if config is None else str(config),
                    "checkpoint": args.checkpoint},
         "seed": sd.as_json(sv), "exact": ex,
+        # whether the exact column's model is the one the seed measured, and what was left out if not
+        "reference_points": {"seed_model": seed_model, "note": note},
         "ledger": None if led is None else {"bf16_head": led.to_json(), "fp8_head": led.with_head("fp8").to_json()},
         "rows": _rows(sv, ex, s),
     }
@@ -296,6 +348,8 @@ def render(report: dict, console=None, detail: bool = False):
     for r in report["rows"]:
         t.add_row(*r)
     con.print(t)
+    if report["reference_points"]["note"]:
+        con.print(report["reference_points"]["note"], markup=False, highlight=False)
     if report["ledger"]:
         g = Table(title="exact ledger by tensor group (one decode step)")
         for col in ("group", "params (M)", "BF16 head (MB)", "FP8 head (MB)", "share (BF16 head)"):

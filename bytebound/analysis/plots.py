@@ -77,14 +77,16 @@ def roofline(rep: dict, path: Path) -> None:
     ridge = peak / bw
     ax.axvline(ridge, color="gray", ls=":", lw=1)
     ax.text(ridge * 1.1, peak / 30, f"ridge {ridge:.0f} FLOP/B", fontsize=8, color="gray")
-    pts = [("seed", inp["active_params"], _seed(rep, "step_bytes_bf16_gb") * GB, "tab:blue")]
+    pts = [("seed", inp["active_params"], _seed(rep, "step_bytes_bf16_gb") * GB, "tab:blue", True)]
     if rep["exact"]:
         e = rep["exact"]
-        pts.append(("exact", e["active_params_b"] * GB, e["step_bytes_bf16_gb"] * GB, "tab:red"))
-    for name, p, b, col in pts:
+        # achieved only at a TPOT measured on this model (cli.exact_values leaves B_eff out otherwise)
+        pts.append(("exact", e["active_params_b"] * GB, e["step_bytes_bf16_gb"] * GB, "tab:red", "b_eff_gbs" in e))
+    for name, p, b, col, timed in pts:
         ai, achieved = 2 * p / b, 2 * p / (inp["tpot_ms"] * 1e-3)
         ax.plot([ai], [ai * bw], "o", mfc="none", color=col, ms=8, label=f"{name}: bandwidth bound at I={ai:.2f}")
-        ax.plot([ai], [achieved], "o", color=col, label=f"{name}: achieved at {inp['tpot_ms']:g} ms")
+        if timed:
+            ax.plot([ai], [achieved], "o", color=col, label=f"{name}: achieved at {inp['tpot_ms']:g} ms")
     ax.set_xlabel("arithmetic intensity [FLOP/B]")
     ax.set_ylabel("FLOP/s")
     ax.legend(fontsize=7, loc="lower right")
@@ -131,7 +133,7 @@ def speculative(rep: dict, path: Path) -> None:
     pts = [("synthetic", inp["accept_length"], inp["verify_cost"], "o"),
            ("GSM8K", inp["accept_length_gsm8k"], inp["verify_cost"], "s"),
            ("fallback a=1", 1.0, inp["verify_cost"], "X")]
-    if rep["exact"]:
+    if rep["exact"] and "spec_speedup" in rep["exact"]:       # a measured on this model
         pts.append(("exact c_B", inp["accept_length"], rep["exact"]["byte_ratio"], "D"))
     pts.append((f"reported {inp['tpot_mtp_ms']:g} ms", inp["accept_length"],
                 inp["accept_length"] * inp["tpot_mtp_ms"] / inp["tpot_fp8_head_ms"], "^"))

@@ -57,6 +57,13 @@ class SeedInputs:
     contexts: tuple[int, ...] = (2000, 32000, 256000)  # "2K / 32K / 256K" (section 13)
 
 
+# The inputs measured with one model, the Ling-3.0-flash fp4 checkpoint on a DGX Spark [1]: they price that model
+# only (the others are the hardware's specs [2] and the config's shapes [4], or the seed's own choices).
+MEASURED = ("tpot_ms", "tpot_humming_ms", "tpot_fp8_head_ms", "tpot_mtp_ms", "tok_s_base", "tok_s_mtp",
+            "tpot_gsm8k_ms", "tpot_gsm8k_all_ms", "tok_s_gsm8k", "tok_s_gsm8k_all", "accept_length",
+            "accept_length_gsm8k", "verify_cost")
+
+
 # ---- formulas ---------------------------------------------------------------------------------------------
 def step_bytes(active_params: float, weight_bits: float, vocab: int, hidden: int, head_bits: float) -> float:
     """Section 4: B_step = P_act b_w / 8 + V d b_lm / 8  [B] (no KV, no scales, no mixed precision)."""

@@ -74,6 +74,9 @@ class EngineConfig:
     # when it can, else run eagerly with the reason printed and in ``cpu_compile_fallback``; ``bytebound demo``'s
     # default). enforce_eager / --backend graphs=... win over it.
     cpu_compile: bool | str = False
+    # cpu_compile: compile the first attention span at start-up (True), or no span until a step or the caller
+    # (runner.graph.precompile) needs one: ``bytebound demo`` precompiles only the spans its prompt reaches
+    cpu_compile_warmup: bool = True
     # N processes, one shard each (bytebound.parallel): the process must already be rank r of an N-process group
     # (bytebound's --tensor-parallel-size launcher or torchrun, bytebound.parallel.init_from_env).
     tensor_parallel_size: int = 1
@@ -368,7 +371,7 @@ class Engine:
                 else:
                     print(f"[bytebound] CPU decode step ready in {seconds:.1f} s", file=sys.stderr, flush=True)
             try:
-                compile_decode(self.runner, notice=notice, eager_on_error=auto)
+                compile_decode(self.runner, self.config.cpu_compile_warmup, notice=notice, eager_on_error=auto)
                 return
             except BackendError as e:
                 if not auto:

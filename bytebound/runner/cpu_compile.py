@@ -95,10 +95,12 @@ class CompiledDecode:
     ``captured_shapes`` lists the compiled spans (for the start-up manifest), ``compile_s`` the wall seconds each
     span's first call took (tracing, inductor's compile or its on-disk cache, and the step itself).
 
-    ``notice(span, seconds, error)``: called before a span's first compile (``seconds`` None) and after it (the
-    wall seconds), for a start-up message; None: silent. ``eager_on_error``: a span that fails to compile later (a
-    sequence reaching a new span mid-request) uninstalls the compiled step and runs that step and every later one
-    eagerly instead of raising; ``failed`` holds the reason, also given to ``notice`` as ``error``.
+    ``warmup``: compile the first span at start-up; False compiles no span before a step (or :meth:`precompile`)
+    needs one. ``notice(span, seconds, error)``: called before a span's first compile (``seconds`` None) and after
+    it (the wall seconds), for a start-up message; None: silent. ``eager_on_error``: a span that fails to compile
+    after start-up (a sequence reaching a new span mid-request, or a precompile) uninstalls the compiled step and
+    runs that step and every later one eagerly instead of raising; ``failed`` holds the reason, also given to
+    ``notice`` as ``error``.
 
     Raises:
         BackendError: the runner is not on a CPU, or torch.compile cannot compile the step (the message has the
@@ -128,9 +130,11 @@ class CompiledDecode:
         # weights and states are inputs, not constants) on every call; they are the tensors it was compiled for
         self.fn = torch.compile(step, fullgraph=True, dynamic=False,
                                 options={"guard_filter_fn": _keep_input_guards, "size_asserts": False})
+        self._starting = True           # a failed start-up compile is raised (compile_decode's caller decides)
         if warmup:          # the first span at start-up (a start-up cost, not the first request's TTFT)
             self.replay(torch.zeros(1, dtype=torch.long), 0)
             runner.reset()
+        self._starting = False
 
     def precompile(self, first: int, last: int) -> list[int]:
         """Compile now every span that one-token steps at positions ``first .. last`` (inclusive) will use, so a
@@ -177,10 +181,11 @@ class CompiledDecode:
         except Exception as e:          # dynamo / inductor failures have many types; report one named error
             err = BackendError(f"torch.compile could not compile the CPU decode step ({span} slots): "
                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            if not self.eager_on_error or not self.compile_s:       # the start-up compile: the caller decides
+            if not self.eager_on_error or self._starting:
                 raise err from e
-            # a later span, mid-request: dynamo and inductor fail while tracing (on fake tensors) or building,
-            # before the step runs, so the state is untouched and the eager step can take this position and the rest
+            # after start-up (a later span mid-request, or a precompile): dynamo and inductor fail while tracing (on
+            # fake tensors) or building, before the step runs, so the state is untouched and the eager step can take
+            # this position and the rest
             self.failed = str(err)
             if self.runner.graph is self:
                 self.runner.graph = None
@@ -229,7 +234,8 @@ def compile_decode(runner, warmup: bool = True, notice: Notice | None = None,
                    eager_on_error: bool = False) -> CompiledDecode:
     """Install the compiled CPU decode step on ``runner`` (``runner.graph``, which ``ModelRunner.forward``
     replays for every one-token step). The runner's spans become powers of two from ``CPU_SMALLEST_SPAN`` up to
-    its ``max_len`` unless it was given buckets. ``notice``, ``eager_on_error``: as :class:`CompiledDecode`.
+    its ``max_len`` unless it was given buckets. ``warmup``, ``notice``, ``eager_on_error``: as
+    :class:`CompiledDecode`.
 
     Raises:
         BackendError: as :class:`CompiledDecode`; the runner is then left as it was (eager step, its spans, no

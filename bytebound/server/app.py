@@ -27,10 +27,11 @@ Metrics (``/metrics``): every error response is counted in ``bytebound_request_e
 (``reason``: the error's code, else the parameter it names, else ``invalid_request``), also the error events of
 streams that had begun; ``bytebound_requests_rejected_total`` keeps counting the 429/503 refusals.
 
-Request rules: malformed JSON, wrong types, out-of-range sampling values, ``n``/``best_of`` other than 1,
-unsupported features (logprobs, echo, penalties, tools) and prompts that do not fit ``max_model_len`` get 400
-before queueing; an unknown model gets 404. Extensions: ``top_k``, ``seed``, ``ignore_eos``,
-``stop_token_ids``, ``return_token_ids`` (non-streaming: ``choices[0].token_ids``).
+Request rules: malformed JSON, wrong types, text that is not valid Unicode (a lone UTF-16 surrogate in the
+prompt, a message or a stop string: ``invalid_unicode``, naming the field), out-of-range sampling values,
+``n``/``best_of`` other than 1, unsupported features (logprobs, echo, penalties, tools) and prompts that do not
+fit ``max_model_len`` get 400 before queueing; an unknown model gets 404. Extensions: ``top_k``, ``seed``,
+``ignore_eos``, ``stop_token_ids``, ``return_token_ids`` (non-streaming: ``choices[0].token_ids``).
 ``usage.completion_tokens`` is the number of tokens whose text is returned (stop strings and EOS excluded).
 """
 
@@ -72,6 +73,9 @@ BODY_SLACK = 1 << 20                # the rest of the body (sampling fields, cha
 # without this check the same body is refused or accepted depending on what the process compiled before.
 MAX_JSON_DEPTH = 256
 _JSON_TOKENS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')   # a whole string literal (skipped) or a bracket
+# json.loads joins a "\uD83D\uDE00" pair into one character, so a surrogate code point left in a parsed string is
+# a lone one: not Unicode text, and the tokenizer refuses it with a bare TypeError
+_SURROGATE = re.compile("[\ud800-\udfff]")
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
@@ -392,6 +396,8 @@ def _sampling(body: dict, chat: bool, prompt_len: int, engine) -> SamplingParams
         stop = [stop]
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
         raise APIError(400, "'stop' must be a string or a list of strings", param="stop")
+    for i, s in enumerate(stop or ()):              # a lone surrogate would never match the decoded text
+        _check_unicode(s, f"stop[{i}]", "stop")
     ids = _get(body, "stop_token_ids", "list", [])
     if not all(_is_int(i) for i in ids):
         raise APIError(400, "'stop_token_ids' must be a list of ints", param="stop_token_ids")
@@ -423,6 +429,16 @@ def _token_ids(v, vocab: int) -> list[int] | None:
     return None
 
 
+def _check_unicode(text: str, where: str, param: str) -> None:
+    """400 ``invalid_unicode`` when ``text`` (the request field ``where``, e.g. ``messages[1].content``) holds a
+    lone UTF-16 surrogate, a ``\\uD800``-``\\uDFFF`` JSON escape without its pair."""
+    m = _SURROGATE.search(text)
+    if m is not None:
+        raise APIError(400, f"{where} is not valid Unicode: it contains a lone UTF-16 surrogate "
+                       f"U+{ord(m.group()):04X} at character {m.start()} (a \\u escape without its pair)",
+                       param=param, code="invalid_unicode")
+
+
 def _check_chars(n: int, max_chars: int | None, param: str) -> None:
     """400 ``prompt_too_long`` for an ``n``-character prompt over the limit, before any tokenisation."""
     if max_chars is not None and n > max_chars:
@@ -444,6 +460,7 @@ def _completion_prompt(body: dict, engine, max_chars: int | None = None) -> list
     if not isinstance(p, str) or not p:
         raise APIError(400, "'prompt' must be a non-empty string", param="prompt")
     _check_chars(len(p), max_chars, "prompt")
+    _check_unicode(p, "'prompt'", "prompt")
     if engine.tokenizer is None:
         raise APIError(400, "this engine has no tokenizer (dummy weights): send token ids", param="prompt")
     ids = _encode(engine, p, "prompt")
@@ -469,7 +486,11 @@ def _chat_prompt(body: dict, engine, max_chars: int | None = None) -> list[int]:
         if isinstance(c, list):
             if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str) for x in c):
                 raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+            for j, x in enumerate(c):
+                _check_unicode(x["text"], f"messages[{i}].content[{j}].text", "messages")
             c = "".join(x["text"] for x in c)
+        elif isinstance(c, str):
+            _check_unicode(c, f"messages[{i}].content", "messages")
         if c is None and role == "assistant":
             c = ""
         if not isinstance(c, str):
@@ -484,7 +505,7 @@ def _chat_prompt(body: dict, engine, max_chars: int | None = None) -> list[int]:
 
 
 def _encode(engine, text: str, param: str) -> list[int]:
-    """Tokenise or answer 400 (e.g. a lone UTF-16 surrogate the tokenizer cannot take)."""
+    """Tokenise or answer 400 (lone surrogates are refused before, by :func:`_check_unicode`)."""
     try:
         return engine.tokenizer.encode_releasing_gil(text)
     except Exception as e:
