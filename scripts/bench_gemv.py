@@ -84,10 +84,12 @@ def decode_shapes(config_path=DEFAULT_CONFIG) -> list[dict]:
 
 
 # The MMA path's (kernels.gluon_fp8_gemv) configs that --compare-mma times and the sweep adds: R = BN rows per
-# program 64 or 128 (R >= 16 * num_warps), NC scale blocks per chunk 1, 2, 4, split-K automatic.
+# program 32-128 (R >= 16 * num_warps), NC scale blocks per chunk 1, 2, 4, split-K automatic. Every warp loads
+# the whole activation operand of a block (M x 128 BF16 from L2), so R = 32 * num_warps halves that per weight.
 MMA_CONFIGS = [{"MMA": True, "BN": bn, "NC": nc, "num_warps": nw, "SPLIT": 0}
                for bn, nw in ((64, 4), (128, 8)) for nc in (1, 2, 4)] + \
-              [{"MMA": True, "BN": 128, "NC": 2, "num_warps": 4, "SPLIT": 0},
+              [{"MMA": True, "BN": 128, "NC": 2, "num_warps": 4, "SPLIT": 0},     # two row tiles per warp: each
+               {"MMA": True, "BN": 64, "NC": 2, "num_warps": 2, "SPLIT": 0},      # warp loads x once for both
                {"MMA": True, "BN": 32, "NC": 4, "num_warps": 2, "SPLIT": 0}]
 
 

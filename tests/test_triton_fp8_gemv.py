@@ -189,6 +189,8 @@ def test_fit_mma_tilings(monkeypatch, raw):
         assert (c["SPLIT"] - 1) * c["KS"] < k <= c["SPLIT"] * c["KS"]          # no empty slice, K covered
         assert not c["DOT"] and not c["PRE"] and c["PF"] == 0
         assert set(c) <= set(GEMV_KEYS) | {"KS"}
+        # a fitted config written to a table (the sweep writes its GEMV_KEYS) fits to itself
+        assert fit_gemv_config({kk: c[kk] for kk in GEMV_KEYS if kk in c}, n, k, 4) == c
     # what was asked for survives where it fits
     c = fit_gemv_config({"MMA": True, "BN": 128, "NC": 4, "num_warps": 8, "SPLIT": 1}, 2560, 4096, 4)
     assert (c["BN"], c["NC"], c["num_warps"], c["SPLIT"], c["KS"]) == (128, 4, 8, 1, 4096)

@@ -8,7 +8,10 @@
   in registers (``cvt.rn.f16x2.e4m3x2`` + widen) and multiplied into per-token float32 accumulators with the
   activation pre-multiplied by the chunk's block scale (``x * s`` costs BK multiplies per chunk, not one per
   weight). Accumulation is float32, the output BF16 (the activation dtype). The weight is read once for all M
-  tokens.
+  tokens. A config with ``MMA`` runs the Gluon kernel of ``kernels.gluon_fp8_gemv`` instead: E4M3 words decoded
+  straight into BF16 mma.m16n8k16 A fragments, tokens on the mma N axis, a fresh float32 accumulator per
+  128x128 scale block scaled in float32 (the ``DOT`` path's maths); one such config for M = 1..4 makes verify
+  rows bit-equal to decode results.
 * **M > 4** (prefill), ``TritonLinear(prefill=...)``:
 
   - ``"dequant"`` (default): dequantise the whole weight to BF16 with one Triton kernel into a temporary and call
