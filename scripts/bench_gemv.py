@@ -11,6 +11,10 @@ against a float64 dequantised reference.
     python scripts/bench_gemv.py --out DIR                     # the table's configs (or the default)
     python scripts/bench_gemv.py --out DIR --sweep [--jobs 12] # candidate configs per shape and M; the best of
                                                                # each goes to DIR/gemv_table.json (sm_XY key)
+    python scripts/bench_gemv.py --out DIR --compare-mma       # per shape and M: the table's kernel against the
+                                                               # MMA configs MMA_CONFIGS; per shape the MMA config
+                                                               # best summed over M = 1..4 (one config for decode
+                                                               # and verify: bit-equal rows)
 
 Output: a table on stdout and DIR/bench_gemv.json (device, date, commit from BYTEBOUND_COMMIT, weights
 "synthetic", per shape and M: config, us, GB/s, fraction of the same-bytes read and of the streaming read).
@@ -79,9 +83,19 @@ def decode_shapes(config_path=DEFAULT_CONFIG) -> list[dict]:
     return sorted(out, key=lambda e: -e["n"] * e["k"] * e["count"])
 
 
+# The MMA path's (kernels.gluon_fp8_gemv) configs that --compare-mma times and the sweep adds: R = BN rows per
+# program 32-128 (R >= 16 * num_warps), NC scale blocks per chunk 1, 2, 4, split-K automatic. Every warp loads
+# the whole activation operand of a block (M x 128 BF16 from L2), so R = 32 * num_warps halves that per weight.
+MMA_CONFIGS = [{"MMA": True, "BN": bn, "NC": nc, "num_warps": nw, "SPLIT": 0}
+               for bn, nw in ((64, 4), (128, 8)) for nc in (1, 2, 4)] + \
+              [{"MMA": True, "BN": 128, "NC": 2, "num_warps": 4, "SPLIT": 0},     # two row tiles per warp: each
+               {"MMA": True, "BN": 64, "NC": 2, "num_warps": 2, "SPLIT": 0},      # warp loads x once for both
+               {"MMA": True, "BN": 32, "NC": 4, "num_warps": 2, "SPLIT": 0}]
+
+
 def candidates(n: int, k: int, m: int) -> list[dict]:
     """The sweep's configs for one shape and M (fitted later by ``fit_gemv_config``)."""
-    c = []
+    c = [dict(x) for x in MMA_CONFIGS]
     for bn, bk in ((16, 256), (32, 256), (16, 512), (8, 512)):
         for split in (0, 1):
             c.append({"BN": bn, "BK": bk, "SPLIT": split, "num_warps": 4})
@@ -212,6 +226,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=str(DEFAULT_CONFIG))
     ap.add_argument("--m", default="1,2,3,4")
     ap.add_argument("--sweep", action="store_true", help="time candidate configs; best per shape/M -> gemv_table.json")
+    ap.add_argument("--compare-mma", action="store_true", help="time the table's config against MMA_CONFIGS per "
+                    "shape and M (and report the best single MMA config per shape over M = 1..4)")
     ap.add_argument("--jobs", type=int, default=8, help="processes that precompile the sweep's kernels")
     ap.add_argument("--l2-factor", type=float, default=3.0, help="weight copies cover this many times the L2")
     ap.add_argument("--min-calls", type=int, default=24)
@@ -241,13 +257,14 @@ def main(argv=None) -> int:
     for sh in shapes:
         n, k = sh["n"], sh["k"]
         for m in ms:
-            cfgs = candidates(n, k, m) if a.sweep else [None]
+            cfgs = candidates(n, k, m) if a.sweep else [None] + MMA_CONFIGS if a.compare_mma else [None]
             plan.append((sh, m, cfgs))
-    if a.sweep:
+    if a.sweep or a.compare_mma:
         jobs, seen = [], set()
         for sh, m, cfgs in plan:
             for c in cfgs:
-                f = tf.fit_gemv_config(c, sh["n"], sh["k"], m, (128, 128), props.multi_processor_count)
+                f = (tf.fit_gemv_config(c, sh["n"], sh["k"], m, (128, 128), props.multi_processor_count)
+                     if c is not None else tf.gemv_config(sh["n"], sh["k"], m, dev))
                 key = (sh["k"], m, sh["n"] % f["BN"] == 0, json.dumps(f, sort_keys=True))
                 if key not in seen:
                     seen.add(key)
@@ -289,32 +306,52 @@ def main(argv=None) -> int:
                     print(f"  {sh['name']} M={m} {c}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     continue
                 rec = {"shape": sh["name"], "n": n, "k": k, "layers": sh["count"], "M": m, "bytes": nbytes,
-                       "config": {kk: f[kk] for kk in tf.GEMV_KEYS + ("KS",) if kk in f}, "us": round(us, 3),
+                       "config": {kk: f[kk] for kk in tf.GEMV_KEYS + ("KS", "MMA_WHY") if kk in f},
+                       "us": round(us, 3),
                        "GBps": round(nbytes / us / 1e3, 1), "read_us": round(read_us, 3),
                        "read_GBps": round(read_gbs, 1), "frac_of_read": round(read_us / us, 4),
                        "frac_of_stream": round(nbytes / us / 1e3 / stream_gbs, 4), "rel_err": err,
                        "repeat_bit_equal": same, "copies": copies}
-                if a.sweep:
+                if a.sweep or a.compare_mma:
                     rec["candidate"] = c
                 results.append(rec)
+                if a.compare_mma and c is None:
+                    print(f"{sh['name'][:34]:34s} {n:6d}x{k:<5d} M={m} table {us:8.2f} us  read {read_us:7.2f} us  "
+                          f"{100 * read_us / us:5.1f} % of read  {json.dumps(rec['config'])}", flush=True)
+                    continue            # the best below is the best MMA config
                 if best is None or us < best["us"]:
                     best = rec
                 if err > 1e-2 or not same:
                     print(f"  WRONG {sh['name']} M={m} {c}: rel err {err:.2e}, repeat equal {same}", flush=True)
-            if best is not None:
+            if best is not None and a.compare_mma:
+                print(f"{'':34s} {'':12s} M={m} MMA   {best['us']:8.2f} us  {'':19s}  "
+                      f"{100 * best['frac_of_read']:5.1f} % of read  {json.dumps(best['config'])}", flush=True)
+            elif best is not None:
                 table[tf.gemv_key(n, k, m)] = {kk: best["config"][kk] for kk in tf.GEMV_KEYS if kk in best["config"]}
                 print(f"{sh['name'][:34]:34s} {n:6d}x{k:<5d} M={m} {best['us']:8.2f} us {best['GBps']:7.0f} GB/s "
                       f"read {read_us:7.2f} us ({read_gbs:5.0f} GB/s)  {100 * best['frac_of_read']:5.1f} % of read "
                       f"{100 * best['frac_of_stream']:5.1f} % of stream  {json.dumps(best['config'])}", flush=True)
+        if a.compare_mma:       # one MMA config for M = 1..4 (decode and verify bit-equal): best summed over M
+            tot: dict = {}
+            for r in results:
+                if r["n"] == n and r["k"] == k and r["candidate"] is not None:
+                    tot.setdefault(json.dumps(r["candidate"], sort_keys=True), []).append(r["us"])
+            full = {c: sum(v) for c, v in tot.items() if len(v) == len(ms)}
+            tab = sum(r["us"] for r in results if r["n"] == n and r["k"] == k and r["candidate"] is None)
+            if full:
+                c = min(full, key=full.get)
+                print(f"{'':34s} {n:6d}x{k:<5d} sum over M={a.m}: table {tab:8.2f} us, best single MMA "
+                      f"{full[c]:8.2f} us {c}", flush=True)
         del ws
         torch.cuda.empty_cache()
         meta = {"device": props.name, "arch": arch, "sm_count": props.multi_processor_count,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "commit": git_commit(), "weights": "synthetic", "torch": torch.__version__,
                 "triton": __import__("triton").__version__, "stream_read_GBps": round(stream_gbs, 1),
-                "command": " ".join(sys.argv), "sweep": a.sweep}
+                "command": " ".join(sys.argv), "sweep": a.sweep, "compare_mma": a.compare_mma}
         (out_dir / "bench_gemv.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-        (out_dir / "gemv_table.json").write_text(json.dumps({arch: table}, indent=1, sort_keys=True))
+        if not a.compare_mma:
+            (out_dir / "gemv_table.json").write_text(json.dumps({arch: table}, indent=1, sort_keys=True))
     print(f"done in {time.time() - t0:.0f} s", flush=True)
     return 0
 

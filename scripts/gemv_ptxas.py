@@ -1,8 +1,12 @@
-"""Compile the FP8 GEMV (``kernels.triton_fp8._fp8_gemv``) for a GPU target without a GPU and print ptxas' resource
-usage and the instruction mix of its SASS per config: a register and instruction-count check that runs on a CPU
-machine (Triton's bundled ptxas and nvdisasm).
+"""Compile the FP8 GEMV (``kernels.triton_fp8._fp8_gemv``, or with ``"MMA": true`` the Gluon tensor-core kernel
+``kernels.gluon_fp8_gemv._fp8_gemv_mma``) for a GPU target without a GPU and print ptxas' resource usage and the
+instruction mix of its SASS per config: a register, spill and instruction-count check that runs on a CPU machine
+(Triton's bundled ptxas and nvdisasm).
 
     python scripts/gemv_ptxas.py [--arch 90] [--n 2560 --k 4096] [--m 1,4] [--configs '[{"BN":16,...}]'] [--sass]
+    python scripts/gemv_ptxas.py --mma [--m 1,4]     # the MMA kernel at every decode shape (bench_gemv's list
+                                                     # and the MLA parts 576 x 2560, 32 x 2560) for
+                                                     # bench_gemv.MMA_CONFIGS (R 64/128 x NC 1/2/4, split auto)
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.pop("TRITON_INTERPRET", None)
 
 
@@ -28,17 +33,27 @@ def compile_one(n: int, k: int, m: int, cfg: dict, arch: int = 90):
     from triton.compiler import ASTSource
     from bytebound.kernels import triton_fp8 as tf
     c = tf.fit_gemv_config(cfg, n, k, m)
-    fn = tf._fp8_gemv
-    const = dict(K=k, SK=triton.cdiv(k, 128), M=m, BN=c["BN"], BK=c["BK"], KS=c["KS"], SPLIT=c["SPLIT"], SBN=128,
-                 SBK=128, EVEN_N=n % c["BN"] == 0, EVEN_K=k % c["KS"] == 0, DOT=c["DOT"], PRE=c["PRE"], PF=c["PF"], PDL=c["PDL"], HW=True,
-                 NT=32 * c["num_warps"])
     types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", o_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32")
+    if c.get("MMA"):
+        from triton.experimental.gluon._runtime import GluonASTSource
+        from bytebound.kernels import gluon_fp8_gemv as gk
+        from bytebound.kernels.triton_moe_split import fp8_word_layout
+        fn, source = gk._fp8_gemv_mma, GluonASTSource
+        const = dict(K=k, M=m, KS=c["KS"], SPLIT=c["SPLIT"], EVEN_N=n % c["BN"] == 0, PDL=c["PDL"],
+                     WD8=fp8_word_layout(c["BN"], c["NC"], c["num_warps"]),
+                     WD1=fp8_word_layout(c["BN"], 1, c["num_warps"]))
+        types["w_ptr"] = "*i32"             # the E4M3 bytes as int32 words
+    else:
+        fn, source = tf._fp8_gemv, ASTSource
+        const = dict(K=k, SK=triton.cdiv(k, 128), M=m, BN=c["BN"], BK=c["BK"], KS=c["KS"], SPLIT=c["SPLIT"],
+                     SBN=128, SBK=128, EVEN_N=n % c["BN"] == 0, EVEN_K=k % c["KS"] == 0, DOT=c["DOT"],
+                     PRE=c["PRE"], PF=c["PF"], PDL=c["PDL"], HW=True, NT=32 * c["num_warps"])
     sig, attrs = {}, {}
     for i, a in enumerate(fn.arg_names):
         sig[a] = "constexpr" if a in const else types.get(a, "i32")
         if sig[a].startswith("*"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    kern = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+    kern = triton.compile(source(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                           target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=c["num_warps"], num_stages=c["num_stages"]))
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -61,15 +76,26 @@ def main(argv=None) -> int:
     ap.add_argument("--m", default="1,4")
     ap.add_argument("--configs", default='[{"BN": 16, "BK": 256, "num_warps": 4}]')
     ap.add_argument("--sass", action="store_true", help="print the whole SASS")
+    ap.add_argument("--mma", action="store_true", help="the MMA kernel at every decode shape (--configs: MMA "
+                    "configs, default MMA_CONFIGS)")
     a = ap.parse_args(argv)
-    for m in (int(x) for x in a.m.split(",")):
-        for cfg in json.loads(a.configs):
-            c, line, ops, sass = compile_one(a.n, a.k, m, cfg, a.arch)
-            top = ", ".join(f"{k} {v}" for k, v in ops.most_common(14))
-            print(f"M={m} {json.dumps({k: c[k] for k in ('BN', 'BK', 'KS', 'SPLIT', 'num_warps', 'DOT', 'PRE', 'PF')})}: "
-                  f"{line}\n    {top}", flush=True)
-            if a.sass:
-                print(sass)
+    if a.mma:
+        from bench_gemv import MMA_CONFIGS, decode_shapes
+        shapes = [(e["n"], e["k"]) for e in decode_shapes()] + [(576, 2560), (32, 2560)]   # + the MLA parts
+        cfgs = json.loads(a.configs) if "--configs" in (argv or sys.argv) else MMA_CONFIGS
+        cfgs = [dict(c, MMA=True) for c in cfgs]
+    else:
+        shapes, cfgs = [(a.n, a.k)], json.loads(a.configs)
+    keys = ("BN", "BK", "NC", "KS", "SPLIT", "num_warps", "DOT", "PRE", "PF", "MMA", "MMA_WHY")
+    for n, k in shapes:
+        for m in (int(x) for x in a.m.split(",")):
+            for cfg in cfgs:
+                c, line, ops, sass = compile_one(n, k, m, cfg, a.arch)
+                top = ", ".join(f"{op} {v}" for op, v in ops.most_common(14))
+                print(f"{n}x{k} M={m} {json.dumps({kk: c[kk] for kk in keys if kk in c})}: {line}\n    {top}",
+                      flush=True)
+                if a.sass:
+                    print(sass)
     return 0
 
 

@@ -160,3 +160,81 @@ def test_decode_shapes_are_the_models():
     assert (576, 2560) not in shapes and (32, 2560) not in shapes
     assert shapes[(6144, 2560)]["name"] == "mlp.gate_proj / mlp.up_proj"        # the dense MLP's, not q_proj
     assert (2560, 5120) in shapes and (2560, 6144) in shapes
+
+
+# ---- the MMA path (kernels.gluon_fp8_gemv): host-side config fitting, no GPU or Triton needed -------------------
+MMA_SHAPES = [(20480, 2560), (2560, 4096), (6144, 2560), (768, 2560), (2560, 768), (8192, 512), (2560, 6144),
+              (2560, 5120), (576, 2560), (32, 2560), (6816, 2560)]
+
+
+@pytest.mark.parametrize("raw", [{}, {"BN": 128, "NC": 4, "num_warps": 8}, {"BN": 64, "NC": 1, "SPLIT": 3},
+                                 {"BN": 16, "NC": 8, "num_warps": 4}, {"BN": 200, "NC": 3, "SPLIT": 99},
+                                 {"BN": 32, "NC": 2, "num_warps": 2, "SPLIT": 1}])
+def test_fit_mma_tilings(monkeypatch, raw):
+    """Every fitted MMA config is a tiling the kernel can run: R (BN) a power of two in 16..128 holding one mma row
+    tile per warp, NC a power of two <= 4 dividing K/128, slices of whole chunks covering K exactly once with no
+    empty slice, and the same config at M = 1..4 (so verify rows equal decode results bit for bit)."""
+    from bytebound.kernels import gluon_fp8_gemv as gk
+    from bytebound.kernels.triton_fp8 import GEMV_KEYS, fit_gemv_config
+    monkeypatch.setattr(gk, "GLUON_ERR", None)
+    for n, k in MMA_SHAPES:
+        cfgs = [fit_gemv_config(dict(raw, MMA=True), n, k, m) for m in (1, 2, 3, 4)]
+        c = cfgs[0]
+        assert all(x == c for x in cfgs), (n, k, cfgs)
+        assert c["MMA"] is True and "MMA_WHY" not in c
+        r, nw, nc = c["BN"], c["num_warps"], c["NC"]
+        assert r in (16, 32, 64, 128) and nw in (1, 2, 4, 8) and r % (16 * nw) == 0
+        assert nc in (1, 2, 4) and (k // 128) % nc == 0 and c["BK"] == 128 * nc
+        assert c["KS"] % (128 * nc) == 0 and c["SPLIT"] >= 1
+        assert (c["SPLIT"] - 1) * c["KS"] < k <= c["SPLIT"] * c["KS"]          # no empty slice, K covered
+        assert not c["DOT"] and not c["PRE"] and c["PF"] == 0
+        assert set(c) <= set(GEMV_KEYS) | {"KS"}
+        # a fitted config written to a table (the sweep writes its GEMV_KEYS) fits to itself
+        assert fit_gemv_config({kk: c[kk] for kk in GEMV_KEYS if kk in c}, n, k, 4) == c
+    # what was asked for survives where it fits
+    c = fit_gemv_config({"MMA": True, "BN": 128, "NC": 4, "num_warps": 8, "SPLIT": 1}, 2560, 4096, 4)
+    assert (c["BN"], c["NC"], c["num_warps"], c["SPLIT"], c["KS"]) == (128, 4, 8, 1, 4096)
+    c = fit_gemv_config({"MMA": True, "BN": 64, "NC": 4, "num_warps": 4}, 2560, 768, 1)   # 6 blocks: NC 2
+    assert c["NC"] == 2 and c["BK"] == 256
+    c = fit_gemv_config({"MMA": True, "BN": 32, "num_warps": 8}, 20480, 2560, 1)          # one row tile per warp
+    assert c["BN"] == 32 and c["num_warps"] == 2
+
+
+def test_fit_mma_split_auto(monkeypatch):
+    """SPLIT 0 aims at GEMV_WAVES programs per SM like the FMA path, in whole chunks: 2560 rows / R 64 = 40 row tiles
+    x 6 slices of K = 4096 (32 blocks in 6 slices of 6 and one of 2: 6 slices, 240 programs for 132 SMs)."""
+    from bytebound.kernels import gluon_fp8_gemv as gk
+    from bytebound.kernels.triton_fp8 import fit_gemv_config
+    monkeypatch.setattr(gk, "GLUON_ERR", None)
+    c = fit_gemv_config({"MMA": True, "BN": 64, "NC": 1, "num_warps": 4}, 2560, 4096, 1, sm_count=132)
+    assert (c["SPLIT"], c["KS"]) == (6, 768)
+    c = fit_gemv_config({"MMA": True, "BN": 64, "NC": 2, "num_warps": 4}, 20480, 2560, 1, sm_count=132)
+    assert (c["SPLIT"], c["KS"]) == (1, 2560)            # 320 row tiles already fill the GPU
+    c = fit_gemv_config({"MMA": True, "BN": 32, "NC": 1, "num_warps": 2}, 32, 2560, 1, sm_count=132)
+    assert (c["SPLIT"], c["KS"]) == (20, 128)            # one row tile: a slice per scale block
+
+
+@pytest.mark.parametrize("n,k,block,gluon_err,why", [
+    (256, 320, (128, 128), None, "K a multiple of 128"),
+    (256, 512, (64, 128), None, "128x128 scale blocks"),
+    (256, 512, (128, 64), None, "128x128 scale blocks"),
+    (256, 512, (128, 128), "triton.experimental.gluon is not importable: x", "gluon is not importable"),
+])
+def test_fit_mma_refusals(monkeypatch, n, k, block, gluon_err, why):
+    """Where the MMA path cannot run, the fitted config is the FMA path's default (a valid FMA config) and says
+    why in ``MMA_WHY``."""
+    from bytebound.kernels import gluon_fp8_gemv as gk
+    from bytebound.kernels.triton_fp8 import fit_gemv_config, gemv_default
+    monkeypatch.setattr(gk, "GLUON_ERR", gluon_err)
+    for m in (1, 4):
+        c = fit_gemv_config({"MMA": True, "BN": 64, "NC": 2, "num_warps": 4}, n, k, m, block)
+        assert c["MMA"] is False and why in c["MMA_WHY"], c
+        assert c == dict(fit_gemv_config(gemv_default(n, k, m), n, k, m, block), MMA_WHY=c["MMA_WHY"])
+        assert block[0] % c["BN"] == 0 and c["KS"] % c["BK"] == 0
+
+
+def test_fit_fma_configs_are_not_mma():
+    """A config without ``MMA`` stays on the Triton kernels (``MMA`` False, no ``NC``), as the committed table's do."""
+    from bytebound.kernels.triton_fp8 import fit_gemv_config
+    c = fit_gemv_config({"BN": 16, "BK": 256, "NC": 4, "num_warps": 4}, 2560, 4096, 4)
+    assert c["MMA"] is False and "NC" not in c and "MMA_WHY" not in c

@@ -8,7 +8,10 @@
   in registers (``cvt.rn.f16x2.e4m3x2`` + widen) and multiplied into per-token float32 accumulators with the
   activation pre-multiplied by the chunk's block scale (``x * s`` costs BK multiplies per chunk, not one per
   weight). Accumulation is float32, the output BF16 (the activation dtype). The weight is read once for all M
-  tokens.
+  tokens. A config with ``MMA`` runs the Gluon kernel of ``kernels.gluon_fp8_gemv`` instead: E4M3 words decoded
+  straight into BF16 mma.m16n8k16 A fragments, tokens on the mma N axis, a fresh float32 accumulator per
+  128x128 scale block scaled in float32 (the ``DOT`` path's maths); one such config for M = 1..4 makes verify
+  rows bit-equal to decode results.
 * **M > 4** (prefill), ``TritonLinear(prefill=...)``:
 
   - ``"dequant"`` (default): dequantise the whole weight to BF16 with one Triton kernel into a temporary and call
@@ -346,7 +349,7 @@ if tl is not None:
 
 # ---- decode/verify GEMV (M <= 4): launch configs, scratch, launch ------------------------------------------
 GEMV_CONFIG_PATH = Path(__file__).resolve().parent / "configs" / "triton_fp8_gemv.json"
-GEMV_KEYS = ("BN", "BK", "SPLIT", "num_warps", "num_stages", "DOT", "PRE", "PF", "PDL")
+GEMV_KEYS = ("BN", "BK", "SPLIT", "num_warps", "num_stages", "DOT", "PRE", "PF", "PDL", "MMA", "NC")
 GEMV_WAVES = 2              # the default's split-K aims at this many programs per SM
 
 
@@ -395,7 +398,17 @@ def fit_gemv_config(cfg: dict, n: int, k: int, m: int, block=(128, 128), sm_coun
     ``DOT``: <= the scale block's columns, so each chunk has one scale; tensor cores need BN, BK >= 16, else the FMA
     path), ``SPLIT`` slices of K of ``KS`` columns (a multiple of BK; ``SPLIT`` 0 = as many as bring the grid to
     about :data:`GEMV_WAVES` programs per SM), ``PF`` (bytes per row prefetched into L2 before the PDL wait) 0
-    unless rows are 16-byte aligned. Raises BackendError for a scale block with no power-of-two row tiling."""
+    unless rows are 16-byte aligned. Raises BackendError for a scale block with no power-of-two row tiling.
+
+    ``MMA`` (the Gluon tensor-core path, ``kernels.gluon_fp8_gemv``): see :func:`_fit_mma`; where that path cannot
+    run (no Gluon, a scale block other than 128x128, K % 128) the result is the FMA path's default config
+    (:func:`gemv_default`) with the reason in ``"MMA_WHY"``, so reports can say why."""
+    if cfg.get("MMA"):
+        from bytebound.kernels.gluon_fp8_gemv import mma_refusal
+        why = mma_refusal(n, k, block)
+        if why is None:
+            return _fit_mma(cfg, n, k, sm_count)
+        return dict(fit_gemv_config(gemv_default(n, k, m, sm_count), n, k, m, block, sm_count), MMA_WHY=why)
     sbn, sbk = block
     out = {kk: cfg[kk] for kk in GEMV_KEYS if kk in cfg}
     out = {"SPLIT": 0, "num_stages": 1, "DOT": False, "PRE": False, "PF": 0, "PDL": True, **out}
@@ -417,7 +430,43 @@ def fit_gemv_config(cfg: dict, n: int, k: int, m: int, block=(128, 128), sm_coun
     ks = _cdiv(_cdiv(k, min(split, _cdiv(k, bk))), bk) * bk
     split = _cdiv(k, ks)
     pf = int(out["PF"]) if k % 16 == 0 else 0
-    out.update(BN=bn, BK=bk, DOT=dot, PRE=bool(out["PRE"]), SPLIT=split, KS=ks, PF=min(pf, ks) // 16 * 16)
+    out.update(BN=bn, BK=bk, DOT=dot, PRE=bool(out["PRE"]), SPLIT=split, KS=ks, PF=min(pf, ks) // 16 * 16,
+               MMA=False)
+    out.pop("NC", None)
+    return out
+
+
+def _pow2_floor(x: int) -> int:
+    """Largest power of two <= x (x >= 1)."""
+    return 1 << (max(1, int(x)).bit_length() - 1)
+
+
+def _fit_mma(cfg: dict, n: int, k: int, sm_count: int) -> dict:
+    """The MMA path's config for weight ``[n, k]`` (128x128 scale blocks, ``k % 128 == 0``; checked by the caller).
+
+    ``BN`` (R, rows per program): a power of two in 16..128 (so it divides the 128-row scale block) and a multiple
+    of ``16 * num_warps`` (one mma row tile per warp; ``num_warps`` a power of two <= 8, cut to ``R // 16`` where
+    R is smaller). ``NC`` (scale blocks per chunk): the largest power of two <= min(NC, 4) that divides K / 128.
+    ``SPLIT``: slices of ``KS`` columns, a whole number of chunks (0 = as many as bring the grid to about
+    :data:`GEMV_WAVES` programs per SM; the last slice may hold fewer chunks). ``BK`` is the chunk's width,
+    ``128 * NC``. Nothing depends on the token count M, so one config serves M = 1..4 and a verify row equals the
+    decode result bit for bit."""
+    out = {"num_warps": 4, "BN": 64, "NC": 2, "SPLIT": 0, "PDL": True,
+           **{kk: cfg[kk] for kk in GEMV_KEYS if kk in cfg}}
+    r = min(128, max(16, _pow2_floor(int(out["BN"]))))
+    nw = min(8, _pow2_floor(int(out["num_warps"])), r // 16)
+    nb = k // 128
+    nc = min(_pow2_floor(int(out["NC"])), 4)
+    while nb % nc:
+        nc //= 2
+    chunks = nb // nc
+    tiles = _cdiv(n, r)
+    split = int(out["SPLIT"])
+    if split <= 0:
+        split = max(1, (GEMV_WAVES * sm_count) // tiles)
+    per = _cdiv(chunks, min(split, chunks))
+    out.update(MMA=True, BN=r, num_warps=nw, NC=nc, BK=128 * nc, KS=per * nc * 128, SPLIT=_cdiv(chunks, per),
+               num_stages=1, DOT=False, PRE=False, PF=0, PDL=bool(out["PDL"]))
     return out
 
 
@@ -484,8 +533,9 @@ def fp8_block_gemv(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tens
         x2: ``[M, K]`` activations, M <= 4 (made contiguous). weight: E4M3 ``[N, K]``; scale_inv: float32
             ``[ceil(N/block[0]), ceil(K/block[1])]``, contiguous.
         cfg: a fitted config (:func:`gemv_config` / :func:`fit_gemv_config`); default the device's table entry.
+            ``MMA``: the Gluon tensor-core kernel (``kernels.gluon_fp8_gemv``, BF16 x only), same maths.
     Raises:
-        BackendError: M > 4, or mismatched shapes.
+        BackendError: M > 4, or mismatched shapes; MMA with non-BF16 x or an unaligned weight.
     """
     m, k = x2.shape
     n = weight.shape[0]
@@ -509,6 +559,10 @@ def fp8_block_gemv(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tens
     else:
         part = cnt = out                    # unused
     pdl = bool(cfg.get("PDL", True)) and pdl_enabled(dev)   # off under the interpreter, BYTEBOUND_PDL=0
+    if cfg.get("MMA"):
+        from bytebound.kernels.gluon_fp8_gemv import launch_mma
+        launch_mma(x2, weight, scale_inv, out, part, cnt, cfg, pdl)
+        return out
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     nw = cfg["num_warps"]
     extra = {"launch_pdl": True} if pdl else {}

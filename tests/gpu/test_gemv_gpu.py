@@ -1,7 +1,11 @@
 """The FP8 block GEMV (``linear[triton]``, M <= 4) at every Ling-3.0-flash decode shape on the GPU: against the
 float64 dequantised reference (elementwise bound: half a BF16 step plus a float32 summation allowance), CUDA-graph
 replay equal to eager bit for bit, two calls bit-equal, through ``TritonLinear`` with the table's configs
-(split-K, PDL on sm_90). The shapes come from the model (``scripts/bench_gemv.decode_shapes``)."""
+(split-K, PDL on sm_90). The shapes come from the model (``scripts/bench_gemv.decode_shapes``).
+
+The MMA path (``kernels.gluon_fp8_gemv``, ``"MMA": true`` configs) the same way at every decode shape (and the MLA
+parts 576 x 2560, 32 x 2560), under several configs, with power-of-two and arbitrary positive float32 block scales;
+plus: under one config the M = 4 result rows equal four M = 1 calls bit for bit (decode and verify agree)."""
 
 from __future__ import annotations
 
@@ -24,20 +28,31 @@ def _shapes():
 
 
 SHAPES = sorted(set(_shapes())) if torch.cuda.is_available() else [(20480, 2560), (2560, 4096)]
+MMA_SHAPES = sorted(set(SHAPES) | {(576, 2560)})
 
 
-@pytest.mark.parametrize("n,k", SHAPES)
-def test_gemv_decode_shape(n, k):
-    from bytebound.kernels.triton_fp8 import TritonLinear
+def _linear(n, k, g, scales="pow2"):
+    """An FP8 ``QLinear [n, k]`` with random E4M3 weights (subnormals included) and block scales: powers of two
+    2^-11..2^-6 (``"pow2"``), or arbitrary positive float32 values in [1e-4, 1e-2) (``"any"``)."""
     from bytebound.layers.linear import QLinear
-    from bytebound.quant import dequantize_fp8_block
-    g = torch.Generator(device=DEV).manual_seed(n + k)
     lin = QLinear(k, n, "fp8", (128, 128), torch.bfloat16, DEV)
     lin.weight.data = (torch.randn(n, k, device=DEV, generator=g) * 8).to(torch.float8_e4m3fn)
-    lin.weight_scale_inv.data = torch.exp2(-torch.randint(6, 12, (math.ceil(n / 128), math.ceil(k / 128)),
-                                                          device=DEV, generator=g).float())
-    fn = TritonLinear().bind(lin, torch.bfloat16)
+    shape = (math.ceil(n / 128), math.ceil(k / 128))
+    if scales == "pow2":
+        s = torch.exp2(-torch.randint(6, 12, shape, device=DEV, generator=g).float())
+    else:
+        s = 1e-4 + torch.rand(shape, device=DEV, generator=g) * (1e-2 - 1e-4)
+        assert (torch.frexp(s).mantissa != 0.5).any()           # not all powers of two
+    lin.weight_scale_inv.data = s
+    return lin
+
+
+def _check_calls(fn, lin, n, k, g):
+    """For M = 1..4: ``fn(x)`` within the float64 bound, two calls bit-equal, graph replay == eager. Returns the
+    inputs and outputs ``[(x, y)]``."""
+    from bytebound.quant import dequantize_fp8_block
     wd = dequantize_fp8_block(lin.weight, lin.weight_scale_inv, (128, 128), torch.float64)
+    seen = []
     for m in (1, 2, 3, 4):
         x = (torch.randn(m, k, device=DEV, generator=g) * 2).to(torch.bfloat16)
         ref = x.double() @ wd.t()
@@ -63,3 +78,81 @@ def test_gemv_decode_shape(n, k):
             graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(yg, y) and torch.equal(yg2, y), f"M={m}: graph replay differs from eager"
+        seen.append((x, y))
+    return seen
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_gemv_decode_shape(n, k):
+    from bytebound.kernels.triton_fp8 import TritonLinear
+    g = torch.Generator(device=DEV).manual_seed(n + k)
+    lin = _linear(n, k, g)
+    _check_calls(TritonLinear().bind(lin, torch.bfloat16), lin, n, k, g)
+
+
+@pytest.mark.parametrize("n,k", [(2560, 4096), (6816, 2560)])
+def test_gemv_table_any_scales(n, k):
+    """The table's kernels with arbitrary positive float32 block scales (not only powers of two)."""
+    from bytebound.kernels.triton_fp8 import TritonLinear
+    g = torch.Generator(device=DEV).manual_seed(3 * n + k)
+    lin = _linear(n, k, g, "any")
+    _check_calls(TritonLinear().bind(lin, torch.bfloat16), lin, n, k, g)
+
+
+MMA_CFGS = {
+    "r64-nc2": {"MMA": True, "BN": 64, "NC": 2, "num_warps": 4, "SPLIT": 0},
+    "r128-nc4-w8": {"MMA": True, "BN": 128, "NC": 4, "num_warps": 8, "SPLIT": 0},
+    "r32-nc1-w2-split1": {"MMA": True, "BN": 32, "NC": 1, "num_warps": 2, "SPLIT": 1},
+}
+
+
+# arbitrary scales change no compiled kernel: two of the configs take them
+MMA_CASES = [("r64-nc2", "pow2"), ("r64-nc2", "any"), ("r128-nc4-w8", "any"), ("r32-nc1-w2-split1", "pow2")]
+
+
+@pytest.mark.parametrize("name,scales", MMA_CASES)
+@pytest.mark.parametrize("n,k", MMA_SHAPES)
+def test_gemv_mma_decode_shape(n, k, name, scales):
+    """The MMA kernel at a decode shape: the float64 bound, repeat and graph bit-equality at M = 1..4 (split-K
+    tickets and PDL included), and each of the M = 4 result rows equal to an M = 1 call on that token, bit for
+    bit (each mma column is one token; one config for decode and verify)."""
+    from bytebound.kernels.triton_fp8 import fit_gemv_config, fp8_block_gemv, gemv_reserve
+    g = torch.Generator(device=DEV).manual_seed(n + 7 * k + len(name))
+    lin = _linear(n, k, g, scales)
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    cfg = fit_gemv_config(MMA_CFGS[name], n, k, 1, (128, 128), sms)
+    assert cfg["MMA"], cfg.get("MMA_WHY")
+    assert all(fit_gemv_config(MMA_CFGS[name], n, k, m, (128, 128), sms) == cfg for m in (2, 3, 4))
+    gemv_reserve(DEV, n, k, (128, 128), {m: cfg for m in (1, 2, 3, 4)})
+    w, s = lin.weight.data, lin.weight_scale_inv.data
+
+    def fn(x):
+        return fp8_block_gemv(x, w, s, (128, 128), cfg)
+    seen = _check_calls(fn, lin, n, k, g)
+    x4, y4 = seen[-1]
+    for i in range(4):
+        assert torch.equal(fn(x4[i:i + 1].clone())[0], y4[i]), f"token {i}: M=4 row differs from the M=1 call"
+    for (x, y) in seen[:-1]:                     # M = 2, 3 rows as well, against the M = 1 calls
+        for i in range(x.shape[0]):
+            assert torch.equal(fn(x[i:i + 1].clone())[0], y[i])
+
+
+def test_gemv_mma_through_linear(tmp_path, monkeypatch):
+    """``TritonLinear`` with a table whose entries for one shape are MMA (``BYTEBOUND_GEMV_CONFIG``): the binding
+    fits them, grows the scratch at bind and runs the MMA kernel; its result equals the direct call bit for bit."""
+    import json
+    from bytebound.kernels import triton_fp8 as tf
+    n, k = 2560, 4096
+    arch = "sm_%d%d" % torch.cuda.get_device_capability()
+    cfg = MMA_CFGS["r64-nc2"]
+    path = tmp_path / "gemv_table.json"
+    path.write_text(json.dumps({arch: {tf.gemv_key(n, k, m): cfg for m in (1, 2, 3, 4)}}))
+    monkeypatch.setenv("BYTEBOUND_GEMV_CONFIG", str(path))
+    g = torch.Generator(device=DEV).manual_seed(11)
+    lin = _linear(n, k, g, "any")
+    assert tf.gemv_config(n, k, 4, DEV)["MMA"]
+    fn = tf.TritonLinear().bind(lin, torch.bfloat16)
+    seen = _check_calls(fn, lin, n, k, g)
+    fitted = tf.gemv_config(n, k, 1, DEV)
+    for x, y in seen:
+        assert torch.equal(tf.fp8_block_gemv(x, lin.weight.data, lin.weight_scale_inv.data, (128, 128), fitted), y)
