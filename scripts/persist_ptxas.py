@@ -4,7 +4,7 @@ ptxas' resource usage (registers, spills, shared memory) and the programs per SM
 
 Pointers are declared 16-divisible, as Triton specialises them at a real launch on the engine's tensors.
 
-    python scripts/persist_ptxas.py [--m 1,4] [--warps 4] [--shared 1] [--hc 256] [--ic 256]
+    python scripts/persist_ptxas.py [--m 1,4] [--warps 4] [--shared 1] [--hc 512] [--ic 256]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 LING = dict(h=2560, i=768, k=8)
 
 
-def compile_persist(m: int, warps: int = 4, shared: bool = True, hc: int = 256, ic: int = 256, arch: int = 90,
+def compile_persist(m: int, warps: int = 4, shared: bool = True, hc: int = 512, ic: int = 256, arch: int = 90,
                     h: int = LING["h"], i: int = LING["i"], k: int = LING["k"], limit: bool = True):
     """The compiled kernel (``triton.compile`` of a ``GluonASTSource``) for one specialisation, as
     ``launch_persist`` would build it."""
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--m", default="1,4")
     ap.add_argument("--warps", default="4")
     ap.add_argument("--shared", type=int, default=1)
-    ap.add_argument("--hc", type=int, default=256)
+    ap.add_argument("--hc", type=int, default=512)
     ap.add_argument("--ic", type=int, default=256)
     a = ap.parse_args(argv)
     for m in (int(v) for v in a.m.split(",")):

@@ -21,7 +21,8 @@ with triton_kernels("bytebound.kernels.moe_host") as tm:
 def test_persist_fit_divides_the_shape(h, i, cfg):
     c = tm.fit_config(dict(cfg, variant="persist"), h, i)
     assert c["variant"] == "persist"
-    for n, ch, want in ((h, c["HC"], cfg.get("HC", 256)), (i, c["IC"], cfg.get("IC", 256))):
+    for n, ch, want in ((h, c["HC"], cfg.get("HC", tp.PERSIST_DEFAULT["HC"])),
+                        (i, c["IC"], cfg.get("IC", tp.PERSIST_DEFAULT["IC"]))):
         assert n % ch == 0 and ch % 128 == 0 and ch <= max(128, want)
         assert (ch // 128) & (ch // 128 - 1) == 0, f"{ch} columns is not 128 x a power of two"
     assert 2 * c["BI"] == 16 * c["num_warps"] and i % c["BI"] == 0 and 2 <= c["num_warps"] <= 8
@@ -70,8 +71,8 @@ def test_variant_override(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("m", [1, 4])
 def test_persist_compiles_for_sm90(m):
-    """The Gluon kernel compiles for sm_90 at Ling shapes with the shared expert and the clamp; it spills at most a
-    few words and at least 2 programs fit on an SM (registers, shared memory)."""
+    """The Gluon kernel compiles for sm_90 at Ling shapes with the shared expert and the clamp at the default tiling;
+    it spills at most a few words and at least 2 programs fit on an SM (registers, shared memory)."""
     pytest.importorskip("triton")
     if tp.gluon is None:
         pytest.skip(tp.GLUON_ERR)
@@ -80,7 +81,7 @@ def test_persist_compiles_for_sm90(m):
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from persist_ptxas import compile_persist, resource_usage
-    k, nw = compile_persist(m, 4, True)
+    k, nw = compile_persist(m, tp.PERSIST_DEFAULT["num_warps"], True, tp.PERSIST_DEFAULT["HC"], tp.PERSIST_DEFAULT["IC"])
     use = resource_usage(k)
     regs, stack = int(re.search(r"REG:(\d+)", use).group(1)), int(re.search(r"STACK:(\d+)", use).group(1))
     assert stack <= 64, f"M={m}: {use}"

@@ -47,14 +47,17 @@ spin on the generation they read before arriving. So every launch, and every CUD
 program waits (``griddepcontrol.wait``) before it touches ``ids``, x or the scratch.
 
 **Residency.** The barrier deadlocks unless all ``P`` programs are resident at once. :func:`launch_persist` launches
-with Triton's ``launch_cooperative_grid=True`` (``CU_LAUNCH_ATTRIBUTE_COOPERATIVE``: the driver refuses a grid that
-cannot be co-resident instead of hanging) and sizes ``P`` from the compiled kernel's registers and shared memory
-(:func:`programs_per_sm`).
+with Triton's ``launch_cooperative_grid=True`` (``CU_LAUNCH_ATTRIBUTE_COOPERATIVE``; Gluon kernels take the same
+launch option in Triton 3.6: the driver refuses a grid that cannot be co-resident instead of hanging) and sizes
+``P`` from the loaded binary's registers and shared memory (:func:`programs_per_sm`), at most ``per_sm`` per SM and
+no more than the larger phase's item count. Nothing else may occupy the SMs' registers for the barrier to be
+reached sooner than the other kernels end: at decode every kernel runs alone on the stream.
 
 Config keys (variant ``"persist"``): ``BI`` (phase A rows per item: ``2*BI`` = ``16 * num_warps``), ``HC`` (H columns
 per phase A chunk, 128 x 2^n dividing H), ``IC`` (I columns per phase B chunk, likewise), ``num_warps``,
 ``per_sm`` (upper bound on programs per SM; the occupancy bound applies too), ``prefetch`` (default true),
-``pdl_in`` (0 or 1). :func:`fit_persist_config` fits them or raises BackendError.
+``pdl_in`` (0 or 1), ``cooperative`` (default true; false launches without the cooperative attribute and relies on
+the occupancy arithmetic alone, for a driver or graph capture that refuses the attribute). :func:`fit_persist_config` fits them or raises BackendError.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ from bytebound.kernels.triton_moe_split import (GLUON_ERR, SharedFP8, _fp8_tile,
                                                 _slot_expert, _swiglu_store, fit_pow2, fp8_word_layout,
                                                 frag_dequant, gl, gluon, mma_v2, mxfp4_tile, word_layout)
 
-PERSIST_DEFAULT = {"variant": "persist", "BI": 32, "HC": 256, "IC": 256, "num_warps": 4, "per_sm": 4,
+PERSIST_DEFAULT = {"variant": "persist", "BI": 32, "HC": 512, "IC": 256, "num_warps": 4, "per_sm": 4,
                    "prefetch": True, "pdl_in": 0}
 
 if gluon is not None:
@@ -384,11 +387,12 @@ def fit_persist_config(cfg: dict, h: int, i: int) -> dict:
 
 def programs_per_sm(n_regs: int, shared_bytes: int, num_warps: int, sm_shared: int = 228 * 1024,
                     regs_per_sm: int = 65536, max_warps: int = 64, max_blocks: int = 32) -> int:
-    """How many programs of a compiled kernel fit on one SM (Hopper limits by default): registers are allocated
-    per warp in units of 256 (``n_regs`` rounded up to 8 per thread), shared memory per block plus 1 KB reserved,
-    at most ``max_warps`` warps and ``max_blocks`` blocks. Returns 0 when none fits."""
+    """How many programs of a compiled kernel fit on one SM (Hopper limits by default; CUDA occupancy rules):
+    registers are allocated per warp in units of 256 (``n_regs`` x 32 rounded up) from each of the 4 SM
+    sub-partitions' quarter of the register file, shared memory per block plus 1 KB reserved, at most
+    ``max_warps`` warps and ``max_blocks`` blocks. Returns 0 when none fits."""
     per_warp = ((max(n_regs, 1) * 32 + 255) // 256) * 256
-    by_regs = (regs_per_sm // per_warp) // num_warps
+    by_regs = (4 * ((regs_per_sm // 4) // per_warp)) // num_warps
     by_smem = sm_shared // (shared_bytes + 1024)
     return max(0, min(by_regs, by_smem, max_warps // num_warps, max_blocks))
 
@@ -446,27 +450,29 @@ def launch_persist(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ou
                   WB8=fp8_word_layout(16 * nw, max(1, ic // 256), nw) if sh is not None else None)
     args = (x, ids, w, kern.w13w, kern.s13, kern.w2w, kern.s2, act, out, bar, kern.lut, limit, sw13, ss13, sw2, ss2,
             slimit)
-    key = (dev.index, tuple(sorted((kk, repr(v)) for kk, v in consts.items())), nw, int(cfg["per_sm"]))
+    coop = bool(cfg.get("cooperative", True))
+    key = (dev.index, h, i, m, k, sh is not None, has_limit, prefetch, tuple(sorted(cfg.items())))
     n_prog = _GRID.get(key)
     if n_prog is None:
         n_prog = persist_grid(args, consts, nw, int(cfg["per_sm"]), _sm_count(dev.index or 0), st * (i // bi),
-                              h // bh)
+                              h // bh, coop)
         _GRID[key] = n_prog
-    _moe_persist[(n_prog,)](*args, n_prog, **consts, num_warps=nw, launch_cooperative_grid=True,
+    _moe_persist[(n_prog,)](*args, n_prog, **consts, num_warps=nw, launch_cooperative_grid=coop,
                             launch_pdl=consts["PDL_IN"] > 0)
 
 
 _GRID: dict = {}
 
 
-def persist_grid(args, consts: dict, nw: int, per_sm: int, sms: int, items_a: int, items_b: int) -> int:
+def persist_grid(args, consts: dict, nw: int, per_sm: int, sms: int, items_a: int, items_b: int,
+                 coop: bool = True) -> int:
     """``P`` for one specialisation: ``sms x min(per_sm, programs_per_sm(...))`` of the compiled kernel (its
     registers and shared memory do not depend on ``NP``, a run-time argument that is not specialised), and
     no more than the larger phase's item count.
 
     Raises:
         BackendError: not one program fits on an SM."""
-    k = _moe_persist.warmup(*args, 1, **consts, num_warps=nw, launch_cooperative_grid=True,
+    k = _moe_persist.warmup(*args, 1, **consts, num_warps=nw, launch_cooperative_grid=coop,
                             launch_pdl=consts["PDL_IN"] > 0, grid=(1,))
     k._init_handles()       # loads the binary: its register count
     fit = programs_per_sm(k.n_regs, k.metadata.shared, nw)

@@ -81,9 +81,9 @@ def test_persist_ling(ling_experts, m, dup, with_shared, limits):
         ex.limit = None
 
 
-@pytest.mark.parametrize("tiling", [None, {"num_warps": 2}, {"num_warps": 8}, {"HC": 512, "IC": 128},
+@pytest.mark.parametrize("tiling", [None, {"num_warps": 2}, {"num_warps": 8}, {"HC": 256, "IC": 128},
                                     {"per_sm": 1}, {"prefetch": False}],
-                         ids=["default", "warps2", "warps8", "hc512-ic128", "one-per-sm", "no-prefetch"])
+                         ids=["default", "warps2", "warps8", "hc256-ic128", "one-per-sm", "no-prefetch"])
 @pytest.mark.parametrize("m", [1, 3, 4])
 def test_persist_tilings(ling_experts, tiling, m):
     """Other tilings of the same maths: warp counts (phase B's slot group G = min(warps, 8 / MP): 8 warps at M = 1
