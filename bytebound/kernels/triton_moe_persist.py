@@ -287,26 +287,35 @@ if gluon is not None:
         c3 = gl.load(lut_ptr + 3)
         c4 = gl.load(lut_ptr + 4)
         acc = gl.zeros([R, 8], gl.float32, MMA)
-        for s0 in range(0, S, G):       # G slots per step, in the order s = 0..S-1
-            e = gl.load(ids_ptr + s0 + g)
-            row = e * H + hid
-            wv, sv = mxfp4_tile(w2_ptr, s2_ptr, row, 0, I, WB)
-            for c in gl.static_range(NCH):
-                if c + 1 < NCH:
-                    wn, sn = mxfp4_tile(w2_ptr, s2_ptr, row, (c + 1) * NS, I, WB)
-                # token column g*MP + m = act[s0 + g, m]
-                b = _load_b(act_ptr + s0 * (MP * I) + c * IC, I, G * MP, NS, NW, DB)
-                acc = mma_v2(frag_dequant(wv, sv, c0, c1, c2, c3, c4, DA), b, acc)
-                if c + 1 < NCH:
-                    wv = wn
-                    sv = sn
-        if SHARED:      # slot S, FP8: only the columns of g = 0 are non-zero (the others' diagonals add 0)
+        # one pipeline over the steps q = (slot group q // NCH, I chunk q % NCH), unrolled, so the next step's
+        # words (also across a slot-group boundary, and the shared expert's first chunk) are in flight while this
+        # step is decoded; groups in the order s = 0, G, 2G, ...
+        NQ: gl.constexpr = (S // G) * NCH
+        if SHARED:
             NC: gl.constexpr = WB8.shape[1]
             NCH8: gl.constexpr = I // (NC * 128)
-            h8 = hb * BH + (gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WB8))))
-                            // 16 // G) * 16 + gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(
-                                2, gl.SliceLayout(3, WB8)))) % 16
-            wv8, sv8 = _fp8_tile(sw2_ptr, ss2_ptr, h8, 0, I, WB8)
+            RS8: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WB8)))
+            r8 = gl.arange(0, R, layout=RS8)
+            h8 = hb * BH + (r8 // 16 // G) * 16 + r8 % 16
+        row = gl.load(ids_ptr + g) * H + hid
+        wv, sv = mxfp4_tile(w2_ptr, s2_ptr, row, 0, I, WB)
+        for q in gl.static_range(NQ):
+            if q + 1 < NQ:
+                if (q + 1) % NCH == 0:      # the next slot group's experts
+                    rown = gl.load(ids_ptr + ((q + 1) // NCH) * G + g) * H + hid
+                else:
+                    rown = row
+                wn, sn = mxfp4_tile(w2_ptr, s2_ptr, rown, ((q + 1) % NCH) * NS, I, WB)
+            elif SHARED:
+                wv8, sv8 = _fp8_tile(sw2_ptr, ss2_ptr, h8, 0, I, WB8)
+            # token column g*MP + m = act[s0 + g, m]
+            b = _load_b(act_ptr + (q // NCH) * G * (MP * I) + (q % NCH) * IC, I, G * MP, NS, NW, DB)
+            acc = mma_v2(frag_dequant(wv, sv, c0, c1, c2, c3, c4, DA), b, acc)
+            if q + 1 < NQ:
+                wv = wn
+                sv = sn
+                row = rown
+        if SHARED:      # slot S, FP8: only the columns of g = 0 are non-zero (the others' diagonals add 0)
             for c in gl.static_range(NCH8):
                 if c + 1 < NCH8:
                     wn8, sn8 = _fp8_tile(sw2_ptr, ss2_ptr, h8, (c + 1) * NC, I, WB8)

@@ -49,7 +49,7 @@ def _poisoned(fn, x, ids, w):
 @pytest.mark.parametrize("with_shared", [False, True], ids=["routed", "routed+shared"])
 @pytest.mark.parametrize("limits", [(None, None), (1.0, None), (None, 0.75)], ids=["noclamp", "routed", "shared"])
 def test_persist_ling(ling_experts, m, dup, with_shared, limits):
-    """persist vs float64 (rel <= 1e-2) and vs split (the same maths; rel <= 5e-3: BF16 activations whose float32
+    """persist vs float64 (rel <= 1e-2) and vs split (the same maths; rel <= 2e-3: BF16 activations whose float32
     H sums ran in another order), two calls bit-equal. ``dup`` experts of token 0 are shared by every token
     (``dup = 8``: every token picks the same 8 experts, the dedup's extreme)."""
     from bytebound.kernels.torch_ref import shared_expert_reference
@@ -74,7 +74,7 @@ def test_persist_ling(ling_experts, m, dup, with_shared, limits):
         assert torch.isfinite(out.float()).all(), "unwritten or non-finite output"
         assert rel(out, ref) <= 1e-2, f"persist M={m} dup={dup} limits={limits}: rel {rel(out, ref):.3e}"
         sp = ref_fn(x, ids, w)
-        assert rel(out, sp) <= 5e-3, f"persist vs split M={m} dup={dup}: rel {rel(out, sp):.3e}"
+        assert rel(out, sp) <= 2e-3, f"persist vs split M={m} dup={dup}: rel {rel(out, sp):.3e}"
         for _ in range(3):
             assert torch.equal(_poisoned(fn, x, ids, w), out), "repeated call differs"
     finally:
