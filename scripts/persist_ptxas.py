@@ -71,11 +71,20 @@ def main(argv=None) -> int:
     ap.add_argument("--shared", type=int, default=1)
     ap.add_argument("--hc", type=int, default=512)
     ap.add_argument("--ic", type=int, default=256)
+    ap.add_argument("--check-ptx", action="store_true",
+                    help="fail unless the PTX has the L2 prefetch, the barrier's fence and its volatile spin load")
     a = ap.parse_args(argv)
     for m in (int(v) for v in a.m.split(",")):
         for w in (int(v) for v in a.warps.split(",")):
             k, nw = compile_persist(m, w, bool(a.shared), a.hc, a.ic, a.arch)
             use = resource_usage(k)
+            if a.check_ptx:
+                ptx = k.asm["ptx"]
+                for need in ("cp.async.bulk.prefetch.L2", "fence.acq_rel.gpu", "ld.volatile",
+                             "atom.global.gpu.acq_rel.add", "atom.global.gpu.release.add"):
+                    if need not in ptx:
+                        print(f"M={m}: {need!r} missing from the PTX", flush=True)
+                        return 1
             regs = int(re.search(r"REG:(\d+)", use).group(1))
             per_sm = programs_per_sm(regs, k.metadata.shared, nw)
             print(f"M={m} num_warps={nw} HC={a.hc} IC={a.ic} shared={a.shared}: {use}; Triton shared "
