@@ -619,7 +619,8 @@ def main() -> int:
                     help="also time these triton variants side by side per layer, routed and routed + shared "
                          "(e.g. split,persist; with --backends '' nothing else runs)")
     ap.add_argument("--persist-config", default="{}",
-                    help="JSON overrides of the 'persist' variant's defaults for --variants (e.g. '{\"num_warps\": 8}')")
+                    help="JSON overrides of the 'persist' variant's defaults for --variants "
+                         "(e.g. '{\"num_warps\": 8}')")
     ap.add_argument("--probe", action="store_true",
                     help="attribute the split variant's time (each kernel alone, load-only, compute-only, profiler)")
     args = ap.parse_args()

@@ -26,7 +26,8 @@ activations of those ``G`` slots side by side in its 8 token columns: column ``g
 (``act`` is laid out ``[slot, MP, I]`` with ``MP`` = M rounded up to a power of two, so one row stride reaches every
 column; :func:`~bytebound.kernels.triton_moe_split._load_b` does the load). Warp ``g``'s product is wanted only in
 its own column block ``g*MP .. g*MP + MP - 1`` (the "diagonal"); the other columns are discarded. The
-accumulator runs over the I chunks and slot groups ``s0 = 0, G, 2G, ...`` in a fixed order; at the end the ``G``
+accumulator runs over one unrolled pipeline of steps (slot group ``s0 = 0, G, 2G, ...``, I chunk of ``IC``
+columns), the next step's words loaded before the current one is decoded; at the end the ``G``
 warps' diagonals are combined through shared memory in the order ``g = 0..G-1``. So ``BH = 16 * NW / G`` rows per
 item with ``G = min(NW, 8 / MP)`` (reduced until it divides ``S``). The shared expert (FP8) is one more step in
 which only warp ``g = 0`` of each row group has a non-zero diagonal (its B columns are ``act[S, m]`` alone).
@@ -50,14 +51,17 @@ program waits (``griddepcontrol.wait``) before it touches ``ids``, x or the scra
 with Triton's ``launch_cooperative_grid=True`` (``CU_LAUNCH_ATTRIBUTE_COOPERATIVE``; Gluon kernels take the same
 launch option in Triton 3.6: the driver refuses a grid that cannot be co-resident instead of hanging) and sizes
 ``P`` from the loaded binary's registers and shared memory (:func:`programs_per_sm`), at most ``per_sm`` per SM and
-no more than the larger phase's item count. Nothing else may occupy the SMs' registers for the barrier to be
-reached sooner than the other kernels end: at decode every kernel runs alone on the stream.
+no more than the larger phase's item count. A kernel still running beside it (the router, under PDL) only delays
+some programs' start: it finishes on its own, so the barrier cannot deadlock on it. The first call of each shape
+compiles the kernel, loads it to read its registers and allocates the scratch, so it must come before CUDA-graph
+capture (as for ``split``).
 
 Config keys (variant ``"persist"``): ``BI`` (phase A rows per item: ``2*BI`` = ``16 * num_warps``), ``HC`` (H columns
 per phase A chunk, 128 x 2^n dividing H), ``IC`` (I columns per phase B chunk, likewise), ``num_warps``,
 ``per_sm`` (upper bound on programs per SM; the occupancy bound applies too), ``prefetch`` (default true),
 ``pdl_in`` (0 or 1), ``cooperative`` (default true; false launches without the cooperative attribute and relies on
-the occupancy arithmetic alone, for a driver or graph capture that refuses the attribute). :func:`fit_persist_config` fits them or raises BackendError.
+the occupancy arithmetic alone, for a driver or graph capture that refuses the attribute).
+:func:`fit_persist_config` fits them or raises BackendError.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ import torch
 from bytebound.errors import BackendError
 from bytebound.kernels.scratch import scratch
 from bytebound.kernels.triton_moe_split import (GLUON_ERR, SharedFP8, _fp8_tile, _frag_fp8, _gdc, _load_b,
-                                                _slot_expert, _swiglu_store, fit_pow2, fp8_word_layout,
+                                                _slot_expert, _swiglu_store, fp8_word_layout,
                                                 frag_dequant, gl, gluon, mma_v2, mxfp4_tile, word_layout)
 
 PERSIST_DEFAULT = {"variant": "persist", "BI": 32, "HC": 512, "IC": 256, "num_warps": 4, "per_sm": 4,
