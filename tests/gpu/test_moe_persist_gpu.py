@@ -194,4 +194,5 @@ def test_persist_grid_is_co_resident(ling_experts):
     assert tp._GRID, "no grid was computed"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for key, p in tp._GRID.items():
-        assert 1 <= p <= sms * key[-1], f"{key}: P={p}"
+        per_sm = dict(key[-1])["per_sm"]           # the key ends with the fitted config's items
+        assert 1 <= p <= sms * per_sm, f"{key}: P={p}"
