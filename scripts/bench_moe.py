@@ -379,6 +379,62 @@ def shared_section(layers, ms, cfgs: dict, reps: int, read_gbps: float, log) -> 
     return rows
 
 
+def variants_section(layers, ms, cfgs: dict, variants: list[str], persist_cfg: dict, reps: int, read_gbps: float,
+                     log) -> list[dict]:
+    """The triton variants side by side per layer (``--variants``, e.g. ``split,persist``), same routing, same run:
+    routed only, and routed + shared expert (bound into the kernels, as the engine runs it). ``split`` uses the
+    table's config for M (SPLIT_DEFAULT when the table's is not 'split'); ``persist`` its
+    defaults updated by ``--persist-config``. Each row: median per layer over a CUDA graph of all layers, rel vs the
+    float32 reference, and whether 5 repeated eager calls were bit-identical."""
+    from bytebound.kernels.torch_ref import shared_expert_reference
+    from bytebound.kernels.triton_moe_persist import PERSIST_DEFAULT
+    from bytebound.kernels.triton_moe_split import SPLIT_DEFAULT
+    nl = len(layers)
+    mlps = [make_shared(700 + li) for li in range(nl)]
+    rows = []
+    for m in ms:
+        xs = [torch.randn(m, H, device="cuda").to(torch.bfloat16) for _ in range(nl)]
+        routes = [make_routing(m, "random", 5000 + 17 * li) for li in range(nl)]
+        uniq = statistics.mean(int(r[0].unique().numel()) for r in routes)
+        ref0 = reference(layers[0], xs[0], *routes[0])
+        ref0s = ref0 + shared_expert_reference(mlps[0], xs[0])
+        for variant in variants:
+            if variant == "split":
+                cfg = cfgs.get(m) if (cfgs.get(m) or {}).get("variant") == "split" else dict(SPLIT_DEFAULT)
+            elif variant == "persist":
+                cfg = dict(PERSIST_DEFAULT, **persist_cfg)
+            else:
+                cfg = dict(cfgs.get(m) or {}, variant=variant)
+            for with_shared in (False, True):
+                fns = [bind("triton", ex, {m: cfg}) for ex in layers]
+                if with_shared:
+                    for f, mlp in zip(fns, mlps):
+                        f.bind_shared(mlp)
+                out0 = fns[0](xs[0], *routes[0])
+                torch.cuda.synchronize()
+                same = all(torch.equal(fns[0](xs[0], *routes[0]), out0) for _ in range(5))
+
+                def all_layers(fns=fns):
+                    for li in range(nl):
+                        fns[li](xs[li], *routes[li])
+                g, _ = capture_graph(all_layers, warmup=1)
+                per = [t / nl for t in cuda_time(g.replay, reps)]
+                t = statistics.median(per) * 1e6
+                nbytes = uniq * EXPERT_BYTES + (SHARED_BYTES if with_shared else 0)
+                mode = "routed+shared" if with_shared else "routed"
+                r = {"section": "variants", "M": m, "variant": variant, "mode": mode, "config": fns[0].config(m, K),
+                     "time_us_median": t, "time_us_min": min(per) * 1e6, "bytes_per_layer": nbytes,
+                     "GBps": nbytes / (t * 1e-6) / 1e9, "repeat_bit_equal": same,
+                     "rel_err_vs_ref": rel(out0, ref0s if with_shared else ref0)}
+                r["ratio_to_read_bw"] = r["GBps"] / read_gbps
+                rows.append(r)
+                log(f"variants M={m} {variant:8s} {mode:13s} {t:7.1f} us  {nbytes / 1e6:6.1f} MB  "
+                    f"{r['GBps']:6.0f} GB/s  {100 * r['ratio_to_read_bw']:5.1f}% of read  "
+                    f"rel {r['rel_err_vs_ref']:.1e}  repeat-equal {same}")
+                del fns, g
+    return rows
+
+
 ROUTER_BYTES = E * H * 4 + E * 4          # float32 router weight (router_dtype fp32) + expert bias
 
 
@@ -559,6 +615,12 @@ def main() -> int:
     ap.add_argument("--floor", action="store_true",
                     help="also time pure streaming reads of the layer's byte counts (one kernel, and the three phases "
                          "as three launches): what reads alone reach at these sizes")
+    ap.add_argument("--variants", default="",
+                    help="also time these triton variants side by side per layer, routed and routed + shared "
+                         "(e.g. split,persist; with --backends '' nothing else runs)")
+    ap.add_argument("--persist-config", default="{}",
+                    help="JSON overrides of the 'persist' variant's defaults for --variants "
+                         "(e.g. '{\"num_warps\": 8}')")
     ap.add_argument("--probe", action="store_true",
                     help="attribute the split variant's time (each kernel alone, load-only, compute-only, profiler)")
     args = ap.parse_args()
@@ -566,7 +628,7 @@ def main() -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     ms = [int(v) for v in args.m.split(",")]
-    backends = args.backends.split(",")
+    backends = [b for b in args.backends.split(",") if b]
     def log(s: str) -> None:
         print(s, flush=True)
 
@@ -614,6 +676,10 @@ def main() -> int:
     cfgs = {m: best.get(m) or lookup_config(E, H, I, K, m) for m in ms}    # the sections' config per M
     if args.probe:
         result["probe"] = probe(layers, ms, cfgs, args.reps, log)
+        save()
+    if args.variants:
+        result["variants"] = variants_section(layers, ms, cfgs, args.variants.split(","),
+                                              json.loads(args.persist_config), args.reps, bw["read_GBps"], log)
         save()
     if args.shared:
         result["shared"] = shared_section(layers, ms, cfgs, args.reps, bw["read_GBps"], log)

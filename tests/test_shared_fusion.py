@@ -242,7 +242,7 @@ def test_shared_fusion_needs_a_split_config(tmp_path):
     model = dummy_model(LingConfig.from_file("models/ling-nano/config.json"), torch.device("cpu"), torch.float32)
     plan = bind_model(model, BackendPlan.default("cpu"), "cpu")
     moes = [m for m in model.modules() if isinstance(m, MoE) and m.shared_experts is not None]
-    for variant, want in (("gluon", 0), ("split", 1)):
+    for variant, want in (("gluon", 0), ("split", 1), ("persist", 1)):
         stubs = [Stub(variant) for _ in moes]
         for m, st in zip(moes, stubs):
             m.experts.fn = st
@@ -252,7 +252,7 @@ def test_shared_fusion_needs_a_split_config(tmp_path):
             assert plan.resolutions["moe"].shared == f"fused into the routed kernels ({len(moes)} layers)"
         else:
             assert plan.resolutions["moe"].shared.startswith("dense; not fused: the triton MoE configs")
-            with pytest.raises(BackendError, match="no 'split' variant"):
+            with pytest.raises(BackendError, match="no 'split' or 'persist' variant"):
                 _bind_shared(model, plan, strict=True)
 
 

@@ -9,6 +9,9 @@ launches the configured variant:
 * ``split`` (``kernels.triton_moe_split``, the sm_90 default): two kernels (gate/up, then down) whose hundreds of
   small programs issue all their weight bytes up front; it can run the layer's shared expert as one more slot
   (:meth:`MoEKernel.bind_shared`);
+* ``persist`` (``kernels.triton_moe_persist``, sm_90, not a table default): the same maths (routed + shared
+  slot, SwiGLU, down, dedup) in ONE cooperative launch of co-resident programs with a grid barrier between gate/up
+  and down, and the down weights L2-prefetched during gate/up;
 * ``gluon`` and ``tl`` (``kernels.triton_moe_variants``): one fused kernel per call, in Triton's explicit-layout
   dialect and in plain Triton; ``gluon`` is the class default for a GPU with no tuned entry.
 
@@ -35,7 +38,7 @@ from pathlib import Path
 import torch
 
 from bytebound.errors import BackendError
-from bytebound.kernels import triton_moe_split, triton_moe_variants
+from bytebound.kernels import triton_moe_persist, triton_moe_split, triton_moe_variants
 from bytebound.kernels.limits import MAX_VERIFY_M as MAX_M     # the one verify-width limit (kernels/limits.py)
 from bytebound.kernels.registry import cuda_only, needs_capability, optional_triton, register
 from bytebound.kernels.triton_moe_split import lut_tensor
@@ -45,6 +48,7 @@ CONFIG_PATH = Path(__file__).resolve().parent / "configs" / "triton_moe.json"
 DEFAULT_CONFIG = {"variant": "gluon", "BI": 64, "BK": 128, "BH": 256, "num_warps": 4}   # H200 sweep: best at M=1, 4
 TL_DEFAULT_CONFIG = {"variant": "tl", "BI": 32, "BK": 256, "BH": 128, "num_warps": 4, "num_stages": 3}
 
+SHARED_VARIANTS = ("split", "persist")     # the variants that can run the bound shared expert as one more slot
 _, _, _TRITON_ERR = optional_triton()      # the reason on machines without Triton, else None
 
 
@@ -97,9 +101,9 @@ def resolve_config(e, h, i, k, m, device=None, path: Path | None = None) -> tupl
 
     The table is ``configs/triton_moe.json``, or the file named by the environment variable
     ``BYTEBOUND_MOE_CONFIG`` (e.g. a fresh ``bench_moe.py --tune`` table; the source then names the file). The
-    environment variable ``BYTEBOUND_MOE_VARIANT`` (gluon | tl | split) forces the implementation after the lookup:
-    the entry's tiling carries over between the two implementations of the fused algorithm, a ``split`` entry to
-    ``split``; otherwise the forced variant's defaults.
+    environment variable ``BYTEBOUND_MOE_VARIANT`` (gluon | tl | split | persist) forces the implementation after
+    the lookup: the entry's tiling carries over between the two implementations of the fused algorithm, a ``split``
+    entry to ``split``, a ``persist`` entry to ``persist``; otherwise the forced variant's defaults.
 
     Returns:
         ``(config dict, source str)``; the config is not yet fitted to the shape (:func:`fit_config`).
@@ -125,6 +129,8 @@ def resolve_config(e, h, i, k, m, device=None, path: Path | None = None) -> tupl
     forced = os.environ.get("BYTEBOUND_MOE_VARIANT")
     if forced == "split":
         cfg = dict(triton_moe_split.SPLIT_DEFAULT, **(cfg if cfg.get("variant") == "split" else {}))
+    elif forced == "persist":
+        cfg = dict(triton_moe_persist.PERSIST_DEFAULT, **(cfg if cfg.get("variant") == "persist" else {}))
     elif forced:
         # the table entry's tiling carries over only between the two implementations of the fused algorithm
         keep = cfg if cfg.get("variant") in ("gluon", "tl") else {}
@@ -142,12 +148,15 @@ def lookup_config(e, h, i, k, m, device=None, path: Path | None = None) -> dict:
 
 def fit_config(cfg: dict, h: int, i: int) -> dict:
     """Fit a config to this model's H and I (tiny test models): ``triton_moe_split.fit_split_config`` for a
-    ``split`` config, else ``triton_moe_variants.fit_fused_config``.
+    ``split`` config, ``triton_moe_persist.fit_persist_config`` for ``persist``, else
+    ``triton_moe_variants.fit_fused_config``.
 
     Raises:
         BackendError: no tiling of the variant fits the shape."""
     if cfg.get("variant") == "split":
         return triton_moe_split.fit_split_config(cfg, h, i)
+    if cfg.get("variant") == "persist":
+        return triton_moe_persist.fit_persist_config(cfg, h, i)
     return triton_moe_variants.fit_fused_config(cfg, h, i)
 
 
@@ -208,8 +217,8 @@ class MoEKernel:
 
     def shared_for(self, m: int, k: int) -> bool:
         """Whether ``__call__`` with ``m`` tokens of top-``k`` routing includes the shared expert (bound, and a
-        ``split`` config for ``m``)."""
-        return self.shared is not None and m <= MAX_M and self.config(m, k)["variant"] == "split"
+        ``split`` or ``persist`` config for ``m``)."""
+        return self.shared is not None and m <= MAX_M and self.config(m, k)["variant"] in SHARED_VARIANTS
 
     def config(self, m: int, k: int) -> dict:
         """The launch config for ``m`` tokens: a caller-given one (``configs``) or the table's, fitted to this
@@ -253,6 +262,8 @@ class MoEKernel:
         out = torch.empty(m, self.h, dtype=torch.bfloat16, device=x.device)
         if cfg["variant"] == "split":
             triton_moe_split.launch_split(self, x, ids, w, out, cfg, self.shared if shared else None)
+        elif cfg["variant"] == "persist":
+            triton_moe_persist.launch_persist(self, x, ids, w, out, cfg, self.shared if shared else None)
         else:
             triton_moe_variants.launch_fused(self, x, ids, w, out, cfg)
         return out

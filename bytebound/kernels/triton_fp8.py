@@ -73,13 +73,17 @@ def available(dev) -> str | None:
 if tl is not None:
     from bytebound.kernels.pdl import gdc as _gdc     # griddepcontrol / fence, every thread
 
+    # $1 a 16-byte aligned global address, $2 a byte count (a multiple of 16; 0: nothing); also used by the Gluon
+    # kernels of kernels.triton_moe_persist
+    ASM_L2_PREFETCH = tl.constexpr(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }")
+
     @triton.jit
     def _l2_prefetch(row_ptr, nbytes):
         """``cp.async.bulk.prefetch.L2`` (sm_90): the copy engine brings ``nbytes`` (a multiple of 16, may be 0)
         from each row pointer (16-byte aligned) into L2. A hint: nothing is written or waited for."""
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [row_ptr, nbytes + tl.zeros(row_ptr.shape, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(ASM_L2_PREFETCH, "=r,l,r", [row_ptr, nbytes + tl.zeros(row_ptr.shape, tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def _gemv_loads(wp, x_ptr, srow, k0, kend, kk, rmask, K: tl.constexpr, M: tl.constexpr, SBK: tl.constexpr,

@@ -377,12 +377,15 @@ def _bind_shared(model, plan: BackendPlan, strict: bool) -> None:
                 if bind is None:
                     raise BackendError(f"moe backend {plan.resolutions['moe'].resolved!r} cannot run the shared "
                                        "expert (the triton backend can)")
-                # only the 'split' variant runs it: without a 'split' config for some M <= MAX_VERIFY_M (the
-                # table has them for the GPUs it was tuned on and their architecture) a bound shared expert would
-                # never run, and cost a weight copy
-                if not any(fn.config(mm, m.top_k).get("variant") == "split" for mm in range(1, MAX_VERIFY_M + 1)):
-                    raise BackendError("the triton MoE configs for this GPU and shape have no 'split' variant at "
-                                       "M <= 4 (configs/triton_moe.json), and only 'split' runs the shared expert")
+                # only the 'split' and 'persist' variants run it: without such a config for some M <=
+                # MAX_VERIFY_M (the table has 'split' for the GPUs it was tuned on and their architecture) a bound
+                # shared expert would never run, and cost a weight copy
+                from bytebound.kernels.moe_host import SHARED_VARIANTS
+                if not any(fn.config(mm, m.top_k).get("variant") in SHARED_VARIANTS
+                           for mm in range(1, MAX_VERIFY_M + 1)):
+                    raise BackendError("the triton MoE configs for this GPU and shape have no 'split' or 'persist' "
+                                       "variant at M <= 4 (configs/triton_moe.json), and only those run the shared "
+                                       "expert")
                 bind(m.shared_experts)
                 n += 1
             except BackendError as e:
