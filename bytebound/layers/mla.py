@@ -24,12 +24,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bytebound.layers.linear import QLinear
 from bytebound.layers.norm import RMSNorm
 from bytebound.layers.rope import Rope, mla_softmax_scale
 
 ABSORB_MAX_T = 8
+
+# The prefill's SDPA backends on CUDA. cuDNN attention, which torch prefers on Hopper for a masked call, builds
+# an execution plan for every new (query, key) length, tens of milliseconds each: every prompt of a new length
+# paid it in TTFT, and with MTP again in the NEXTN's pass over the prompt. The memory-efficient kernel takes the
+# mask and the 192 / 128 key / value widths with no per-shape plan (flash takes neither, math is the last resort).
+PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -144,7 +151,12 @@ class GatedMLA(nn.Module):
         k_nope, v = kv.split([self.nope, self.vdim], -1)
         k = torch.cat([k_nope, k_pe.to(k_nope.dtype)[:, None].expand(-1, self.heads, -1, -1)], -1)
         q = torch.cat([q_nope, q_pe], -1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(qpos, kpos), scale=self.scale)
+        mask = self._mask(qpos, kpos)
+        if q.is_cuda:
+            with sdpa_kernel(PREFILL_SDPA):
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return o.transpose(1, 2)
 
     def _absorbed_attn(self, q_nope, q_pe, latent, k_pe, qpos, kpos):
