@@ -465,12 +465,13 @@ class Engine:
             yield from watch_rounds(src, stats, self.watchdog)
             return
         r = self.runner
-        logits = r.logits(r.prefill(ids.to(self.device))[-1:])
+        nxt = sample(r.logits(r.prefill(ids.to(self.device))[-1:]), p, gen)[:1]
         while True:
-            tok = sample(logits, p, gen)[:1]
-            tok = int(tok[0] if self.tp is None else self.tp.from_rank0(tok)[0])   # every rank runs rank 0's token
-            yield tok, 0
-            logits = r.logits(r.forward(torch.tensor([tok], device=self.device)))
+            if self.tp is not None:
+                nxt = self.tp.from_rank0(nxt)           # every rank runs rank 0's token
+            yield int(nxt[0]), 0
+            # the step and its token: on CUDA one decode graph and one head/sampling graph, one host read (above)
+            nxt, _ = r.decode_token(nxt, p, gen)
 
     def max_new_tokens(self, prompt_len: int) -> int:
         """The most tokens a request with a ``prompt_len``-token prompt may generate within ``max_model_len``

@@ -1,15 +1,26 @@
-"""CUDA-graph capture of the whole batch-1 decode step (embedding -> 42 layers -> final norm).
+"""CUDA-graph capture of the whole batch-1 decode step (embedding -> 42 layers -> final norm), and of the token
+that follows it (LM head -> argmax, or the request's sampling).
 
 Static buffers: the input token and the position live in device tensors the graph reads; the runner writes
 them before each replay (``copy_``), so no host-computed position is baked into the graph. KDA states and MLA
 caches are updated in place by the captured kernels. Attention spans a static number of slots (one graph per
 span in ``runner.kv_buckets``; by default one span, ``max_len``) masked by
 position, exactly as the eager CUDA path does, so replay equals eager bit for bit.
+
+**The next token, captured too** (:meth:`DecodeGraph.replay_token`). A plain decode step used to leave the LM head
+and the sampling to eager torch: at batch 1 that is two dozen small launches per token (softmax, sorts, cumsums,
+the inverse-CDF draw), host time the GPU waits for. Per span two more graphs read the step's hidden buffer: the
+head and ``argmax`` (greedy), and the head, ``sampling.probs_device`` (the settings in ``SamplingBuffers``) and
+``sampling.inverse_cdf`` with its uniform in a buffer (sampling). The uniform is drawn from the request's
+generator by the same call ``sampling.draw`` makes, just before the replay, so a token equals the eager
+``sample(logits(h), p, gen)`` bit for bit (``probs_device`` equals ``probs``: tests/gpu/test_engine_gpu.py).
 """
 
 from __future__ import annotations
 
 import torch
+
+from bytebound.sampling import SamplingBuffers, SamplingParams, inverse_cdf, probs_device
 
 
 def capture_graph(fn, warmup: int = 2, between=None):
@@ -33,12 +44,17 @@ def capture_graph(fn, warmup: int = 2, between=None):
 
 class DecodeGraph:
     """The captured decode step, one graph per attention span in ``runner.kv_buckets``. ``replay(token [1], pos)``
-    -> final-normed hidden ``[1, H]`` (a static buffer of the bucket's graph).
+    -> final-normed hidden ``[1, H]`` (a static buffer of the bucket's graph); :meth:`replay_token` also runs the
+    captured head and token choice (module docstring).
+
+    Args:
+        runner: the ``ModelRunner`` (CUDA). warmup: eager calls before each capture. tokens: also capture the
+            greedy and sampled token graphs per span (off: hidden states only, e.g. benchmarks of the step).
 
     ``captured_shapes`` lists what was captured, for the start-up manifest.
     """
 
-    def __init__(self, runner, warmup: int = 2):
+    def __init__(self, runner, warmup: int = 2, tokens: bool = True):
         self.runner = runner
         dev = runner.device
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
@@ -50,6 +66,19 @@ class DecodeGraph:
             self.graphs[span] = capture_graph(lambda: self._body(model, span), warmup)
             runner.restore(snap)
         self.captured_shapes = [{"op": "decode", "tokens": 1, "kv_slots": span} for span in self.graphs]
+        # the token graphs: (span, "greedy" | "sampled") -> (graph, next token [1] int64, a static buffer)
+        self.sp = SamplingBuffers(dev)
+        self.u = torch.zeros(1, 1, dtype=torch.float64, device=dev)
+        self._written: tuple | None = None          # the settings in ``sp`` (written when a request changes them)
+        self.token_graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if tokens:
+            for span, (_, hidden) in self.graphs.items():
+                self.token_graphs[span, "greedy"] = capture_graph(
+                    lambda: model.logits(hidden).argmax(-1).view(1), warmup)
+                self.token_graphs[span, "sampled"] = capture_graph(
+                    lambda: inverse_cdf(probs_device(model.logits(hidden), self.sp), self.u).view(1), warmup)
+            self.captured_shapes += [{"op": "decode_token", "sampling": kind, "kv_slots": span}
+                                     for span, kind in self.token_graphs]
 
     def _body(self, model, span: int):
         h = model(self.tok.view(1, 1), self.pos, self.runner.state, span)
@@ -61,6 +90,27 @@ class DecodeGraph:
         self.pos.fill_(pos)
         g.replay()
         return hidden
+
+    def replay_token(self, token: torch.Tensor, pos: int, p: SamplingParams,
+                     gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode step of ``token [1]`` at ``pos`` and the token after it: ``(next [1] int64, hidden [1, H])``,
+        both static buffers (rewritten by the next replay), no host read. Sampling draws its one float64 uniform
+        from ``gen`` as ``sampling.draw`` does.
+
+        Raises:
+            KeyError: the token graphs were not captured (``tokens=False``)."""
+        span = self.runner.kv_span(pos + 1)
+        kind = "greedy" if p.greedy else "sampled"
+        tg, nxt = self.token_graphs[span, kind]
+        if kind == "sampled":
+            key = (float(p.temperature), float(p.top_p), int(p.top_k))
+            if key != self._written:
+                self.sp.write(p)
+                self._written = key
+            self.u.copy_(torch.rand(1, 1, generator=gen, device=self.u.device, dtype=torch.float64))
+        hidden = self.replay(token, pos)
+        tg.replay()
+        return nxt, hidden
 
 
 def capture_decode(runner) -> DecodeGraph:

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from bytebound.layers.kda import KDAState
+from bytebound.sampling import sample
 
 # Tokens per prefill forward. Long chunks amortise weight reads: the grouped MoE decodes each expert's weights
 # about once per chunk, so 8192-token chunks cost about half of four 2048-token ones (docs/perf/moe-prefill-h200.md);
@@ -125,6 +126,28 @@ class ModelRunner:
         h = self.model(ids.view(1, t).to(self.device), positions, self.state, kv_len)
         self.pos += t
         return h[0]
+
+    @torch.inference_mode()
+    def decode_token(self, tok: torch.Tensor, p, gen) -> tuple[torch.Tensor, torch.Tensor]:
+        """One plain decode step of ``tok [1]`` int64 and the token that follows it: ``(next [1] int64 on the
+        device, hidden [1, H])``, ``pos`` advanced by one. With a captured decode graph that has token graphs
+        (``DecodeGraph.replay_token``) the LM head and the choice (argmax, or ``p``'s sampling with generator
+        ``gen``) replay inside graphs and the outputs are static buffers (clone what you keep past the next step);
+        else ``forward``, ``logits`` and ``sampling.sample``, the same values.
+
+        Raises:
+            ValueError: the sequence would exceed ``max_len``. RuntimeError: a verify awaits its commit."""
+        g = self.graph
+        if g is not None and getattr(g, "token_graphs", None) and getattr(self, "tp", None) is None:
+            if self._verify is not None:
+                raise RuntimeError(f"a {self._verify[1]}-token verify at position {self._verify[0]} awaits "
+                                   "commit(n) (or restore) before the next forward")
+            self._check_room(1)
+            nxt, h = g.replay_token(tok.view(1), self.pos, p, gen)
+            self.pos += 1
+            return nxt, h
+        h = self.forward(tok.view(1))
+        return sample(self.logits(h), p, gen).view(1), h
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:

@@ -302,10 +302,10 @@ def adaptive_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, ge
             pend = _Pending(ids, hs, first)
             continue
         t0 = clock()
-        h = runner.forward(y)                          # [1, H]; the decode graph's output buffer on CUDA
-        nxt = sample(runner.logits(h), p, gen).view(1)
+        nxt, h = runner.decode_token(y, p, gen)        # [1], [1, H]: the token graphs' static buffers on CUDA
         tok = int(nxt)                                 # the step's host read
         dt = clock() - t0
+        nxt = nxt.clone()
         pend.append(nxt, h.clone())
         ctrl.observe_plain(dt)
         y = nxt

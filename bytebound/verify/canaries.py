@@ -641,18 +641,43 @@ def canary_graph_replay(engine, ctx) -> CanaryResult:
     le = eager(tok).float().clone()
     r.restore(snap)
     lg = replay(tok).float().clone()
+    tokens = _token_graphs_vs_eager(r, g, snap, tok, le)
     r.reset()
     tol = _rtol(engine.model.dtype)
     err = float((lg - le).norm() / le.norm().clamp(min=1e-30)) if torch.isfinite(lg).all() else float("inf")
     same_top1 = bool((lg.argmax(-1) == le.argmax(-1)).all())
     meas = {"position": pos, "token": tok, "rel_err": err, "tolerance": tol, "top1_equal": same_top1,
-            "bit_identical": bool(torch.equal(lg, le)), "captured_shapes": shapes}
+            "bit_identical": bool(torch.equal(lg, le)), "captured_shapes": shapes, "token_graphs": tokens}
     if not (err <= tol and same_top1):
         return _bad(name, lever, f"graph replay differs from eager at position {pos}: rel err {err:.3g} > {tol:g} "
                     f"or top-1 differs (top-1 equal: {same_top1}) - stale static inputs (positions / kv length) "
                     f"in the captured graph?", **meas)
+    if tokens and not all(t["equal"] for t in tokens.values()):
+        return _bad(name, lever, f"the captured next-token graphs differ from the eager head + sampling at position "
+                    f"{pos}: {tokens}", **meas)
     return _ok(name, lever, f"replay == eager at position {pos} (rel err {err:.2e}, bit-identical "
-               f"{meas['bit_identical']}), shapes {shapes}", **meas)
+               f"{meas['bit_identical']}), next-token graphs {sorted(tokens) or 'not captured'}, shapes {shapes}",
+               **meas)
+
+
+def _token_graphs_vs_eager(r, g, snap, tok: int, le: torch.Tensor) -> dict:
+    """The captured next-token graphs (``DecodeGraph.replay_token``: greedy, and sampling at fixed settings and
+    seed) from ``snap`` against the eager choice on the eager logits ``le`` of the same step: ``{kind: {"graph",
+    "eager", "equal"}}``, empty for a graph without token graphs. Leaves the runner restored to ``snap``."""
+    from bytebound.sampling import SamplingParams, sample
+    if not getattr(g, "token_graphs", None):
+        return {}
+    out = {}
+    for kind, p in (("greedy", SamplingParams(temperature=0.0)),
+                    ("sampled", SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=1234))):
+        r.restore(snap)
+        gen_g = torch.Generator(device=r.device).manual_seed(1234)
+        gen_e = torch.Generator(device=r.device).manual_seed(1234)
+        got = int(r.decode_token(torch.tensor([tok], device=r.device), p, gen_g)[0][0])
+        want = int(sample(le, p, gen_e).view(-1)[0])
+        out[kind] = {"graph": got, "eager": want, "equal": got == want}
+    r.restore(snap)
+    return out
 
 
 @torch.inference_mode()
