@@ -23,11 +23,12 @@ import torch
 from bytebound.sampling import SamplingBuffers, SamplingParams, inverse_cdf, probs_device
 
 
-def capture_graph(fn, warmup: int = 2, between=None):
+def capture_graph(fn, warmup: int = 2, between=None, pool=None):
     """Capture one call of ``fn()`` in a CUDA graph. ``warmup`` calls run first on a side stream (Triton JIT and
     autotuning must not happen inside a capture), each followed by ``between()`` when given (e.g. restoring the
-    buffers ``fn`` advances). Returns ``(graph, output of the captured call)``; the output is the graph's static
-    buffer, rewritten by each ``graph.replay()``."""
+    buffers ``fn`` advances). ``pool``: a memory pool (``torch.cuda.graph_pool_handle()``) shared with other
+    graphs that never replay concurrently, so their temporaries reuse one allocation. Returns ``(graph, output of
+    the captured call)``; the output is the graph's static buffer, rewritten by each ``graph.replay()``."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s), torch.inference_mode():
@@ -37,7 +38,7 @@ def capture_graph(fn, warmup: int = 2, between=None):
                 between()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g), torch.inference_mode():
+    with torch.cuda.graph(g, pool=pool), torch.inference_mode():
         out = fn()
     return g, out
 
@@ -72,11 +73,15 @@ class DecodeGraph:
         self._written: tuple | None = None          # the settings in ``sp`` (written when a request changes them)
         self.token_graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if tokens:
+            # one pool for every token graph: they replay one at a time, and a head whose logits path makes a
+            # weight-sized temporary (the FP32-logits head: 1.6 GB at full scale) holds it once, not per graph
+            pool = torch.cuda.graph_pool_handle()
             for span, (_, hidden) in self.graphs.items():
                 self.token_graphs[span, "greedy"] = capture_graph(
-                    lambda: model.logits(hidden).argmax(-1).view(1), warmup)
+                    lambda: model.logits(hidden).argmax(-1).view(1), warmup, pool=pool)
                 self.token_graphs[span, "sampled"] = capture_graph(
-                    lambda: inverse_cdf(probs_device(model.logits(hidden), self.sp), self.u).view(1), warmup)
+                    lambda: inverse_cdf(probs_device(model.logits(hidden), self.sp), self.u).view(1), warmup,
+                    pool=pool)
             self.captured_shapes += [{"op": "decode_token", "sampling": kind, "kv_slots": span}
                                      for span, kind in self.token_graphs]
 
