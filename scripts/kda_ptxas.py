@@ -11,13 +11,12 @@ tensors (the layout, and so the register count, depends on it). Needs Triton wit
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ptxas_util  # noqa: E402  (scripts/ptxas_util.py)
 
 
 def resource_usage(warps: int, heads: int, d: int, arch: int, safe: bool = True, v_split: int = 1,
@@ -45,12 +44,7 @@ def resource_usage(warps: int, heads: int, d: int, arch: int, safe: bool = True,
             attrs[(i,)] = [["tt.divisibility", 16]]
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                        target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
-    return next((ln.strip() for ln in out.splitlines() if "REG:" in ln), out.strip()[-200:])
+    return ptxas_util.resource_usage(k)
 
 
 def main(argv=None) -> int:

@@ -10,14 +10,13 @@ Pointers are declared 16-divisible, as Triton specialises them at a real launch 
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ptxas_util  # noqa: E402  (scripts/ptxas_util.py)
 
 LING = dict(h=2560, i=768, k=8)
 
@@ -53,13 +52,8 @@ def compile_persist(m: int, warps: int = 4, shared: bool = True, hc: int = 512, 
 
 
 def resource_usage(kernel) -> str:
-    import triton
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
-    return next((ln.strip() for ln in out.splitlines() if "REG:" in ln), out.strip()[-200:])
+    """ptxas' resource line of ``kernel`` (``scripts/ptxas_util.py``)."""
+    return ptxas_util.resource_usage(kernel)
 
 
 def main(argv=None) -> int:
