@@ -72,15 +72,16 @@ import torch
 
 from bytebound.errors import BackendError
 from bytebound.kernels.scratch import scratch
-from bytebound.kernels.triton_moe_split import (GLUON_ERR, SharedFP8, _fp8_tile, _frag_fp8, _gdc, _load_b,
-                                                _slot_expert, _swiglu_store, fp8_word_layout,
-                                                frag_dequant, gl, gluon, mma_v2, mxfp4_tile, word_layout)
+from bytebound.kernels.triton_moe_split import GLUON_ERR, SharedFP8, gl, gluon
 
 PERSIST_DEFAULT = {"variant": "persist", "BI": 32, "HC": 512, "IC": 256, "num_warps": 4, "per_sm": 4,
                    "prefetch": True, "pdl_in": 0}
 
-if gluon is not None:
+if gluon is not None:      # the device code (and the split kernels' device functions it reuses) needs Gluon
     from bytebound.kernels.triton_fp8 import ASM_L2_PREFETCH
+    from bytebound.kernels.triton_moe_split import (_fp8_tile, _frag_fp8, _gdc, _load_b, _slot_expert,
+                                                    _swiglu_store, fp8_word_layout, frag_dequant, mma_v2,
+                                                    mxfp4_tile, word_layout)
 
     ASM_FENCE_ONLY = gl.constexpr("fence.acq_rel.gpu; mov.u32 $0, 0;")
 
