@@ -145,7 +145,9 @@ def test_gemv_table_entries_are_valid():
         assert arch.startswith("sm_")
         for key, cfg in entries.items():
             assert key.startswith("N") and "_K" in key and "_M" in key
-            assert set(cfg) <= set(GEMV_KEYS) and {"BN", "BK", "num_warps"} <= set(cfg)
+            # an MMA entry's chunk width is NC scale blocks (BK = 128 * NC is derived by the fit)
+            need = {"BN", "NC", "num_warps"} if cfg.get("MMA") else {"BN", "BK", "num_warps"}
+            assert set(cfg) <= set(GEMV_KEYS) and need <= set(cfg), (arch, key, cfg)
 
 
 def test_decode_shapes_are_the_models():
