@@ -379,7 +379,7 @@ def test_manifest_lists_the_gemv_path_of_every_decode_shape(monkeypatch):
     assert shared["M=1"] == shared["M=2"] == "not called (the shared expert runs in the routed MoE kernels)"
     text = _manifest_text({"linear": {"requested": "x", "resolved": "x", "ok": True,
                                       "gemv": backends._linear_gemv(model)}})
-    assert f"M=1: not called (the shared expert runs in the routed MoE kernels) | M=2: " in text
+    assert "M=1: not called (the shared expert runs in the routed MoE kernels) | M=2: " in text
 
     err = "triton.experimental.gluon is not importable: ImportError: x"
     _fake_sm90(monkeypatch, gluon_err=err)
