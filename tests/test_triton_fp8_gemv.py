@@ -145,7 +145,9 @@ def test_gemv_table_entries_are_valid():
         assert arch.startswith("sm_")
         for key, cfg in entries.items():
             assert key.startswith("N") and "_K" in key and "_M" in key
-            assert set(cfg) <= set(GEMV_KEYS) and {"BN", "BK", "num_warps"} <= set(cfg)
+            # an MMA entry's chunk width is NC scale blocks (BK = 128 * NC is derived by the fit)
+            need = {"BN", "NC", "num_warps"} if cfg.get("MMA") else {"BN", "BK", "num_warps"}
+            assert set(cfg) <= set(GEMV_KEYS) and need <= set(cfg), (arch, key, cfg)
 
 
 def test_decode_shapes_are_the_models():
@@ -238,3 +240,165 @@ def test_fit_fma_configs_are_not_mma():
     from bytebound.kernels.triton_fp8 import fit_gemv_config
     c = fit_gemv_config({"BN": 16, "BK": 256, "NC": 4, "num_warps": 4}, 2560, 4096, 4)
     assert c["MMA"] is False and "NC" not in c and "MMA_WHY" not in c
+
+
+# ---- the manifest's GEMV paths (TritonLinear.bind -> runner.backends -> levers.linear.gemv), a faked sm_90 -------
+def _fake_sm90(monkeypatch, gluon_err=None):
+    """CPU stand-in for an H200: ``_device_info`` says sm_90 with 132 SMs, Gluon importable (or ``gluon_err``), the
+    committed table (no ``BYTEBOUND_GEMV_CONFIG``)."""
+    from bytebound.kernels import gluon_fp8_gemv as gk
+    from bytebound.kernels import triton_fp8 as tf
+    monkeypatch.setattr(tf, "_device_info", lambda dev: ("sm_90", 132))
+    monkeypatch.setattr(gk, "GLUON_ERR", gluon_err)
+    monkeypatch.delenv("BYTEBOUND_GEMV_CONFIG", raising=False)
+    return tf
+
+
+def test_gemv_bind_paths_follow_the_table(monkeypatch):
+    """Every committed sm_90 entry records the kernel it asks for (mma for ``MMA`` entries) with source "sm_90
+    table" and no refusal, and the configs are :func:`gemv_config`'s; a shape missing from the table, an
+    architecture without a section and a device without CUDA record the untuned default and say why."""
+    tf = _fake_sm90(monkeypatch)
+    dev = torch.device("cuda")
+    entries = tf.gemv_table()["sm_90"]
+    shapes = {tuple(int(p[1:]) for p in key.split("_")[:2]) for key in entries}
+    assert (20480, 2560) in shapes and len(shapes) >= 10
+    for n, k in sorted(shapes):
+        cfgs, paths = tf.gemv_bind_configs(n, k, dev)
+        assert sorted(paths) == sorted(cfgs) == [1, 2, 3, 4]
+        for m, info in paths.items():
+            raw = entries[tf.gemv_key(n, k, m)]
+            want = "mma" if raw.get("MMA") else "dot" if raw.get("DOT") else "fma"
+            assert info == {"path": want, "source": "sm_90 table", "refused": None}, (n, k, m)
+            assert cfgs[m] == tf.gemv_config(n, k, m, dev) and cfgs[m]["MMA"] == (want == "mma")
+    assert tf.describe_gemv_path(tf.gemv_bind_configs(20480, 2560, dev)[1][1]) == "mma (sm_90 table)"
+    assert tf.gemv_key(4096, 1024, 1) not in entries
+    cfgs, paths = tf.gemv_bind_configs(4096, 1024, dev)
+    for m in (1, 2, 3, 4):
+        assert paths[m] == {"path": "fma", "source": "untuned default, no sm_90 entry", "refused": None}
+        assert cfgs[m] == tf.fit_gemv_config(tf.gemv_default(4096, 1024, m), 4096, 1024, m)
+    monkeypatch.setattr(tf, "_device_info", lambda dev: ("sm_100", 148))
+    assert tf.gemv_bind_configs(20480, 2560, dev)[1][1]["source"] == "untuned default, table has no sm_100 section"
+    monkeypatch.setattr(tf, "_device_info", lambda dev: (None, 132))
+    assert tf.gemv_bind_configs(20480, 2560, dev)[1][4] == {"path": "fma", "refused": None,
+                                                            "source": "untuned default, no CUDA architecture"}
+
+
+def test_gemv_bind_paths_carry_mma_refusals(monkeypatch, tmp_path):
+    """Where the table asks for MMA and the path cannot run, the record says fma and why: Gluon missing, a scale
+    block other than 128x128, K % 128 (from a table named by ``BYTEBOUND_GEMV_CONFIG``, which the source names)."""
+    err = "triton.experimental.gluon is not importable: ImportError: x"
+    tf = _fake_sm90(monkeypatch, gluon_err=err)
+    dev = torch.device("cuda")
+    for m, info in tf.gemv_bind_configs(20480, 2560, dev)[1].items():
+        assert info == {"path": "fma", "source": "sm_90 table", "refused": err}
+        assert tf.describe_gemv_path(info) == f"fma (sm_90 table; mma refused: {err})"
+    _fake_sm90(monkeypatch)
+    info = tf.gemv_bind_configs(20480, 2560, dev, (64, 128))[1][2]
+    assert info["path"] == "fma" and "128x128 scale blocks" in info["refused"]
+    path = tmp_path / "gemv_table.json"
+    path.write_text(json.dumps({"sm_90": {tf.gemv_key(256, 320, m): {"MMA": True, "BN": 64, "NC": 2}
+                                          for m in (1, 2, 3, 4)}}))
+    monkeypatch.setenv("BYTEBOUND_GEMV_CONFIG", str(path))
+    for info in tf.gemv_bind_configs(256, 320, dev)[1].values():
+        assert info["path"] == "fma" and info["source"] == f"sm_90 table {path}"
+        assert info["refused"] == "MMA GEMV needs K a multiple of 128, got K=320"
+    assert tf.gemv_bind_configs(20480, 2560, dev)[1][1]["source"] == f"untuned default, no sm_90 entry {path}"
+
+
+class _FakeGemvLinear:
+    """A ``linear`` backend for CPU that records what ``TritonLinear.bind`` records (its ``gemv_bind_configs``
+    call and the ``gemv_shape`` / ``gemv_paths`` attributes) without needing the weight on a GPU."""
+    name = "fakegemv"
+
+    def bind(self, lin, dtype):
+        from bytebound.kernels.triton_fp8 import MAX_M, gemv_bind_configs
+        if lin.fmt != "fp8":
+            return lambda x: x
+        _, paths = gemv_bind_configs(lin.weight.shape[0], lin.weight.shape[1], torch.device("cuda"), tuple(lin.block))
+
+        def fn(x):
+            return x
+        fn.max_tokens = MAX_M
+        fn.gemv_shape, fn.gemv_paths = tuple(lin.weight.shape), paths
+        return fn
+
+
+def _manifest_text(levers: dict) -> str:
+    from bytebound.verify.manifest import format_manifest
+    return format_manifest({"status": "healthy", "strict": False, "levers": levers, "plan": None, "canaries": None,
+                            "problems": [], "watchdog": None, "not_checked": [],
+                            "model": {"name": "ling-3.0-flash", "device": "cuda:0", "dtype": "bfloat16"}})
+
+
+def test_manifest_lists_the_gemv_path_of_every_decode_shape(monkeypatch):
+    """``bind_model`` over the Ling-3.0-flash model (meta tensors) with a faked sm_90: ``levers.linear.gemv`` has
+    exactly the benchmark's decode shapes with their layer counts, each M = 1..4 the table's path, printed one
+    line per shape; a shared expert the routed kernels run is "not called" at those M; a Gluon refusal is printed
+    with its reason."""
+    from bytebound.config import LingConfig
+    from bytebound.kernels import registry
+    from bytebound.layers.moe import MoE
+    from bytebound.models import model_class
+    from bytebound.runner import backends
+    from bytebound.verify.manifest import _resolution
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_gemv import DEFAULT_CONFIG, decode_shapes
+    tf = _fake_sm90(monkeypatch)
+    monkeypatch.setitem(registry._REGISTRY["linear"], "fakegemv", registry._Entry(_FakeGemvLinear, lambda dev: None))
+    cfg = LingConfig.from_file(DEFAULT_CONFIG)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg, torch.bfloat16)
+    plan = backends.bind_model(model, backends.BackendPlan.default("cpu", linear="fakegemv"), "cuda")
+    lever = json.loads(json.dumps(_resolution(plan.resolutions["linear"])))
+    gemv = lever["gemv"]
+    assert json.loads(json.dumps(plan.to_dict()))          # the plan (with the resolution) stays serialisable
+    assert {k: d["layers"] for k, d in gemv.items()} == {f"{e['n']}x{e['k']}": e["count"] for e in decode_shapes()}
+    table = tf.gemv_table()["sm_90"]
+    for shape, d in gemv.items():
+        n, k = map(int, shape.split("x"))
+        assert sorted(d) == ["M=1", "M=2", "M=3", "M=4", "layers"]
+        for m in (1, 2, 3, 4):
+            want = "mma" if table[tf.gemv_key(n, k, m)].get("MMA") else "fma"
+            assert d[f"M={m}"] == f"{want} (sm_90 table)", (shape, m)
+    assert gemv["20480x2560"]["M=1"] == "mma (sm_90 table)" and gemv["20480x2560"]["layers"] == 35
+    text = _manifest_text({"linear": lever})
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("gemv ")]
+    assert len(lines) == len(gemv) and "gemv 20480x2560 (35 layers) M=1..4: mma (sm_90 table)" in lines
+
+    # the routed kernels run the shared expert at M = 1, 2 (MoEKernel.bind_shared): its projections are not called
+    class Shared:
+        def shared_for(self, m, k):
+            return m <= 2
+    moes = [x for x in model.modules() if isinstance(x, MoE)]
+    for x in moes:
+        x.experts.fn = Shared()
+    inter = cfg.shared_intermediate
+    shared = backends._linear_gemv(model)[f"{inter}x{cfg.hidden_size}"]
+    assert shared["layers"] == 2 * len(moes) and shared["M=3"] == shared["M=4"] == "mma (sm_90 table)"
+    assert shared["M=1"] == shared["M=2"] == "not called (the shared expert runs in the routed MoE kernels)"
+    text = _manifest_text({"linear": {"requested": "x", "resolved": "x", "ok": True,
+                                      "gemv": backends._linear_gemv(model)}})
+    assert "M=1: not called (the shared expert runs in the routed MoE kernels) | M=2: " in text
+
+    err = "triton.experimental.gluon is not importable: ImportError: x"
+    _fake_sm90(monkeypatch, gluon_err=err)
+    plan = backends.bind_model(model, backends.BackendPlan.default("cpu", linear="fakegemv"), "cuda")
+    gemv = plan.resolutions["linear"].gemv
+    assert gemv["20480x2560"]["M=4"] == f"fma (sm_90 table; mma refused: {err})"
+    assert gemv["2560x768"]["M=1"] == "fma (sm_90 table)"              # an FMA entry: nothing was refused
+    assert f"gemv 20480x2560 (35 layers) M=1..4: fma (sm_90 table; mma refused: {err})" in _manifest_text(
+        {"linear": _resolution(plan.resolutions["linear"])})
+
+
+def test_manifest_has_no_gemv_without_the_fp8_gemv():
+    """The torch backend binds no GEMV: the linear lever carries no ``gemv`` (and prints none)."""
+    from bytebound.checkpoint.synthetic import dummy_model
+    from bytebound.config import LingConfig
+    from bytebound.runner.backends import BackendPlan, bind_model
+    from bytebound.verify.manifest import _resolution
+    model = dummy_model(LingConfig.from_file("models/ling-nano/config.json"), torch.device("cpu"), torch.float32)
+    plan = bind_model(model, BackendPlan.default("cpu"), "cpu")
+    lever = _resolution(plan.resolutions["linear"])
+    assert plan.resolutions["linear"].resolved == "torch" and "gemv" not in lever
+    assert "gemv" not in _manifest_text({"linear": lever})

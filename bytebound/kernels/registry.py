@@ -37,6 +37,8 @@ class Resolution:
     tuning: dict | None = None      # moe only: per token count "M=<m>" the launch config and which table key matched
     fused: str | None = None        # kda: what the fused decode kernel takes in (beta's b_proj inside, or why not);
     #                                 mla: the q|kv_a|g projection (one fused, or why three)
+    gemv: dict | None = None        # linear only: per FP8 weight shape "NxK" its bindings and per "M=<m>" the
+    #                                 decode/verify GEMV path and its source (runner.backends._linear_gemv)
 
     def to_dict(self) -> dict:
         return asdict(self)

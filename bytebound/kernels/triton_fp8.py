@@ -367,7 +367,12 @@ def gemv_table(path: str | None = None) -> dict:
     ``BYTEBOUND_GEMV_CONFIG`` (e.g. the ``gemv_table.json`` a sweep just wrote), else the committed
     ``configs/triton_fp8_gemv.json`` (written from ``scripts/bench_gemv.py --sweep``; keys starting with ``_`` are
     notes). Read once per path. Raises ConfigError on a file that is not such a table."""
-    return _read_gemv_table(str(path or os.environ.get("BYTEBOUND_GEMV_CONFIG") or GEMV_CONFIG_PATH))
+    return _read_gemv_table(_gemv_table_path(path))
+
+
+def _gemv_table_path(path: str | None = None) -> str:
+    """The table file :func:`gemv_table` reads: ``path``, ``BYTEBOUND_GEMV_CONFIG`` or the committed one."""
+    return str(path or os.environ.get("BYTEBOUND_GEMV_CONFIG") or GEMV_CONFIG_PATH)
 
 
 @functools.lru_cache(maxsize=None)
@@ -508,9 +513,53 @@ def gemv_config(n: int, k: int, m: int, device=None, block=(128, 128)) -> dict:
     device's architecture (``sm_90`` for every Hopper part), else :func:`gemv_default`; then
     :func:`fit_gemv_config`. Fixed per shape (no run-time tuning: one compile per shape, nothing to tune while a
     graph is captured)."""
+    return gemv_config_source(n, k, m, device, block)[0]
+
+
+def gemv_config_source(n: int, k: int, m: int, device=None, block=(128, 128)) -> tuple[dict, str]:
+    """:func:`gemv_config` and where its config came from, for the manifest: ``"sm_90 table"`` (the committed
+    table's entry for this architecture; a table named by ``BYTEBOUND_GEMV_CONFIG`` is named too) or ``"untuned
+    default, ..."`` (:func:`gemv_default`: no entry for this shape, no section for this architecture, or no CUDA
+    architecture at all). Raises BackendError like :func:`fit_gemv_config`."""
     arch, sms = _device_info(torch.device(device) if device is not None else torch.device("cpu"))
-    cfg = gemv_table().get(arch or "", {}).get(gemv_key(n, k, m)) or gemv_default(n, k, m, sms)
-    return fit_gemv_config(cfg, n, k, m, block, sms)
+    path = _gemv_table_path()
+    table = gemv_table()
+    cfg = table.get(arch or "", {}).get(gemv_key(n, k, m))
+    where = "" if path == str(GEMV_CONFIG_PATH) else f" {path}"
+    if cfg:
+        source = f"{arch} table{where}"
+    else:
+        cfg = gemv_default(n, k, m, sms)
+        source = ("untuned default, no CUDA architecture" if arch is None else
+                  f"untuned default, no {arch} entry{where}" if arch in table else
+                  f"untuned default, table{where} has no {arch} section")
+    return fit_gemv_config(cfg, n, k, m, block, sms), source
+
+
+def gemv_path(cfg: dict) -> str:
+    """The kernel a fitted GEMV config runs: ``"mma"`` (the Gluon tensor-core kernel, ``kernels.gluon_fp8_gemv``),
+    ``"dot"`` (BF16 tensor cores through ``tl.dot``) or ``"fma"`` (float32 FMAs)."""
+    return "mma" if cfg.get("MMA") else "dot" if cfg.get("DOT") else "fma"
+
+
+def gemv_bind_configs(n: int, k: int, device, block=(128, 128)) -> tuple[dict[int, dict], dict[int, dict]]:
+    """What :meth:`TritonLinear.bind` fixes for weight ``[n, k]`` with scale ``block`` on ``device``, per token
+    count M = 1..4: the fitted launch configs (:func:`gemv_config_source`), and per M ``{"path": mma | dot | fma
+    (:func:`gemv_path`), "source": the config's source, "refused": why the MMA path the table asked for cannot run
+    (``fit_gemv_config``'s ``MMA_WHY``: the FMA default runs instead), else None}`` (read into the manifest:
+    ``runner.backends``, :func:`describe_gemv_path`). Raises BackendError like :func:`fit_gemv_config`."""
+    cfgs, paths = {}, {}
+    for m in range(1, MAX_M + 1):
+        cfgs[m], source = gemv_config_source(n, k, m, device, block)
+        paths[m] = {"path": gemv_path(cfgs[m]), "source": source, "refused": cfgs[m].get("MMA_WHY")}
+    return cfgs, paths
+
+
+def describe_gemv_path(info: dict) -> str:
+    """One line for the manifest from a :func:`gemv_bind_configs` path record: ``"mma (sm_90 table)"``, ``"fma
+    (untuned default, no sm_90 entry)"``, ``"fma (sm_90 table; mma refused: <why>)"``."""
+    refused = f"; mma refused: {info['refused']}" if info.get("refused") else ""
+    return f"{info['path']} ({info['source']}{refused})"
 
 
 def gemv_reserve(device, n: int, k: int, block=(128, 128), cfgs=None) -> None:
@@ -871,7 +920,7 @@ class TritonLinear:
                 raise BackendError(f"linear[triton]: prefill 'scaled_mm' unusable: {why}")
             scale_b = scaled_mm_weight_scale(scale)
         # the GEMV's configs per M, fixed at bind (no lookup per call), and its split-K scratch grown now
-        cfgs = {m: gemv_config(weight.shape[0], weight.shape[1], m, weight.device, block) for m in range(1, MAX_M + 1)}
+        cfgs, paths = gemv_bind_configs(weight.shape[0], weight.shape[1], weight.device, block)
         gemv_reserve(weight.device, weight.shape[0], weight.shape[1], block, cfgs)
 
         def fn(x):
@@ -884,6 +933,8 @@ class TritonLinear:
                  fp8_block_linear(x2, weight, scale, block, prefill=prefill, scale_b=scale_b))
             return y.to(x.dtype).view(*shape[:-1], y.shape[-1])
         fn.max_tokens = MAX_M       # the GEMV's width; more tokens dequantise the weight (read by bind_model)
+        # which GEMV kernel each M runs and why (runner.backends puts it in the manifest's linear lever)
+        fn.gemv_shape, fn.gemv_paths = tuple(weight.shape), paths
         return fn
 
 

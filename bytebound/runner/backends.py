@@ -176,6 +176,7 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
     # both router kernels are Triton ones: one key, "router[triton]", whichever the plan's router entry chose
     plan.fast_paths = _fast_paths(model, plan, "triton" if (route_fn or gemv_fn) else None)
     plan.resolutions["moe"].tuning = _moe_tuning(model)
+    plan.resolutions["linear"].gemv = _linear_gemv(model)
     if plan.resolutions["kda"].resolved in ("fla", "triton"):       # triton's prefill is fla-core's chunk_kda
         from bytebound.kernels import fla_kda
         if fla_kda.CONFIGS:
@@ -347,6 +348,61 @@ def _moe_tuning(model) -> dict | None:
                     out[f"M={mm}"] = f"unusable: {e}"
             return out
     return None
+
+
+def _linear_bindings(model):
+    """``(bound fn, shared-expert MoE or None)`` for every ``linear`` binding :func:`bind_model` made: the unfused
+    QLinears, the fused KDA / MLA projections (``proj_fn``) and a dense MLP's gate|up (``gate_up_fn``). The MoE is
+    given for the projections of its shared expert, which decode/verify skip where the routed kernels run it."""
+    shared = {}
+    for m in model.modules():
+        if isinstance(m, MoE) and m.shared_experts is not None:
+            shared.update({id(q): m for q in m.shared_experts.modules() if isinstance(q, QLinear)})
+    for m in model.modules():
+        if isinstance(m, QLinear) and m.fn is not None:
+            yield m.fn, shared.get(id(m))
+        elif isinstance(m, (KimiDeltaAttention, GatedMLA)) and getattr(m, "proj_fn", None) is not None:
+            yield m.proj_fn, None
+        elif isinstance(m, DenseMLP) and getattr(m, "gate_up_fn", None) is not None:
+            yield m.gate_up_fn, shared.get(id(m.gate_proj))
+
+
+def _linear_gemv(model) -> dict | None:
+    """``Resolution.gemv`` of ``linear``: ``{"<N>x<K>": {"layers": bindings of that FP8 weight shape, "M=<m>":
+    "<path> (<source>[; mma refused: <why>])"}}`` for M = 1..MAX_VERIFY_M, from what each binding fixed
+    (``fn.gemv_shape`` / ``fn.gemv_paths``: ``kernels.triton_fp8.gemv_bind_configs``), largest weight traffic
+    (N * K * layers) first; None where no binding reports a GEMV (torch, plain weights). Bindings that disagree at
+    one M are listed with their counts; a shared expert's projections are not counted at an M where the routed MoE
+    kernels run it (``RoutedExperts.shared_in``)."""
+    from bytebound.kernels.triton_fp8 import describe_gemv_path
+    seen: dict[tuple[int, int], dict] = {}
+    for fn, moe in _linear_bindings(model):
+        paths = getattr(fn, "gemv_paths", None)
+        if not paths:
+            continue
+        e = seen.setdefault(tuple(fn.gemv_shape), {"layers": 0, "M": {}})
+        e["layers"] += 1
+        for mm, info in paths.items():
+            if moe is not None and moe.experts.shared_in(mm, moe.top_k):
+                continue
+            text = describe_gemv_path(info)
+            counts = e["M"].setdefault(mm, {})
+            counts[text] = counts.get(text, 0) + 1
+    if not seen:
+        return None
+    out = {}
+    for (n, k), e in sorted(seen.items(), key=lambda it: -it[0][0] * it[0][1] * it[1]["layers"]):
+        d = {"layers": e["layers"]}
+        for mm in range(1, MAX_VERIFY_M + 1):
+            counts = e["M"].get(mm)
+            if not counts:
+                d[f"M={mm}"] = "not called (the shared expert runs in the routed MoE kernels)"
+            elif len(counts) == 1 and next(iter(counts.values())) == e["layers"]:
+                d[f"M={mm}"] = next(iter(counts))
+            else:
+                d[f"M={mm}"] = "; ".join(f"{c} x {t}" for t, c in counts.items())
+        out[f"{n}x{k}"] = d
+    return out
 
 
 def _bind_or_fall_back(plan: BackendPlan, op: str, instead: str, bind):

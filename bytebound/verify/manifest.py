@@ -6,6 +6,9 @@ server and stored with bench results). Levers:
 * ``moe`` / ``linear`` / ``kda`` / ``mla`` / ``sampling``: backend requested vs resolved (``runner.backends``),
   plus for the routed MoE its storage format, tensor shapes and strides and the JIT cache state when the
   backend reports it (``module.jit_info = {"cache": "hit"|"miss", ...}`` set at bind; otherwise "unknown").
+* ``linear``: with the FP8 GEMV bound (``linear[triton]``), ``gemv``: per weight shape ``"NxK"`` how many
+  bindings have it and per decode/verify token count ``"M=<m>"`` the kernel (mma | dot | fma), where its config
+  came from (the architecture's table entry or the untuned default) and why an MMA config was refused.
 * ``lm_head``: path (bf16 | fp32 | fp8), bound backend, weight dtype, logits dtype and, for FP8, the weight
   scale granularity (per output channel / per tensor / block) and the activation quantisation.
 * ``mtp``: on/off, steps, draft tokens per verify, and adaptive speculation's state (mode, accept length a, round
@@ -115,7 +118,7 @@ def _resolution(r) -> dict:
     d = {"requested": r.requested, "resolved": r.resolved, "ok": r.fallback_from is None and r.requested == r.resolved}
     if r.fallback_from:
         d["fallback_from"], d["reason"] = r.fallback_from, r.reason
-    for extra in ("prefill", "tuning", "fused"):
+    for extra in ("prefill", "tuning", "fused", "gemv"):
         if getattr(r, extra, None):
             d[extra] = getattr(r, extra)
     return d
@@ -353,6 +356,8 @@ def format_manifest(man: dict) -> str:
                      f"resolved={_short(d.get('resolved'))}{extra}{ver}")
         if name == "moe" and d.get("tuning"):
             lines.append("      launch configs: " + "; ".join(f"{k}: {v}" for k, v in d["tuning"].items()))
+        if name == "linear" and d.get("gemv"):
+            lines.extend(_gemv_lines(d["gemv"]))
     pl = man.get("plan")
     if pl:
         w = pl["regimes"]
@@ -398,6 +403,19 @@ def format_manifest(man: dict) -> str:
     for s in man["not_checked"]:
         lines.append(f"  not checked: {s}")
     return "\n".join(lines)
+
+
+def _gemv_lines(gemv: dict) -> list[str]:
+    """The linear lever's GEMV paths, one line per weight shape; M = 1..4 merged where they agree."""
+    lines = []
+    for shape, d in gemv.items():
+        per = [(kk, v) for kk, v in d.items() if kk.startswith("M=")]
+        if len({v for _, v in per}) == 1:
+            body = f"{per[0][0]}..{per[-1][0][2:]}: {per[0][1]}" if len(per) > 1 else f"{per[0][0]}: {per[0][1]}"
+        else:
+            body = " | ".join(f"{kk}: {v}" for kk, v in per)
+        lines.append(f"      gemv {shape} ({d['layers']} layers) {body}")
+    return lines
 
 
 def _short(v) -> str:

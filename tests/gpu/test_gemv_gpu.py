@@ -156,3 +156,34 @@ def test_gemv_mma_through_linear(tmp_path, monkeypatch):
     fitted = tf.gemv_config(n, k, 1, DEV)
     for x, y in seen:
         assert torch.equal(tf.fp8_block_gemv(x, lin.weight.data, lin.weight_scale_inv.data, (128, 128), fitted), y)
+
+
+def test_bind_records_gemv_paths():
+    """``TritonLinear.bind`` on this GPU records, per M = 1..4, the kernel its fixed config runs and where the config
+    came from (read into the manifest's ``levers.linear.gemv``): on sm_90 with Gluon the committed table's MMA entries
+    say mma, its FMA entries fma; a shape the table lacks says the untuned default. The bound call runs the config
+    it reports (its result equals ``fp8_block_gemv`` with that config, bit for bit)."""
+    from bytebound.kernels import gluon_fp8_gemv as gk
+    from bytebound.kernels import triton_fp8 as tf
+    arch = "sm_%d%d" % torch.cuda.get_device_capability()
+    g = torch.Generator(device=DEV).manual_seed(5)
+    for n, k in [(20480, 2560), (2560, 768), (256, 320)]:
+        lin = _linear(n, k, g)
+        fn = tf.TritonLinear().bind(lin, torch.bfloat16)
+        cfgs, paths = tf.gemv_bind_configs(n, k, DEV)
+        assert fn.gemv_shape == (n, k) and fn.gemv_paths == paths
+        entry = tf.gemv_table().get(arch, {}).get(tf.gemv_key(n, k, 1))
+        for m, info in paths.items():
+            if entry is None:
+                assert info["path"] == "fma" and info["source"].startswith("untuned default"), info
+            else:
+                assert info["source"] == f"{arch} table"
+                want = "mma" if entry.get("MMA") and gk.GLUON_ERR is None else "fma"
+                assert info["path"] == want and (info["refused"] is None) == (want == "mma" or not entry.get("MMA"))
+            x = (torch.randn(m, k, device=DEV, generator=g) * 2).to(torch.bfloat16)
+            assert torch.equal(fn(x), tf.fp8_block_gemv(x, lin.weight.data, lin.weight_scale_inv.data, (128, 128),
+                                                        cfgs[m]))
+    if arch == "sm_90":
+        assert gk.GLUON_ERR is None, gk.GLUON_ERR
+        assert tf.gemv_bind_configs(20480, 2560, DEV)[1][1] == {"path": "mma", "source": "sm_90 table",
+                                                                 "refused": None}

@@ -39,5 +39,13 @@ def test_engine_records_fast_path_widths_and_refuses_a_wider_verify():
     man = build_manifest(e)
     assert man["levers"]["mtp"]["max_verify_m"] == MAX_VERIFY_M
     assert sorted(man["levers"]["moe"]["tuning"]) == [f"M={m}" for m in range(1, MAX_VERIFY_M + 1)]
+    # the FP8 projections (ling-nano's linears are FP8 128x128 blocks): every bound shape with its GEMV path per M
+    gemv = man["levers"]["linear"]["gemv"]
+    assert gemv and all(sorted(d) == sorted([f"M={m}" for m in range(1, MAX_VERIFY_M + 1)] + ["layers"])
+                        and d["layers"] >= 1 for d in gemv.values()), gemv
+    assert all(v.split(" ")[0] in ("mma", "dot", "fma", "not") for d in gemv.values()
+               for kk, v in d.items() if kk.startswith("M="))
+    from bytebound.verify import format_manifest
+    assert sum(ln.strip().startswith("gemv ") for ln in format_manifest(man).splitlines()) == len(gemv)
     with pytest.raises(ConfigError, match=f"--speculative-num-steps {MAX_VERIFY_M}: the verify runs"):
         Engine(model=str(NANO), device="cuda", speculative_steps=MAX_VERIFY_M, max_model_len=512)
