@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -193,3 +194,26 @@ def test_verify_strict_readme_counts_what_cpu_runs(tmp_path, capsys):
                                  "0.99 --strict"))
     assert f"all {words[len(can)]} apply" in line and f"CPU runs {words[len(ran)]}" in line, line
     assert all(name in line for name in skipped), (line, skipped)
+
+
+def test_every_kernel_module_imports_without_triton():
+    """The CPU torch wheel brings no Triton (CI, a user's fresh install): every backend and kernel module must still
+    import and register, so the engine starts and the Triton backends say why they cannot run. Run in a fresh
+    interpreter with ``triton`` blocked, since this process may have Triton (a developer's venv) and imported it
+    already. A module that imports a Gluon device function unconditionally fails here (it broke every engine command
+    on a fresh install once)."""
+    import subprocess
+    import sys
+    code = (
+        "import sys, pkgutil, importlib\n"
+        "sys.modules['triton'] = None\n"
+        "import bytebound.kernels as K\n"
+        "from bytebound.kernels import registry\n"
+        "registry._load_optional()\n"
+        "for m in pkgutil.iter_modules(K.__path__):\n"
+        "    importlib.import_module('bytebound.kernels.' + m.name)\n"
+        "from bytebound.engine.engine import Engine\n"
+        "print('ok', registry.backends('moe'))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-3000:]
