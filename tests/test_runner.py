@@ -209,3 +209,29 @@ def test_parse_overrides():
     for bad in ("moe", "moe=", "moe=torch,foo=bar"):
         with pytest.raises(ConfigError, match="expected ENTRY=NAME"):
             parse_overrides(bad)
+
+
+@pytest.mark.parametrize("params", [
+    dict(max_tokens=40, ignore_eos=True),                                            # greedy, to max_tokens
+    dict(max_tokens=40, temperature=0.8, top_p=0.9, top_k=20, seed=3, ignore_eos=True),   # sampled
+    dict(max_tokens=48, temperature=0.7, seed=11, stop=["e"]),                       # a stop string (and EOS)
+])
+def test_pipelined_plain_decoding_emits_the_same_tokens(tiny_random_ckpt, params):
+    """``EngineConfig.pipeline_decode``: each plain step is launched before the host reads the token it follows;
+    the output (text, token ids, finish reason) equals the plain loop's, greedy and sampled, at max_tokens and at a
+    stop string, and a request that fills the cache exactly (prompt + max_tokens - 1 = max_model_len slots) still
+    runs (the step launched ahead needs a slot the plain loop never uses, so it is skipped there)."""
+    from bytebound.engine.engine import Engine
+    from bytebound.sampling import SamplingParams
+    ids = list(range(5, 21))
+    outs = {}
+    for pipe in (False, True):
+        eng = Engine(model=str(tiny_random_ckpt), device="cpu", max_model_len=64, pipeline_decode=pipe)
+        p = SamplingParams(**params)
+        o = eng.generate(ids, p)[0]
+        full = eng.generate(ids, SamplingParams(max_tokens=64 - len(ids) + 1, ignore_eos=True))[0]
+        outs[pipe] = (o.text, o.token_ids, o.finish_reason, full.token_ids, full.finish_reason)
+    assert outs[True] == outs[False]
+    assert outs[True][4] == "length" and len(outs[True][3]) == 64 - len(ids) + 1
+    if params.get("stop"):              # the case must really end at its stop string, before max_tokens
+        assert outs[True][2] == "stop" and len(outs[True][1]) < params["max_tokens"]

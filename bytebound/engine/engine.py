@@ -82,7 +82,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Adaptive speculation (speculative.adaptive): MTP rounds only while the measured accept length a over the
     # measured round cost c (round time / plain step time) pays; plain decoding with periodic probes otherwise.
-    # Opt-in (needs MTP): the GPU evidence that it keeps the bundled model's speed-up is not in yet.
+    # Opt-in (needs MTP). On the H200 with the bundled model's GSM8K it ran no slower than fixed MTP (0.542 vs
+    # 0.552 ms TPOT, docs/perf/request-overhead-h200.md); with synthetic weights it falls back to plain decoding.
     speculative_adaptive: bool = False
     adaptive_window: int = 16         # MTP rounds in the decision window
     adaptive_margin: float = 0.05     # fall back below a/c = 1 - margin; back on at a/c >= 1
@@ -91,6 +92,11 @@ class EngineConfig:
     adaptive_probe_rounds: int = 4    # MTP rounds per probe
     adaptive_calibration: int = 8     # plain steps timed at start (and per refresh) before MTP
     adaptive_refresh_rounds: int = 512  # MTP rounds before the plain step is timed again (cost grows with context)
+    # Plain decoding, pipelined: each step is launched before the host reads the token it follows (the step reads
+    # that token from the device; the host reads a pinned copy), so on CUDA the GPU need not wait for the host's
+    # per-token work (detokenising, stop checks, streaming). The tokens are the same; one step more runs after the
+    # last one and is discarded with the request. Off by default: not yet measured on the GPU.
+    pipeline_decode: bool = False
 
 
 @dataclass
@@ -466,12 +472,38 @@ class Engine:
             return
         r = self.runner
         nxt = sample(r.logits(r.prefill(ids.to(self.device))[-1:]), p, gen)[:1]
+        if self.config.pipeline_decode and self.tp is None:
+            yield from self._pipelined_tokens(nxt, p, gen)
+            return
         while True:
             if self.tp is not None:
                 nxt = self.tp.from_rank0(nxt)           # every rank runs rank 0's token
             yield int(nxt[0]), 0
             # the step and its token: on CUDA one decode graph and one head/sampling graph, one host read (above)
             nxt, _ = r.decode_token(nxt, p, gen)
+
+    def _pipelined_tokens(self, nxt: torch.Tensor, p: SamplingParams, gen):
+        """Plain decoding from the prefill's token ``nxt [1]`` (device) with each step launched before the host
+        reads the token it follows (``EngineConfig.pipeline_decode``); yields ``(token, 0)`` like the plain loop
+        and emits the same tokens (the steps and their generator draws run in the same order, only earlier). The
+        token is copied to pinned host memory before the next step is launched, which rewrites its static buffer
+        later in stream order. A step is launched ahead only while the cache has room for it; past that, asking
+        for another token raises as the plain loop does."""
+        r = self.runner
+        cuda = nxt.is_cuda
+        host = torch.empty(1, dtype=torch.long, pin_memory=cuda)
+        ready = torch.cuda.Event() if cuda else None
+        while True:
+            host.copy_(nxt.view(1), non_blocking=cuda)
+            if ready is not None:
+                ready.record()
+            ahead = r.pos + 1 <= r.max_len
+            if ahead:
+                after, _ = r.decode_token(nxt, p, gen)
+            if ready is not None:
+                ready.synchronize()
+            yield int(host[0]), 0
+            nxt = after if ahead else r.decode_token(nxt, p, gen)[0]
 
     def max_new_tokens(self, prompt_len: int) -> int:
         """The most tokens a request with a ``prompt_len``-token prompt may generate within ``max_model_len``

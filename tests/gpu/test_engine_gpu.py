@@ -418,3 +418,29 @@ def test_prefill_equals_sequential_decode_full_width(full_width_model):
     print(msg)
     assert len(pairs) >= 2, msg
     assert max(e_pre) <= bound, msg
+
+
+@pytest.mark.skipif(not (NANO / "model.safetensors").exists(), reason="trained ling-nano weights not present")
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_pipelined_plain_decoding_equals_plain_on_cuda(kind):
+    """``EngineConfig.pipeline_decode`` on CUDA (token graphs, the next step launched before the host reads the
+    token, a pinned copy per token): the same text and token ids as the plain loop over a 5-shot GSM8K prompt,
+    greedy and at the seed's sampling, to max_tokens and at the few-shot stop string. TPOT of both printed
+    (information only; the measurement belongs in a benchmark)."""
+    from bytebound.bench.gsm8k import gsm8k_requests
+    from bytebound.data.gsm8k import FEW_SHOT_STOP
+    from bytebound.engine.engine import Engine
+    from bytebound.sampling import SamplingParams
+    prompt = gsm8k_requests(1)[0]["prompt"]
+    p = (SamplingParams(max_tokens=128, stop=FEW_SHOT_STOP) if kind == "greedy" else
+         SamplingParams(max_tokens=128, temperature=0.6, top_p=0.95, top_k=29, seed=3, stop=FEW_SHOT_STOP))
+    outs = {}
+    for pipe in (False, True):
+        eng = Engine(model=str(NANO), device="cuda", pipeline_decode=pipe)
+        eng.generate(prompt, p)                              # warm-up: graphs, the prompt length's kernels
+        outs[pipe] = eng.generate(prompt, p)[0]
+        del eng
+    a, b = outs[False], outs[True]
+    assert (b.text, b.token_ids, b.finish_reason) == (a.text, a.token_ids, a.finish_reason)
+    print(f"\nnano {kind} TPOT ms: plain {a.tpot_s * 1e3:.3f}, pipelined {b.tpot_s * 1e3:.3f} "
+          f"({a.completion_tokens} tokens, {a.finish_reason})")
