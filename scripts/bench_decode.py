@@ -61,8 +61,10 @@ def time_graph(fn, reps: int = 50, warmup: int = 3) -> float:
 
 def decode_tpot(runner, ctx: int, steps: int = 64) -> tuple[float, float]:
     """Median ms per token at context ``ctx`` (cache slots [0, ctx) hold random latents): ``(tpot, step)`` where
-    ``step`` is one replay of the captured decode graph (embedding -> final norm) and ``tpot`` adds the LM head
-    (launched eagerly after the replay, as the engine does). Sampling (argmax, a few us) is not included."""
+    ``step`` is one replay of the captured decode graph (embedding -> final norm) and ``tpot`` adds the LM head,
+    launched eagerly after the replay. The engine's plain loop replays the head and the token choice as graphs too
+    (``runner.decode_token``), so this ``tpot`` also holds the eager head's launch gaps, which the engine no longer
+    pays, and leaves out its argmax. Sampling is not included."""
     runner.reset()
     for st in runner.state:
         if hasattr(st, "kv"):

@@ -148,6 +148,14 @@ def test_adaptive_needs_mtp(quant_ckpt):
                adaptive_probe_rounds=0)
 
 
+def test_adaptive_refused_with_tensor_parallelism(quant_ckpt):
+    """Each rank's controller decides on its own clock and the plain steps keep the rank's own token, so the
+    ranks would run different collectives: refused, by name, before any process group or weight is needed."""
+    with pytest.raises(ConfigError, match="--speculative-adaptive .*--tensor-parallel-size"):
+        Engine(model=str(quant_ckpt), max_model_len=64, speculative_steps=STEPS, speculative_adaptive=True,
+               tensor_parallel_size=2)
+
+
 def test_cli_flag_needs_nextn():
     import argparse
 

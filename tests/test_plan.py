@@ -84,6 +84,28 @@ def test_manifest_lists_every_entry_per_regime_and_why(spec_engine):
     assert "plan (decode M=1 | verify M=3" in text and "round       - | static [user override] | -" in text
 
 
+def test_rebind_frees_the_previous_runner_and_its_graph(spec_engine):
+    """``Engine.rebind`` lets the previous runner (its caches) and the graph installed on it go before the new ones
+    are made, although a runner and its graph hold each other (``DecodeGraph.runner``, ``CompiledDecode.runner``):
+    a cycle that only the cyclic collector frees, whenever it next runs a full collection (here: never)."""
+    import gc
+    import weakref
+
+    class Graph:                      # holds its runner, as DecodeGraph and CompiledDecode do
+        def __init__(self, runner):
+            self.runner = runner
+    spec_engine.runner.graph = Graph(spec_engine.runner)
+    old = weakref.ref(spec_engine.runner)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        spec_engine.rebind(backends={"round": "static"})
+        assert old() is None, "the previous runner outlived rebind"
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def test_rebind_replans_the_loaded_model(spec_engine):
     model = spec_engine.model
     spec_engine.rebind(backends={"round": "eager"})

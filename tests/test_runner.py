@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bytebound.runner.graphs import DecodeGraph
 from bytebound.runner.runner import ModelRunner, pow2_buckets
 from conftest import make_model
 
@@ -235,3 +236,77 @@ def test_pipelined_plain_decoding_emits_the_same_tokens(tiny_random_ckpt, params
     assert outs[True][4] == "length" and len(outs[True][3]) == 64 - len(ids) + 1
     if params.get("stop"):              # the case must really end at its stop string, before max_tokens
         assert outs[True][2] == "stop" and len(outs[True][1]) < params["max_tokens"]
+
+
+# ---- decode_token and DecodeGraph.replay_token's host logic on CPU --------------------------------------------
+class _Replay:
+    """A 'captured graph' on CPU: ``replay()`` runs ``fn`` (which writes its static output buffer)."""
+
+    def __init__(self, fn):
+        self.replay = fn
+
+
+class CpuTokenGraphs:
+    """A CPU stand-in for ``runner.graphs.DecodeGraph`` built like its ``__init__`` (static token / position /
+    hidden buffers, per span a greedy and a sampled token 'graph' reading the hidden buffer, ``sp`` / ``u`` /
+    ``_written``) but replaying Python closures, so that the real ``replay`` / ``replay_token`` (borrowed below)
+    and ``ModelRunner.decode_token`` run on CPU."""
+
+    replay = DecodeGraph.replay
+    replay_token = DecodeGraph.replay_token
+
+    def __init__(self, runner):
+        from bytebound.sampling import SamplingBuffers, inverse_cdf, probs_device
+        self.runner, model = runner, runner.model
+        self.tok = torch.zeros(1, dtype=torch.long)
+        self.pos = torch.zeros(1, dtype=torch.long)
+        self.sp, self.u, self._written = SamplingBuffers("cpu"), torch.zeros(1, 1, dtype=torch.float64), None
+        self.graphs, self.token_graphs = {}, {}
+        for span in runner.kv_buckets:
+            hidden = torch.zeros(1, model.cfg.hidden_size)
+            greedy, sampled = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+            self.graphs[span] = (_Replay(lambda h=hidden: h.copy_(
+                model(self.tok.view(1, 1), self.pos, runner.state)[0])), hidden)
+            self.token_graphs[span, "greedy"] = (_Replay(lambda h=hidden, o=greedy: o.copy_(
+                model.logits(h).argmax(-1).view(1))), greedy)
+            self.token_graphs[span, "sampled"] = (_Replay(lambda h=hidden, o=sampled: o.copy_(
+                inverse_cdf(probs_device(model.logits(h), self.sp), self.u).view(1))), sampled)
+        self.captured_shapes = [{"op": "decode", "tokens": 1, "kv_slots": s} for s in self.graphs]
+
+
+@torch.inference_mode()
+def test_decode_token_through_token_graphs_equals_eager_across_requests():
+    """``decode_token`` through the token graphs (``DecodeGraph.replay_token``) gives eager ``forward`` +
+    ``logits`` + ``sampling.sample``'s tokens and generator draws, request after request, where each sampled
+    request changes one setting only (top-k, top-p, temperature: each must rewrite the settings buffers) and
+    greedy requests come between (another graph of the shared pool in between)."""
+    from bytebound.sampling import SamplingParams, sample
+    model = make_model()
+    prompt = torch.randint(4, model.cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(1))
+    base = dict(temperature=1.5, top_p=1.0, top_k=0)
+    k3 = dict(base, top_k=3)
+    requests = [SamplingParams(**base), SamplingParams(**k3), SamplingParams(temperature=0.0),     # top-k only
+                SamplingParams(**dict(k3, top_p=0.3)), SamplingParams(**k3),                       # top-p only
+                SamplingParams(**dict(k3, temperature=0.05)), SamplingParams(**base)]             # T only, all
+    graph_r = ModelRunner(model, 64, "cpu", kv_buckets=(32,))
+    graph_r.graph = g = CpuTokenGraphs(graph_r)
+    eager_r = ModelRunner(model, 64, "cpu", kv_buckets=(32,))
+    for i, p in enumerate(requests):
+        out = {}
+        for name, r in (("graph", graph_r), ("eager", eager_r)):
+            r.reset()
+            gen = torch.Generator().manual_seed(100 + i)
+            tok = sample(model.logits(r.prefill(prompt)[-1:]), p, gen).view(1)
+            toks = []
+            for _ in range(24):                     # 20 + 24 tokens: crosses the 32-slot span
+                if name == "eager":
+                    tok = sample(model.logits(r.forward(tok)), p, gen).view(1)
+                else:
+                    tok, _ = r.decode_token(tok, p, gen)
+                    assert tok is g.token_graphs[r.kv_span(r.pos), "greedy" if p.greedy else "sampled"][1]
+                toks.append(int(tok))
+            out[name] = (toks, float(torch.rand(1, generator=gen)))
+        assert out["graph"] == out["eager"], (i, p)
+        if not p.greedy:
+            assert g._written == (p.temperature, p.top_p, p.top_k)
+            assert len(set(out["graph"][0])) > 1 or p.temperature < 0.1, "a constant draw could hide a stale setting"

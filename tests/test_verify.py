@@ -268,6 +268,34 @@ def test_stale_position_graph_fails_replay_canary(ckpt, cls):
     assert r.measured["position"] == len(C._Ctx(eng).ids)
 
 
+def test_replay_canary_checks_the_token_graphs_and_leaves_the_runner(ckpt):
+    """The graph_replay canary's next-token check (``_token_graphs_vs_eager``) on CPU through the stand-in token
+    graphs of tests/test_runner.py (the real ``DecodeGraph.replay_token`` and ``ModelRunner.decode_token``):
+    healthy graphs pass with greedy and sampled equal to the eager choice; graphs that never write the request's
+    sampling settings fail it by name; and a seeded sampled request after the canary generates what it generated
+    before it (runner state, settings buffers, no generator of the request's touched)."""
+    from test_runner import CpuTokenGraphs
+    eng = engine(ckpt, speculative_steps=0)            # the plain loop: decode_token every step
+    eng.runner.graph = CpuTokenGraphs(eng.runner)
+    p = SamplingParams(max_tokens=12, temperature=0.7, top_k=5, seed=3, ignore_eos=True)
+    before = eng.generate(PROMPT, p)[0].token_ids
+    r = one(eng, C.canary_graph_replay)
+    assert r.passed, r.message
+    tg = r.measured["token_graphs"]
+    assert set(tg) == {"greedy", "sampled"} and all(t["equal"] for t in tg.values()), tg
+    assert eng.runner.pos == 0
+    assert eng.generate(PROMPT, p)[0].token_ids == before
+
+    class NeverWritten(CpuTokenGraphs):
+        def replay_token(self, token, pos, p, gen):      # marks the settings written without writing them
+            self._written = (float(p.temperature), float(p.top_p), int(p.top_k))
+            return CpuTokenGraphs.replay_token(self, token, pos, p, gen)
+    eng.runner.graph = NeverWritten(eng.runner)
+    r = one(eng, C.canary_graph_replay)
+    assert r.passed is False and "next-token graphs differ" in r.message, r.message
+    assert r.measured["token_graphs"]["greedy"]["equal"] and not r.measured["token_graphs"]["sampled"]["equal"]
+
+
 CUDA_TORCH = {k: "torch" for k in ("moe", "linear", "lm_head", "kda", "mla")}
 
 

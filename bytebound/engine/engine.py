@@ -8,6 +8,7 @@ queues them).
 from __future__ import annotations
 
 import bisect
+import gc
 import json
 import os
 import sys
@@ -322,7 +323,12 @@ class Engine:
         cfg, dev = self.config, self.device
         self.plan = bind_model(self.model, plan, dev, cfg.lm_head)
         self.plan.check_speculative(cfg.speculative_steps)     # ConfigError: a verify wider than the fast paths
-        self.runner = None          # the previous runner's cache and graphs go before the new ones are made
+        # the previous runner's cache and graphs go before the new ones are made; the captured rounds hold it, and
+        # a runner and its graph hold each other (DecodeGraph.runner): a cycle that only a full collection frees
+        rebinding = getattr(self, "runner", None) is not None
+        self.runner = self.spec_round = self.spec_round_sampled = None
+        if rebinding:
+            gc.collect()
         self.runner = ModelRunner(self.model, cfg.max_model_len, dev,
                                   pow2_buckets(cfg.max_model_len) if self.plan.choice("kv") == "buckets" else None)
         self.runner.tp = self.tp         # the MTP rounds take rank 0's drafts and accept decision

@@ -200,14 +200,15 @@ class MoEKernel:
         # Delegate for M > MAX_M (bind_model sets it to this kernel over 4-token slices; humming or torch also
         # fit); None -> BackendError, as the registry contract asks.
         self.prefill = None
-        self.shared = None     # SharedFP8: the layer's shared expert, inside the 'split' kernels
+        self.shared = None     # SharedFP8: the layer's shared expert, inside the 'split' / 'persist' kernels
 
     def bind_shared(self, mlp) -> None:
         """Run the layer's shared expert (``mlp``, a ``layers.moe.DenseMLP`` with FP8 128x128-block projections)
-        inside the ``split`` kernels, as one more slot of each: ``__call__`` then returns routed + shared for the
-        token counts whose config is ``split`` (:meth:`shared_for`), and the layer skips its own shared expert
-        there. The gate and up weights are copied once into one ``[2I, H]`` tensor (3.9 MB per Ling-3.0-flash
-        layer); the block scales become BF16x2 factors ``scale x 2^120`` (see ``triton_moe_split._ASM_FP8X4``).
+        inside the ``split`` kernels (or the ``persist`` one), as one more slot: ``__call__`` then returns routed +
+        shared for the token counts whose config is one of :data:`SHARED_VARIANTS` (:meth:`shared_for`), and the
+        layer skips its own shared expert there. The gate and up weights are copied once into one ``[2I, H]``
+        tensor (3.9 MB per Ling-3.0-flash layer); the block scales become BF16x2 factors ``scale x 2^120`` (see
+        ``triton_moe_split._ASM_FP8X4``).
 
         Raises:
             BackendError: the projections are not FP8 with 128x128 blocks, the shared intermediate size differs

@@ -381,8 +381,8 @@ def fit_persist_config(cfg: dict, h: int, i: int) -> dict:
     per warp in phase A), ``per_sm`` >= 1.
 
     Raises:
-        BackendError: H or I is not a multiple of 128, ``BI`` does not divide I, or the token-width constraints
-            cannot hold."""
+        BackendError: H or I is not a multiple of 128 (then no chunk fits; ``BI`` <= 64 always divides such an
+            I). The token count's constraints are checked at launch (:func:`launch_persist`)."""
     cfg = dict(PERSIST_DEFAULT, **cfg)
     hc, ic = _chunk(int(cfg["HC"]), h), _chunk(int(cfg["IC"]), i)
     if not (hc and ic):
@@ -426,7 +426,9 @@ def launch_persist(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ou
 
     Raises:
         BackendError: Gluon is not importable, the GPU is older than sm_90 (``cp.async.bulk.prefetch``, PDL), the
-            token count's phase-B tiling does not fit (``2 * S + 1`` prefetch lanes), or no program fits on an SM."""
+            token count does not fit the program (``S + 1`` prefetch lanes, one per slot and one for the shared
+            expert, more than its ``32 * num_warps`` threads; H not a multiple of phase B's ``BH`` rows), or no
+            program fits on an SM."""
     if gluon is None:
         raise BackendError(f"moe[triton] variant 'persist': {GLUON_ERR}")
     if not kern.sm90:

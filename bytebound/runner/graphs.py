@@ -99,8 +99,10 @@ class DecodeGraph:
     def replay_token(self, token: torch.Tensor, pos: int, p: SamplingParams,
                      gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode step of ``token [1]`` at ``pos`` and the token after it: ``(next [1] int64, hidden [1, H])``,
-        both static buffers (rewritten by the next replay), no host read. Sampling draws its one float64 uniform
-        from ``gen`` as ``sampling.draw`` does.
+        both static buffers, no host read: valid until the next call, of any span or kind (the token graphs share
+        one pool, so a graph captured later may keep its output where an earlier one keeps temporaries). ``token``
+        may be the previous call's ``next``: it is copied in before any graph replays. Sampling draws its one
+        float64 uniform from ``gen`` as ``sampling.draw`` does.
 
         Raises:
             KeyError: the token graphs were not captured (``tokens=False``)."""

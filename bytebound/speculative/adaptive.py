@@ -313,8 +313,15 @@ def adaptive_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, ge
 
 
 def check_knobs(cfg) -> None:
-    """ConfigError for adaptive speculation without MTP (``speculative_adaptive`` with ``speculative_steps`` 0);
-    the knobs themselves are checked by :class:`AdaptiveSpeculation`."""
+    """ConfigError for adaptive speculation without MTP (``speculative_adaptive`` with ``speculative_steps`` 0) or
+    with tensor parallelism (``tensor_parallel_size`` > 1); the knobs themselves are checked by
+    :class:`AdaptiveSpeculation`."""
     if cfg.speculative_adaptive and not cfg.speculative_steps:
         raise ConfigError("--speculative-adaptive (speculative_adaptive) needs MTP: add --speculative-algorithm "
                           "NEXTN (speculative_steps >= 1)")
+    if cfg.speculative_adaptive and cfg.tensor_parallel_size > 1:
+        # every rank's controller decides between rounds and plain steps on its own clock, and a plain step keeps
+        # the rank's own token (no from_rank0): the ranks would soon run different collectives
+        raise ConfigError("--speculative-adaptive (speculative_adaptive) is single-process only: with "
+                          f"--tensor-parallel-size {cfg.tensor_parallel_size} each rank would switch between MTP "
+                          "rounds and plain steps on its own timings; use fixed MTP or plain decoding")

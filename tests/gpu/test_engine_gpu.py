@@ -251,6 +251,56 @@ def test_token_graphs_equal_eager_head_and_sampling(kind):
         assert len(set(tg)) > 8, "sampling produced a near-constant sequence: the test could not see a wrong draw"
 
 
+@pytest.mark.parametrize("head", ["fp8", "fp32"])
+def test_token_graphs_one_pool_across_requests_and_spans(head):
+    """All token graphs (every span, greedy and sampled) sit in one memory pool (graphs.py, ``1a05551``) and,
+    replayed in an order that is not the capture order - requests alternating greedy and sampled, each sampled one
+    changing one setting only (the ``SamplingBuffers`` cache key ``_written``), each crossing the 64 and 128 span
+    edges, every step's input the previous step's static output, as the engine's plain loop passes it - give the
+    tokens and generator draws of the eager step (``forward`` + ``logits`` + ``sample``) bit for bit; with the
+    FP32-logits head too (the head whose weight-sized temporary the shared pool holds once). Trained ling-nano."""
+    from bytebound.checkpoint.loader import load_model
+    from bytebound.runner.backends import BackendPlan, bind_model
+    from bytebound.runner.graphs import capture_decode
+    from bytebound.runner.runner import ModelRunner
+    from bytebound.sampling import SamplingParams, sample
+    if not (NANO / "model.safetensors").exists():
+        pytest.skip("trained ling-nano weights not present")
+    model = load_model(NANO, "cuda")
+    bind_model(model, BackendPlan.default("cuda"), "cuda", head)
+    prompt = torch.randint(0, model.cfg.vocab_size, (37,), device="cuda",
+                           generator=torch.Generator(device="cuda").manual_seed(5))
+    base = dict(temperature=0.9, top_p=1.0, top_k=0)
+    greedy = SamplingParams(temperature=0.0)
+    requests = [greedy, SamplingParams(**base), SamplingParams(**dict(base, top_k=29)), greedy,
+                SamplingParams(**dict(base, top_k=29, top_p=0.5)), SamplingParams(**dict(base, top_k=29,
+                                                                                         temperature=0.3)),
+                SamplingParams(**base)]
+    graph_r = ModelRunner(model, 256, kv_buckets=(64, 128))
+    capture_decode(graph_r)
+    pools = {tuple(tg.pool()) for tg, _ in graph_r.graph.token_graphs.values()}
+    assert len(graph_r.graph.token_graphs) == 6 and len(pools) == 1, pools
+    eager_r = ModelRunner(model, 256, kv_buckets=(64, 128))
+    for i, p in enumerate(requests):
+        out = {}
+        for name, r in (("graph", graph_r), ("eager", eager_r)):
+            r.reset()
+            gen = torch.Generator(device="cuda").manual_seed(100 + i)
+            with torch.inference_mode():
+                tok = sample(model.logits(r.prefill(prompt)[-1:]), p, gen).view(1)
+                toks = []
+                for _ in range(100):                    # 37 + 100 tokens: spans 64, 128, 256
+                    tok, _ = r.decode_token(tok, p, gen)
+                    toks.append(int(tok[0]))
+            out[name] = (toks, float(torch.rand(1, generator=gen, device="cuda")))
+        (tg, ug), (te, ue) = out["graph"], out["eager"]
+        first = next((j for j, (a, b) in enumerate(zip(tg, te)) if a != b), None)
+        assert tg == te, f"request {i} ({p}): first differing step {first}"
+        assert ug == ue, f"request {i} ({p}): the generator advanced differently"
+        if p.temperature >= 0.9 and p.top_p == 1.0:
+            assert len(set(tg)) > 8, f"request {i}: a near-constant sequence could hide a stale setting"
+
+
 def test_graph_replay_equals_eager_across_kv_buckets():
     """One decode graph per attention span (runner.kv_buckets): replay == eager bit for bit while the sequence
     crosses span edges (37-token prompt, 64 steps, spans 64 / 128 / 256)."""
