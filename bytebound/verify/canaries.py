@@ -664,8 +664,9 @@ def canary_graph_replay(engine, ctx) -> CanaryResult:
 
 def _token_graphs_vs_eager(r, g, snap, tok: int, le: torch.Tensor) -> dict:
     """The captured next-token graphs (``DecodeGraph.replay_token``: greedy, and sampling at fixed settings and
-    seed) from ``snap`` against the eager choice on the logits ``le`` of the same step (the replayed step's): ``{kind: {"graph",
-    "eager", "equal"}}``, empty for a graph without token graphs. Leaves the runner restored to ``snap``."""
+    seed) from ``snap`` against the eager choice on the logits ``le`` of the same step (the replayed step's):
+    ``{kind: {"graph", "eager", "equal"}}``, empty for a graph without token graphs. Leaves the runner restored to
+    ``snap``."""
     from bytebound.sampling import SamplingParams, sample
     if not getattr(g, "token_graphs", None):
         return {}
