@@ -45,7 +45,7 @@ MAX_NC = 4                  # scale blocks per chunk: the double buffer holds 2 
 
 
 if gluon is not None:
-    from bytebound.kernels.triton_moe_split import _fence_all, _frag_fp8, _gdc, _load_b, mma_v2
+    from bytebound.kernels.triton_moe_split import _fence_all, _frag_fp8, _gdc, _load_b, fp8_index, mma_v2
 
     _F120 = gl.constexpr(F120)
 
@@ -53,14 +53,9 @@ if gluon is not None:
     def _chunk_words(w_ptr, rows, rmask, kb, K: gl.constexpr, EVEN_N: gl.constexpr, WD8: gl.constexpr):
         """int32 words ``[R, NC, 4, 8]`` (layout ``WD8`` = ``fp8_word_layout(R, NC, NW)``) of rows ``rows`` and the
         ``NC`` 128-column blocks from block ``kb`` of the weight viewed as int32 ``[N, K/4]`` (the index maths of
-        ``triton_moe_split._fp8_tile``); rows >= N (``rmask`` false) read nothing and give 0."""
-        NC: gl.constexpr = WD8.shape[1]
-        SD8: gl.constexpr = gl.SliceLayout(3, WD8)
-        sb = gl.arange(0, NC, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD8)))
-        t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SD8)))
-        q = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WD8))))
-        w3 = rows[:, None, None] * (K // 4) + (kb + sb[None, :, None]) * 32 + t[None, None, :] * 8
-        ptr = w_ptr + (w3[:, :, :, None] + q[None, None, None, :])
+        ``triton_moe_split.fp8_index``); rows >= N (``rmask`` false) read nothing and give 0."""
+        off, sb, t, q = fp8_index(rows, kb, K, WD8)
+        ptr = w_ptr + off
         if EVEN_N:
             return gl.load(ptr)
         m3 = rmask[:, None, None] & (sb[None, :, None] >= 0) & (t[None, None, :] >= 0)

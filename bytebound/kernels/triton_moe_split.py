@@ -285,18 +285,28 @@ mov.b32 {$2, $3}, a1;
         return wv, sv
 
     @gluon.jit
-    def _fp8_tile(w_ptr, s_ptr, row, cb, K: gl.constexpr, WD8: gl.constexpr):
-        """An FP8 tile for :func:`_frag_fp8`: int32 words ``[R, NC, 4, 8]`` (layout ``WD8``) and BF16x2 scale
-        factors ``[R, NC]`` of rows ``row`` (``[R]``, layout ``SliceLayout(1, SliceLayout(2, SliceLayout(3,
-        WD8)))``) and the ``NC`` 128-column super-blocks from ``cb`` of a ``[*, K]`` matrix with 128x128 block
-        scales ``[*, K/128]``."""
+    def fp8_index(row, cb, K: gl.constexpr, WD8: gl.constexpr):
+        """The index maths of :func:`_fp8_tile` (also ``gluon_fp8_gemv``'s chunk loads): for rows ``row`` (``[R]``,
+        layout ``SliceLayout(1, SliceLayout(2, SliceLayout(3, WD8)))``) and the ``NC`` 128-column super-blocks from
+        ``cb`` of a ``[*, K]`` E4M3 matrix viewed as int32 ``[*, K/4]``, ``(off, sb, t, q)``: ``off`` int32 ``[R, NC,
+        4, 8]`` (layout ``WD8``) the word offsets; ``sb`` ``[NC]``, ``t`` ``[4]`` and ``q`` ``[8]`` the super-block,
+        the lane column group and the word."""
         NC: gl.constexpr = WD8.shape[1]
         SD8: gl.constexpr = gl.SliceLayout(3, WD8)
         sb = gl.arange(0, NC, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD8)))
         t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SD8)))
         q = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WD8))))
         w3 = row[:, None, None] * (K // 4) + (cb + sb[None, :, None]) * 32 + t[None, None, :] * 8
-        wv = gl.load(w_ptr + (w3[:, :, :, None] + q[None, None, None, :]))
+        return w3[:, :, :, None] + q[None, None, None, :], sb, t, q
+
+    @gluon.jit
+    def _fp8_tile(w_ptr, s_ptr, row, cb, K: gl.constexpr, WD8: gl.constexpr):
+        """An FP8 tile for :func:`_frag_fp8`: int32 words ``[R, NC, 4, 8]`` (layout ``WD8``) and BF16x2 scale
+        factors ``[R, NC]`` of rows ``row`` (``[R]``, layout ``SliceLayout(1, SliceLayout(2, SliceLayout(3,
+        WD8)))``) and the ``NC`` 128-column super-blocks from ``cb`` of a ``[*, K]`` matrix with 128x128 block
+        scales ``[*, K/128]`` (indices: :func:`fp8_index`)."""
+        off, sb, t, q = fp8_index(row, cb, K, WD8)
+        wv = gl.load(w_ptr + off)
         sv = gl.load(s_ptr + (row // 128)[:, None] * (K // 128) + cb + sb[None, :])
         return wv, sv
 
