@@ -36,3 +36,42 @@ def test_demo_of_another_model_has_no_note(nano_ckpt, capsys):
     assert main(["demo", "--model", str(nano_ckpt), "--no-cpu-compile", "--max-tokens", "2"]) == 0
     out = capsys.readouterr().out
     assert "answer:" in out and "GSM8K test questions correctly" not in out
+
+
+# ---- README: "Things a first run may not expect" -----------------------------------------------------------
+def first_run_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("Things a first run may not expect")
+    return text[start:text.index("\n## ", start)]
+
+
+def test_readme_example_prompt_has_a_real_newline_in_bash():
+    """The section shows the prompt in bash's ``$'...'`` quoting (a real newline) and says that a plain
+    double-quoted ``"\\n"`` stays a backslash and an ``n``: both as bash really does it."""
+    import subprocess
+    sec = " ".join(first_run_section().split())
+    m = re.search(r"--prompt (\$'Question: \.\.\.\\nAnswer:')", sec)
+    assert m, sec
+    dollar = subprocess.run(["bash", "-c", f"printf %s {m.group(1)}"], capture_output=True, text=True).stdout
+    plain = subprocess.run(["bash", "-c", 'printf %s "Question: ...\\nAnswer:"'], capture_output=True, text=True)
+    assert dollar == "Question: ...\nAnswer:" and plain.stdout == "Question: ...\\nAnswer:"
+    assert '`"\\n"` stays a backslash and an `n`' in sec
+
+
+def test_readme_says_serve_samples_and_generate_is_greedy_by_default(monkeypatch):
+    """The section's defaults are the code's: a request without ``temperature`` samples at 1.0, ``generate``
+    without ``--temperature`` is greedy."""
+    from types import SimpleNamespace
+
+    from bytebound.server.app import _sampling
+    sec = " ".join(first_run_section().split())
+    assert "`serve` samples at temperature 1.0 when a request gives none" in sec
+    assert "`generate` is greedy unless given `--temperature`" in sec
+    eng = SimpleNamespace(max_new_tokens=lambda n: 100, model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=10)),
+                          runner=SimpleNamespace(max_len=128), config=SimpleNamespace(speculative_steps=0))
+    assert _sampling({"prompt": "x"}, False, 4, eng).temperature == 1.0
+    assert _sampling({"messages": []}, True, 4, eng).temperature == 1.0
+    import bytebound.cli as cli
+    seen = []
+    monkeypatch.setattr(cli, "cmd_generate", lambda a: seen.append(a.temperature) or 0)
+    assert main(["generate", "--prompt", "x"]) == 0 and seen == [0.0]
