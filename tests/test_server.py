@@ -219,6 +219,21 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(srv, ref):
     assert httpx.get(f"{srv.url}/health").status_code == 200
 
 
+def test_request_without_model_is_for_the_served_model(srv, ref):
+    """As vLLM and SGLang: a request that names no model gets the one this server serves (a wrong name stays 404,
+    above); a ``model`` that is not a string stays 400."""
+    want = expect(ref, "The quick brown fox", max_tokens=5)
+    for path, body in (("/v1/completions", {"prompt": "The quick brown fox"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "The quick brown fox"}]})):
+        r = httpx.post(srv.url + path, json={**body, "max_tokens": 5, "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == NAME
+        if path == "/v1/completions":
+            assert r.json()["choices"][0]["text"] == want.text
+    r = httpx.post(srv.url + "/v1/completions", json={"model": None, "prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
 # ---- load: 200 sequential, 8 concurrent ------------------------------------------------------------------
 def test_200_sequential_requests(srv, ref):
     c = srv.client()
