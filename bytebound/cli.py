@@ -9,6 +9,15 @@ from pathlib import Path
 from bytebound.engine.engine import DEFAULT_MODEL
 
 
+# MTP draft steps per round without --speculative-num-steps (the seed's 3 drafts, 4 verified positions)
+SPEC_STEPS = 3
+
+
+def spec_steps(a) -> int:
+    """``--speculative-num-steps``, or its default :data:`SPEC_STEPS` when not given."""
+    return SPEC_STEPS if a.speculative_num_steps is None else a.speculative_num_steps
+
+
 def add_engine_args(p: argparse.ArgumentParser, cpu_compile: bool | str = False) -> None:
     """Flags shared by every command that starts an engine. ``cpu_compile``: the command's default for
     ``--cpu-compile`` (``"auto"``: compile the CPU decode step where torch.compile can, else run eagerly)."""
@@ -31,8 +40,12 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_compile: bool | str = False)
     p.add_argument("--allow-fallback", action="store_true",
                    help="substitute the torch backend when a requested one is unusable (recorded and printed)")
     p.add_argument("--speculative-algorithm", default=None, choices=["NEXTN"], help="NEXTN = MTP drafting (default off)")
-    p.add_argument("--speculative-num-steps", type=int, default=3)
-    p.add_argument("--speculative-num-draft-tokens", type=int, default=4)
+    # default None, read through spec_steps / spec_draft_tokens: a value the user gave is told from the default
+    p.add_argument("--speculative-num-steps", type=int, default=None,
+                   help=f"with NEXTN: draft steps per MTP round (default {SPEC_STEPS})")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help=f"with NEXTN: tokens verified per round, --speculative-num-steps + 1 (chain, top-k 1; "
+                        f"default {SPEC_STEPS + 1})")
     p.add_argument("--speculative-draft-vocab", default=None, metavar="N|COVERAGE|FILE",
                    help="hot-vocabulary draft head (opt-in): the draft steps score only N tokens of the target's LM "
                         "head - N, a coverage in (0, 1) of the checkpoint's token-frequency ranking (e.g. 0.99), or "
@@ -74,16 +87,31 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_compile: bool | str = False)
                         "CUDA with one GPU per rank); bytebound starts them itself, or runs as a rank under torchrun")
 
 
-def engine_config(a):
+def engine_config(a, mtp_steps_used: bool = False):
+    """The EngineConfig of a parsed command line (:func:`add_engine_args`). ``mtp_steps_used``: the command reads
+    ``--speculative-num-steps`` without NEXTN itself (bench ablation's +mtp step), so giving it is not pointless.
+
+    Raises:
+        ConfigError: contradictory or out-of-range flags (a flag that needs NEXTN given without it, a bad
+            ``--speculative-num-steps`` / ``--speculative-num-draft-tokens`` pair, a deprecated per-op flag
+            against ``--backend``).
+    """
     from bytebound.engine.engine import EngineConfig
     from bytebound.errors import ConfigError
     steps = 0
+    draft = a.speculative_num_draft_tokens
     if a.speculative_algorithm == "NEXTN":
-        steps = a.speculative_num_steps
+        steps = spec_steps(a)
         if steps < 1:
             raise ConfigError(f"--speculative-num-steps must be >= 1 with NEXTN, got {steps}")
-        if a.speculative_num_draft_tokens != steps + 1:
+        if (SPEC_STEPS + 1 if draft is None else draft) != steps + 1:
             raise ConfigError("--speculative-num-draft-tokens must equal --speculative-num-steps + 1 (chain, top-k 1)")
+    else:
+        given = [flag for flag, v in (("--speculative-num-steps", None if mtp_steps_used else a.speculative_num_steps),
+                                      ("--speculative-num-draft-tokens", draft)) if v is not None]
+        if given:           # like --top-p at temperature 0: said, not refused (the flags are harmless without MTP)
+            print(f"[bytebound] note: {' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect "
+                  "without --speculative-algorithm NEXTN (MTP is off)", file=sys.stderr)
     from bytebound.runner.plan import OP_FLAGS, parse_backend_specs
     backends = parse_backend_specs(getattr(a, "backend", None) or [])
     for op, flag in OP_FLAGS.items():           # the deprecated per-op flags: one more way to say --backend op=

@@ -75,3 +75,44 @@ def test_readme_says_serve_samples_and_generate_is_greedy_by_default(monkeypatch
     seen = []
     monkeypatch.setattr(cli, "cmd_generate", lambda a: seen.append(a.temperature) or 0)
     assert main(["generate", "--prompt", "x"]) == 0 and seen == [0.0]
+
+
+# ---- MTP flags without --speculative-algorithm ---------------------------------------------------------------
+def _engine_config(*argv, **kw):
+    import argparse
+
+    from bytebound.cli import add_engine_args, engine_config
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return engine_config(p.parse_args(list(argv)), **kw)
+
+
+@pytest.mark.parametrize("flags", [["--speculative-num-steps", "2"], ["--speculative-num-draft-tokens", "5"],
+                                   ["--speculative-num-steps", "3", "--speculative-num-draft-tokens", "4"]])
+def test_mtp_sizes_without_nextn_get_a_note(capsys, flags):
+    """As ``--top-p`` at temperature 0: the run goes on (MTP off) and stderr names the flags that did nothing."""
+    cfg = _engine_config(*flags)
+    assert cfg.speculative_steps == 0
+    err = capsys.readouterr().err
+    note = [ln for ln in err.splitlines() if "note:" in ln]
+    assert len(note) == 1 and "without --speculative-algorithm NEXTN" in note[0], err
+    assert all(f in note[0] for f in flags if f.startswith("--")), note
+
+
+def test_mtp_sizes_note_only_where_they_do_nothing(capsys):
+    assert _engine_config().speculative_steps == 0
+    assert _engine_config("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3").speculative_steps == 3
+    assert _engine_config("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
+                          "--speculative-num-draft-tokens", "3").speculative_steps == 2
+    assert _engine_config("--speculative-algorithm", "NEXTN").speculative_steps == 3
+    # bench ablation's +mtp step reads --speculative-num-steps without NEXTN
+    assert _engine_config("--speculative-num-steps", "2", mtp_steps_used=True).speculative_steps == 0
+    assert "note:" not in capsys.readouterr().err
+
+
+def test_mtp_sizes_still_checked_with_nextn():
+    from bytebound.errors import ConfigError
+    with pytest.raises(ConfigError, match="must equal --speculative-num-steps \\+ 1"):
+        _engine_config("--speculative-algorithm", "NEXTN", "--speculative-num-draft-tokens", "3")
+    with pytest.raises(ConfigError, match=">= 1 with NEXTN"):
+        _engine_config("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "0")
