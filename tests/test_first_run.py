@@ -4,6 +4,7 @@ message of a prompt longer than ``--max-model-len``. The runs are short (a few t
 
 from __future__ import annotations
 
+import argparse
 import re
 
 import pytest
@@ -116,3 +117,77 @@ def test_mtp_sizes_still_checked_with_nextn():
         _engine_config("--speculative-algorithm", "NEXTN", "--speculative-num-draft-tokens", "3")
     with pytest.raises(ConfigError, match=">= 1 with NEXTN"):
         _engine_config("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "0")
+
+
+# ---- help text ---------------------------------------------------------------------------------------------
+COMMANDS = [["generate"], ["demo"], ["verify"], ["serve"], ["bench"], ["bench", "synthetic"], ["bench", "gsm8k"],
+            ["bench", "ablation"], ["analyze"], []]
+DEPRECATED = ["--moe-backend", "--linear-backend", "--kda-backend", "--mla-backend", "--fused-router",
+              "--fused-norm", "--fused-shared-expert", "--fused-router-gemv", "--decode-kv-buckets",
+              "--spec-static-round", "--enforce-eager"]
+
+
+def help_of(capsys, cmd) -> str:
+    with pytest.raises(SystemExit) as e:
+        main([*cmd, "--help"])
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: " ".join(c) or "bytebound")
+def test_help_lists_no_deprecated_flags_and_no_sphinx_markup(capsys, cmd):
+    text = help_of(capsys, cmd)
+    assert "deprecated" not in text.lower()
+    assert not [f for f in DEPRECATED if re.search(rf"{f}\b", text)], text
+    assert not re.search(r":[a-z]+:`|``|\w::$", text, re.MULTILINE), text
+
+
+def test_sphinx_roles_become_plain_names(capsys):
+    text = help_of(capsys, ["verify"])
+    assert "add_verify_args / apply_verify_args" in text
+    assert "(see bytebound.server.app)" in help_of(capsys, ["serve"])
+    from bytebound.helptext import plain_doc
+    assert plain_doc("See :meth:`~a.B.f`, :py:class:`X` and ``--x``.\n\nUsage::\n") == "See f, X and --x.\n\nUsage:\n"
+    assert plain_doc(None) is None
+
+
+@pytest.mark.parametrize("flags,field,value", [
+    (["--moe-backend", "torch"], "backends", {"moe": "torch"}), (["--kda-backend", "fla"], "backends", {"kda": "fla"}),
+    (["--no-fused-router"], "fused_router", False), (["--fused-norm"], "fused_norm", True),
+    (["--no-fused-shared-expert"], "fused_shared", False), (["--no-decode-kv-buckets"], "kv_buckets", False),
+    (["--enforce-eager"], "enforce_eager", True)])
+def test_hidden_deprecated_flags_still_work(flags, field, value):
+    assert getattr(_engine_config(*flags), field) == value
+
+
+def command_parser(monkeypatch, name: str) -> argparse.ArgumentParser:
+    """The parser ``main`` builds for the subcommand ``name`` (caught at its ``parse_args``)."""
+    class Built(Exception):
+        pass
+
+    def catch(self, *a, **k):
+        raise Built(self)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
+    with pytest.raises(Built) as e:
+        main([name])
+    sub = next(a for a in e.value.args[0]._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+@pytest.mark.parametrize("cmd,flags", [
+    ("generate", ["--device", "--max-model-len", "--load-format", "--speculative-num-steps",
+                  "--speculative-num-draft-tokens"]),
+    ("demo", ["--max-tokens", "--index", "--format"]), ("serve", ["--host", "--port"])])
+def test_flags_have_help_with_their_default(monkeypatch, cmd, flags):
+    actions = {s: a for a in command_parser(monkeypatch, cmd)._actions for s in a.option_strings}
+    for f in flags:
+        h = actions[f].help
+        assert h and h != argparse.SUPPRESS and "default" in h, (f, h)
+
+
+def test_version(capsys):
+    import tomllib
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    want = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"bytebound {want}"

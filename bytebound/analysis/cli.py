@@ -54,8 +54,9 @@ def parse_context(text: str) -> tuple[int, ...]:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``analyze`` on an ``argparse`` subparsers object; returns the parser."""
     d = sd.SeedInputs()
+    from bytebound.helptext import plain_doc
     p = subparsers.add_parser("analyze", help="byte ledger, roofline and speculative cost model (seed vs exact)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=plain_doc(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     from bytebound.config import LING3_FLASH_CONFIG
     p.add_argument("--config", default=None,
                    help="config.json (file or checkpoint dir) for the exact ledger (default: the --checkpoint's own "

@@ -91,8 +91,9 @@ def _gsm8k_args(p) -> None:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     from bytebound.cli import add_engine_args
+    from bytebound.helptext import plain_doc
     from bytebound.verify.cli import add_verify_args
-    p = subparsers.add_parser("bench", help="benchmarks: synthetic, gsm8k, ablation", description=__doc__,
+    p = subparsers.add_parser("bench", help="benchmarks: synthetic, gsm8k, ablation", description=plain_doc(__doc__),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="bench", required=True)
     s = sub.add_parser("synthetic", help="fixed-length greedy decode (default 32768 in / 2048 out)")
@@ -113,7 +114,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_verify_args(g, strict_default=True)
     g.set_defaults(fn=cmd_gsm8k)
     a = sub.add_parser("ablation", help="baseline -> +kernel -> +fp8-head -> +mtp, one lever at a time",
-                       description=__import__("bytebound.bench.ablation", fromlist=["x"]).__doc__,
+                       description=plain_doc(__import__("bytebound.bench.ablation", fromlist=["x"]).__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(a)
     _common(a, "ablation")
