@@ -191,3 +191,24 @@ def test_version(capsys):
         main(["--version"])
     want = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"bytebound {want}"
+
+
+# ---- analyze > file ------------------------------------------------------------------------------------------
+def test_analyze_into_a_file_does_not_fold_the_tables(tmp_path, capsys, monkeypatch):
+    """stdout not a terminal (here captured) and no COLUMNS: each table row is one line (rich folds at 80)."""
+    import json
+    monkeypatch.delenv("COLUMNS", raising=False)
+    path = tmp_path / "r.json"
+    assert main(["analyze", "--checkpoint", str(NANO), "--detail", "--json", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rep = json.loads(path.read_text())
+    tops = [i for i, ln in enumerate(out) if ln.startswith("┏")]
+    ends = [i for i, ln in enumerate(out) if ln.startswith("└")]
+    want = [len(rep["rows"]), len(rep["ledger"]["bf16_head"]["groups"]) + 1,
+            len(rep["ledger"]["bf16_head"]["items"])]
+    assert len(tops) == len(ends) == 3
+    for top, end, n in zip(tops, ends, want):
+        body = out[top + 3:end]                               # after the header row and its rule
+        assert len(body) == n, "\n".join(out[top:end + 1])
+        assert {len(ln) for ln in out[top:end + 1]} == {len(out[top])}
+    assert max(len(ln) for ln in out) > 80                    # the tables are wider than rich's default
