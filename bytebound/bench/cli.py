@@ -25,7 +25,8 @@ length is ever assumed. The ablation report is rewritten after every step, so a 
 Files: ``DIR/NAME.json``, ``DIR/NAME.md``, ``DIR/NAME_*.png`` (NAME defaults to the benchmark's name).
 Exit codes: 0 done (an ablation with every lever active; with ``--tpot-rule record`` TPOT rises are listed, not
 stopped on); 2 the engine could not start or a bad argument; 3 the ablation stopped early (a lever not active, a
-step that failed, or with the default ``--tpot-rule enforce`` a TPOT rise beyond ``--tpot-tolerance``).
+step that failed, or with the default ``--tpot-rule enforce`` a TPOT rise beyond ``--tpot-tolerance``; on a CPU
+device a rise is recorded, not enforced, and the console says so).
 """
 
 from __future__ import annotations
