@@ -212,3 +212,21 @@ def test_analyze_into_a_file_does_not_fold_the_tables(tmp_path, capsys, monkeypa
         assert len(body) == n, "\n".join(out[top:end + 1])
         assert {len(ln) for ln in out[top:end + 1]} == {len(out[top])}
     assert max(len(ln) for ln in out) > 80                    # the tables are wider than rich's default
+
+
+# ---- a prompt longer than --max-model-len ----------------------------------------------------------------------
+def test_generate_prompt_longer_than_max_model_len_says_the_prompt_does_not_fit(nano_ckpt, capsys):
+    from bytebound.engine.engine import Engine
+    from bytebound.errors import RequestError
+    prompt = "Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning."
+    eng = Engine(model=str(nano_ckpt), max_model_len=8)
+    n = len(eng.encode_prompt(prompt))
+    assert n > 8
+    from bytebound.sampling import SamplingParams
+    with pytest.raises(RequestError, match=rf"the prompt itself \({n} tokens\) does not fit the engine's max "
+                                           r"length 8 \(--max-model-len\)") as e:
+        next(iter(eng.stream(prompt, SamplingParams(max_tokens=1))))
+    assert e.value.param == "prompt"
+    assert main(["generate", "--model", str(nano_ckpt), "--max-model-len", "8", "--prompt", prompt]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"the prompt itself ({n} tokens) does not fit" in err, err

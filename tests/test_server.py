@@ -442,6 +442,21 @@ def test_overlong_chat_prompt_without_max_tokens_is_context_length_exceeded(srv)
          400, "max_completion_tokens", "context_length_exceeded")
 
 
+def test_prompt_longer_than_the_context_says_the_prompt_does_not_fit(srv, ref):
+    """A prompt that alone exceeds max_model_len: the message names its length and the limit and says the prompt
+    itself does not fit (not "room for at most 0 new tokens", nor the max_tokens no value of which would help)."""
+    long = "hello " * 5000
+    n, limit = len(ref.encode_prompt(long)), httpx.get(f"{srv.url}/server_info").json()["max_model_len"]
+    assert n > limit
+    for path, body, param in (("/v1/completions", {"prompt": long, "max_tokens": 4}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]}, "messages")):
+        msg = _err(_post(srv.url, path, body), 400, param, "context_length_exceeded")["message"]
+        if param == "messages":
+            n = len(ref.encode_prompt(long, chat=True))
+        assert f"maximum context length is {limit} tokens" in msg and f"the prompt has {n} tokens" in msg, msg
+        assert "the prompt itself does not fit" in msg and "room for" not in msg and "max_tokens" not in msg, msg
+
+
 @pytest.mark.parametrize("ids", [[-1], [99999999], [6144], [0, -5], "3", 3, [1.5], [True], ["1"]])
 def test_stop_token_ids_are_checked(srv, ids):
     e = _err(_post(srv.url, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop_token_ids": ids}), 400,

@@ -414,11 +414,15 @@ def _sampling(body: dict, chat: bool, prompt_len: int, engine) -> SamplingParams
         # validate names the field; max_tokens is reported under the key the client used
         raise APIError(400, str(e), param=key if e.param == "max_tokens" else e.param) from None
     if mt > room:           # the prompt alone overflows (its fault) or with max_tokens (the limit's fault)
+        head = (f"this model's maximum context length is {engine.runner.max_len} tokens; the prompt has "
+                f"{prompt_len} tokens")
+        if room < 1:        # = prompt_len > max_len (engine.max_new_tokens): no max_tokens could help
+            raise APIError(400, f"{head}, so the prompt itself does not fit; shorten it",
+                           param="messages" if chat else "prompt", code="context_length_exceeded")
         limit = f" and {key} is {mt}{'' if given else ' (the default)'}" if given or not chat else ""
-        raise APIError(400, f"this model's maximum context length is {engine.runner.max_len} tokens; the prompt "
-                       f"has {prompt_len} tokens{limit} (room for at most {max(room, 0)} new "
+        raise APIError(400, f"{head}{limit} (room for at most {room} new "
                        f"tokens{' with MTP draft slots' if engine.config.speculative_steps else ''})",
-                       param=key if room >= 1 else "messages" if chat else "prompt", code="context_length_exceeded")
+                       param=key, code="context_length_exceeded")
     return p
 
 
