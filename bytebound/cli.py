@@ -199,8 +199,8 @@ def cmd_generate(a) -> int:
 # What the demo's answer line means for the bundled model: its greedy GSM8K exact match is the model card's
 # (models/ling-nano/README.md, "Measured quality": 8 / 400 = 2.0 %); tests/test_first_run.py checks the card still
 # says so.
-DEMO_MODEL_NOTE = ("(the bundled 21 MB ling-nano answers about 2 % of GSM8K test questions correctly, "
-                   "models/ling-nano/README.md: the demo shows the engine at work, not the model's quality)")
+DEMO_MODEL_NOTE = ("note: the bundled 21 MB model answers about 2 % of GSM8K correctly (models/ling-nano/README.md); "
+                   "the demo shows the engine, not the model's quality")
 
 
 def cmd_demo(a) -> int:
