@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from bytebound.engine.engine import DEFAULT_MODEL
+from bytebound.runner.plan import OP_FLAGS
+
+
+# MTP draft steps per round without --speculative-num-steps (the seed's 3 drafts, 4 verified positions)
+SPEC_STEPS = 3
+
+
+def spec_steps(a) -> int:
+    """``--speculative-num-steps``, or its default :data:`SPEC_STEPS` when not given."""
+    return SPEC_STEPS if a.speculative_num_steps is None else a.speculative_num_steps
 
 
 def add_engine_args(p: argparse.ArgumentParser, cpu_compile: bool | str = False) -> None:
     """Flags shared by every command that starts an engine. ``cpu_compile``: the command's default for
     ``--cpu-compile`` (``"auto"``: compile the CPU decode step where torch.compile can, else run eagerly)."""
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint dir (default: bundled ling-nano)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: fp32 on CPU, bf16 on CUDA")
     p.add_argument("--lm-head", default="bf16", choices=["bf16", "fp32", "fp8"],
                    help="bf16 (checkpoint), fp32 (fp32 logits, --enable-fp32-lm-head), fp8 (online FP8)")
@@ -22,29 +33,31 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_compile: bool | str = False)
                         "humming, linear=torch|triton, lm_head=torch|triton, kda=torch|fla|triton, mla=torch|triton - "
                         "or a switch - router=gemv|triton|torch, norm=triton|torch, moe_shared=fused|separate, "
                         "kv=buckets|exact, round=static|eager, graphs=captured|eager (default: the device's plan; "
-                        "bytebound verify prints it per op and regime)")
-    p.add_argument("--moe-backend", default=None, help="deprecated: --backend moe=NAME")
-    p.add_argument("--linear-backend", default=None, help="deprecated: --backend linear=NAME")
-    p.add_argument("--kda-backend", default=None, help="deprecated: --backend kda=NAME")
-    p.add_argument("--mla-backend", default=None, help="deprecated: --backend mla=NAME")
+                        "bytebound verify prints it per op and regime; the older per-op and --fused-* flags still "
+                        "work, unlisted)")
+    # Deprecated aliases, kept working but not listed by --help (help=SUPPRESS): the registry ops' per-op flags
+    # (--moe-backend NAME = --backend moe=NAME, runner.plan.OP_FLAGS) and, below, the switches' booleans.
+    hidden = argparse.SUPPRESS
+    for flag in OP_FLAGS.values():
+        p.add_argument(flag, default=None, help=hidden)
     p.add_argument("--allow-fallback", action="store_true",
                    help="substitute the torch backend when a requested one is unusable (recorded and printed)")
     p.add_argument("--speculative-algorithm", default=None, choices=["NEXTN"], help="NEXTN = MTP drafting (default off)")
-    p.add_argument("--speculative-num-steps", type=int, default=3)
-    p.add_argument("--speculative-num-draft-tokens", type=int, default=4)
+    # default None, read through spec_steps: a value the user gave is told from the default
+    p.add_argument("--speculative-num-steps", type=int, default=None,
+                   help=f"with NEXTN: draft steps per MTP round (default {SPEC_STEPS})")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help=f"with NEXTN: tokens verified per round, --speculative-num-steps + 1 (chain, top-k 1; "
+                        f"default {SPEC_STEPS + 1})")
     p.add_argument("--speculative-draft-vocab", default=None, metavar="N|COVERAGE|FILE",
                    help="hot-vocabulary draft head (opt-in): the draft steps score only N tokens of the target's LM "
                         "head - N, a coverage in (0, 1) of the checkpoint's token-frequency ranking (e.g. 0.99), or "
                         "a token-id file; the verify always uses the full head (default: full head)")
     onoff = argparse.BooleanOptionalAction
-    # deprecated aliases of plan entries (runner.plan.ALIASES says what each maps to)
-    p.add_argument("--fused-router", action=onoff, default=None, help="deprecated: --backend router=triton|torch")
-    p.add_argument("--fused-norm", action=onoff, default=None, help="deprecated: --backend norm=triton|torch")
-    p.add_argument("--fused-shared-expert", action=onoff, default=None,
-                   help="deprecated: --backend moe_shared=fused|separate")
-    p.add_argument("--fused-router-gemv", action=onoff, default=None, help="deprecated: --backend router=gemv|triton")
-    p.add_argument("--decode-kv-buckets", action=onoff, default=None, help="deprecated: --backend kv=buckets|exact")
-    p.add_argument("--spec-static-round", action=onoff, default=None, help="deprecated: --backend round=static|eager")
+    # deprecated aliases of plan entries, hidden from --help (runner.plan.ALIASES says what each maps to)
+    for flag in ("--fused-router", "--fused-norm", "--fused-shared-expert", "--fused-router-gemv",
+                 "--decode-kv-buckets", "--spec-static-round"):
+        p.add_argument(flag, action=onoff, default=None, help=hidden)
     p.add_argument("--speculative-adaptive", action="store_true",
                    help="with NEXTN: run MTP rounds only while the measured accept length / round cost pays, "
                         "decode plainly otherwise and probe back periodically (default off)")
@@ -56,9 +69,13 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_compile: bool | str = False)
     p.add_argument("--adaptive-probe-max", type=int, default=1024,
                    help="adaptive speculation: the longest plain phase between probes [tokens]")
     p.add_argument("--adaptive-probe-rounds", type=int, default=4, help="adaptive speculation: MTP rounds per probe")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--enforce-eager", action="store_true", help="deprecated: --backend graphs=eager")
+    p.add_argument("--max-model-len", type=int, default=4096,
+                   help="longest request in tokens: prompt + generated (+ MTP draft slots), at most the model's "
+                        "max_position_embeddings (default 4096)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="auto: the checkpoint's weights; dummy: random weights at the config's shapes, no tokenizer "
+                        "(default auto)")
+    p.add_argument("--enforce-eager", action="store_true", help=hidden)     # = --backend graphs=eager
     if cpu_compile == "auto":
         what = ("default: on where torch.compile can build it (else eager, with the reason); the first run "
                 "compiles for 30-60 s on 2 cores, later ones load the cache in seconds")
@@ -67,7 +84,7 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_compile: bool | str = False)
     p.add_argument("--cpu-compile", action=onoff, default=cpu_compile,
                    help="CPU: compile the one-token decode step with torch.compile (inductor, C++; needs a C++ "
                         f"compiler) for 2-3x faster steps ({what}; docs/perf/cpu-decode-nano.md). "
-                        "--no-cpu-compile or --enforce-eager runs the eager step")
+                        "--no-cpu-compile or --backend graphs=eager runs the eager step")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="N processes, one shard of the model each (heads, experts, vocabulary; gloo on CPU, NCCL on "
                         "CUDA with one GPU per rank); bytebound starts them itself, or runs as a rank under torchrun")
@@ -76,16 +93,31 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_compile: bool | str = False)
                         "need not wait for the per-token host work (same tokens; default: off, not yet measured)")
 
 
-def engine_config(a):
+def engine_config(a, mtp_steps_used: bool = False):
+    """The EngineConfig of a parsed command line (:func:`add_engine_args`). ``mtp_steps_used``: the command reads
+    ``--speculative-num-steps`` without NEXTN itself (bench ablation's +mtp step), so giving it is not pointless.
+
+    Raises:
+        ConfigError: contradictory or out-of-range flags (a flag that needs NEXTN given without it, a bad
+            ``--speculative-num-steps`` / ``--speculative-num-draft-tokens`` pair, a deprecated per-op flag
+            against ``--backend``).
+    """
     from bytebound.engine.engine import EngineConfig
     from bytebound.errors import ConfigError
     steps = 0
+    draft = a.speculative_num_draft_tokens
     if a.speculative_algorithm == "NEXTN":
-        steps = a.speculative_num_steps
+        steps = spec_steps(a)
         if steps < 1:
             raise ConfigError(f"--speculative-num-steps must be >= 1 with NEXTN, got {steps}")
-        if a.speculative_num_draft_tokens != steps + 1:
+        if (SPEC_STEPS + 1 if draft is None else draft) != steps + 1:
             raise ConfigError("--speculative-num-draft-tokens must equal --speculative-num-steps + 1 (chain, top-k 1)")
+    else:
+        given = [flag for flag, v in (("--speculative-num-steps", None if mtp_steps_used else a.speculative_num_steps),
+                                      ("--speculative-num-draft-tokens", draft)) if v is not None]
+        if given:           # like --top-p at temperature 0: said, not refused (the flags are harmless without MTP)
+            print(f"[bytebound] note: {' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect "
+                  "without --speculative-algorithm NEXTN (MTP is off)", file=sys.stderr)
     from bytebound.runner.plan import OP_FLAGS, parse_backend_specs
     backends = parse_backend_specs(getattr(a, "backend", None) or [])
     for op, flag in OP_FLAGS.items():           # the deprecated per-op flags: one more way to say --backend op=
@@ -167,6 +199,13 @@ def cmd_generate(a) -> int:
     return 0
 
 
+# What the demo's answer line means for the bundled model: its greedy GSM8K exact match is the model card's
+# (models/ling-nano/README.md, "Measured quality": 8 / 400 = 2.0 %); tests/test_first_run.py checks the card still
+# says so.
+DEMO_MODEL_NOTE = ("note: the bundled 21 MB model answers about 2 % of GSM8K correctly (models/ling-nano/README.md); "
+                   "the demo shows the engine, not the model's quality")
+
+
 def cmd_demo(a) -> int:
     """Answer one GSM8K test question with the bundled model: print the answer, the gold and the speed. On a
     CPU it compiles the decode step by default (``--cpu-compile`` auto)."""
@@ -204,6 +243,8 @@ def cmd_demo(a) -> int:
     pred = extract_answer(out.text)
     ok = answers_match(pred, rec["final"])
     print(f"\n\nanswer: {pred}   gold: {rec['final']}   {'correct' if ok else 'wrong'}")
+    if Path(a.model).resolve() == DEFAULT_MODEL.resolve():
+        print(DEMO_MODEL_NOTE)
     spec = f", accept length {out.spec['accept_length']:.2f}" if out.spec else ""
     print(f"{out.completion_tokens} tokens, prompt {out.prompt_tokens} tokens, TTFT {out.ttft_s * 1e3:.0f} ms, "
           f"TPOT {out.tpot_s * 1e3:.1f} ms, decode {out.decode_tok_s:.1f} tok/s{spec} ({a.device})")
@@ -211,7 +252,10 @@ def cmd_demo(a) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="bytebound", description=__doc__)
+    from bytebound import __version__
+    from bytebound.helptext import plain_doc
+    ap = argparse.ArgumentParser(prog="bytebound", description=plain_doc(__doc__))
+    ap.add_argument("--version", action="version", version=f"bytebound {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate text for one prompt")
     add_engine_args(g)
@@ -230,9 +274,11 @@ def main(argv=None) -> int:
     g.set_defaults(fn=cmd_generate)
     d = sub.add_parser("demo", help="answer a GSM8K test question with the bundled model, print answer and speed")
     add_engine_args(d, cpu_compile="auto")
-    d.add_argument("--index", type=int, default=0, help="GSM8K test question index")
-    d.add_argument("--format", default="chat", choices=["chat", "5shot"])
-    d.add_argument("--max-tokens", type=int, default=256)
+    d.add_argument("--index", type=int, default=0, help="GSM8K test question index, 0-1318 (default 0)")
+    d.add_argument("--format", default="chat", choices=["chat", "5shot"],
+                   help="chat: the question in the chat template; 5shot: the benchmark's five-exemplar prompt "
+                        "(default chat)")
+    d.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
     d.set_defaults(fn=cmd_demo)
     import importlib
     for mod in ("bytebound.analysis.cli", "bytebound.verify.cli", "bytebound.bench.cli", "bytebound.server.cli"):

@@ -114,8 +114,9 @@ def _ladder(monkeypatch, tpots, rounds_ms=None, device="cuda", load_format="dumm
             return [_out(t, n=9, rounds=8, committed=8, round_s=8 * rounds_ms[case] / 1e3)], {"input_len": case}
         return [_out(t)], {"input_len": case}
 
+    kw.setdefault("log", lambda *_: None)
     r = ab.run_ablation(EngineConfig(device=device, load_format=load_format), work, cases=[2048, 32768],
-                        make_engine=make, log=lambda *_: None, manifest=lambda eng: {}, **kw)
+                        make_engine=make, manifest=lambda eng: {}, **kw)
     return r, made
 
 
@@ -145,6 +146,28 @@ def test_synthetic_mtp_row_is_priced_and_not_stopped_on(monkeypatch):
     # each case is compared with the same case of the step before
     assert r["steps"][1]["cases"][1]["change_pct"] == pytest.approx(100 * (4.4 - 10.5) / 10.5)
     assert r["steps"][2]["cases"][0]["change_vs_baseline_pct"] == pytest.approx(100 * (3.9 - 9.7) / 9.7)
+
+
+def test_cpu_rise_is_recorded_and_the_console_says_why(monkeypatch):
+    """On a CPU device the default ``--tpot-rule enforce`` is set aside (``bench --help``: a rise exits 3): the
+    console says so where the rule is decided, and again at each rise, which goes into the row's note."""
+    said = []
+    tpots = [{2048: 4.0, 32768: 4.4}, {2048: 10.2, 32768: 11.0}, {2048: 12.0, 32768: 13.0}]
+    r, made = _ladder(monkeypatch, tpots, {2048: 12.0, 32768: 13.0}, device="cpu", load_format="auto",
+                      log=said.append)
+    assert r["status"] == "complete" and r["tpot_rule"] == "recorded, not enforced (CPU)"
+    assert [s["step"] for s in r["steps"]] == ["baseline", "+kernel", "+fp8-head", "+mtp"] and len(made) == 3
+    head = [ln for ln in said if ln.startswith("[ablation] CPU device:")]
+    assert len(head) == 1 and "recorded, not enforced" in head[0] and "per-op overhead" in head[0]
+    assert said.index(head[0]) < min(i for i, ln in enumerate(said) if "step baseline" in ln)
+    rises = [ln for ln in said if "vs previous (tolerance 1.0%): recorded, not enforced (CPU device" in ln]
+    assert [ln.split(":")[0] for ln in rises] == ["[ablation] +fp8-head [2048]", "[ablation] +fp8-head [32768]",
+                                                  "[ablation] +mtp [2048]", "[ablation] +mtp [32768]"], said
+    assert "+155.00%" in rises[0]
+    said.clear()
+    _ladder(monkeypatch, tpots, {2048: 12.0, 32768: 13.0}, device="cpu", load_format="auto", log=said.append,
+            tpot_rule="record")
+    assert not [ln for ln in said if ln.startswith("[ablation] CPU device:")]    # the user asked for it
 
 
 def test_without_an_accept_length_nothing_is_priced(monkeypatch):

@@ -219,6 +219,21 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(srv, ref):
     assert httpx.get(f"{srv.url}/health").status_code == 200
 
 
+def test_request_without_model_is_for_the_served_model(srv, ref):
+    """As vLLM and SGLang: a request that names no model gets the one this server serves (a wrong name stays 404,
+    above); a ``model`` that is not a string stays 400."""
+    want = expect(ref, "The quick brown fox", max_tokens=5)
+    for path, body in (("/v1/completions", {"prompt": "The quick brown fox"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "The quick brown fox"}]})):
+        r = httpx.post(srv.url + path, json={**body, "max_tokens": 5, "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == NAME
+        if path == "/v1/completions":
+            assert r.json()["choices"][0]["text"] == want.text
+    r = httpx.post(srv.url + "/v1/completions", json={"model": None, "prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
 # ---- load: 200 sequential, 8 concurrent ------------------------------------------------------------------
 def test_200_sequential_requests(srv, ref):
     c = srv.client()
@@ -425,6 +440,21 @@ def test_overlong_chat_prompt_without_max_tokens_is_context_length_exceeded(srv)
     _err(_post(srv.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                  "max_completion_tokens": 5000}),
          400, "max_completion_tokens", "context_length_exceeded")
+
+
+def test_prompt_longer_than_the_context_says_the_prompt_does_not_fit(srv, ref):
+    """A prompt that alone exceeds max_model_len: the message names its length and the limit and says the prompt
+    itself does not fit (not "room for at most 0 new tokens", nor the max_tokens no value of which would help)."""
+    long = "hello " * 5000
+    n, limit = len(ref.encode_prompt(long)), httpx.get(f"{srv.url}/server_info").json()["max_model_len"]
+    assert n > limit
+    for path, body, param in (("/v1/completions", {"prompt": long, "max_tokens": 4}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]}, "messages")):
+        msg = _err(_post(srv.url, path, body), 400, param, "context_length_exceeded")["message"]
+        if param == "messages":
+            n = len(ref.encode_prompt(long, chat=True))
+        assert f"maximum context length is {limit} tokens" in msg and f"the prompt has {n} tokens" in msg, msg
+        assert "the prompt itself does not fit" in msg and "room for" not in msg and "max_tokens" not in msg, msg
 
 
 @pytest.mark.parametrize("ids", [[-1], [99999999], [6144], [0, -5], "3", 3, [1.5], [True], ["1"]])

@@ -54,8 +54,9 @@ def parse_context(text: str) -> tuple[int, ...]:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``analyze`` on an ``argparse`` subparsers object; returns the parser."""
     d = sd.SeedInputs()
+    from bytebound.helptext import plain_doc
     p = subparsers.add_parser("analyze", help="byte ledger, roofline and speculative cost model (seed vs exact)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=plain_doc(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     from bytebound.config import LING3_FLASH_CONFIG
     p.add_argument("--config", default=None,
                    help="config.json (file or checkpoint dir) for the exact ledger (default: the --checkpoint's own "
@@ -337,19 +338,20 @@ def build_report(args) -> dict:
 
 
 def render(report: dict, console=None, detail: bool = False):
-    """Print the side-by-side table (and the exact ledger by group) with rich; returns the console."""
+    """Print the side-by-side table (and the exact ledger by group) with rich; returns the console. Without a
+    ``console``, stdout's: a terminal's width, or where stdout is not a terminal (``analyze > file``), the width
+    of the widest table, so that no row is folded (rich's default there is 80 columns, or ``COLUMNS``)."""
     from rich.console import Console
+    from rich.measure import Measurement
     from rich.table import Table
-    con = console or Console()
+    tables = []
     t = Table(title="bytes per decode step: seed mode vs exact ledger (batch 1)")
     for col, just in (("quantity", "left"), ("seed mode", "right"), ("exact ledger", "right"), ("unit", "left"),
                       ("seed §", "left")):
         t.add_column(col, justify=just)
     for r in report["rows"]:
         t.add_row(*r)
-    con.print(t)
-    if report["reference_points"]["note"]:
-        con.print(report["reference_points"]["note"], markup=False, highlight=False)
+    tables.append(t)
     if report["ledger"]:
         g = Table(title="exact ledger by tensor group (one decode step)")
         for col in ("group", "params (M)", "BF16 head (MB)", "FP8 head (MB)", "share (BF16 head)"):
@@ -360,7 +362,7 @@ def render(report: dict, console=None, detail: bool = False):
                       f"{b['groups'][name]['bytes'] / 1e6:.1f}", f"{100 * v['bytes'] / a['bytes_per_step']:.1f} %")
         g.add_row("total", f"{a['active_params'] / 1e6:.1f}", f"{a['bytes_per_step'] / 1e6:.1f}",
                   f"{b['bytes_per_step'] / 1e6:.1f}", "100 %")
-        con.print(g)
+        tables.append(g)
     if detail and report["ledger"]:
         d = Table(title="exact ledger, every tensor kind (BF16 head; FP8 head: lm_head fp8_channel)")
         for col in ("tensor", "shape [N, K]", "format", "copies/step", "payload (MB)", "scales (MB)"):
@@ -368,7 +370,17 @@ def render(report: dict, console=None, detail: bool = False):
         for it in report["ledger"]["bf16_head"]["items"]:
             d.add_row(it["name"], "x".join(map(str, it["shape"])), it["fmt"], f"{it['count']:g}",
                       f"{it['payload_bytes'] / 1e6:.3f}", f"{it['scale_bytes'] / 1e6:.3f}")
-        con.print(d)
+        tables.append(d)
+    con = console or Console()
+    if console is None and not con.is_terminal:
+        unbounded = con.options.update_width(1 << 16)
+        need = max(Measurement.get(con, unbounded, x).maximum for x in tables)
+        con = Console(width=max(con.width, need))
+    con.print(tables[0])
+    if report["reference_points"]["note"]:
+        con.print(report["reference_points"]["note"], markup=False, highlight=False)
+    for x in tables[1:]:
+        con.print(x)
     return con
 
 

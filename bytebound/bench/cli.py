@@ -25,7 +25,8 @@ length is ever assumed. The ablation report is rewritten after every step, so a 
 Files: ``DIR/NAME.json``, ``DIR/NAME.md``, ``DIR/NAME_*.png`` (NAME defaults to the benchmark's name).
 Exit codes: 0 done (an ablation with every lever active; with ``--tpot-rule record`` TPOT rises are listed, not
 stopped on); 2 the engine could not start or a bad argument; 3 the ablation stopped early (a lever not active, a
-step that failed, or with the default ``--tpot-rule enforce`` a TPOT rise beyond ``--tpot-tolerance``).
+step that failed, or with the default ``--tpot-rule enforce`` a TPOT rise beyond ``--tpot-tolerance``; on a CPU
+device a rise is recorded, not enforced, and the console says so).
 """
 
 from __future__ import annotations
@@ -91,8 +92,9 @@ def _gsm8k_args(p) -> None:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     from bytebound.cli import add_engine_args
+    from bytebound.helptext import plain_doc
     from bytebound.verify.cli import add_verify_args
-    p = subparsers.add_parser("bench", help="benchmarks: synthetic, gsm8k, ablation", description=__doc__,
+    p = subparsers.add_parser("bench", help="benchmarks: synthetic, gsm8k, ablation", description=plain_doc(__doc__),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="bench", required=True)
     s = sub.add_parser("synthetic", help="fixed-length greedy decode (default 32768 in / 2048 out)")
@@ -113,7 +115,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_verify_args(g, strict_default=True)
     g.set_defaults(fn=cmd_gsm8k)
     a = sub.add_parser("ablation", help="baseline -> +kernel -> +fp8-head -> +mtp, one lever at a time",
-                       description=__import__("bytebound.bench.ablation", fromlist=["x"]).__doc__,
+                       description=plain_doc(__import__("bytebound.bench.ablation", fromlist=["x"]).__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(a)
     _common(a, "ablation")
@@ -147,14 +149,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _config(a, synthetic: bool = False, min_len: int = 0):
     """EngineConfig of the command line; ``synthetic``: with ``max_model_len`` raised to what the fixed-length
     requests need (flag errors first, then the length check of :func:`_synthetic_len`), and to ``min_len``."""
-    from bytebound.cli import engine_config
-    cfg = engine_config(a)
+    from bytebound.cli import engine_config, spec_steps
+    cfg = engine_config(a, mtp_steps_used=getattr(a, "bench", None) == "ablation")   # its +mtp step reads it
     if hasattr(a, "no_canaries"):      # synthetic / gsm8k: start-up canaries, strict unless --no-strict
         from bytebound.verify.cli import apply_verify_args
         cfg = apply_verify_args(cfg, a)
     if not synthetic:
         return cfg
-    return replace(cfg, max_model_len=max(cfg.max_model_len, _synthetic_len(a, a.speculative_num_steps), min_len))
+    return replace(cfg, max_model_len=max(cfg.max_model_len, _synthetic_len(a, spec_steps(a)), min_len))
 
 
 def _start(cfg):
@@ -373,8 +375,9 @@ def cmd_gsm8k(a) -> int:
 def _pricing(a) -> list[dict]:
     """The accept lengths the +mtp row is priced at (synthetic weights), read and checked before any engine."""
     from bytebound.bench.ablation import accept_from_file, check_pricing
+    from bytebound.cli import spec_steps
     from bytebound.errors import ConfigError
-    top = a.speculative_num_steps + 1
+    top = spec_steps(a) + 1
     out = []
     for f in a.price_accept_from:
         out += accept_from_file(f, top)
@@ -413,6 +416,7 @@ def _reprice(a, pricing: list[dict]) -> int:
 @_guard
 def cmd_ablation(a) -> int:
     from bytebound.bench.ablation import draw_ladder, run_ablation
+    from bytebound.cli import spec_steps
     pricing = _pricing(a)
     if a.reprice:
         return _reprice(a, pricing)
@@ -453,7 +457,7 @@ def cmd_ablation(a) -> int:
         return rp.write_report(a.out, a.name, data, ablation_markdown(res, meta, workload_desc),
                                {"ladder": draw_ladder(res)})
 
-    res = run_ablation(base, workload, a.baseline_moe, a.kernel_moe, a.speculative_num_steps, a.tpot_tolerance,
+    res = run_ablation(base, workload, a.baseline_moe, a.kernel_moe, spec_steps(a), a.tpot_tolerance,
                        a.allow_fallback, make_engine=make, cases=cases, pricing=pricing, tpot_rule=a.tpot_rule,
                        on_step=write)
     _print(write(res))

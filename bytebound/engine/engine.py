@@ -537,6 +537,9 @@ class Engine:
             ids = self.encode_prompt(prompt, chat)
         if not ids:
             raise RequestError("empty prompt")
+        if not follower and len(ids) > self.runner.max_len:     # no max_tokens could make it fit
+            raise RequestError(f"the prompt itself ({len(ids)} tokens) does not fit the engine's max length "
+                               f"{self.runner.max_len} (--max-model-len)", param="prompt")
         if not follower and p.max_tokens > self.max_new_tokens(len(ids)):
             spare = self.config.speculative_steps if self.drafter else 0
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) needs "

@@ -30,8 +30,9 @@ streams that had begun; ``bytebound_requests_rejected_total`` keeps counting the
 Request rules: malformed JSON, wrong types, text that is not valid Unicode (a lone UTF-16 surrogate in the
 prompt, a message or a stop string: ``invalid_unicode``, naming the field), out-of-range sampling values,
 ``n``/``best_of`` other than 1, unsupported features (logprobs, echo, penalties, tools) and prompts that do not
-fit ``max_model_len`` get 400 before queueing; an unknown model gets 404. Extensions: ``top_k``, ``seed``,
-``ignore_eos``, ``stop_token_ids``, ``return_token_ids`` (non-streaming: ``choices[0].token_ids``).
+fit ``max_model_len`` get 400 before queueing; an unknown model gets 404, a request without ``model`` is for the
+served one. Extensions: ``top_k``, ``seed``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids``
+(non-streaming: ``choices[0].token_ids``).
 ``usage.completion_tokens`` is the number of tokens whose text is returned (stop strings and EOS excluded).
 """
 
@@ -413,11 +414,15 @@ def _sampling(body: dict, chat: bool, prompt_len: int, engine) -> SamplingParams
         # validate names the field; max_tokens is reported under the key the client used
         raise APIError(400, str(e), param=key if e.param == "max_tokens" else e.param) from None
     if mt > room:           # the prompt alone overflows (its fault) or with max_tokens (the limit's fault)
+        head = (f"this model's maximum context length is {engine.runner.max_len} tokens; the prompt has "
+                f"{prompt_len} tokens")
+        if room < 1:        # = prompt_len > max_len (engine.max_new_tokens): no max_tokens could help
+            raise APIError(400, f"{head}, so the prompt itself does not fit; shorten it",
+                           param="messages" if chat else "prompt", code="context_length_exceeded")
         limit = f" and {key} is {mt}{'' if given else ' (the default)'}" if given or not chat else ""
-        raise APIError(400, f"this model's maximum context length is {engine.runner.max_len} tokens; the prompt "
-                       f"has {prompt_len} tokens{limit} (room for at most {max(room, 0)} new "
+        raise APIError(400, f"{head}{limit} (room for at most {room} new "
                        f"tokens{' with MTP draft slots' if engine.config.speculative_steps else ''})",
-                       param=key if room >= 1 else "messages" if chat else "prompt", code="context_length_exceeded")
+                       param=key, code="context_length_exceeded")
     return p
 
 
@@ -701,9 +706,10 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
         """Pool thread: parse and check the body, template and tokenise the prompt ->
         ``(ids, params, stream, include_usage, return_token_ids)``; APIError 4xx on bad input."""
         body = _parse_json(raw)
-        model = body.get("model")
+        # left out: the one model this server serves, as vLLM and SGLang do (OpenAI requires it); a wrong name is 404
+        model = body.get("model", name)
         if not isinstance(model, str):
-            raise APIError(400, "'model' is required (a string)", param="model")
+            raise APIError(400, "'model' must be a string (or left out: the served model)", param="model")
         if model != name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {name!r}",
                            "invalid_request_error", param="model", code="model_not_found")

@@ -22,11 +22,13 @@ import sys
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     from bytebound.cli import add_engine_args
-    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    from bytebound.helptext import plain_doc
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)",
+                              description=plain_doc(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; 0.0.0.0 for every interface (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one (default 8000)")
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: checkpoint basename)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for the engine before new ones get 429 (default 64)")

@@ -58,8 +58,9 @@ def apply_verify_args(cfg, a):
 
 def add_parser(sub) -> None:
     from bytebound.cli import add_engine_args
+    from bytebound.helptext import plain_doc
     p = sub.add_parser("verify", help="start the engine, run the start-up canaries and print the manifest",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=plain_doc(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p)
     add_verify_args(p)
     p.add_argument("--json", default=None, metavar="PATH", help="also write the manifest as JSON here")
