@@ -547,7 +547,7 @@ def _mtp_markdown(res: dict, workload: dict) -> list[str]:
            "host read); wall = first-to-last-token time per round, which also holds the request's one NEXTN pass over "
            "the prompt and the per-round Python loop. c is against the previous step's TPOT in the same case."]
     if not res.get("synthetic_weights"):
-        return md + ([f"", f"Weights are not synthetic: the accept length above is measured, so the "
+        return md + (["", f"Weights are not synthetic: the accept length above is measured, so the "
                       f"{len(res['pricing'])} pricing input(s) given were not used."] if res.get("pricing") else [])
     md += ["", "## +mtp on synthetic weights: PRICED, not measured", "",
            "Random weights accept (almost) nothing (measured accept length above), so the +mtp row's measured TPOT is "
