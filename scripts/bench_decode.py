@@ -73,7 +73,7 @@ def decode_tpot(runner, ctx: int, steps: int = 64) -> tuple[float, float]:
         ms = time_graph(lambda: runner.model.logits(runner.forward(torch.tensor([17]))))
         return ms, ms
     if runner.graph is None:                               # graphs=eager in the plan: capture for the timing
-        capture_decode(runner)
+        capture_decode(runner, tokens=False)        # the step and the eager head are what is timed
     tok = torch.tensor([17], device=runner.device)
     pos = iter(range(ctx, ctx + 2 * steps + 2))
     step = sorted(t * 1e3 for t in cuda_event_times(lambda: runner.graph.replay(tok, next(pos)), steps, warmup=1))
@@ -92,7 +92,7 @@ def kernels_per_step(runner, ctx: int, steps: int = 3):
     if runner.device.type != "cuda":
         return None
     if runner.graph is None:
-        capture_decode(runner)
+        capture_decode(runner, tokens=False)
     tok = torch.tensor([17], device=runner.device)
     pos = iter(range(ctx, ctx + steps + 1))
     with torch.inference_mode():

@@ -60,10 +60,11 @@ def install_labels():
             setattr(mod, attr, _label(getattr(mod, attr), label))
     # names bound by `from bytebound.sampling import sample`
     import bytebound.engine.engine as eng
+    import bytebound.runner.runner as rn
     import bytebound.speculative.adaptive as ad
     import bytebound.speculative.round as rd
     import bytebound.sampling as sm
-    for m in (eng, ad, rd):
+    for m in (eng, rn, ad, rd):
         if hasattr(m, "sample"):
             m.sample = sm.sample
 

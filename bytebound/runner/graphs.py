@@ -120,11 +120,12 @@ class DecodeGraph:
         return nxt, hidden
 
 
-def capture_decode(runner) -> DecodeGraph:
-    """Capture the decode step of ``runner`` (CUDA only) and install it (``runner.graph``)."""
+def capture_decode(runner, tokens: bool = True) -> DecodeGraph:
+    """Capture the decode step of ``runner`` (CUDA only) and install it (``runner.graph``); ``tokens``: also the
+    next-token graphs (``DecodeGraph``; off for a benchmark that times the step alone)."""
     if runner.device.type != "cuda":
         raise RuntimeError("CUDA graphs need a CUDA device")
     runner.graph = None
-    g = DecodeGraph(runner)
+    g = DecodeGraph(runner, tokens=tokens)
     runner.graph = g
     return g

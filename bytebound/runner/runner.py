@@ -100,6 +100,14 @@ class ModelRunner:
         if self.pos + n > self.max_len:
             raise ValueError(f"sequence of {self.pos + n} tokens exceeds the cache ({self.max_len} slots)")
 
+    def _check_step(self, t: int) -> None:
+        """What a forward of ``t`` tokens needs: no verify awaiting its commit (RuntimeError), room in the cache
+        (ValueError)."""
+        if self._verify is not None:
+            raise RuntimeError(f"a {self._verify[1]}-token verify at position {self._verify[0]} awaits commit(n) "
+                               "(or restore) before the next forward")
+        self._check_room(t)
+
     def _end_verify(self) -> None:
         self._verify = None
         for st in self._kda:
@@ -112,11 +120,8 @@ class ModelRunner:
         Raises:
             ValueError: the sequence would exceed ``max_len``. RuntimeError: a verify awaits its commit.
         """
-        if self._verify is not None:
-            raise RuntimeError(f"a {self._verify[1]}-token verify at position {self._verify[0]} awaits commit(n) "
-                               "(or restore) before the next forward")
         t = ids.shape[0]
-        self._check_room(t)
+        self._check_step(t)
         if t == 1 and self.graph is not None:
             h = self.graph.replay(ids.view(1), self.pos)
             self.pos += 1
@@ -139,10 +144,7 @@ class ModelRunner:
             ValueError: the sequence would exceed ``max_len``. RuntimeError: a verify awaits its commit."""
         g = self.graph
         if g is not None and getattr(g, "token_graphs", None) and getattr(self, "tp", None) is None:
-            if self._verify is not None:
-                raise RuntimeError(f"a {self._verify[1]}-token verify at position {self._verify[0]} awaits "
-                                   "commit(n) (or restore) before the next forward")
-            self._check_room(1)
+            self._check_step(1)
             nxt, h = g.replay_token(tok.view(1), self.pos, p, gen)
             self.pos += 1
             return nxt, h
