@@ -118,7 +118,7 @@ def engine_config(a, mtp_steps_used: bool = False):
         if given:           # like --top-p at temperature 0: said, not refused (the flags are harmless without MTP)
             print(f"[bytebound] note: {' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect "
                   "without --speculative-algorithm NEXTN (MTP is off)", file=sys.stderr)
-    from bytebound.runner.plan import OP_FLAGS, parse_backend_specs
+    from bytebound.runner.plan import parse_backend_specs
     backends = parse_backend_specs(getattr(a, "backend", None) or [])
     for op, flag in OP_FLAGS.items():           # the deprecated per-op flags: one more way to say --backend op=
         v = getattr(a, f"{op}_backend", None)
