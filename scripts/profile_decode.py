@@ -40,6 +40,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=2048, help="context length (cache positions) of the step")
     ap.add_argument("--verify-m", type=int, default=4, help="tokens of the profiled verify forward (0: none)")
     ap.add_argument("--steps", type=int, default=5, help="profiled repetitions (the table is per step)")
+    ap.add_argument("--eager-decode", action="store_true",
+                    help="also profile the decode step launched eagerly (each kernel's own duration, no PDL overlap)")
     ap.add_argument("--top", type=int, default=40, help="rows in the markdown table")
     ap.add_argument("--backend", action="append", default=[], metavar="OP=NAME", help="backend override(s)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -70,6 +72,18 @@ def main(argv=None) -> int:
             step = lambda: runner.model.logits(runner.forward(tok))                          # noqa: E731
         rows, tot = kernel_table(step, a.steps, cuda)
         out["decode"] = {"totals": tot, "kernels": rows}
+        if cuda and a.eager_decode:
+            # The same step launched eagerly: the CPU's launch cost leaves the GPU idle between kernels, so each
+            # kernel's duration is its own execution (in the graph, PDL lets a kernel start while its predecessor
+            # runs, and its duration then includes that wait).
+            graph, runner.graph = runner.graph, None
+
+            def eager():
+                runner.pos = a.ctx          # not reset(): its state fills would join the table
+                return runner.model.logits(runner.forward(tok))
+            rows, tot = kernel_table(eager, a.steps, cuda)
+            out["decode_eager"] = {"totals": tot, "kernels": rows}
+            runner.graph = graph
         if a.verify_m:
             runner.graph = None
             ids = torch.full((a.verify_m,), 17, device=eng.device)
@@ -88,7 +102,7 @@ def main(argv=None) -> int:
     (Path(a.out) / f"{a.name}.json").write_text(json.dumps(out, indent=1))
     md = [f"# Kernel table: {out['device']}, {out['date']}, commit {out['commit']}, {out['weights']}, ctx {a.ctx}", "",
           f"Command: `{out['command']}`", ""]
-    for part in ("decode", "verify"):
+    for part in ("decode", "decode_eager", "verify"):
         if part not in out:
             continue
         t = out[part]["totals"]
