@@ -31,11 +31,11 @@ def resource_usage(warps: int, heads: int, d: int, arch: int, safe: bool = True,
     f32, bf16 = "*fp32", "*bf16"
     types = dict(qkv_ptr=bf16, f_ptr=bf16, gate_ptr=bf16, b_ptr=bf16, x_ptr=bf16, wb_ptr=bf16, o_ptr=bf16,
                  ticket_ptr="*i32",
-                 lower_bound="fp32", eps="fp32", scale="fp32", B="i32", HIST="i1")
+                 lower_bound="fp32", eps="fp32", scale="fp32", B="i32", HIST="i32")
     bk = triton.next_power_of_2(d)
     # M, HIST and SCR are run-time arguments of the kernel (one binary for decode and verify); PDL as the engine
     # launches it
-    const = dict(H=heads, K=d, V=d, BK=bk, BV=bk, SAFE_GATE=safe, VS=v_split, FENCE=True, PDL=True,
+    const = dict(H=heads, K=d, V=d, BK=bk, BV=bk, SAFE_GATE=safe, VS=v_split, FENCE=True, PDL=True, PF=True,
                  NTH=32 * warps, BETA_X=True, HID=hidden, BH=min(512, triton.next_power_of_2(hidden)))
     sig, attrs = {}, {}
     for i, n in enumerate(fn.arg_names):

@@ -65,3 +65,19 @@ if tl is not None:
         if PDL:
             gdc("griddepcontrol.launch_dependents; mov.u32 $0, 0;", NT)
             gdc("griddepcontrol.wait; mov.u32 $0, 0;", NT)
+
+    # $1 a 16-byte aligned global address, $2 a byte count (a multiple of 16; 0: nothing). Thread 0 of the CTA
+    # issues it: one bulk request per program, not one per thread that holds a replica of the pointer.
+    ASM_L2_PREFETCH_T0 = tl.constexpr(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; setp.ne.and.u32 p, $2, 0, p; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }")
+
+    @triton.jit
+    def l2_prefetch(ptr, nbytes, NT: tl.constexpr):
+        """``cp.async.bulk.prefetch.L2`` (sm_90) of ``nbytes`` (a multiple of 16, may be 0) at ``ptr`` (16-byte
+        aligned), issued once per program. A hint: nothing is written or waited for, so a PDL dependent may issue
+        it before ``griddepcontrol.wait`` for bytes the kernels before it do not write (weights, its own state);
+        being inline asm like the wait, it keeps its place before it. ``NT``: 32 * num_warps."""
+        tl.inline_asm_elementwise(ASM_L2_PREFETCH_T0, "=r,l,r",
+                                  [ptr + tl.zeros([NT], tl.int32), nbytes + tl.zeros([NT], tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)

@@ -70,7 +70,7 @@ triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machine
 
 
 if tl is not None:
-    from bytebound.kernels.pdl import enter as pdl_enter
+    from bytebound.kernels.pdl import gdc as pdl_gdc, l2_prefetch as pdl_l2_prefetch
 
     @triton.jit
     def _store_window(ptr, ch, w0, w1, w2, mask):
@@ -107,8 +107,7 @@ if tl is not None:
             B, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
             M, SAFE_GATE: tl.constexpr, HIST, VS: tl.constexpr, SCR,
             FENCE: tl.constexpr, BETA_X: tl.constexpr = False, HID: tl.constexpr = 1, BH: tl.constexpr = 1,
-            PDL: tl.constexpr = False, NTH: tl.constexpr = 128):
-        pdl_enter(PDL, NTH)             # kernels.pdl: nothing is read before the previous kernel completed
+            PDL: tl.constexpr = False, NTH: tl.constexpr = 128, PF: tl.constexpr = False):
         pid = tl.program_id(0)          # batch row x head
         if VS == 1:
             vs = 0                      # a constant: the unsplit kernel's addressing stays as simple as before
@@ -120,6 +119,27 @@ if tl is not None:
         C: tl.constexpr = 2 * H * K + H * V          # conv channels q|k|v
         BVS: tl.constexpr = BV // VS
         conv_b = conv_ptr + bi * C * 3
+        if PDL:
+            pdl_gdc("griddepcontrol.launch_dependents; mov.u32 $0, 0;", NTH)
+            if PF:
+                # Bytes no kernel before this one writes (the weights, and this layer's own state, last written by
+                # this kernel in an earlier step or by ordinary torch copies, which no PDL kernel can overtake)
+                # stream into L2 while the projection GEMV still runs; the launch sets PF only where every address
+                # below is 16-byte aligned. This program's share: 1/VS of the head's recurrent state, and of the
+                # b_proj row; its value-side conv weights and windows; the head's q/k ones from program 0.
+                SB: tl.constexpr = K * V * 4 // VS
+                pdl_l2_prefetch(rec_ptr + (bi * H + h) * K * V + vs * (SB // 4), SB, NTH)
+                if BETA_X:
+                    WB: tl.constexpr = (HID * 2 // VS) // 16 * 16
+                    pdl_l2_prefetch(wb_ptr + h * HID + vs * (WB // 2), WB, NTH)     # (2-byte weights)
+                pdl_l2_prefetch(convw_ptr + (2 * DQK + h * V + vs * BVS) * 4, BVS * 16, NTH)
+                pdl_l2_prefetch(conv_b + (2 * DQK + h * V + vs * BVS) * 3, BVS * 12, NTH)
+                if vs == 0:
+                    pdl_l2_prefetch(convw_ptr + h * K * 4, K * 16, NTH)
+                    pdl_l2_prefetch(convw_ptr + (DQK + h * K) * 4, K * 16, NTH)
+                    pdl_l2_prefetch(conv_b + h * K * 3, K * 12, NTH)
+                    pdl_l2_prefetch(conv_b + (DQK + h * K) * 3, K * 12, NTH)
+            pdl_gdc("griddepcontrol.wait; mov.u32 $0, 0;", NTH)     # nothing else is touched before it
         # This program's scratch (SCR floats): [M, 3, BK] l2-normalised scaled q, l2-normalised k, decay exp(g);
         # with BETA_X then [M] beta of the M tokens; with VS > 1 then, from offset PO, [M, BVS] its slice of the
         # un-normalised o and [M] its sums of squares.
@@ -140,7 +160,7 @@ if tl is not None:
             # token hit L1).
             for t in range(M):
                 acc = tl.zeros([BH], tl.float32)
-                for c0 in range(0, HID, BH):
+                for c0 in tl.static_range(0, HID, BH):     # unrolled: the chunks' loads all in flight at once
                     cols = c0 + tl.arange(0, BH)
                     mc = cols < HID
                     wv = tl.load(wb_ptr + h * HID + cols, mask=mc, other=0.0).to(tl.float32)
@@ -513,20 +533,24 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
             or tickets.device != qkv.device:
         raise BackendError(f"kda[triton]: tickets must be contiguous int32 with >= {bsz * h} elements on "
                            f"{qkv.device}, got {tickets.dtype} {tuple(tickets.shape)} on {tickets.device}")
-    bk, bv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
     bb, xx = (x, x) if beta_x else (b, b)         # the pointer the kernel does not read: any tensor of the call
     hid = x.shape[-1] if beta_x else 1
+    bk, bv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
     pdl = pdl_enabled(qkv.device)
+    # the L2 prefetch before the PDL wait (kernel docstring) needs 16-byte aligned bulk copies
+    pf = pdl and all(t_.data_ptr() % 16 == 0 for t_ in (rec, conv_weight, conv) + ((b_weight,) if beta_x else ())) \
+        and (dk, dv) == (bk, bv) and (dk * dv // v_split) % 4 == 0 and dk % 4 == 0 and (dv // v_split) % 4 == 0 \
+        and (not beta_x or (hid * 2 % 16 == 0 and b_weight.element_size() == 2)) and (c * 3) % 4 == 0
     _fused_kda_kernel[(bsz * h, v_split)](
         qkv, qkv.stride(0), qkv.stride(1), f, f.stride(0), f.stride(1), gate, gate.stride(0), gate.stride(1),
         bb, bb.stride(0), bb.stride(1), xx, xx.stride(0), xx.stride(1), b_weight if beta_x else xx,
         conv_weight, conv, a_log, dt_bias, rec, norm_weight, o, o.stride(0), o.stride(1),
         conv_hist if hist else conv, rec_hist if hist else rec, scratch, tickets,
         float(lower_bound) if lower_bound is not None else 0.0, float(eps), dk ** -0.5,
-        bsz, H=h, K=dk, V=dv, BK=bk, BV=bv, M=t, SAFE_GATE=lower_bound is not None, HIST=hist, VS=v_split,
+        bsz, H=h, K=dk, V=dv, BK=bk, BV=bv, M=t, SAFE_GATE=lower_bound is not None, HIST=int(hist), VS=v_split,
         SCR=_scratch_per_program(t, bk, bv, v_split, beta_x),
         FENCE=qkv.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", BETA_X=beta_x, HID=hid,
-        BH=min(512, triton.next_power_of_2(hid)), PDL=pdl, NTH=32 * num_warps,
+        BH=min(512, triton.next_power_of_2(hid)), PDL=pdl, NTH=32 * num_warps, PF=pf,
         num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
     return o
 

@@ -33,7 +33,7 @@ import torch
 
 from bytebound.errors import BackendError
 from bytebound.kernels.limits import MAX_VERIFY_M as MAX_M     # the one verify-width limit (kernels/limits.py)
-from bytebound.kernels.pdl import capable as pdl_capable
+from bytebound.kernels.pdl import capable as pdl_capable, enabled as pdl_enabled
 from bytebound.kernels.registry import optional_triton
 from bytebound.kernels.scratch import scratch
 
@@ -44,6 +44,8 @@ triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machine
 
 
 if tl is not None:
+    from bytebound.kernels.pdl import l2_prefetch as pdl_l2_prefetch
+
     @triton.jit
     def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, row0, M, E: tl.constexpr, G: tl.constexpr,
                     TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -113,7 +115,8 @@ if tl is not None:
                            E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
                            KP: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, M: tl.constexpr,
                            MP: tl.constexpr, BE: tl.constexpr, HP: tl.constexpr, FENCE: tl.constexpr,
-                           PDL_OUT: tl.constexpr, ADD_NORM: tl.constexpr):
+                           PDL_OUT: tl.constexpr, ADD_NORM: tl.constexpr, PDL_IN: tl.constexpr = False,
+                           PF: tl.constexpr = 0, NTH: tl.constexpr = 128):
         """Router GEMV and routing in one launch: program ``pid`` computes ``logits[:, pid*BE:(pid+1)*BE]`` in
         float32 (``x [M, H]`` against the router weight ``[E, H]``), and the last program to finish (an acq_rel
         ticket) routes every row from the complete logits.
@@ -133,6 +136,13 @@ if tl is not None:
         if PDL_OUT:     # (sm_90+ and not under TRITON_INTERPRET, which cannot run PTX)
             tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r",
                                       [tl.arange(0, 128)], dtype=tl.int32, is_pure=False, pack=1)
+        if PDL_IN:
+            # a PDL dependent of the kernel before it (the attention's output projection): this program's weight
+            # rows (static, contiguous: PF bytes) stream into L2 while that kernel still runs; everything else
+            # waits for its completion
+            pdl_l2_prefetch(wg_ptr + pid * BE * H, PF, NTH)
+            tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r,r", [tl.arange(0, NTH)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
         e = pid * BE + tl.arange(0, BE)
         kk = tl.arange(0, HP)
         km = kk < H
@@ -277,12 +287,19 @@ def _gemv_route(x, delta, norm_weight, eps, weight, bias, top_k, n_group, topk_g
     cnt = scratch(x.device, "router_ticket", 1, torch.int32)
     b = bias if bias is not None else weight
     interp = os.environ.get("TRITON_INTERPRET") == "1"
+    # PDL dependent (pdl.enabled: sm_90, not BYTEBOUND_PDL=0): the weight tile's L2 prefetch before the wait needs
+    # 16-byte aligned rows
+    pdl_in = pdl_enabled(x.device)
+    wt = weight.contiguous()
+    tile = be * h * wt.element_size()
+    pf = tile if tile % 16 == 0 and wt.data_ptr() % 16 == 0 else 0
     d, nw, xo_, ho_ = (delta.contiguous(), norm_weight.contiguous(), xo, ho) if add else (x, x, x, x)
-    _gemv_route_kernel[(e // be,)](x, weight.contiguous(), logits, cnt, b, ids, w, float(scale),
+    _gemv_route_kernel[(e // be,)](x, wt, logits, cnt, b, ids, w, float(scale),
                                    d, nw, ho_, xo_, float(eps),
                                    H=h, E=e, G=g, TOPK_GROUP=topk_group if g > 1 else 1, K=top_k,
                                    KP=triton.next_power_of_2(top_k), HAS_BIAS=bias is not None, NORM=bool(norm),
                                    M=m, MP=triton.next_power_of_2(m), BE=be, HP=triton.next_power_of_2(h),
                                    FENCE=not interp, PDL_OUT=_pdl_out(x.device), ADD_NORM=add,
-                                   num_warps=num_warps)
+                                   PDL_IN=pdl_in, PF=pf, NTH=32 * num_warps, num_warps=num_warps,
+                                   **({"launch_pdl": True} if pdl_in else {}))
     return ids, w, xo, ho
