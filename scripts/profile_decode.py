@@ -33,6 +33,30 @@ from bytebound.engine.engine import Engine, EngineConfig  # noqa: E402
 from bytebound.runner.graphs import capture_decode  # noqa: E402
 
 
+def ab_walls(runner, tok, ctx: int, settings: list[str], rounds: int) -> dict[str, list[float]]:
+    """Median wall (ms) of 30 replays of the decode graph (+ eager head) re-captured under each environment setting
+    ``"VAR=VALUE[,VAR=VALUE]"`` in turn, ``rounds`` times (interleaved, so drift hits every setting alike). The
+    environment is restored afterwards."""
+    walls: dict[str, list[float]] = {s: [] for s in settings}
+    saved = dict(os.environ)
+    try:
+        for _ in range(rounds):
+            for s in settings:
+                for kv in s.split(";"):
+                    k, _, v = kv.partition("=")
+                    os.environ[k] = v
+                capture_decode(runner, tokens=False)
+                step = lambda: runner.model.logits(runner.graph.replay(tok, ctx))      # noqa: E731
+                w = sorted(cuda_event_times(step, 30, warmup=3))
+                walls[s].append(w[len(w) // 2] * 1e3)
+                os.environ.clear()
+                os.environ.update(saved)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return walls
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(LING3_FLASH_CONFIG), help="model config (dummy weights)")
@@ -42,6 +66,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="profiled repetitions (the table is per step)")
     ap.add_argument("--eager-decode", action="store_true",
                     help="also profile the decode step launched eagerly (each kernel's own duration, no PDL overlap)")
+    ap.add_argument("--ab", nargs="+", default=[], metavar="VAR=VALUE[;VAR=VALUE]",
+                    help="A/B the captured step's wall time over these environment settings in this process: each "
+                         "is set, the decode graph re-captured and timed, in turns (--ab-rounds)")
+    ap.add_argument("--ab-rounds", type=int, default=3)
     ap.add_argument("--top", type=int, default=40, help="rows in the markdown table")
     ap.add_argument("--backend", action="append", default=[], metavar="OP=NAME", help="backend override(s)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -84,6 +112,9 @@ def main(argv=None) -> int:
             rows, tot = kernel_table(eager, a.steps, cuda)
             out["decode_eager"] = {"totals": tot, "kernels": rows}
             runner.graph = graph
+        if cuda and a.ab:
+            out["ab"] = ab_walls(runner, tok, a.ctx, a.ab, a.ab_rounds)
+            capture_decode(runner, tokens=False)
         if a.verify_m:
             runner.graph = None
             ids = torch.full((a.verify_m,), 17, device=eng.device)
@@ -111,6 +142,12 @@ def main(argv=None) -> int:
                + (f", wall {wall:.3f} ms" if wall else ""), "", "| kernel | calls | us | us/call |", "|---|---:|---:|---:|"]
         md += [f"| `{r['name']}` | {r['calls']:.0f} | {r['us']:.1f} | {r['us_per_call']:.2f} |"
                for r in out[part]["kernels"][:a.top]]
+        md.append("")
+    if "ab" in out:
+        md += ["## A/B of the captured step (median wall per round, ms)", "", "| setting | rounds | median |",
+               "|---|---|---:|"]
+        md += [f"| `{k}` | {' '.join(f'{w:.3f}' for w in v)} | {sorted(v)[len(v) // 2]:.3f} |"
+               for k, v in out["ab"].items()]
         md.append("")
     (Path(a.out) / f"{a.name}.md").write_text("\n".join(md))
     print("\n".join(md))

@@ -44,6 +44,14 @@ def capable(device: torch.device) -> bool:
     return _sm_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
 
 
+def early(kernel: str, device: torch.device) -> bool:
+    """Whether ``kernel`` (``"router"``: ``triton_router.gemv_route``, ``"kda"``: the fused KDA kernel) launches as
+    a PDL dependent that streams its static bytes into L2 (:func:`l2_prefetch`) before its wait: :func:`enabled`
+    and named in ``BYTEBOUND_PDL_PREFETCH`` (a comma list, default ``router,kda``; empty: neither). Read at each
+    launch, so a benchmark can A/B it in one process by re-capturing its graphs (``profile_decode.py --ab``)."""
+    return enabled(device) and kernel in os.environ.get("BYTEBOUND_PDL_PREFETCH", "router,kda").split(",")
+
+
 def enabled(device: torch.device) -> bool:
     """PDL for the kernels that enter through :func:`enter` and the FP8 GEMVs: :func:`capable` and not switched
     off by ``BYTEBOUND_PDL=0``. A kernel that calls :func:`enter` is launched with ``launch_pdl=True`` when this

@@ -57,11 +57,13 @@ LOG2E = 1.4426950408889634
 # Triton's interpreter multiplies BF16 operands of tl.dot as their raw 16-bit patterns: there the products run on
 # the same BF16 values widened to float32 (exact products, float32 sums, as the tensor cores do).
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
-# Tilings (``TritonMLA(cfg)`` overrides; untuned, scripts/bench_mla.py --sweep measures the alternatives):
-# BM query rows and BN keys per attention block, split sizing (split_plan), absorb_BC latent columns per
+# Tilings (``TritonMLA(cfg)`` overrides; the H200's choice from scripts/bench_mla.py --sweep at 2K / 32K and
+# M = 1 / 4, docs/perf/mla-h200.md): BM query rows and BN keys per attention block, split sizing (split_plan:
+# ``target_single`` is the program target when all query rows fit one block, as at M = 1), absorb_BC latent columns per
 # q-absorption program, combine_BV v columns / combine_BK latent columns per merge step / combine_SB splits per load;
 # pdl: each of the three kernels enters through kernels.pdl.enter (launched as a PDL dependent on sm_90+).
-DEFAULT_CFG = {"BM": 32, "BN": 32, "num_warps": 8, "num_stages": 2, "min_split": 64, "target_programs": None,
+DEFAULT_CFG = {"BM": 32, "BN": 64, "num_warps": 4, "num_stages": 2, "min_split": 128, "target_programs": None,
+               "target_single": "half",
                "split": None, "absorb_BC": 128, "combine_BV": 64, "combine_BK": 128, "combine_SB": 16,
                "combine_warps": 4, "pdl": True}
 
@@ -254,7 +256,8 @@ def split_plan(span: int, rows: int, batch: int, cfg: dict, device) -> tuple[int
     """``(BM, split, n_splits)`` for a static span of ``span`` slots and ``rows = M * H`` query rows.
 
     Enough splits that ``batch * row blocks * splits`` reaches ``cfg["target_programs"]`` (default one program
-    per SM; 1 on a CPU) so long contexts use the whole GPU, each split at least ``cfg["min_split"]`` keys (more
+    per SM, half that with ``cfg["target_single"] == "half"`` and a single row block; 1 on a CPU) so long contexts
+    use the whole GPU, each split at least ``cfg["min_split"]`` keys (more
     splits cost partial outputs of ``rows * 2 KiB`` each, written and merged through L2) and a whole number of
     ``BN`` key blocks. ``cfg["split"]`` forces the split length (tests)."""
     bm = max(16, min(cfg["BM"], triton.next_power_of_2(rows)))
@@ -267,6 +270,10 @@ def split_plan(span: int, rows: int, batch: int, cfg: dict, device) -> tuple[int
         if target is None:
             target = (torch.cuda.get_device_properties(device).multi_processor_count
                       if torch.device(device).type == "cuda" else 1)
+            if n_rb == 1 and cfg.get("target_single") == "half":
+                # one row block: fewer, longer splits halve the partial outputs the merge reads back, which
+                # measured faster at 32K (the sweep in docs/perf/mla-h200.md)
+                target = max(1, target // 2)
         per = max(1, target // max(1, batch * n_rb))
         split = max(-(-span // per), int(cfg.get("min_split") or bn))
     split = max(bn, -(-split // bn) * bn)

@@ -33,7 +33,7 @@ import torch
 
 from bytebound.errors import BackendError
 from bytebound.kernels.limits import MAX_VERIFY_M as MAX_M     # the one verify-width limit (kernels/limits.py)
-from bytebound.kernels.pdl import capable as pdl_capable, enabled as pdl_enabled
+from bytebound.kernels.pdl import capable as pdl_capable, early as pdl_early
 from bytebound.kernels.registry import optional_triton
 from bytebound.kernels.scratch import scratch
 
@@ -289,7 +289,7 @@ def _gemv_route(x, delta, norm_weight, eps, weight, bias, top_k, n_group, topk_g
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     # PDL dependent (pdl.enabled: sm_90, not BYTEBOUND_PDL=0): the weight tile's L2 prefetch before the wait needs
     # 16-byte aligned rows
-    pdl_in = pdl_enabled(x.device)
+    pdl_in = pdl_early("router", x.device)
     wt = weight.contiguous()
     tile = be * h * wt.element_size()
     pf = tile if tile % 16 == 0 and wt.data_ptr() % 16 == 0 else 0
