@@ -47,9 +47,10 @@ def capable(device: torch.device) -> bool:
 def early(kernel: str, device: torch.device) -> bool:
     """Whether ``kernel`` (``"router"``: ``triton_router.gemv_route``, ``"kda"``: the fused KDA kernel) launches as
     a PDL dependent that streams its static bytes into L2 (:func:`l2_prefetch`) before its wait: :func:`enabled`
-    and named in ``BYTEBOUND_PDL_PREFETCH`` (a comma list, default ``router,kda``; empty: neither). Read at each
+    and named in ``BYTEBOUND_PDL_PREFETCH`` (a comma list; default empty: neither, as the H200 A/B of both, either and
+    neither showed no gain beyond its run-to-run spread, docs/perf/decode-h200.md). Read at each
     launch, so a benchmark can A/B it in one process by re-capturing its graphs (``profile_decode.py --ab``)."""
-    return enabled(device) and kernel in os.environ.get("BYTEBOUND_PDL_PREFETCH", "router,kda").split(",")
+    return enabled(device) and kernel in os.environ.get("BYTEBOUND_PDL_PREFETCH", "").split(",")
 
 
 def enabled(device: torch.device) -> bool:

@@ -42,6 +42,7 @@ GPU (tests/gpu/test_mla_gpu.py). Not the CUDA default (``--mla-backend triton``)
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -308,7 +309,10 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
     """
     if _TRITON_ERR:
         raise BackendError(f"mla[triton]: {_TRITON_ERR}")
-    cfg = {**DEFAULT_CFG, **(cfg or {})}
+    env = os.environ.get("BYTEBOUND_MLA_CFG")
+    # a JSON object of tiling overrides over cfg (a diagnostic for in-model A/B, e.g. profile_decode.py --ab; read
+    # per call, so a re-captured graph picks it up)
+    cfg = {**DEFAULT_CFG, **(cfg or {}), **(json.loads(env) if env else {})}
     b, t, h, qd = q.shape
     _, nope, rank = wkc.shape
     vdim = wvc.shape[1]
