@@ -58,11 +58,14 @@ LOG2E = 1.4426950408889634
 # Triton's interpreter multiplies BF16 operands of tl.dot as their raw 16-bit patterns: there the products run on
 # the same BF16 values widened to float32 (exact products, float32 sums, as the tensor cores do).
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
-# Tilings (``TritonMLA(cfg)`` overrides; the H200's choice from scripts/bench_mla.py --sweep at 2K / 32K and
-# M = 1 / 4, docs/perf/mla-h200.md): BM query rows and BN keys per attention block, split sizing (split_plan:
-# ``target_single`` is the program target when all query rows fit one block, as at M = 1), absorb_BC latent columns per
+# Tilings (``TritonMLA(cfg)`` overrides; chosen on the H200 from scripts/bench_mla.py --sweep and an in-model A/B of
+# the captured step, docs/perf/decode-h200.md): BM query rows and BN keys per attention block, split sizing
+# (split_plan: ``target_single`` is the program target when all query rows fit one block, as at M = 1); for a span
+# of at most SHORT_SPAN slots SHORT_CFG replaces the long-context keys (more, shorter splits); absorb_BC latent columns per
 # q-absorption program, combine_BV v columns / combine_BK latent columns per merge step / combine_SB splits per load;
 # pdl: each of the three kernels enters through kernels.pdl.enter (launched as a PDL dependent on sm_90+).
+SHORT_SPAN = 4096
+SHORT_CFG = {"BN": 32, "num_warps": 8, "min_split": 64, "target_single": None}
 DEFAULT_CFG = {"BM": 32, "BN": 64, "num_warps": 4, "num_stages": 2, "min_split": 128, "target_programs": None,
                "target_single": "half",
                "split": None, "absorb_BC": 128, "combine_BV": 64, "combine_BK": 128, "combine_SB": 16,
@@ -312,7 +315,9 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
     env = os.environ.get("BYTEBOUND_MLA_CFG")
     # a JSON object of tiling overrides over cfg (a diagnostic for in-model A/B, e.g. profile_decode.py --ab; read
     # per call, so a re-captured graph picks it up)
-    cfg = {**DEFAULT_CFG, **(cfg or {}), **(json.loads(env) if env else {})}
+    span = kv.shape[1] if kv_len is None else int(kv_len)
+    cfg = {**DEFAULT_CFG, **(SHORT_CFG if span <= SHORT_SPAN else {}), **(cfg or {}),
+           **(json.loads(env) if env else {})}
     b, t, h, qd = q.shape
     _, nope, rank = wkc.shape
     vdim = wvc.shape[1]
@@ -329,7 +334,6 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
         raise BackendError(f"mla[triton]: inconsistent shapes q {tuple(q.shape)}, kv_a {tuple(ckv.shape)}, "
                            f"cache {tuple(kv.shape)}, W_kc {tuple(wkc.shape)}, W_vc {tuple(wvc.shape)}, "
                            f"gate {tuple(g.shape)}, positions {tuple(positions.shape)}")
-    span = kv.shape[1] if kv_len is None else int(kv_len)
     if not 0 < span <= kv.shape[1]:
         raise BackendError(f"mla[triton]: span {span} outside the cache (1..{kv.shape[1]} slots)")
     if (q.stride(3) != 1 or ckv.stride(2) != 1 or kv.stride(2) != 1 or g.stride(2) != 1
