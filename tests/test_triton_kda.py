@@ -559,3 +559,56 @@ def test_layer_fp8_b_proj_keeps_its_own_launch(tk):
     assert len(calls) == 2
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(st.rec, st_ref.rec, rtol=1e-4, atol=1e-5)
+
+
+# ---- the runner's shared KDA state: one rollback launch per tensor for all layers ----
+
+@pytest.mark.parametrize("device_index", [False, True])
+def test_runner_arena_rollback_equals_per_layer(tk, device_index):
+    """With the fused kernel bound to every KDA layer, the runner's state lives in one ``[L, ...]`` pair and the
+    verify's history in one ``[L, T, ...]`` pair (``runner.kda_arena``); ``commit_state`` then rolls all layers back
+    in one launch per tensor. It must land on exactly the states the per-layer rollback (``KDAState.rollback``) lands
+    on, for every accepted count, by int and by device index, and decoding must go on identically."""
+    from bytebound.layers.kda import KDAState
+    from bytebound.runner.runner import ModelRunner
+    model = make_model().to(DEV)
+    kda_layers = [m for m in model.modules() if m.__class__.__name__ == "KimiDeltaAttention"]
+    assert len(kda_layers) >= 2
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(4, model.cfg.vocab_size, (9,), generator=g).to(DEV)
+    toks = torch.randint(4, model.cfg.vocab_size, (4,), generator=g).to(DEV)
+    try:
+        for layer in kda_layers:
+            layer.fused_fn = tk.FusedKDA(layer)
+        for n in range(4):
+            runs = []
+            for fast in (True, False):
+                r = ModelRunner(model, 48)
+                kda = [st for st in r.state if isinstance(st, KDAState)]
+                assert r._arena is not None and kda[1].rec.data_ptr() == r._arena[1][1].data_ptr()
+                r.prefill(prompt)
+                r.verify(toks)
+                assert r._arena_history()           # the kernel wrote every layer's history into the shared pair
+                if not fast:
+                    r._hist = None                  # force the per-layer rollback over the same buffers
+                nn = torch.tensor(n, device=DEV) if device_index else n
+                r.commit_state(nn)
+                r.commit_length(n)
+                assert all(st.history is None for st in kda)
+                st = [t.clone() for s in kda for t in (s.conv, s.rec)]
+                nxt = r.logits(r.forward(torch.tensor([5], device=DEV)))
+                runs.append((r.pos, st, nxt, [t.clone() for s in kda for t in (s.conv, s.rec)]))
+            (pa, sa, la, aa), (pb, sb, lb, ab) = runs
+            assert pa == pb
+            assert all(torch.equal(x, y) for x, y in zip(sa, sb)), n
+            assert torch.equal(la, lb) and all(torch.equal(x, y) for x, y in zip(aa, ab)), n
+            # and the rollback picked token n's state: it differs from the state after every other token
+            r = ModelRunner(model, 48)
+            r.prefill(prompt)
+            r.verify(toks)
+            hr = r._hist[2]
+            assert all(torch.equal(sa[2 * i + 1], hr[i, n]) for i in range(len(kda_layers)))
+            assert any(not torch.equal(sa[1], hr[0, m]) for m in range(4) if m != n)
+    finally:
+        for layer in kda_layers:
+            layer.fused_fn = None

@@ -42,6 +42,24 @@ def pow2_buckets(max_len: int, smallest: int = 1024) -> tuple[int, ...]:
     return tuple(out) + (max_len,)
 
 
+def kda_arena(states: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Put the KDA layers' states into two shared tensors, ``conv [L, B, C, k-1]`` and ``rec [L, B, H, K, V]``: each
+    ``KDAState`` keeps ``conv``/``rec`` as its (contiguous) slice, so the layers and every copy, snapshot and graph
+    see the same per-layer tensors, while a reset or a rollback of all layers is one launch per tensor. Returns the
+    pair, or None (and changes nothing) with fewer than two layers or layers of different shapes or devices."""
+    if len(states) < 2:
+        return None
+    c0, r0 = states[0].conv, states[0].rec
+    if any(st.conv.shape != c0.shape or st.rec.shape != r0.shape or st.conv.dtype != c0.dtype
+           or st.rec.dtype != r0.dtype or st.conv.device != c0.device or st.rec.device != r0.device for st in states):
+        return None
+    conv = torch.stack([st.conv for st in states])
+    rec = torch.stack([st.rec for st in states])
+    for i, st in enumerate(states):
+        st.conv, st.rec = conv[i], rec[i]
+    return conv, rec
+
+
 class RunnerSnapshot(NamedTuple):
     """A copy of a runner's committed state: ``pos`` and, per layer, clones of its state tensors (positional
     tensors - MLA caches - only their slots ``[0, pos)``)."""
@@ -61,6 +79,8 @@ class ModelRunner:
         self.device = torch.device(device or model.lm_head.weight.device)
         self.state = model.new_state(max_len, device=self.device)
         self._kda = [st for st in self.state if isinstance(st, KDAState)]
+        self._arena = kda_arena(self._kda)
+        self._hist = None   # (tokens, conv [L, T, B, C, k-1], rec [L, T, B, H, K, V]): the layers' verify history
         self.pos = 0
         self.pos_buf = torch.zeros((), dtype=torch.long, device=self.device)   # pos at begin_verify, on device
         self._verify: tuple[int, int] | None = None     # (start, tokens) of the verify awaiting its commit
@@ -82,9 +102,8 @@ class ModelRunner:
         """
         if not 0 <= length <= self.max_len:
             raise ValueError(f"length {length} outside the cache (0..{self.max_len} slots)")
-        for st in self._kda:
-            st.conv.zero_()
-            st.rec.zero_()
+        for t in (self._arena or [x for st in self._kda for x in (st.conv, st.rec)]):
+            t.zero_()
         self._end_verify()
         self.pos = length
 
@@ -179,6 +198,17 @@ class ModelRunner:
         self.pos_buf.fill_(self.pos)
         for st in self._kda:
             st.history = []
+        if self._arena is not None and (self._hist is None or self._hist[0] < k + 1):
+            # the fused KDA kernel writes each token's state into the layer's last history buffers
+            # (kernels.triton_kda.history_buffers): make those views of one [L, T, ...] pair, so that commit_state
+            # rolls every layer back in one launch per tensor. Earlier buffers stay referenced (a captured graph
+            # may still write them).
+            conv, rec = self._arena
+            hc = torch.zeros(conv.shape[0], k + 1, *conv.shape[1:], dtype=conv.dtype, device=conv.device)
+            hr = torch.zeros(rec.shape[0], k + 1, *rec.shape[1:], dtype=rec.dtype, device=rec.device)
+            self._hist = (k + 1, hc, hr)
+            for i, st in enumerate(self._kda):
+                st.hist_buf = (st.hist_buf or []) + [(hc[i], hr[i])]
 
     @torch.inference_mode()
     def verify(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
@@ -219,8 +249,33 @@ class ModelRunner:
             raise RuntimeError("commit without a verify (begin_verify / verify first)")
         if not isinstance(n, torch.Tensor) and not 0 <= n < self._verify[1]:
             raise ValueError(f"commit({n}): the verify has tokens 0..{self._verify[1] - 1}")
+        if self._arena_history():
+            # every layer's history is its slice of the shared [L, T, ...] buffers: one copy (an int n) or one
+            # index_select (a device n) per tensor for all layers, instead of two or four launches per layer
+            conv, rec = self._arena
+            _, hc, hr = self._hist
+            if isinstance(n, torch.Tensor):
+                sel = n.view(1)
+                torch.index_select(hc, 1, sel, out=conv.unsqueeze(1))
+                torch.index_select(hr, 1, sel, out=rec.unsqueeze(1))
+            else:
+                conv.copy_(hc[:, n])
+                rec.copy_(hr[:, n])
+            for st in self._kda:
+                st.history = None
+            return
         for st in self._kda:
             st.rollback(n)
+
+    def _arena_history(self) -> bool:
+        """Whether the pending verify's history of every KDA layer lies in the shared buffers (the fused kernel
+        wrote it there: ``state.history`` holds views of ``_hist``), so one launch can roll them all back. The
+        torch path records clones instead, which each layer copies back itself."""
+        if self._arena is None or self._hist is None:
+            return False
+        _, hc, hr = self._hist
+        return all(st.history and len(st.history) <= hr.shape[1] and st.history[0][1].data_ptr() == hr[i].data_ptr()
+                   and st.history[0][0].data_ptr() == hc[i].data_ptr() for i, st in enumerate(self._kda))
 
     def commit_length(self, n: int) -> None:
         """The host half of :meth:`commit`: the committed length becomes ``start + n + 1`` and the verify ends.
