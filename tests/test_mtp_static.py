@@ -227,6 +227,28 @@ def test_long_prompt_draft_extend_in_chunks(engines, monkeypatch):
 
 
 
+def test_nextn_prompt_pass_precedes_the_first_token(engines, monkeypatch):
+    """The NEXTN pass over the prompt is prefill work (as SGLang's and vLLM's draft extend): it runs before the
+    first token leaves the token source, so TTFT holds it and the decode time does not. Spied on through
+    ``nextn_prefix``: by the time the stream yields its first chunk, the pass over all but the last k + 1 prompt
+    positions has run (and it runs once per request)."""
+    import bytebound.speculative.round as round_mod
+    _, spec = engines
+    calls = []
+    real = round_mod.nextn_prefix
+
+    def spy(drafter, ids, hid, positions, state):
+        calls.append(ids.shape[0])
+        return real(drafter, ids, hid, positions, state)
+    monkeypatch.setattr(round_mod, "nextn_prefix", spy)
+    prompt = list(range(4, 4 + 30))
+    stream = spec.stream(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    first = next(stream)
+    assert first.token_ids and calls == [30 - (STEPS + 1)], calls
+    rest = list(stream)
+    assert calls == [30 - (STEPS + 1)] and rest[-1].output.completion_tokens == 8
+
+
 @pytest.mark.skipif(not (NANO / "model.safetensors").exists(), reason="trained ling-nano weights not present")
 def test_static_rounds_with_per_span_attention(monkeypatch):
     """The CUDA path's static attention spans (runner.kv_buckets; one captured round per span on the GPU), run

@@ -28,8 +28,8 @@ Rules:
   and goes on instead.
 * **MTP round cost.** The ``+mtp`` step measures what one speculative round costs: ``round_ms`` = the rounds'
   own time (``SpecStats`` draft + verify + rollback: a static round's graph replay with its one host read) per
-  round, ``round_ms_wall`` = the decode window per round (adds the request's NEXTN pass over the prompt and the
-  per-round Python loop), and ``c = round_ms / plain TPOT`` with the plain TPOT of the previous step in the
+  round, ``round_ms_wall`` = the decode window per round (adds the per-round Python loop; the request's NEXTN pass
+  over the prompt runs before its first token, in TTFT), and ``c = round_ms / plain TPOT`` with the plain TPOT of the previous step in the
   same case (:func:`round_cost`).
 * **Synthetic weights accept nothing.** With ``load_format="dummy"`` the drafts are (almost) never accepted, so
   the ``+mtp`` step's measured TPOT is one round per token: the round's cost, not the lever's effect. Its TPOT
@@ -139,8 +139,8 @@ def round_cost(outputs, plain_tpot_ms: float | None) -> dict | None:
     Returns None without verify rounds, else ``{"rounds", "committed", "accept_length", "round_ms",
     "round_ms_wall", "plain_tpot_ms", "c", "c_wall"}``: ``round_ms`` = the rounds' own time (``SpecStats``
     draft + verify + rollback seconds: with static rounds the whole round, graph replay and its one host read)
-    per round; ``round_ms_wall`` = the decode window (first to last token) per round, which adds the request's
-    NEXTN pass over the prompt and the per-round Python loop; ``c = round_ms / plain_tpot_ms`` (None without a
+    per round; ``round_ms_wall`` = the decode window (first to last token) per round, which adds the per-round
+    Python loop (the NEXTN pass over the prompt runs before the first token: TTFT); ``c = round_ms / plain_tpot_ms`` (None without a
     plain TPOT). Units: ms.
     """
     specs = [(o, o.spec) for o in outputs if o.spec]

@@ -282,8 +282,12 @@ def adaptive_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, ge
     rnd = round_.use(p, gen) if round_ is not None else StaticRound(runner, drafter, p, gen)
     hid = runner.prefill(prompt.to(dev))
     y = sample(runner.logits(hid[-1:]), p, gen).view(1)
-    yield int(y), 0
     pend = _Pending(torch.cat([prompt[1:].to(dev), y]), hid, 0)
+    if ctrl.wants_rounds():
+        # as mtp_tokens: the NEXTN pass over the prompt belongs to the prefill (TTFT) when rounds follow at once;
+        # in plain mode it waits for the next probe (or for PREFILL_CHUNK pending positions)
+        pend.flush(drafter, runner.state, k + 1)
+    yield int(y), 0
     n = 0                                 # round ids of this request
 
     def until(j: int, seconds: float) -> bool:      # after each round: its verdict decides whether more follow

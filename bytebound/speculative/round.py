@@ -267,6 +267,8 @@ def mtp_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, gen, st
     rnd = round_.use(p, gen) if round_ is not None else StaticRound(runner, drafter, p, gen)
     hid = runner.prefill(prompt.to(runner.device))                            # [P, H]
     y = _from_rank0(runner, sample(runner.logits(hid[-1:]), p, gen).view(1))   # [1] on the device
-    yield int(y), 0
+    # The NEXTN pass over the prompt is part of the prefill (as the draft extend of SGLang's and vLLM's
+    # speculative prefill): it runs before the first token leaves, so it is in TTFT, not in the decode time.
     rnd.start(prompt, hid, y)
+    yield int(y), 0
     yield from rnd.rounds(stats)
