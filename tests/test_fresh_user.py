@@ -217,3 +217,38 @@ def test_every_kernel_module_imports_without_triton():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-3000:]
+
+
+# ---- a fresh trial of the README (2026-12-02): flags that did nothing silently, a text-only demo, no command ----
+def test_chat_with_prompt_ids_gets_a_note(ckpt, capsys):
+    """``--chat`` wraps text in the chat template; with ``--prompt-ids`` the ids go in as given, so a note says
+    the flag did nothing (as for ``--seed`` at temperature 0) and the output is that of the ids without --chat."""
+    base = ["generate", "--model", str(ckpt), "--prompt-ids", "4,5,6", "--max-tokens", "3"]
+    assert main(base) == 0
+    plain = capsys.readouterr()
+    assert "--chat has no effect" not in plain.err
+    assert main(base + ["--chat"]) == 0
+    chat = capsys.readouterr()
+    notes = [ln for ln in chat.err.splitlines() if "note:" in ln]
+    assert len(notes) == 1 and "--chat has no effect with --prompt-ids" in notes[0], chat.err
+    assert chat.out == plain.out
+
+
+def test_demo_without_tokenizer_is_a_demo_error_before_the_question(ckpt, capsys):
+    """``demo --load-format dummy`` (random weights, no tokenizer): one named line that the demo needs the
+    tokenizer, and no question printed first (it used to print the question, then advise --prompt-ids, a flag the
+    demo does not have)."""
+    assert main(["demo", "--model", str(ckpt), "--load-format", "dummy", "--no-cpu-compile"]) == 2
+    out = capsys.readouterr()
+    assert "GSM8K test #" not in out.out
+    assert "Traceback" not in out.err
+    line = [ln for ln in out.err.splitlines() if "RequestError" in ln]
+    assert len(line) == 1 and "demo needs the checkpoint's tokenizer" in line[0] and "dummy" in line[0], out.err
+
+
+def test_no_command_names_the_commands(capsys):
+    with pytest.raises(SystemExit) as e:
+        main([])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "required: {generate,demo," in err and "required: cmd" not in err, err
