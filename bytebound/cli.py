@@ -48,7 +48,7 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_compile: bool | str = False)
                    help=f"with NEXTN: draft steps per MTP round (default {SPEC_STEPS})")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help=f"with NEXTN: tokens verified per round, --speculative-num-steps + 1 (chain, top-k 1; "
-                        f"default {SPEC_STEPS + 1})")
+                        f"default: that, {SPEC_STEPS + 1} with the default steps)")
     p.add_argument("--speculative-draft-vocab", default=None, metavar="N|COVERAGE|FILE",
                    help="hot-vocabulary draft head (opt-in): the draft steps score only N tokens of the target's LM "
                         "head - N, a coverage in (0, 1) of the checkpoint's token-frequency ranking (e.g. 0.99), or "
@@ -110,7 +110,7 @@ def engine_config(a, mtp_steps_used: bool = False):
         steps = spec_steps(a)
         if steps < 1:
             raise ConfigError(f"--speculative-num-steps must be >= 1 with NEXTN, got {steps}")
-        if (SPEC_STEPS + 1 if draft is None else draft) != steps + 1:
+        if draft is not None and draft != steps + 1:       # not given: it follows --speculative-num-steps
             raise ConfigError("--speculative-num-draft-tokens must equal --speculative-num-steps + 1 (chain, top-k 1)")
     else:
         given = [flag for flag, v in (("--speculative-num-steps", None if mtp_steps_used else a.speculative_num_steps),
