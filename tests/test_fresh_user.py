@@ -252,3 +252,23 @@ def test_no_command_names_the_commands(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "required: {generate,demo," in err and "required: cmd" not in err, err
+
+
+def test_analyze_config_by_the_usage_lines_bare_name(tmp_path, capsys, monkeypatch):
+    """``analyze --help`` and docs/analysis.md show ``--config ling-3.0-flash.json``: from any working directory
+    that bare name is the bundled config (it used to fail with "no config.json at ling-3.0-flash.json"); a local
+    file of that name still wins, and a missing file is named as a missing file, not a missing config.json."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["analyze", "--json", "default.json"]) == 0
+    assert main(["analyze", "--config", "ling-3.0-flash.json", "--json", "named.json"]) == 0
+    capsys.readouterr()
+    default, named = (json.loads((tmp_path / f).read_text()) for f in ("default.json", "named.json"))
+    assert named["inputs"]["config"] == str(LING3_FLASH_CONFIG) == default["inputs"]["config"]
+    assert named["exact"] == default["exact"] and named["exact"]
+    shutil.copy(LING3_FLASH_CONFIG, tmp_path / "ling-3.0-flash.json")
+    assert main(["analyze", "--config", "ling-3.0-flash.json", "--json", "local.json"]) == 0
+    capsys.readouterr()
+    assert json.loads((tmp_path / "local.json").read_text())["inputs"]["config"] == "ling-3.0-flash.json"
+    assert main(["analyze", "--config", "nosuch.json"]) == 2
+    assert "no config file at nosuch.json" in one_line_error(capsys, "ConfigError")
