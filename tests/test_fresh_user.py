@@ -272,3 +272,17 @@ def test_analyze_config_by_the_usage_lines_bare_name(tmp_path, capsys, monkeypat
     assert json.loads((tmp_path / "local.json").read_text())["inputs"]["config"] == "ling-3.0-flash.json"
     assert main(["analyze", "--config", "nosuch.json"]) == 2
     assert "no config file at nosuch.json" in one_line_error(capsys, "ConfigError")
+
+
+@pytest.mark.parametrize("dummy", [False, True])
+def test_generate_model_given_as_its_config_file(ckpt, capsys, dummy):
+    """``--model DIR/config.json``: with random weights the config file is enough (the README passes one to
+    bench synthetic); with the real weights it is one line saying to give the folder (it said "DIR/config.json:
+    no model.safetensors", true of no folder the user named)."""
+    args = ["generate", "--model", str(ckpt / "config.json"), "--prompt-ids", "4,5", "--max-tokens", "2"]
+    if dummy:
+        assert main(args + ["--load-format", "dummy"]) == 0
+        return
+    assert main(args) == 2
+    line = one_line_error(capsys, "CheckpointError")
+    assert "is a file, not a checkpoint folder" in line and str(ckpt) in line, line
