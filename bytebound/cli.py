@@ -1,4 +1,4 @@
-"""``bytebound`` command line: generate, verify, analyze, bench, serve."""
+"""``bytebound`` command line: generate, demo, verify, analyze, bench, serve."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_compile: bool | str = False)
                    help=f"with NEXTN: draft steps per MTP round (default {SPEC_STEPS})")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help=f"with NEXTN: tokens verified per round, --speculative-num-steps + 1 (chain, top-k 1; "
-                        f"default {SPEC_STEPS + 1})")
+                        f"default: that, {SPEC_STEPS + 1} with the default steps)")
     p.add_argument("--speculative-draft-vocab", default=None, metavar="N|COVERAGE|FILE",
                    help="hot-vocabulary draft head (opt-in): the draft steps score only N tokens of the target's LM "
                         "head - N, a coverage in (0, 1) of the checkpoint's token-frequency ranking (e.g. 0.99), or "
@@ -110,7 +110,7 @@ def engine_config(a, mtp_steps_used: bool = False):
         steps = spec_steps(a)
         if steps < 1:
             raise ConfigError(f"--speculative-num-steps must be >= 1 with NEXTN, got {steps}")
-        if (SPEC_STEPS + 1 if draft is None else draft) != steps + 1:
+        if draft is not None and draft != steps + 1:       # not given: it follows --speculative-num-steps
             raise ConfigError("--speculative-num-draft-tokens must equal --speculative-num-steps + 1 (chain, top-k 1)")
     else:
         given = [flag for flag, v in (("--speculative-num-steps", None if mtp_steps_used else a.speculative_num_steps),
@@ -174,6 +174,9 @@ def cmd_generate(a) -> int:
             raise RequestError(f"--prompt-ids must be integers separated by commas or spaces, got {a.prompt_ids!r}")
         if not prompt:
             raise RequestError("--prompt-ids is empty")
+        if a.chat:
+            print("[bytebound] note: --chat has no effect with --prompt-ids (token ids go in as given; the chat "
+                  "template wraps --prompt text)", file=sys.stderr)
     if params.temperature == 0 and (a.top_p != 1.0 or a.top_k not in (0, -1) or a.seed is not None):
         print("[bytebound] note: --temperature 0 is greedy decoding; --top-p/--top-k/--seed have no effect "
               "(give --temperature > 0 to sample)", file=sys.stderr)
@@ -223,6 +226,10 @@ def cmd_demo(a) -> int:
     # the first 512 slots, which would be compiled for nothing)
     eng = Engine(replace(engine_config(a), cpu_compile_warmup=False))
     print_fallbacks(eng)
+    if eng.tokenizer is None:      # the demo's prompt is text: say so before showing the question
+        why = "--load-format dummy has none" if a.load_format == "dummy" else f"no tokenizer.json in {a.model}"
+        raise RequestError(f"demo needs the checkpoint's tokenizer ({why}); for random weights use "
+                           "generate --load-format dummy --prompt-ids 1,2,3")
     print(f"GSM8K test #{a.index}: {rec['question']}\n")
     if a.format == "chat":
         prompt, stop, chat = rec["question"], (), True
@@ -289,6 +296,8 @@ def main(argv=None) -> int:
                 raise
             continue
         m.add_parser(sub)
+    # a missing command is reported by its metavar (else by its dest, "cmd"): name the commands instead
+    sub.metavar = "{" + ",".join(sub.choices) + "}"
     a = ap.parse_args(argv)
     from bytebound.errors import ByteboundError
     try:

@@ -393,7 +393,7 @@ class LingConfig:
         try:
             d = json.loads(p.read_text())
         except FileNotFoundError as e:
-            raise ConfigError(f"no config.json at {p}") from e
+            raise ConfigError(f"no config.json at {p}" if p.name == "config.json" else f"no config file at {p}") from e
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{p}: invalid JSON ({e})") from e
         if not isinstance(d, dict):

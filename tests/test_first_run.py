@@ -106,6 +106,9 @@ def test_mtp_sizes_note_only_where_they_do_nothing(capsys):
     assert _engine_config("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
                           "--speculative-num-draft-tokens", "3").speculative_steps == 2
     assert _engine_config("--speculative-algorithm", "NEXTN").speculative_steps == 3
+    # --speculative-num-steps alone: the draft-token count follows it (it used to be refused against the default 4)
+    assert _engine_config("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2").speculative_steps == 2
+    assert _engine_config("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "7").speculative_steps == 7
     # bench ablation's +mtp step reads --speculative-num-steps without NEXTN
     assert _engine_config("--speculative-num-steps", "2", mtp_steps_used=True).speculative_steps == 0
     assert "note:" not in capsys.readouterr().err
@@ -115,6 +118,9 @@ def test_mtp_sizes_still_checked_with_nextn():
     from bytebound.errors import ConfigError
     with pytest.raises(ConfigError, match="must equal --speculative-num-steps \\+ 1"):
         _engine_config("--speculative-algorithm", "NEXTN", "--speculative-num-draft-tokens", "3")
+    with pytest.raises(ConfigError, match="must equal --speculative-num-steps \\+ 1"):
+        _engine_config("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
+                       "--speculative-num-draft-tokens", "4")
     with pytest.raises(ConfigError, match=">= 1 with NEXTN"):
         _engine_config("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "0")
 

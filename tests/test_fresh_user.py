@@ -217,3 +217,72 @@ def test_every_kernel_module_imports_without_triton():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-3000:]
+
+
+# ---- a fresh trial of the README (2026-12-02): flags that did nothing silently, a text-only demo, no command ----
+def test_chat_with_prompt_ids_gets_a_note(ckpt, capsys):
+    """``--chat`` wraps text in the chat template; with ``--prompt-ids`` the ids go in as given, so a note says
+    the flag did nothing (as for ``--seed`` at temperature 0) and the output is that of the ids without --chat."""
+    base = ["generate", "--model", str(ckpt), "--prompt-ids", "4,5,6", "--max-tokens", "3"]
+    assert main(base) == 0
+    plain = capsys.readouterr()
+    assert "--chat has no effect" not in plain.err
+    assert main(base + ["--chat"]) == 0
+    chat = capsys.readouterr()
+    notes = [ln for ln in chat.err.splitlines() if "note:" in ln]
+    assert len(notes) == 1 and "--chat has no effect with --prompt-ids" in notes[0], chat.err
+    assert chat.out == plain.out
+
+
+def test_demo_without_tokenizer_is_a_demo_error_before_the_question(ckpt, capsys):
+    """``demo --load-format dummy`` (random weights, no tokenizer): one named line that the demo needs the
+    tokenizer, and no question printed first (it used to print the question, then advise --prompt-ids, a flag the
+    demo does not have)."""
+    assert main(["demo", "--model", str(ckpt), "--load-format", "dummy", "--no-cpu-compile"]) == 2
+    out = capsys.readouterr()
+    assert "GSM8K test #" not in out.out
+    assert "Traceback" not in out.err
+    line = [ln for ln in out.err.splitlines() if "RequestError" in ln]
+    assert len(line) == 1 and "demo needs the checkpoint's tokenizer" in line[0] and "dummy" in line[0], out.err
+
+
+def test_no_command_names_the_commands(capsys):
+    with pytest.raises(SystemExit) as e:
+        main([])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "required: {generate,demo," in err and "required: cmd" not in err, err
+
+
+def test_analyze_config_by_the_usage_lines_bare_name(tmp_path, capsys, monkeypatch):
+    """``analyze --help`` and docs/analysis.md show ``--config ling-3.0-flash.json``: from any working directory
+    that bare name is the bundled config (it used to fail with "no config.json at ling-3.0-flash.json"); a local
+    file of that name still wins, and a missing file is named as a missing file, not a missing config.json."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["analyze", "--json", "default.json"]) == 0
+    assert main(["analyze", "--config", "ling-3.0-flash.json", "--json", "named.json"]) == 0
+    capsys.readouterr()
+    default, named = (json.loads((tmp_path / f).read_text()) for f in ("default.json", "named.json"))
+    assert named["inputs"]["config"] == str(LING3_FLASH_CONFIG) == default["inputs"]["config"]
+    assert named["exact"] == default["exact"] and named["exact"]
+    shutil.copy(LING3_FLASH_CONFIG, tmp_path / "ling-3.0-flash.json")
+    assert main(["analyze", "--config", "ling-3.0-flash.json", "--json", "local.json"]) == 0
+    capsys.readouterr()
+    assert json.loads((tmp_path / "local.json").read_text())["inputs"]["config"] == "ling-3.0-flash.json"
+    assert main(["analyze", "--config", "nosuch.json"]) == 2
+    assert "no config file at nosuch.json" in one_line_error(capsys, "ConfigError")
+
+
+@pytest.mark.parametrize("dummy", [False, True])
+def test_generate_model_given_as_its_config_file(ckpt, capsys, dummy):
+    """``--model DIR/config.json``: with random weights the config file is enough (the README passes one to
+    bench synthetic); with the real weights it is one line saying to give the folder (it said "DIR/config.json:
+    no model.safetensors", true of no folder the user named)."""
+    args = ["generate", "--model", str(ckpt / "config.json"), "--prompt-ids", "4,5", "--max-tokens", "2"]
+    if dummy:
+        assert main(args + ["--load-format", "dummy"]) == 0
+        return
+    assert main(args) == 2
+    line = one_line_error(capsys, "CheckpointError")
+    assert "is a file, not a checkpoint folder" in line and str(ckpt) in line, line

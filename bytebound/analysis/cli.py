@@ -60,8 +60,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     from bytebound.config import LING3_FLASH_CONFIG
     p.add_argument("--config", default=None,
                    help="config.json (file or checkpoint dir) for the exact ledger (default: the --checkpoint's own "
-                        f"config.json, else the bundled Ling-3.0-flash config {LING3_FLASH_CONFIG.name}); 'none' "
-                        "shows the seed column only")
+                        f"config.json, else the bundled Ling-3.0-flash config {LING3_FLASH_CONFIG.name}, a name "
+                        "that finds the bundled file from any folder); 'none' shows the seed column only")
     p.add_argument("--checkpoint", help="price the stored tensors of this checkpoint (safetensors headers)")
     seed = "(default: the seed's {:g}, measured with Ling-3.0-flash: it prices that model only)"
     p.add_argument("--tpot", type=float, default=None, help="measured TPOT, BF16 head [ms] " + seed.format(d.tpot_ms))
@@ -256,14 +256,22 @@ def _rows(sv: dict[str, sd.SeedValue], ex: dict[str, float] | None, s: sd.SeedIn
 def resolve_config(config: str | None, checkpoint: str | None) -> Path | None:
     """The config the exact ledger uses: ``config`` as given; None (not given) -> the checkpoint's own
     ``config.json`` when ``checkpoint`` is set (a folder, or the folder of a .safetensors file), else the bundled
-    Ling-3.0-flash config; ``"none"`` -> None (seed column only).
+    Ling-3.0-flash config; ``"none"`` -> None (seed column only). A bare file name that does not exist in the
+    working directory but names a bundled config (``ling-3.0-flash.json``) is that bundled file.
 
     Raises:
         ConfigError: ``checkpoint`` given without ``config`` and it has no ``config.json`` beside its tensors.
     """
     from bytebound.config import LING3_FLASH_CONFIG
     if config is not None:
-        return None if config.lower() == "none" else Path(config)
+        if config.lower() == "none":
+            return None
+        p = Path(config)
+        bundled = LING3_FLASH_CONFIG.parent / p.name
+        # a bare file name that is not here but is a bundled config (the usage line's ling-3.0-flash.json): that one
+        if not p.exists() and p.name == config and p.suffix == ".json" and bundled.is_file():
+            return bundled
+        return p
     if checkpoint is None:
         return Path(LING3_FLASH_CONFIG)
     ck = Path(checkpoint)

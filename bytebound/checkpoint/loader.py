@@ -40,6 +40,9 @@ def _index(path: Path) -> dict[str, str]:
             raise CheckpointError(f"{idx}: unreadable index ({e})") from e
         return dict(wmap)
     single = path / "model.safetensors"
+    if path.is_file():       # e.g. --model DIR/config.json: the config loads, the tensors are in the folder
+        raise CheckpointError(f"{path} is a file, not a checkpoint folder: give the folder ({path.parent}); a config "
+                              "file alone serves only random weights (--load-format dummy)")
     if not single.exists():
         raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
     return {k: single.name for k in _open(single).keys()}
