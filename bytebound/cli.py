@@ -52,7 +52,7 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_compile: bool | str = False)
     p.add_argument("--speculative-draft-vocab", default=None, metavar="N|COVERAGE|FILE",
                    help="hot-vocabulary draft head (opt-in): the draft steps score only N tokens of the target's LM "
                         "head - N, a coverage in (0, 1) of the checkpoint's token-frequency ranking (e.g. 0.99), or "
-                        "a token-id file; the verify always uses the full head (default: full head)")
+                        "a token-id file; 0 is the full head; the verify always uses the full head (default: full head)")
     onoff = argparse.BooleanOptionalAction
     # deprecated aliases of plan entries, hidden from --help (runner.plan.ALIASES says what each maps to)
     for flag in ("--fused-router", "--fused-norm", "--fused-shared-expert", "--fused-router-gemv",

@@ -228,7 +228,8 @@ def resolve_draft_vocab(spec, model_dir: str | Path, vocab_size: int) -> tuple[l
         return hot_ids_from_ranking(rec, n), {**rec["provenance"], "coverage": spec}
     n = int(spec)
     if not 0 < n <= vocab_size:
-        raise ConfigError(f"--speculative-draft-vocab: N must be in [1, {vocab_size}] (the vocabulary), got {n}")
+        raise ConfigError(f"--speculative-draft-vocab: N must be in [1, {vocab_size}] (the vocabulary; 0: the full "
+                          f"head), got {n}")
     rec = load_ranking(model_dir, vocab_size)
     c = torch.tensor(rec["counts"], dtype=torch.float64)
     covered = float(c[:n].sum() / c.sum())
