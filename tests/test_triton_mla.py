@@ -379,3 +379,27 @@ def test_kernels_compile_for_sm90(t):
         assert k.asm.get("cubin") and k.metadata.shared <= 227 * 1024, (fn, k.metadata.shared)
         ptx = k.asm["ptx"]
         assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait"), fn
+
+
+def test_tiling_by_span_and_overrides(mla, monkeypatch):
+    """``tiling``: up to SHORT_SPAN slots the short tiling, beyond it the long one; explicit keys and then
+    BYTEBOUND_MLA_CFG override both; and split_plan follows ``target_single`` (half the programs for one row
+    block, the full target for several)."""
+    monkeypatch.delenv("BYTEBOUND_MLA_CFG", raising=False)
+    short, long_ = mla.tiling(mla.SHORT_SPAN), mla.tiling(mla.SHORT_SPAN + 1)
+    assert all(short[k] == v for k, v in mla.SHORT_CFG.items())
+    assert long_ == mla.DEFAULT_CFG and short != long_
+    assert mla.tiling(32768, {"BN": 32})["BN"] == 32
+    monkeypatch.setenv("BYTEBOUND_MLA_CFG", '{"BN": 16, "num_warps": 2}')
+    got = mla.tiling(1024, {"BN": 32})
+    assert got["BN"] == 16 and got["num_warps"] == 2
+    monkeypatch.delenv("BYTEBOUND_MLA_CFG")
+    # a 132-SM GPU, faked: the default target is one program per SM, halved for a single row block (M = 1: 32
+    # rows in one BM = 32 block), not for four (M = 4: 128 rows)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"multi_processor_count": 132}))
+    bm, split, n1 = mla.split_plan(32768, 32, 1, long_, "cuda")
+    assert (bm, split, n1) == (32, 512, 64)                 # 32768 / 66 -> 497 -> 8 BN blocks of 64
+    bm, split, n4 = mla.split_plan(32768, 128, 1, long_, "cuda")
+    assert (bm, split, n4) == (32, 1024, 32)                 # 4 row blocks: 132 // 4 = 33 -> 993 -> 1024 keys
+    assert mla.split_plan(32768, 32, 1, {**long_, "target_programs": 132}, "cuda")[2] == 128   # explicit: no halving
+    assert mla.split_plan(2048, 32, 1, short, "cuda")[2] == 32    # short: min_split 64 over 2048 slots

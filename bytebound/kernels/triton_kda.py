@@ -538,7 +538,8 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
     bk, bv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
     pdl = pdl_enabled(qkv.device)
     # the L2 prefetch before the PDL wait (kernel docstring) needs 16-byte aligned bulk copies
-    pf = pdl and pdl_early("kda", qkv.device) and all(t_.data_ptr() % 16 == 0 for t_ in (rec, conv_weight, conv) + ((b_weight,) if beta_x else ())) \
+    aligned = (rec, conv_weight, conv) + ((b_weight,) if beta_x else ())
+    pf = pdl and pdl_early("kda", qkv.device) and all(t_.data_ptr() % 16 == 0 for t_ in aligned) \
         and (dk, dv) == (bk, bv) and (dk * dv // v_split) % 4 == 0 and dk % 4 == 0 and (dv // v_split) % 4 == 0 \
         and (not beta_x or (hid * 2 % 16 == 0 and b_weight.element_size() == 2)) and (c * 3) % 4 == 0
     _fused_kda_kernel[(bsz * h, v_split)](

@@ -61,8 +61,8 @@ _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 # Tilings (``TritonMLA(cfg)`` overrides; chosen on the H200 from scripts/bench_mla.py --sweep and an in-model A/B of
 # the captured step, docs/perf/decode-h200.md): BM query rows and BN keys per attention block, split sizing
 # (split_plan: ``target_single`` is the program target when all query rows fit one block, as at M = 1); for a span
-# of at most SHORT_SPAN slots SHORT_CFG replaces the long-context keys (more, shorter splits); absorb_BC latent columns per
-# q-absorption program, combine_BV v columns / combine_BK latent columns per merge step / combine_SB splits per load;
+# of at most SHORT_SPAN slots SHORT_CFG replaces the long-context keys (more, shorter splits); absorb_BC latent
+# columns per q-absorption program, combine_BV v columns / combine_BK latent columns per merge step / combine_SB splits per load;
 # pdl: each of the three kernels enters through kernels.pdl.enter (launched as a PDL dependent on sm_90+).
 SHORT_SPAN = 4096
 SHORT_CFG = {"BN": 32, "num_warps": 8, "min_split": 64, "target_single": None}
@@ -256,6 +256,16 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def tiling(span: int, cfg: dict | None = None) -> dict:
+    """The tiling of a call attending over ``span`` slots: :data:`DEFAULT_CFG`, with :data:`SHORT_CFG` for a span of
+    at most :data:`SHORT_SPAN`, then ``cfg``'s overrides, then those of ``BYTEBOUND_MLA_CFG`` (a JSON object; a
+    diagnostic for in-model A/B such as ``profile_decode.py --ab``, read per call so a re-captured graph picks it
+    up). Raises ValueError for an environment value that is not JSON."""
+    env = os.environ.get("BYTEBOUND_MLA_CFG")
+    return {**DEFAULT_CFG, **(SHORT_CFG if span <= SHORT_SPAN else {}), **(cfg or {}),
+            **(json.loads(env) if env else {})}
+
+
 def split_plan(span: int, rows: int, batch: int, cfg: dict, device) -> tuple[int, int, int]:
     """``(BM, split, n_splits)`` for a static span of ``span`` slots and ``rows = M * H`` query rows.
 
@@ -312,12 +322,8 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
     """
     if _TRITON_ERR:
         raise BackendError(f"mla[triton]: {_TRITON_ERR}")
-    env = os.environ.get("BYTEBOUND_MLA_CFG")
-    # a JSON object of tiling overrides over cfg (a diagnostic for in-model A/B, e.g. profile_decode.py --ab; read
-    # per call, so a re-captured graph picks it up)
     span = kv.shape[1] if kv_len is None else int(kv_len)
-    cfg = {**DEFAULT_CFG, **(SHORT_CFG if span <= SHORT_SPAN else {}), **(cfg or {}),
-           **(json.loads(env) if env else {})}
+    cfg = tiling(span, cfg)
     b, t, h, qd = q.shape
     _, nope, rank = wkc.shape
     vdim = wvc.shape[1]
