@@ -133,6 +133,7 @@ def main(argv=None) -> int:
             rows, tot = kernel_table(eager, a.steps, cuda)
             out["decode_eager"] = {"totals": tot, "kernels": rows}
             runner.graph = graph
+            del graph               # (else --ab's re-captures would keep this graph's memory pool alive)
         if cuda and a.ab:
             out["ab"] = ab_walls(runner, tok, a.ctx, a.ab, a.ab_rounds)
             capture_decode(runner, tokens=False)
