@@ -104,14 +104,19 @@ def bench_case(backend: str, layers, states, x, positions, ctx: int, reps: int, 
 
 
 SWEEP_ATTN = [dict(BM=bm, BN=bn, num_warps=w) for bm in (32, 64) for bn in (32, 64) for w in (4, 8)]
-SWEEP_SPLIT = [dict(target_programs=tp, min_split=ms) for tp in (None, "2x", "half") for ms in (32, 64, 128, 256)]
+# target_single None: the default tiling halves a default target (None) at long spans and M = 1
+# (triton_mla.resolve_cfg), which would make the None ("one per SM") entries measure "half" there
+SWEEP_SPLIT = [dict(target_programs=tp, min_split=ms, target_single=None) for tp in (None, "2x", "half")
+               for ms in (32, 64, 128, 256)]
 SWEEP_COMBINE = [dict(combine_BV=bv, combine_BK=bk) for bv in (32, 64) for bk in (64, 128)]
 
 
 def sweep(layers, states, x, positions, ctx: int, reps: int, ref: torch.Tensor, log) -> dict:
     """``--sweep``, in stages, each keeping the best of the previous: the attention kernel's tilings, the split
     sizing (programs per SM: one, two, half; minimum keys per split), the merge kernel's tiling. A config whose
-    output is off the torch path by more than 1e-2 relative is dropped."""
+    output is off the torch path by more than 1e-2 relative is dropped. Each config overrides the span's default
+    tiling (``triton_mla.resolve_cfg``: the short-span keys up to ``SHORT_SPAN`` slots), so the first stage runs
+    with that default's split sizing; ``best_resolved`` is the best config merged with it, as the kernels ran."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     best: dict = {}
     tried = []
@@ -132,7 +137,8 @@ def sweep(layers, states, x, positions, ctx: int, reps: int, ref: torch.Tensor, 
                 best_t, best_c = r["us"], c
         best = best_c
     log(f"  best {best}: {best_t:.2f} us" if best_t is not None else "  no config passed")
-    return {"best": best, "best_us": best_t, "tried": tried}
+    from bytebound.kernels.triton_mla import resolve_cfg
+    return {"best": best, "best_us": best_t, "best_resolved": resolve_cfg(ctx, best), "tried": tried}
 
 
 def main() -> None:
@@ -148,6 +154,8 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_mla needs a CUDA GPU")
+    if args.sweep and os.environ.get("BYTEBOUND_MLA_CFG"):
+        raise SystemExit("bench_mla --sweep: unset BYTEBOUND_MLA_CFG (it overrides every swept config)")
     from bytebound.analysis.bandwidth import measure_read_bandwidth
     dev = torch.cuda.get_device_name()
     commit = git_commit()

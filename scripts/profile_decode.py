@@ -33,18 +33,36 @@ from bytebound.engine.engine import Engine, EngineConfig  # noqa: E402
 from bytebound.runner.graphs import capture_decode  # noqa: E402
 
 
+# read once at import (kernels.pdl, Triton): setting them between captures would change nothing
+AB_IMPORT_TIME = ("BYTEBOUND_PDL", "TRITON_INTERPRET")
+
+
+def ab_settings(setting: str) -> dict[str, str]:
+    """``"VAR=VALUE[;VAR=VALUE]"`` (';' between variables: a value may hold commas, as ``BYTEBOUND_PDL_PREFETCH``
+    does) -> ``{VAR: VALUE}``; an empty setting (``""``) is the unchanged environment, a baseline. Raises
+    SystemExit for a part without ``=`` or a variable read only at import (:data:`AB_IMPORT_TIME`)."""
+    out = {}
+    for kv in filter(None, (p.strip() for p in setting.split(";"))):
+        k, eq, v = kv.partition("=")
+        if not eq or not k:
+            raise SystemExit(f"--ab {setting!r}: {kv!r} is not VAR=VALUE")
+        if k in AB_IMPORT_TIME:
+            raise SystemExit(f"--ab {setting!r}: {k} is read once at import; run a separate process for it")
+        out[k] = v
+    return out
+
+
 def ab_walls(runner, tok, ctx: int, settings: list[str], rounds: int) -> dict[str, list[float]]:
     """Median wall (ms) of 30 replays of the decode graph (+ eager head) re-captured under each environment setting
-    ``"VAR=VALUE[,VAR=VALUE]"`` in turn, ``rounds`` times (interleaved, so drift hits every setting alike). The
-    environment is restored afterwards."""
+    ``"VAR=VALUE[;VAR=VALUE]"`` (:func:`ab_settings`) in turn, ``rounds`` times (interleaved, so drift hits every
+    setting alike). The environment is restored afterwards; the caller re-captures the graph under it."""
+    parsed = {s: ab_settings(s) for s in settings}
     walls: dict[str, list[float]] = {s: [] for s in settings}
     saved = dict(os.environ)
     try:
         for _ in range(rounds):
             for s in settings:
-                for kv in s.split(";"):
-                    k, _, v = kv.partition("=")
-                    os.environ[k] = v
+                os.environ.update(parsed[s])
                 capture_decode(runner, tokens=False)
                 step = lambda: runner.model.logits(runner.graph.replay(tok, ctx))      # noqa: E731
                 w = sorted(cuda_event_times(step, 30, warmup=3))
@@ -68,13 +86,16 @@ def main(argv=None) -> int:
                     help="also profile the decode step launched eagerly (each kernel's own duration, no PDL overlap)")
     ap.add_argument("--ab", nargs="+", default=[], metavar="VAR=VALUE[;VAR=VALUE]",
                     help="A/B the captured step's wall time over these environment settings in this process: each "
-                         "is set, the decode graph re-captured and timed, in turns (--ab-rounds)")
+                         "is set, the decode graph re-captured and timed, in turns (--ab-rounds); '' is the "
+                         "unchanged environment (e.g. BYTEBOUND_PDL_PREFETCH=router,kda BYTEBOUND_MLA_CFG='{...}')")
     ap.add_argument("--ab-rounds", type=int, default=3)
     ap.add_argument("--top", type=int, default=40, help="rows in the markdown table")
     ap.add_argument("--backend", action="append", default=[], metavar="OP=NAME", help="backend override(s)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--name", default="profile_decode")
     a = ap.parse_args(argv)
+    for s in a.ab:
+        ab_settings(s)          # a bad setting fails before the model is built
 
     backends = dict(kv.split("=", 1) for kv in a.backend)
     eng = Engine(EngineConfig(model=a.config, load_format="dummy", device=a.device, lm_head="fp8",
@@ -112,6 +133,7 @@ def main(argv=None) -> int:
             rows, tot = kernel_table(eager, a.steps, cuda)
             out["decode_eager"] = {"totals": tot, "kernels": rows}
             runner.graph = graph
+            del graph               # (else --ab's re-captures would keep this graph's memory pool alive)
         if cuda and a.ab:
             out["ab"] = ab_walls(runner, tok, a.ctx, a.ab, a.ab_rounds)
             capture_decode(runner, tokens=False)

@@ -362,6 +362,33 @@ def test_launch_table_lookup_and_default(tk):
             assert e.get("num_warps", 4) in (1, 2, 4, 8, 16)
 
 
+@needs_triton
+def test_prefetch_alignment_rule(tk):
+    """The PF path's bulk prefetches (16-byte aligned, multiples of 16 bytes) are on only where every address
+    is: aligned bases, power-of-two head dims, 4-float slices, a 2-byte b_proj row of 8-element multiples."""
+    def case(h=4, dk=16, dv=16, hid=64, bdtype=torch.bfloat16, rec_off=0, conv_off=0, w_off=0, b_off=0):
+        c = 2 * h * dk + h * dv
+        rec = torch.zeros(2 * h * dk * dv + 4)[rec_off:rec_off + 2 * h * dk * dv].view(2, h, dk, dv)
+        conv = torch.zeros(2 * c * 3 + 4)[conv_off:conv_off + 2 * c * 3].view(2, c, 3)
+        cw = torch.zeros(c * 4 + 4)[w_off:w_off + c * 4].view(c, 4)
+        bw = torch.zeros(h * hid + 8, dtype=bdtype)[b_off:b_off + h * hid].view(h, hid)
+        return rec, cw, conv, bw
+
+    rec, cw, conv, bw = case()
+    for vs in (1, 2, 4):
+        assert tk.prefetch_aligned(rec, cw, conv, bw, vs) and tk.prefetch_aligned(rec, cw, conv, None, vs)
+    assert not tk.prefetch_aligned(rec, cw, conv, bw, 8)                 # 2 state columns per slice: 24-byte windows
+    assert not tk.prefetch_aligned(*case(rec_off=1), 1)
+    assert not tk.prefetch_aligned(*case(conv_off=2), 1)
+    assert not tk.prefetch_aligned(*case(w_off=3), 1)
+    assert not tk.prefetch_aligned(*case(b_off=4), 1)
+    assert tk.prefetch_aligned(*case(b_off=8), 1)
+    assert not tk.prefetch_aligned(*case(hid=60), 1)                     # 120-byte rows
+    assert tk.prefetch_aligned(*case(hid=60)[:3], None, 1)               # (no b_proj row without beta_x)
+    assert not tk.prefetch_aligned(*case(bdtype=torch.float32), 1)
+    assert not tk.prefetch_aligned(*case(dk=12, dv=12), 1)               # not powers of two (masked tiles)
+
+
 def test_runner_verify_commit_through_fused_kernel(tk):
     """The runner's MTP protocol (``verify`` records, ``commit`` / ``commit_state`` roll back) on the tiny model
     with every KDA layer bound to the fused op, against the same calls through the torch path: prompt, a 4-token

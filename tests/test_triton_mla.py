@@ -249,6 +249,48 @@ def test_span_and_split_do_not_change_the_result(mla):
 
 
 @needs_triton
+def test_cfg_by_span(mla, monkeypatch):
+    """:func:`resolve_cfg`: DEFAULT_CFG, SHORT_CFG up to SHORT_SPAN slots (inclusive), the explicit cfg over both,
+    BYTEBOUND_MLA_CFG over all; a bad override is a named error, not a silent default."""
+    monkeypatch.delenv("BYTEBOUND_MLA_CFG", raising=False)
+    short, long_ = mla.resolve_cfg(mla.SHORT_SPAN), mla.resolve_cfg(mla.SHORT_SPAN + 1)
+    assert short == {**mla.DEFAULT_CFG, **mla.SHORT_CFG} and long_ == mla.DEFAULT_CFG
+    assert set(mla.SHORT_CFG) <= set(mla.DEFAULT_CFG)
+    assert mla.resolve_cfg(2048, {"BN": 16})["BN"] == 16 and mla.resolve_cfg(2048, {"BN": 16})["min_split"] == \
+        mla.SHORT_CFG["min_split"]
+    assert mla.resolve_cfg(32768, {"num_warps": 8}) == {**mla.DEFAULT_CFG, "num_warps": 8}
+    monkeypatch.setenv("BYTEBOUND_MLA_CFG", '{"BN": 128, "min_split": 256}')
+    c = mla.resolve_cfg(2048, {"BN": 16, "split": 32})
+    assert (c["BN"], c["min_split"], c["split"], c["num_warps"]) == (128, 256, 32, mla.SHORT_CFG["num_warps"])
+    for bad in ("{BN: 64}", "[64]", '{"bn": 64}'):
+        monkeypatch.setenv("BYTEBOUND_MLA_CFG", bad)
+        with pytest.raises(BackendError, match="BYTEBOUND_MLA_CFG"):
+            mla.resolve_cfg(2048)
+    monkeypatch.setenv("BYTEBOUND_MLA_CFG", "")
+    assert mla.resolve_cfg(2048) == short
+
+
+@needs_triton
+def test_split_plan_of_the_default_tilings(mla, monkeypatch):
+    """The split sizing the resolved tilings give on a 132-SM GPU (no GPU needed: the SM count is patched): at a
+    long span and one row block (M = 1) half the SMs as the program target and >= 128-key splits; with four row
+    blocks (M = 4) one program per SM; at a short span the short tiling's 64-key minimum and BN 32."""
+    import types
+    monkeypatch.delenv("BYTEBOUND_MLA_CFG", raising=False)
+    monkeypatch.setattr(mla.torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(
+        multi_processor_count=132))
+    dev = torch.device("cuda", 0)
+    assert mla.split_plan(32768, 32, 1, mla.resolve_cfg(32768), dev) == (32, 512, 64)       # 66 programs
+    assert mla.split_plan(32768, 128, 1, mla.resolve_cfg(32768), dev) == (32, 1024, 32)     # 4 x 33
+    assert mla.split_plan(8192, 32, 1, mla.resolve_cfg(8192), dev) == (32, 128, 64)         # min_split
+    assert mla.split_plan(2048, 32, 1, mla.resolve_cfg(2048), dev) == (32, 64, 32)          # short: BN 32, 64
+    assert mla.split_plan(4096, 32, 1, mla.resolve_cfg(4096), dev) == (32, 64, 64)          # 132 programs
+    # target_single applies only to the default target: an explicit target_programs is taken as given
+    assert mla.split_plan(32768, 32, 1, {**mla.resolve_cfg(32768), "target_programs": 132}, dev) == (32, 256, 128)
+    assert mla.split_plan(32768, 32, 1, mla.resolve_cfg(32768), "cpu") == (32, 32768, 1)
+
+
+@needs_triton
 @torch.no_grad()
 def test_batch_rows_are_independent(mla):
     """B = 2 (each row its own cache) gives each row's B = 1 result: the batch strides are right."""
@@ -326,10 +368,10 @@ def test_backend_is_registered_and_cuda_only():
 @needs_triton
 @pytest.mark.parametrize("t", [1, 4])
 def test_kernels_compile_for_sm90(t):
-    """The three kernels compile for an H100/H200 (sm_90) at Ling shapes with the default tiling, offline (Triton's
-    own ptxas, no GPU needed), within the 227 KiB of shared memory a block may use: the GPU-only code path (BF16
-    tensor-core ``tl.dot``) that the interpreter tests replace with float32 products. Runs in a subprocess
-    without the interpreter (this session's Triton is in interpreter mode: conftest)."""
+    """The three kernels compile for an H100/H200 (sm_90) at Ling shapes with the default tilings (long and short
+    span), offline (Triton's own ptxas, no GPU needed), within the 227 KiB of shared memory a block may use: the
+    GPU-only code path (BF16 tensor-core ``tl.dot``) that the interpreter tests replace with float32 products. Runs
+    in a subprocess without the interpreter (this session's Triton is in interpreter mode: conftest)."""
     import importlib.util
     import os
     import subprocess
@@ -371,6 +413,9 @@ def test_kernels_compile_for_sm90(t):
          dict(o_ptr="*fp32", lse_ptr="*fp32", g_ptr="*bf16", wv_ptr="*bf16", out_ptr="*bf16", B="i32",
               s_g_t="i32", s_out_t="i32")),
     ]
+    short = {**cfg, **M.SHORT_CFG}         # the tiling of spans up to SHORT_SPAN (resolve_cfg)
+    kernels.append((M._mla_attn_split, dict(kernels[1][1], BM=short["BM"], BN=short["BN"]), short["num_warps"],
+                    kernels[1][3]))
     for fn, consts, warps, sig in kernels:
         consts = {**consts, "PDL": True, "NTH": 32 * warps}     # as launched on sm_90 (kernels.pdl.enter)
         sig = {**sig, **{k: "constexpr" for k in consts}}
@@ -379,27 +424,3 @@ def test_kernels_compile_for_sm90(t):
         assert k.asm.get("cubin") and k.metadata.shared <= 227 * 1024, (fn, k.metadata.shared)
         ptx = k.asm["ptx"]
         assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait"), fn
-
-
-def test_tiling_by_span_and_overrides(mla, monkeypatch):
-    """``tiling``: up to SHORT_SPAN slots the short tiling, beyond it the long one; explicit keys and then
-    BYTEBOUND_MLA_CFG override both; and split_plan follows ``target_single`` (half the programs for one row
-    block, the full target for several)."""
-    monkeypatch.delenv("BYTEBOUND_MLA_CFG", raising=False)
-    short, long_ = mla.tiling(mla.SHORT_SPAN), mla.tiling(mla.SHORT_SPAN + 1)
-    assert all(short[k] == v for k, v in mla.SHORT_CFG.items())
-    assert long_ == mla.DEFAULT_CFG and short != long_
-    assert mla.tiling(32768, {"BN": 32})["BN"] == 32
-    monkeypatch.setenv("BYTEBOUND_MLA_CFG", '{"BN": 16, "num_warps": 2}')
-    got = mla.tiling(1024, {"BN": 32})
-    assert got["BN"] == 16 and got["num_warps"] == 2
-    monkeypatch.delenv("BYTEBOUND_MLA_CFG")
-    # a 132-SM GPU, faked: the default target is one program per SM, halved for a single row block (M = 1: 32
-    # rows in one BM = 32 block), not for four (M = 4: 128 rows)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"multi_processor_count": 132}))
-    bm, split, n1 = mla.split_plan(32768, 32, 1, long_, "cuda")
-    assert (bm, split, n1) == (32, 512, 64)                 # 32768 / 66 -> 497 -> 8 BN blocks of 64
-    bm, split, n4 = mla.split_plan(32768, 128, 1, long_, "cuda")
-    assert (bm, split, n4) == (32, 1024, 32)                 # 4 row blocks: 132 // 4 = 33 -> 993 -> 1024 keys
-    assert mla.split_plan(32768, 32, 1, {**long_, "target_programs": 132}, "cuda")[2] == 128   # explicit: no halving
-    assert mla.split_plan(2048, 32, 1, short, "cuda")[2] == 32    # short: min_split 64 over 2048 slots

@@ -8,11 +8,11 @@ Synchronization"; PTX ISA ``griddepcontrol``). :func:`enter` issues both at the 
 load or store, so the kernel is safe whatever it follows (the caching allocator may hand it memory the
 previous kernel still reads: nothing is touched before the wait) and lets the next kernel launch early. The
 FP8 GEMVs (``triton_fp8``) additionally prefetch their weights between the two; the MoE kernels keep their own
-protocol (``triton_moe_split``). Users: the RMSNorm / add+RMSNorm kernel (``triton_norm``) and the three MLA
-decode/verify kernels (``triton_mla``); the fused KDA kernel (``triton_kda``) issues the same two instructions
-itself, with room between them for :func:`l2_prefetch`. Opt-in (:func:`early`, ``BYTEBOUND_PDL_PREFETCH``): the
-router GEMV (``triton_router``) as a PDL dependent too, and both it and the KDA kernel streaming their static bytes
-into L2 before the wait; measured no faster on the H200 (docs/perf/decode-h200.md, run L), so off by default.
+protocol (``triton_moe_split``). Users of :func:`enter`: the RMSNorm / add+RMSNorm kernel (``triton_norm``) and the
+three MLA decode/verify kernels (``triton_mla``). The fused KDA kernel (``triton_kda``) issues the same two
+instructions itself, with :func:`l2_prefetch` of its weights and state between them when :func:`early` names it;
+the router GEMV (``triton_router.gemv_route``) is a PDL dependent (wait, prefetch before it) only when
+:func:`early` names it (``BYTEBOUND_PDL_PREFETCH``, default off for both).
 
 A kernel not launched with ``launch_pdl`` waits for full completion of the previous one, as without PDL, and
 its ``griddepcontrol.wait`` returns at once. ``BYTEBOUND_PDL=0`` in the environment turns PDL off for these
@@ -53,7 +53,7 @@ def early(kernel: str, device: torch.device) -> bool:
     and named in ``BYTEBOUND_PDL_PREFETCH`` (a comma list; default empty: neither, as the H200 A/B of both, either and
     neither showed no gain beyond its run-to-run spread, docs/perf/decode-h200.md). Read at each
     launch, so a benchmark can A/B it in one process by re-capturing its graphs (``profile_decode.py --ab``)."""
-    return enabled(device) and kernel in os.environ.get("BYTEBOUND_PDL_PREFETCH", "").split(",")
+    return enabled(device) and kernel in {k.strip() for k in os.environ.get("BYTEBOUND_PDL_PREFETCH", "").split(",")}
 
 
 def enabled(device: torch.device) -> bool:

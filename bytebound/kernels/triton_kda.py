@@ -38,6 +38,13 @@ bit-identical run to run and graph replay == eager. ``V_SPLIT`` and ``num_warps`
 ``configs/triton_kda.json`` (:func:`resolve_launch`; written from ``scripts/bench_kda.py``'s sweep), else a default
 that fills the SMs once.
 
+PDL (sm_90, ``kernels.pdl.enabled``): the kernel is launched as a PDL dependent and first lets the next kernel
+launch (``griddepcontrol.launch_dependents``), then waits for the kernel before it (``griddepcontrol.wait``) before
+any load or store. With ``PF`` (``kernels.pdl.early("kda")``, opt-in through ``BYTEBOUND_PDL_PREFETCH``; only where
+every prefetched address is 16-byte aligned) each program issues, between the two, L2 bulk prefetches of bytes no
+kernel before it writes: its share of the head's recurrent state, of the b_proj row and of the conv weights and
+windows (a hint: nothing is read into registers or written before the wait).
+
 The wrapper :func:`fused_kda` allocates only its output ``o`` (the history buffers and, through :class:`FusedKDA`,
 the scratch and the tickets are allocated once), makes no host sync and launches one kernel: it is CUDA-graph
 capturable. The float32 rounding points are those of the torch path (``layers.kda`` with ``kda_ref``), so the
@@ -413,6 +420,22 @@ def scratch_numel(batch: int, heads: int, tokens: int, dk: int, dv: int, v_split
                                                            triton.next_power_of_2(dv), v_split, beta)
 
 
+def prefetch_aligned(rec: torch.Tensor, conv_weight: torch.Tensor, conv: torch.Tensor,
+                     b_weight: torch.Tensor | None, v_split: int) -> bool:
+    """Whether every L2 bulk prefetch of the kernel's ``PF`` path (before its PDL wait) is 16-byte aligned and a
+    multiple of 16 bytes for these (validated) tensors: aligned bases, power-of-two head dims, slices of whole
+    4-float groups (the conv windows are 12 bytes a channel), a b_proj row (``b_weight``, None when beta is an
+    input) of 2-byte weights in 16-byte multiples."""
+    _, h, dk, dv = rec.shape
+    c = conv.shape[1]
+    if any(t_.data_ptr() % 16 for t_ in (rec, conv_weight, conv) + ((b_weight,) if b_weight is not None else ())):
+        return False
+    if b_weight is not None and (b_weight.element_size() != 2 or b_weight.shape[-1] * 2 % 16):
+        return False
+    return (dk & (dk - 1) == 0 and dv & (dv - 1) == 0 and (dk * dv // v_split) % 4 == 0 and dk % 4 == 0
+            and (dv // v_split) % 4 == 0 and (c * 3) % 4 == 0)
+
+
 def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.Tensor | None,
               conv_weight: torch.Tensor, conv: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
               rec: torch.Tensor, norm_weight: torch.Tensor, eps: float, lower_bound: float | None,
@@ -537,11 +560,8 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
     hid = x.shape[-1] if beta_x else 1
     bk, bv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
     pdl = pdl_enabled(qkv.device)
-    # the L2 prefetch before the PDL wait (kernel docstring) needs 16-byte aligned bulk copies
-    aligned = (rec, conv_weight, conv) + ((b_weight,) if beta_x else ())
-    pf = pdl and pdl_early("kda", qkv.device) and all(t_.data_ptr() % 16 == 0 for t_ in aligned) \
-        and (dk, dv) == (bk, bv) and (dk * dv // v_split) % 4 == 0 and dk % 4 == 0 and (dv // v_split) % 4 == 0 \
-        and (not beta_x or (hid * 2 % 16 == 0 and b_weight.element_size() == 2)) and (c * 3) % 4 == 0
+    pf = pdl and pdl_early("kda", qkv.device) and prefetch_aligned(rec, conv_weight, conv, b_weight if beta_x else None,
+                                                                   v_split)
     _fused_kda_kernel[(bsz * h, v_split)](
         qkv, qkv.stride(0), qkv.stride(1), f, f.stride(0), f.stride(1), gate, gate.stride(0), gate.stride(1),
         bb, bb.stride(0), bb.stride(1), xx, xx.stride(0), xx.stride(1), b_weight if beta_x else xx,

@@ -60,9 +60,10 @@ LOG2E = 1.4426950408889634
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 # Tilings (``TritonMLA(cfg)`` overrides; chosen on the H200 from scripts/bench_mla.py --sweep and an in-model A/B of
 # the captured step, docs/perf/decode-h200.md): BM query rows and BN keys per attention block, split sizing
-# (split_plan: ``target_single`` is the program target when all query rows fit one block, as at M = 1); for a span
-# of at most SHORT_SPAN slots SHORT_CFG replaces the long-context keys (more, shorter splits); absorb_BC latent
-# columns per q-absorption program, combine_BV v columns / combine_BK latent columns per merge step / combine_SB splits per load;
+# (split_plan: ``target_single`` "half" halves the default program target when all query rows fit one block, as at
+# M = 1); for a span of at most SHORT_SPAN slots SHORT_CFG replaces the long-context keys (more, shorter splits;
+# merge order: resolve_cfg); absorb_BC latent columns per q-absorption program, combine_BV v columns / combine_BK
+# latent columns per merge step / combine_SB splits per load;
 # pdl: each of the three kernels enters through kernels.pdl.enter (launched as a PDL dependent on sm_90+).
 SHORT_SPAN = 4096
 SHORT_CFG = {"BN": 32, "num_warps": 8, "min_split": 64, "target_single": None}
@@ -256,14 +257,26 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def tiling(span: int, cfg: dict | None = None) -> dict:
-    """The tiling of a call attending over ``span`` slots: :data:`DEFAULT_CFG`, with :data:`SHORT_CFG` for a span of
-    at most :data:`SHORT_SPAN`, then ``cfg``'s overrides, then those of ``BYTEBOUND_MLA_CFG`` (a JSON object; a
-    diagnostic for in-model A/B such as ``profile_decode.py --ab``, read per call so a re-captured graph picks it
-    up). Raises ValueError for an environment value that is not JSON."""
+def resolve_cfg(span: int, cfg: dict | None = None) -> dict:
+    """The tiling of a call over ``span`` slots: :data:`DEFAULT_CFG`, then :data:`SHORT_CFG` when ``span <=
+    SHORT_SPAN``, then ``cfg`` (``TritonMLA(cfg)``), then ``BYTEBOUND_MLA_CFG`` (a JSON object of overrides: a
+    diagnostic for in-model A/B, e.g. ``profile_decode.py --ab``; read per call, so a re-captured graph picks it up).
+
+    Raises:
+        BackendError: ``BYTEBOUND_MLA_CFG`` not a JSON object, or naming a key :data:`DEFAULT_CFG` does not have (a
+            misspelt key would otherwise leave the A/B measuring the default).
+    """
     env = os.environ.get("BYTEBOUND_MLA_CFG")
-    return {**DEFAULT_CFG, **(SHORT_CFG if span <= SHORT_SPAN else {}), **(cfg or {}),
-            **(json.loads(env) if env else {})}
+    over = {}
+    if env:
+        try:
+            over = json.loads(env)
+        except json.JSONDecodeError as e:
+            raise BackendError(f"mla[triton]: BYTEBOUND_MLA_CFG is not JSON ({e}): {env!r}") from None
+        if not isinstance(over, dict) or set(over) - set(DEFAULT_CFG):
+            raise BackendError(f"mla[triton]: BYTEBOUND_MLA_CFG must be a JSON object with keys of DEFAULT_CFG "
+                               f"({', '.join(DEFAULT_CFG)}), got {env!r}")
+    return {**DEFAULT_CFG, **(SHORT_CFG if span <= SHORT_SPAN else {}), **(cfg or {}), **over}
 
 
 def split_plan(span: int, rows: int, batch: int, cfg: dict, device) -> tuple[int, int, int]:
@@ -312,7 +325,8 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
         wkc, wvc: ``[H, nope, R]`` and ``[H, v, R]`` BF16, contiguous (``GatedMLA.absorbed``).
         norm_w: ``[R]`` kv_a_layernorm weight; eps its epsilon. inv_freq: ``[P/2]`` float32 rope inverse
             frequencies, att the YaRN cos/sin amplitude (``Rope``). scale: softmax scale (``mla_softmax_scale``).
-        cfg: tiling overrides of :data:`DEFAULT_CFG`.
+        cfg: tiling overrides of :data:`DEFAULT_CFG` (and of :data:`SHORT_CFG` at spans up to
+            :data:`SHORT_SPAN`); ``BYTEBOUND_MLA_CFG`` overrides them in turn (:func:`resolve_cfg`).
 
     Returns:
         ``[B, T, H, v]`` BF16: ``sigmoid(g) * softmax(q.k * scale) V`` per head (the input of ``dense``).
@@ -323,7 +337,7 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
     if _TRITON_ERR:
         raise BackendError(f"mla[triton]: {_TRITON_ERR}")
     span = kv.shape[1] if kv_len is None else int(kv_len)
-    cfg = tiling(span, cfg)
+    cfg = resolve_cfg(span, cfg)
     b, t, h, qd = q.shape
     _, nope, rank = wkc.shape
     vdim = wvc.shape[1]
@@ -379,7 +393,7 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
 @register("mla", "triton", available)
 class TritonMLA:
     """Binds :func:`mla_decode` to a ``GatedMLA`` layer (``layer.attn_fn``) for decode/verify; prefill and the
-    stateless forward keep the layer's torch code. ``cfg``: tiling overrides (:data:`DEFAULT_CFG`)."""
+    stateless forward keep the layer's torch code. ``cfg``: tiling overrides (:func:`resolve_cfg`)."""
     name = "triton"
 
     def __init__(self, cfg: dict | None = None):

@@ -15,7 +15,9 @@ makes no promise there, and with float32 sigmoid scores a tie is a measure-zero 
 the router GEMV (``F.linear`` in float32) stays a launch of its own. :func:`gemv_route` does both in one launch
 (``_gemv_route_kernel``): E/``be`` programs compute ``be`` experts' logits each for every row, and the last to
 finish (an acq_rel ticket) routes all rows at once; the CUDA default (plan entry ``router=gemv``;
-docs/perf/moe-kernels-h200.md has its measurements). Its logits are summed in a different order than cuBLAS's, so
+docs/perf/moe-kernels-h200.md has its measurements). Both let the MoE kernel A launch early (PDL trigger);
+``gemv_route`` is also a PDL dependent that L2-prefetches its weight tile before its wait when
+``BYTEBOUND_PDL_PREFETCH`` names ``router`` (``kernels.pdl.early``; off by default). Its logits are summed in a different order than cuBLAS's, so
 a routing near-tie can break the other way.
 
 Constraints: ``E`` a power of two divisible by ``G`` (Ling: 512 experts, 8 groups); float32 logits. Tested against
@@ -126,6 +128,13 @@ if tl is not None:
         chunked loop's time: docs/perf/history.md). It also lets the next kernel launch at
         once (``griddepcontrol.launch_dependents``, PDL): the MoE kernel A (``pdl_in``) then loads the shared
         expert's weights while this kernel runs.
+
+        ``PDL_IN`` (``kernels.pdl.early("router")``, opt-in through ``BYTEBOUND_PDL_PREFETCH``; launched with
+        ``launch_pdl``): this kernel is itself a PDL dependent of the kernel before it. Each program issues one L2
+        bulk prefetch of its ``PF`` weight bytes (0: none, where the tile is not 16-byte aligned) and then
+        ``griddepcontrol.wait``, before any other load or store. The trigger above then precedes the wait, so kernel
+        A may launch while this kernel still waits; A touches only weights before its own wait, which returns once
+        this kernel (and so the one before it) has completed.
 
         ``ADD_NORM``: ``x_ptr`` is the residual stream h and ``d_ptr`` the attention output delta; every program
         forms ``h + delta`` and its RMSNorm (weight ``nw_ptr``) itself, rounded as ``kernels.triton_norm``'s
@@ -287,8 +296,8 @@ def _gemv_route(x, delta, norm_weight, eps, weight, bias, top_k, n_group, topk_g
     cnt = scratch(x.device, "router_ticket", 1, torch.int32)
     b = bias if bias is not None else weight
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    # PDL dependent (pdl.enabled: sm_90, not BYTEBOUND_PDL=0): the weight tile's L2 prefetch before the wait needs
-    # 16-byte aligned rows
+    # PDL dependent (pdl.early: sm_90, not BYTEBOUND_PDL=0, named in BYTEBOUND_PDL_PREFETCH): the weight tile's L2
+    # prefetch before the wait needs a 16-byte aligned tile of a multiple of 16 bytes (else PF 0: no prefetch)
     pdl_in = pdl_early("router", x.device)
     wt = weight.contiguous()
     tile = be * h * wt.element_size()
