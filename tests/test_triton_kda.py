@@ -633,7 +633,7 @@ def test_runner_arena_rollback_equals_per_layer(tk, device_index):
             r = ModelRunner(model, 48)
             r.prefill(prompt)
             r.verify(toks)
-            hr = r._hist[2]
+            hr = r._hist[1]
             assert all(torch.equal(sa[2 * i + 1], hr[i, n]) for i in range(len(kda_layers)))
             assert any(not torch.equal(sa[1], hr[0, m]) for m in range(4) if m != n)
     finally:

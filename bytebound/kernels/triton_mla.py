@@ -299,7 +299,7 @@ def split_plan(span: int, rows: int, batch: int, cfg: dict, device) -> tuple[int
                       if torch.device(device).type == "cuda" else 1)
             if n_rb == 1 and cfg.get("target_single") == "half":
                 # one row block: fewer, longer splits halve the partial outputs the merge reads back, which
-                # measured faster at 32K (the sweep in docs/perf/mla-h200.md)
+                # measured faster at 32K (docs/perf/decode-h200.md, run L)
                 target = max(1, target // 2)
         per = max(1, target // max(1, batch * n_rb))
         split = max(-(-span // per), int(cfg.get("min_split") or bn))

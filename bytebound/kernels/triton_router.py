@@ -46,7 +46,7 @@ triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machine
 
 
 if tl is not None:
-    from bytebound.kernels.pdl import l2_prefetch as pdl_l2_prefetch
+    from bytebound.kernels.pdl import gdc as pdl_gdc, l2_prefetch as pdl_l2_prefetch
 
     @triton.jit
     def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, row0, M, E: tl.constexpr, G: tl.constexpr,
@@ -150,8 +150,7 @@ if tl is not None:
             # rows (static, contiguous: PF bytes) stream into L2 while that kernel still runs; everything else
             # waits for its completion
             pdl_l2_prefetch(wg_ptr + pid * BE * H, PF, NTH)
-            tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r,r", [tl.arange(0, NTH)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+            pdl_gdc("griddepcontrol.wait; mov.u32 $0, 0;", NTH)
         e = pid * BE + tl.arange(0, BE)
         kk = tl.arange(0, HP)
         km = kk < H

@@ -80,7 +80,7 @@ class ModelRunner:
         self.state = model.new_state(max_len, device=self.device)
         self._kda = [st for st in self.state if isinstance(st, KDAState)]
         self._arena = kda_arena(self._kda)
-        self._hist = None   # (tokens, conv [L, T, B, C, k-1], rec [L, T, B, H, K, V]): the layers' verify history
+        self._hist = None   # (conv [L, T, B, C, k-1], rec [L, T, B, H, K, V]): the layers' verify history
         self.pos = 0
         self.pos_buf = torch.zeros((), dtype=torch.long, device=self.device)   # pos at begin_verify, on device
         self._verify: tuple[int, int] | None = None     # (start, tokens) of the verify awaiting its commit
@@ -198,7 +198,7 @@ class ModelRunner:
         self.pos_buf.fill_(self.pos)
         for st in self._kda:
             st.history = []
-        if self._arena is not None and (self._hist is None or self._hist[0] < k + 1):
+        if self._arena is not None and (self._hist is None or self._hist[1].shape[1] < k + 1):
             # the fused KDA kernel writes each token's state into the layer's last history buffers
             # (kernels.triton_kda.history_buffers): make those views of one [L, T, ...] pair, so that commit_state
             # rolls every layer back in one launch per tensor. Earlier buffers stay referenced (a captured graph
@@ -206,7 +206,7 @@ class ModelRunner:
             conv, rec = self._arena
             hc = torch.zeros(conv.shape[0], k + 1, *conv.shape[1:], dtype=conv.dtype, device=conv.device)
             hr = torch.zeros(rec.shape[0], k + 1, *rec.shape[1:], dtype=rec.dtype, device=rec.device)
-            self._hist = (k + 1, hc, hr)
+            self._hist = (hc, hr)
             for i, st in enumerate(self._kda):
                 st.hist_buf = (st.hist_buf or []) + [(hc[i], hr[i])]
 
@@ -253,7 +253,7 @@ class ModelRunner:
             # every layer's history is its slice of the shared [L, T, ...] buffers: one copy (an int n) or one
             # index_select (a device n) per tensor for all layers, instead of two or four launches per layer
             conv, rec = self._arena
-            _, hc, hr = self._hist
+            hc, hr = self._hist
             if isinstance(n, torch.Tensor):
                 sel = n.view(1)
                 torch.index_select(hc, 1, sel, out=conv.unsqueeze(1))
@@ -273,7 +273,7 @@ class ModelRunner:
         torch path records clones instead, which each layer copies back itself."""
         if self._arena is None or self._hist is None:
             return False
-        _, hc, hr = self._hist
+        hc, hr = self._hist
         return all(st.history and len(st.history) <= hr.shape[1] and st.history[0][1].data_ptr() == hr[i].data_ptr()
                    and st.history[0][0].data_ptr() == hc[i].data_ptr() for i, st in enumerate(self._kda))
 
