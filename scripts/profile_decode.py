@@ -74,6 +74,39 @@ def ab_walls(runner, tok, ctx: int, settings: list[str], rounds: int) -> dict[st
     return walls
 
 
+def ncu_range(runner, tok, ctx: int, verify_m: int, device) -> int:
+    """One eager decode step at ``ctx`` (then a marker kernel and one ``verify_m``-token verify with its rollback, if > 0) inside
+    ``cudaProfilerStart/Stop``, after one untimed warm-up of each (the JIT compiles there, outside the range), so
+    that ``ncu --profile-from-start off`` sees exactly those kernels, each launched on its own (no graph)."""
+    ids = torch.full((max(verify_m, 1),), 17, device=device)
+
+    def decode():
+        runner.pos = ctx
+        return runner.model.logits(runner.forward(tok))
+
+    def verify():
+        runner.reset(ctx)
+        h = runner.verify(ids)
+        runner.commit(verify_m - 1)
+        return runner.model.logits(h)
+    with torch.inference_mode():
+        runner.graph = None
+        runner.reset(ctx)
+        decode()
+        if verify_m:
+            verify()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        decode()
+        if verify_m:
+            torch.cuda._sleep(1000)     # the marker kernel (spin_kernel) between the phases, for scripts/ncu_table.py
+            verify()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+    print(f"ncu range done: decode at ctx {ctx}" + (f", verify of {verify_m} tokens" if verify_m else ""))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(LING3_FLASH_CONFIG), help="model config (dummy weights)")
@@ -88,6 +121,9 @@ def main(argv=None) -> int:
                          "is set, the decode graph re-captured and timed, in turns (--ab-rounds); '' is the "
                          "unchanged environment (e.g. BYTEBOUND_PDL_PREFETCH=router,kda BYTEBOUND_MLA_CFG='{...}')")
     ap.add_argument("--ab-rounds", type=int, default=3)
+    ap.add_argument("--ncu-range", action="store_true",
+                    help="for Nsight Compute (ncu --profile-from-start off): after a warm-up, one eager decode step "
+                         "and one eager verify between cudaProfilerStart/Stop, then exit (no tables)")
     ap.add_argument("--top", type=int, default=40, help="rows in the markdown table")
     ap.add_argument("--backend", action="append", default=[], metavar="OP=NAME", help="backend override(s)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -109,6 +145,10 @@ def main(argv=None) -> int:
                  "config": a.config, "ctx": a.ctx, "steps": a.steps,
                  "command": " ".join(["python3", "scripts/profile_decode.py", *sys.argv[1:]]),
                  "resolved": {k: v.resolved for k, v in eng.plan.resolutions.items()}}
+    if a.ncu_range:
+        if not cuda:
+            raise SystemExit("--ncu-range profiles CUDA kernels: it needs --device cuda")
+        return ncu_range(runner, tok, a.ctx, a.verify_m, eng.device)
     with torch.inference_mode():
         if cuda:
             capture_decode(runner, tokens=False)       # the table is of the step and the eager head
