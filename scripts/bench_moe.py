@@ -594,6 +594,35 @@ def floor_section(reps: int, read_gbps: float, log) -> list[dict]:
     return rows
 
 
+def ncu_range(layers, ms, cfgs: dict, log) -> int:
+    """``--ncu-range``: for Nsight Compute (``ncu --profile-from-start off``). Each layer is bound with its committed
+    config and a shared expert (routed + shared in the two ``split`` launches, as the engine runs them), warmed up
+    (JIT outside the range), then one eager call per layer at each M inside ``cudaProfilerStart/Stop``, the Ms
+    separated by a marker kernel (``torch.cuda._sleep``: ``spin_kernel``), so ``scripts/ncu_table.py`` labels the first
+    M's rows ``decode`` and the next one's ``verify``."""
+    fns = []
+    for li, ex in enumerate(layers):
+        fn = bind("triton", ex, {m: cfgs[m] for m in ms})
+        fn.bind_shared(make_shared(500 + li))
+        fns.append(fn)
+    cases = {m: [(torch.randn(m, H, device="cuda").to(torch.bfloat16), *make_routing(m, "random", 90 + 7 * m + li))
+                 for li in range(len(layers))] for m in ms}
+    for m in ms:
+        for fn, args in zip(fns, cases[m]):
+            fn(*args)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for n, m in enumerate(ms):
+        if n:
+            torch.cuda._sleep(1000)
+        for fn, args in zip(fns, cases[m]):
+            fn(*args)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    log(f"ncu range done: M = {ms}, {len(layers)} layers each, configs {cfgs}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "out" / "bench_moe")))
@@ -623,6 +652,9 @@ def main() -> int:
                          "(e.g. '{\"num_warps\": 8}')")
     ap.add_argument("--probe", action="store_true",
                     help="attribute the split variant's time (each kernel alone, load-only, compute-only, profiler)")
+    ap.add_argument("--ncu-range", action="store_true",
+                    help="for ncu --profile-from-start off: one eager call per layer at each M (routed + shared, the "
+                         "committed configs) between cudaProfilerStart/Stop, nothing else timed (ncu_range)")
     args = ap.parse_args()
     args.tune = args.tune or args.tune_split
     out_dir = Path(args.out)
@@ -651,6 +683,9 @@ def main() -> int:
     log(f"bandwidth: copy {bw['copy_GBps']:.0f} GB/s (read+write), read-only {bw['read_GBps']:.0f} GB/s")
     layers = [make_layer(100 + li) for li in range(args.layers)]
     result = {"meta": meta, "bandwidth": bw, "cases": [], "jit": []}
+    if args.ncu_range:
+        from bytebound.kernels.moe_host import lookup_config
+        return ncu_range(layers, ms, {m: lookup_config(E, H, I, K, m) for m in ms}, log)
 
     tuned = None
     if args.quick:
