@@ -33,16 +33,30 @@ def test_committed_table_entries_fit_ling_shapes():
 
 
 @pytest.mark.parametrize("h,i", [(256, 128), (2560, 768), (512, 384)])
-@pytest.mark.parametrize("cfg", [{}, {"KP": 4, "KP2": 2}, {"BI": 32, "num_warps": 8, "BH": 16}, {"KP": 40}])
+@pytest.mark.parametrize("cfg", [{}, {"KP": 4, "KP2": 2}, {"BI": 32, "num_warps": 8, "BH": 16}, {"KP": 40},
+                                 {"KP": 2, "KC": 5, "SG": 4}, {"KP": 1, "KC": 64, "SG": 0}])
 def test_split_fit_divides_the_shape(h, i, cfg):
     c = ts.fit_split_config(cfg, h, i)
     assert c["variant"] == "split"
     assert i % c["BI"] == 0 and h % c["BH"] == 0
-    for n, kp in ((h, c["KP"]), (i, c["KP2"])):
-        assert n % kp == 0 and (n // kp) % 128 == 0
-        ns = n // kp // 128
-        assert ns & (ns - 1) == 0, f"{n}/{kp}: {ns} super-blocks is not a power of two"
+    # kernel A's unit is one chunk of an H slice (KP slices x KC chunks), kernel B's one I slice
+    for n, parts, widest in ((h, c["KP"] * c["KC"], 512), (i, c["KP2"], 256)):
+        assert n % parts == 0 and (n // parts) % 128 == 0 and n // parts <= widest
+        ns = n // parts // 128
+        assert ns & (ns - 1) == 0, f"{n}/{parts}: {ns} super-blocks is not a power of two"
+    assert c["KC"] >= 1 and c["KC"] <= max(1, cfg.get("KC", 1)) and c["SG"] >= 1
     assert 2 * c["BI"] >= 16 * c["num_warps"] and c["BH"] >= 16 * c["down_warps"]
+
+
+def test_split_fit_chunks():
+    """KP x KC is fitted as one count of H chunks, KC the largest divisor of it not above the one asked for."""
+    c = ts.fit_split_config({"KP": 2, "KC": 5}, 2560, 768)
+    assert (c["KP"], c["KC"]) == (2, 5)                                      # 10 chunks of 256 columns
+    c = ts.fit_split_config({"KP": 5, "KC": 4}, 2560, 768)
+    assert (c["KP"], c["KC"]) == (5, 4)                                      # 20 chunks of 128
+    c = ts.fit_split_config({"KP": 1, "KC": 3}, 2560, 768)
+    assert (c["KP"], c["KC"]) == (5, 1)                                      # 3 -> 5 chunks; 3 does not divide 5
+    assert ts.fit_split_config({}, 2560, 768)["KC"] == 1 and ts.fit_split_config({}, 2560, 768)["SG"] == 1
 
 
 def test_split_fit_picks_the_nearest_slice_count():

@@ -47,9 +47,11 @@ with ``pdl_in 0`` A started after the router finished; with ``pdl_in > 0`` each 
 
 Config keys (``configs/triton_moe.json``, variant ``"split"``): ``BI`` (intermediate rows per kernel-A program; it
 reads 2*BI rows), ``KP`` (H slices), ``num_warps`` (kernel A), ``BH`` (hidden rows per kernel-B program), ``KP2``
-(I slices), ``down_warps``, ``pdl`` (default true), ``pdl_in`` (0, the default: kernel A is an ordinary launch; 1: A is launched as a
+(I slices), ``down_warps``, ``KC`` (default 1: kernel A's H slice in KC chunks through a two-deep register
+pipeline, :func:`_gateup_routed`), ``SG`` (default 1: kernel B's slots per program, summed in registers in slot
+order, :func:`_down_routed_group`), ``pdl`` (default true), ``pdl_in`` (0, the default: kernel A is an ordinary launch; 1: A is launched as a
 PDL dependent of the kernel before it, the router, so its programs start while the router runs and wait before
-touching ``ids``, x or the scratch; 2: as 1, and the shared slot loads its first weights before waiting). Constraints: H/KP and I/KP2 are 128 x a power of two,
+touching ``ids``, x or the scratch; 2: as 1, and the shared slot loads its first weights before waiting). Constraints: H/(KP*KC) and I/KP2 are 128 x a power of two,
 ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (an mma row tile per warp); :func:`fit_split_config` fits a
 config to a model's shape or raises BackendError.
 
@@ -222,20 +224,22 @@ mov.b32 {$2, $3}, a1;
         return gl.convert_layout(gl.reshape(a, [R, NS * 128]), DA, assert_trivial=True)
 
     @gluon.jit
-    def _load_b(src_ptr, row_stride, M: gl.constexpr, NS: gl.constexpr, NW: gl.constexpr, DB: gl.constexpr):
+    def _load_b(src_ptr, row_stride, M: gl.constexpr, NS: gl.constexpr, NW: gl.constexpr, DB: gl.constexpr,
+                ok=True):
         """B operand ``[128*NS, 8]`` BF16 (tokens padded to 8 columns, 0 for ``n >= M``) straight into the mma
         B-fragment layout ``DB``, in the logical k order of :func:`frag_dequant`: ``B[kappa, n] = src[n *
         row_stride + phys(kappa)]``. Lane ``4g + t`` needs token ``g``'s 32 contiguous columns ``128s + 32t ..
         128s + 32t + 31`` of each super-block, so it loads them as four 16-byte vectors and the reshape to ``DB`` is
         free (asserted). ``src`` is x or act (L2-resident); every warp loads the whole operand (the B fragments are
-        the same in every warp)."""
+        the same in every warp). ``ok`` false (a scalar): all zeros, nothing loaded (a slot kernel B's slot loop
+        skips)."""
         XL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 32], [1, 8, 4, 1], [1, 1, 1, NW], [3, 2, 1, 0])
         sb = gl.arange(0, NS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
         n = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
         t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, XL))))
         c = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, XL))))
         off3 = n[None, :, None] * row_stride + sb[:, None, None] * 128 + t[None, None, :] * 32
-        msk3 = (n[None, :, None] < M) & (sb[:, None, None] >= 0) & (t[None, None, :] >= 0)
+        msk3 = (n[None, :, None] < M) & (sb[:, None, None] >= 0) & (t[None, None, :] >= 0) & ok
         x = gl.load(src_ptr + off3[:, :, :, None] + c[None, None, None, :],
                     mask=msk3[:, :, :, None] & (c[None, None, None, :] >= 0), other=0.0)   # [NS, 8, 4, 32]
         x = gl.reshape(x, [NS, 8, 4, 4, 2, 2, 2])            # c = 8tau + 4p + 2h + j
@@ -285,6 +289,17 @@ mov.b32 {$2, $3}, a1;
         return wv, sv
 
     @gluon.jit
+    def mxfp4_tile_if(w_ptr, s_ptr, row, cb, K: gl.constexpr, WD: gl.constexpr, ok):
+        """:func:`mxfp4_tile` loaded only where the scalar ``ok`` holds (zero words and scales otherwise, no bytes
+        read): kernel B's slot loop skips duplicate and padding slots without a branch."""
+        w3, q, sb, tb = mxfp4_index(row, cb, K, WD)
+        wo = w3[:, :, :, None] + q[None, None, None, :]
+        wv = gl.load(w_ptr + wo, mask=(wo >= 0) & ok, other=0)
+        so = row[:, None, None] * (K // 32) + cb * 4 + sb[None, :, None] * 4 + tb[None, None, :]
+        sv = gl.load(s_ptr + so, mask=(so >= 0) & ok, other=0)
+        return wv, sv
+
+    @gluon.jit
     def fp8_index(row, cb, K: gl.constexpr, WD8: gl.constexpr):
         """The index maths of :func:`_fp8_tile` (also ``gluon_fp8_gemv``'s chunk loads): for rows ``row`` (``[R]``,
         layout ``SliceLayout(1, SliceLayout(2, SliceLayout(3, WD8)))``) and the ``NC`` 128-column super-blocks from
@@ -316,7 +331,7 @@ mov.b32 {$2, $3}, a1;
                           H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
                           SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
                           WD: gl.constexpr, PDL: gl.constexpr, SHARED: gl.constexpr = False,
-                          WD8: gl.constexpr = None, PDL_IN: gl.constexpr = 0):
+                          WD8: gl.constexpr = None, PDL_IN: gl.constexpr = 0, KC: gl.constexpr = 1):
         NW: gl.constexpr = gl.num_warps()
         S: gl.constexpr = M * TOPK
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
@@ -332,15 +347,15 @@ mov.b32 {$2, $3}, a1;
         if SHARED:
             if s == S:
                 _gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, s, j, p, H, I, M, BI,
-                               KP, HAS_LIMIT, WD8, PDL_IN, MMA, DA, DB, RL)
+                               KP, HAS_LIMIT, WD8, PDL_IN, MMA, DA, DB, RL, KC)
             else:
                 _pdl_in(PDL_IN, PDL, NW)
                 _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
-                               s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL)
+                               s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC)
         else:
             _pdl_in(PDL_IN, PDL, NW)
             _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
-                           s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL)
+                           s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC)
 
     @gluon.jit
     def _pdl_in(PDL_IN: gl.constexpr, PDL: gl.constexpr, NW: gl.constexpr):
@@ -357,12 +372,13 @@ mov.b32 {$2, $3}, a1;
     def _gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, s, j, p, H: gl.constexpr,
                        I: gl.constexpr, M: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr,
                        HAS_LIMIT: gl.constexpr, WD8: gl.constexpr, PDL_IN: gl.constexpr, MMA: gl.constexpr,
-                       DA: gl.constexpr, DB: gl.constexpr, RL: gl.constexpr):
+                       DA: gl.constexpr, DB: gl.constexpr, RL: gl.constexpr, KC: gl.constexpr = 1):
         """Kernel A, the shared expert's slot: FP8 E4M3 rows ``gate[j-slice] | up[j-slice]`` (128x128 block
         scales, ``ss13`` as BF16x2 factors) times x over H slice ``p``; routing weight 1 for every token. With
         ``PDL_IN`` the first chunk's weights (read-only, known before routing) are loaded *before* the PDL wait,
         so they stream while the router still runs (``PDL_IN == 2``; 1 waits first); x and the scratch are touched
-        only after the wait."""
+        only after the wait. With ``KC > 1`` (a wider H slice in several chunks) the chunks go through a two-deep
+        register pipeline, as in :func:`_gateup_routed`."""
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         R1: gl.constexpr = 2 * BI
@@ -374,15 +390,34 @@ mov.b32 {$2, $3}, a1;
         NC: gl.constexpr = WD8.shape[1]
         r8 = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WD8))))
         row8 = gl.where(r8 < BI, j * BI + r8, I + j * BI + (r8 - BI))               # row of [gate; up]
+        NCH: gl.constexpr = NS // NC
         acc = gl.zeros([R1, NPC], gl.float32, MMA)
         if PDL_IN == 2:     # read-only weights: may precede the wait
             wv, sv = _fp8_tile(sw13_ptr, ss13_ptr, row8, p * NS, H, WD8)
         _pdl_in(PDL_IN, True, NW)       # (a launch_dependents trigger with no PDL dependent does nothing)
-        for c in gl.static_range(NS // NC):
-            if PDL_IN != 2 or c > 0:
-                wv, sv = _fp8_tile(sw13_ptr, ss13_ptr, row8, p * NS + c * NC, H, WD8)
-            b = _load_b(x_ptr + p * HK + c * (NC * 128), H, M, NC, NW, DB)
-            acc = mma_v2(_frag_fp8(wv, sv, DA), b, acc)
+        if KC == 1:
+            for c in gl.static_range(NCH):
+                if PDL_IN != 2 or c > 0:
+                    wv, sv = _fp8_tile(sw13_ptr, ss13_ptr, row8, p * NS + c * NC, H, WD8)
+                b = _load_b(x_ptr + p * HK + c * (NC * 128), H, M, NC, NW, DB)
+                acc = mma_v2(_frag_fp8(wv, sv, DA), b, acc)
+        else:
+            # two chunks in flight while one is multiplied
+            if PDL_IN != 2:
+                wv, sv = _fp8_tile(sw13_ptr, ss13_ptr, row8, p * NS, H, WD8)
+            b = _load_b(x_ptr + p * HK, H, M, NC, NW, DB)
+            if NCH > 1:
+                wv1, sv1 = _fp8_tile(sw13_ptr, ss13_ptr, row8, p * NS + NC, H, WD8)
+                b1 = _load_b(x_ptr + p * HK + NC * 128, H, M, NC, NW, DB)
+            for c in gl.static_range(NCH):
+                if c + 2 < NCH:
+                    wv2, sv2 = _fp8_tile(sw13_ptr, ss13_ptr, row8, p * NS + (c + 2) * NC, H, WD8)
+                    b2 = _load_b(x_ptr + p * HK + (c + 2) * (NC * 128), H, M, NC, NW, DB)
+                acc = mma_v2(_frag_fp8(wv, sv, DA), b, acc)
+                if c + 1 < NCH:
+                    wv, sv, b = wv1, sv1, b1
+                if c + 2 < NCH:
+                    wv1, sv1, b1 = wv2, sv2, b2
         mcol = gl.arange(0, NPC, layout=gl.SliceLayout(1, RL))
         wtok = gl.where(mcol < M, 1.0, 0.0)
         _gateup_epilogue(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, slimit, I, M, BI, KP, HAS_LIMIT, NW)
@@ -392,31 +427,56 @@ mov.b32 {$2, $3}, a1;
                        s, j, p, H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
                        SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
                        WD: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
-                       DB: gl.constexpr, RL: gl.constexpr):
-        """Kernel A, routed slot ``s``: its expert's MXFP4 rows (unless an earlier slot owns the expert)."""
+                       DB: gl.constexpr, RL: gl.constexpr, KC: gl.constexpr = 1):
+        """Kernel A, routed slot ``s``: its expert's MXFP4 rows (unless an earlier slot owns the expert).
+
+        ``KC == 1``: every weight byte of the program in one go. ``KC > 1``: the program's H slice in ``KC`` chunks
+        (``WD`` is one chunk's layout) through a two-deep register pipeline: chunks ``c + 1`` and ``c + 2`` are in
+        flight while chunk ``c`` is decoded and multiplied, so a program keeps loading for its whole life and one
+        wave of long programs replaces several waves of short ones, each of which paid the ids -> weights ->
+        partial -> ticket chain (docs/perf/moe-kernels-h200.md, thirteenth session). The chunks accumulate into one
+        float32 accumulator in the order c = 0..KC-1."""
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         S: gl.constexpr = M * TOPK
         R1: gl.constexpr = 2 * BI
         HK: gl.constexpr = H // KP
-        NS: gl.constexpr = HK // 128
+        NS: gl.constexpr = HK // (128 * KC)         # super-blocks per chunk
+        CW: gl.constexpr = NS * 128                 # columns per chunk
         SD: gl.constexpr = gl.SliceLayout(3, WD)
         ids, e, owner = _slot_expert(ids_ptr, s, S, SP, RL)
         if owner:
-            # ---- every weight byte of the program in one go: a 16-byte vector per (row, super-block), lane ----
+            # ---- a 16-byte vector per (row, super-block, lane), all of a chunk's loads issued at once ----
             r = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD)))
             row = gl.where(r < BI, j * BI + r, I + j * BI + (r - BI))
-            wv, sv = mxfp4_tile(w13_ptr + e * (2 * I * (H // 8)), s13_ptr + e * (2 * I * (H // 32)), row, p * NS,
-                                 H, WD)
+            wp = w13_ptr + e * (2 * I * (H // 8))
+            sp = s13_ptr + e * (2 * I * (H // 32))
+            c0 = p * (HK // 128)
+            wv, sv = mxfp4_tile(wp, sp, row, c0, H, WD)
             b = _load_b(x_ptr + p * HK, H, M, NS, NW, DB)
+            if KC > 1:
+                wv1, sv1 = mxfp4_tile(wp, sp, row, c0 + NS, H, WD)
+                b1 = _load_b(x_ptr + p * HK + CW, H, M, NS, NW, DB)
             t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
             tw = gl.load(tw_ptr + t, mask=t < S, other=0.0)
             mcol = gl.arange(0, NPC, layout=gl.SliceLayout(1, RL))
             sel = (ids[None, :] == e) & ((t // TOPK)[None, :] == mcol[:, None])
             wtok = gl.sum(gl.where(sel, tw[None, :], 0.0), axis=1)                  # [NPC]
+            l0 = gl.load(lut_ptr)
+            l1 = gl.load(lut_ptr + 1)
+            l2 = gl.load(lut_ptr + 2)
+            l3 = gl.load(lut_ptr + 3)
+            l4 = gl.load(lut_ptr + 4)
             acc = gl.zeros([R1, NPC], gl.float32, MMA)
-            acc = mma_v2(frag_dequant(wv, sv, gl.load(lut_ptr), gl.load(lut_ptr + 1), gl.load(lut_ptr + 2),
-                                       gl.load(lut_ptr + 3), gl.load(lut_ptr + 4), DA), b, acc)
+            for c in gl.static_range(KC):
+                if c + 2 < KC:
+                    wv2, sv2 = mxfp4_tile(wp, sp, row, c0 + (c + 2) * NS, H, WD)
+                    b2 = _load_b(x_ptr + p * HK + (c + 2) * CW, H, M, NS, NW, DB)
+                acc = mma_v2(frag_dequant(wv, sv, l0, l1, l2, l3, l4, DA), b, acc)
+                if c + 1 < KC:
+                    wv, sv, b = wv1, sv1, b1
+                if c + 2 < KC:
+                    wv1, sv1, b1 = wv2, sv2, b2
             _gateup_epilogue(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, limit, I, M, BI, KP, HAS_LIMIT, NW)
 
     @gluon.jit
@@ -479,10 +539,11 @@ mov.b32 {$2, $3}, a1;
     def _moe_down_split(act_ptr, ids_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, cnt_ptr, lut_ptr, sw2_ptr, ss2_ptr,
                         H: gl.constexpr, I: gl.constexpr, M: gl.constexpr, S: gl.constexpr, SP: gl.constexpr,
                         BH: gl.constexpr, KP2: gl.constexpr, WD: gl.constexpr, PDL: gl.constexpr,
-                        SHARED: gl.constexpr = False, WD8: gl.constexpr = None):
+                        SHARED: gl.constexpr = False, WD8: gl.constexpr = None, SG: gl.constexpr = 1):
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
-        ST: gl.constexpr = S + SHARED       # slots: routed, then the shared expert
+        GR: gl.constexpr = (S + SG - 1) // SG   # groups of SG routed slots (SG 1: one slot per program)
+        ST: gl.constexpr = GR + SHARED      # slot groups: routed, then the shared expert's own
         NSLOT: gl.constexpr = ST * KP2
         MV: gl.constexpr = 1 if M == 1 else 4
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
@@ -500,20 +561,26 @@ mov.b32 {$2, $3}, a1;
         slot = part_ptr + ((hb * ST + s) * KP2 + kq) * (BH * MV) + orow[:, None] * MV + ocol[None, :]
 
         if SHARED:
-            if s == S:
-                _down_shared(act_ptr, sw2_ptr, ss2_ptr, slot, omask, s, hb, kq, H, I, M, BH, KP2, WD8, PDL, MMA, DA, DB,
-                             OL)
-            else:
+            if s == GR:
+                _down_shared(act_ptr, sw2_ptr, ss2_ptr, slot, omask, S, hb, kq, H, I, M, BH, KP2, WD8, PDL, MMA, DA,
+                             DB, OL)
+            elif SG == 1:
                 _down_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, slot, omask, s, hb, kq, H, I, M, S,
                              SP, BH, KP2, WD, PDL, MMA, DA, DB, RL, OL)
-        else:
+            else:
+                _down_routed_group(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, slot, omask, s, hb, kq, H, I, M, S,
+                                   SP, BH, KP2, SG, WD, PDL, MMA, DA, DB, RL, OL)
+        elif SG == 1:
             _down_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, slot, omask, s, hb, kq, H, I, M, S,
                          SP, BH, KP2, WD, PDL, MMA, DA, DB, RL, OL)
+        else:
+            _down_routed_group(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, slot, omask, s, hb, kq, H, I, M, S,
+                               SP, BH, KP2, SG, WD, PDL, MMA, DA, DB, RL, OL)
 
         _fence_all(NW)
         ticket = gl.atomic_add(cnt_ptr + hb, 1, sem="acq_rel", scope="gpu")
         if ticket == NSLOT - 1:
-            # sum the ST*KP2 slots in order (s, then q), 8 at a time (in-thread along the slot axis)
+            # sum the ST*KP2 slots in order (slot group, then q), 8 at a time (in-thread along the slot axis)
             L3: gl.constexpr = gl.BlockedLayout([8, 1, MV], [1, 32, 1], [1, NW, 1], [2, 1, 0])
             s8 = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
             h3 = gl.arange(0, BH, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
@@ -581,6 +648,69 @@ mov.b32 {$2, $3}, a1;
             gl.store(slot, gl.zeros([BH, NPC], gl.float32, OL), mask=omask)
 
 
+if gluon is not None:
+    @gluon.jit
+    def _down_routed_group(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, slot, omask, g, hb, kq, H: gl.constexpr,
+                           I: gl.constexpr, M: gl.constexpr, S: gl.constexpr, SP: gl.constexpr, BH: gl.constexpr,
+                           KP2: gl.constexpr, SG: gl.constexpr, WD: gl.constexpr, PDL: gl.constexpr,
+                           MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, RL: gl.constexpr,
+                           OL: gl.constexpr):
+        """Kernel B, routed slots ``g*SG .. g*SG + SG - 1`` (``SG > 1``): their experts' ``W2`` rows of block
+        ``hb``, I slice ``kq``, summed in slot order into one float32 accumulator and one partial slot, so the
+        last program of the row block sums ``SG`` times fewer partials. A slot past ``S``, or whose expert an
+        earlier slot owns, loads nothing (masked loads give zero weights and a zero B operand: no branch in the
+        pipeline). Slots ``i + 1`` and ``i + 2`` are in flight while slot ``i`` is multiplied; the first two
+        slots' weights are loaded before the PDL wait (they do not depend on kernel A), the activations after."""
+        NW: gl.constexpr = gl.num_warps()
+        NPC: gl.constexpr = 8
+        IK: gl.constexpr = I // KP2
+        NS: gl.constexpr = IK // 128
+        SD: gl.constexpr = gl.SliceLayout(3, WD)
+        # ids are the router's, complete before any A program triggered this launch (module docstring, "The PDL
+        # invariant B relies on"): safe to read before the dependency wait
+        t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
+        ids = gl.load(ids_ptr + t, mask=t < S, other=-1)
+        h = gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD)))
+        rows = hb * BH + h
+        s0 = g * SG
+        e0, ok0 = _group_slot(ids, t, s0, S)
+        wv, sv = mxfp4_tile_if(w2_ptr + e0 * (H * (I // 8)), s2_ptr + e0 * (H * (I // 32)), rows, kq * NS, I, WD,
+                               ok0)
+        e1, ok1 = _group_slot(ids, t, s0 + 1, S)
+        wv1, sv1 = mxfp4_tile_if(w2_ptr + e1 * (H * (I // 8)), s2_ptr + e1 * (H * (I // 32)), rows, kq * NS, I, WD,
+                                 ok1)
+        l0 = gl.load(lut_ptr)
+        l1 = gl.load(lut_ptr + 1)
+        l2 = gl.load(lut_ptr + 2)
+        l3 = gl.load(lut_ptr + 3)
+        l4 = gl.load(lut_ptr + 4)
+        if PDL:
+            _gdc("griddepcontrol.wait; mov.u32 $0, 0;", NW)
+        b = _load_b(act_ptr + s0 * M * I + kq * IK, I, M, NS, NW, DB, ok0)
+        acc = gl.zeros([BH, NPC], gl.float32, MMA)
+        for i in gl.static_range(SG):
+            if i + 2 < SG:
+                e2, ok2 = _group_slot(ids, t, s0 + i + 2, S)
+                wv2, sv2 = mxfp4_tile_if(w2_ptr + e2 * (H * (I // 8)), s2_ptr + e2 * (H * (I // 32)), rows, kq * NS,
+                                         I, WD, ok2)
+            if i + 1 < SG:
+                b1 = _load_b(act_ptr + (s0 + i + 1) * M * I + kq * IK, I, M, NS, NW, DB, ok1)
+            acc = mma_v2(frag_dequant(wv, sv, l0, l1, l2, l3, l4, DA), b, acc)
+            if i + 1 < SG:
+                wv, sv, b = wv1, sv1, b1
+            if i + 2 < SG:
+                wv1, sv1, ok1 = wv2, sv2, ok2
+        gl.store(slot, gl.convert_layout(acc, OL), mask=omask)
+
+    @gluon.jit
+    def _group_slot(ids, t, s, S: gl.constexpr):
+        """Routed slot ``s`` in kernel B's slot loop: ``(e, ok)``, its expert (0 when there is none, so the masked
+        addresses stay in the buffer) and whether it does the work: ``s < S`` and no earlier slot chose ``e``."""
+        e = gl.sum(gl.where(t == s, ids, 0), axis=0)
+        ok = (s < S) & (gl.sum(gl.where((ids == e) & (t < s), 1, 0), axis=0) == 0)
+        return gl.where(ok, e, 0), ok
+
+
 @functools.lru_cache(maxsize=None)
 def word_layout(rows: int, ns: int, num_warps: int, words: int = 4):
     """The register layout of the weight words for :func:`frag_dequant` (E2M1, ``words`` 4) and :func:`_frag_fp8`
@@ -614,19 +744,24 @@ def _slices(n: int, want: int, max_cols: int) -> int:
 
 
 def fit_split_config(cfg: dict, h: int, i: int) -> dict:
-    """Fit a ``split`` config to this model's H and I: KP and KP2 to the nearest valid slice counts (kernel A at
-    most 512 columns of H per program, kernel B at most 256 of I: they hold them in registers), BI and BH to
-    power-of-two divisors, and the warp counts to powers of two with each warp on its own mma row tile.
+    """Fit a ``split`` config to this model's H and I: KP x KC (kernel A's H slices x chunks per slice) and KP2 to
+    the nearest valid slice counts (a kernel-A chunk at most 512 columns of H, kernel B at most 256 of I: they
+    hold them in registers), KC to the largest divisor of that count not above the one asked for, SG (kernel
+    B's slots per program) to at least 1, BI and BH to power-of-two divisors, and the warp counts to powers of
+    two with each warp on its own mma row tile.
 
     Raises:
         BackendError: H or I cannot be cut into slices of 128 x 2^n columns (e.g. not a multiple of 128), or
             no power-of-two BI / BH divides I / H."""
     cfg = dict(SPLIT_DEFAULT, **cfg)
-    kp, kp2 = _slices(h, cfg["KP"], 512), _slices(i, cfg["KP2"], 256)
-    if not (kp and kp2):
+    kc_want = max(1, int(cfg.get("KC", 1)))
+    chunks, kp2 = _slices(h, cfg["KP"] * kc_want, 512), _slices(i, cfg["KP2"], 256)
+    if not (chunks and kp2):
         raise BackendError(f"moe[triton] variant 'split' needs H and I in slices of 128 x 2^n columns, got H={h}, "
                            f"I={i}; use variant 'gluon'")
-    cfg["KP"], cfg["KP2"] = kp, kp2
+    kc = max(d for d in range(1, min(kc_want, chunks) + 1) if chunks % d == 0)
+    cfg["KP"], cfg["KC"], cfg["KP2"] = chunks // kc, kc, kp2
+    cfg["SG"] = max(1, int(cfg.get("SG", 1)))
     cfg["BI"] = fit_pow2(cfg["BI"], i, 8)
     cfg["BH"] = fit_pow2(cfg["BH"], h, 16)
     if not (cfg["BI"] and cfg["BH"]):
@@ -701,12 +836,15 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
     st = s + (sh is not None)           # slots: routed, then the shared expert
     h, i = kern.h, kern.i
     bi, kp, bh, kp2 = cfg["BI"], cfg["KP"], cfg["BH"], cfg["KP2"]
+    kc = int(cfg.get("KC", 1))
+    sg = max(1, min(int(cfg.get("SG", 1)), s))
+    gt = -(-s // sg) + (sh is not None)     # kernel B's slot groups: routed, then the shared expert's
     nj, mv = i // bi, (1 if m == 1 else 4)
     dev = x.device
     sp = max(32, 1 << (s - 1).bit_length())
     act = scratch(dev, "act", st * m * i, torch.bfloat16)
     part_a = scratch(dev, "part_a", st * nj * kp * 2 * bi * mv) if kp > 1 else act
-    part_b = scratch(dev, "part_b", (h // bh) * st * kp2 * bh * mv)
+    part_b = scratch(dev, "part_b", (h // bh) * gt * kp2 * bh * mv)
     cnt_a = scratch(dev, "cnt_a", st * nj, torch.int32)
     cnt_b = scratch(dev, "cnt_b", h // bh, torch.int32)
     inf = float("inf")                  # min(x, inf) = x: a slot without a clamp in a launch with one
@@ -720,13 +858,14 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
     _moe_gateup_split[(nj, st, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
                                     sw13, ss13, slimit,
                                     H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, KP=kp, HAS_LIMIT=has_limit,
-                                    WD=word_layout(2 * bi, h // kp // 128, nw), PDL=pdl, SHARED=sh is not None,
-                                    WD8=fp8_word_layout(2 * bi, max(1, h // kp // 256), nw)
+                                    WD=word_layout(2 * bi, h // kp // kc // 128, nw), PDL=pdl,
+                                    SHARED=sh is not None,
+                                    WD8=fp8_word_layout(2 * bi, max(1, h // kp // kc // 256), nw)
                                     if sh is not None else None,
-                                    PDL_IN=pdl_in, num_warps=nw, launch_pdl=pdl_in > 0)
+                                    PDL_IN=pdl_in, KC=kc, num_warps=nw, launch_pdl=pdl_in > 0)
     dw = cfg["down_warps"]
-    _moe_down_split[(h // bh, st, kp2)](act, ids, kern.w2w, kern.s2, out, part_b, cnt_b, kern.lut, sw2, ss2,
-                                        H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2,
+    _moe_down_split[(h // bh, gt, kp2)](act, ids, kern.w2w, kern.s2, out, part_b, cnt_b, kern.lut, sw2, ss2,
+                                        H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2, SG=sg,
                                         WD=word_layout(bh, i // kp2 // 128, dw), PDL=pdl,
                                         SHARED=sh is not None,
                                         WD8=fp8_word_layout(bh, i // kp2 // 128, dw) if sh is not None else None,

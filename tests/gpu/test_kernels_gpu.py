@@ -81,11 +81,17 @@ def moe_ref64(ex, x, ids, w):
 
 
 # triton MoE configurations under test: (variant, partials); "split" is the two-kernel variant
-# (split: the ``partials`` slot carries a tiling override: the committed H200 M = 1 entry, or one H slice, which
-# the tiny shape can run and Ling's H = 2560 cannot)
+# (split: the ``partials`` slot carries a tiling override: the committed H200 M = 1 entry; kernel A's H slice in
+# KC pipelined chunks with kernel B summing SG slots per program (SG 3 leaves a partial last group at M = 1 and 4,
+# SG 8 one group per token at M = 4; on the tiny shape KC and KP are fitted down); or one H slice, which the tiny
+# shape can run and Ling's H = 2560 cannot)
 MOE_MODES = [("gluon", False), ("gluon", True), ("tl", False), ("tl", True), ("split", False),
-             ("split", {"BI": 32, "KP": 5, "num_warps": 4, "BH": 64, "KP2": 3, "down_warps": 4}), ("split", {"KP": 1})]
-MOE_IDS = ["gluon-atomics", "gluon-partials", "tl-atomics", "tl-partials", "split", "split-kp5", "split-kp1"]
+             ("split", {"BI": 32, "KP": 5, "num_warps": 4, "BH": 64, "KP2": 3, "down_warps": 4}),
+             ("split", {"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "SG": 3}),
+             ("split", {"BI": 32, "KP": 1, "KC": 4, "num_warps": 4, "SG": 8, "BH": 128, "down_warps": 8}),
+             ("split", {"KP": 1})]
+MOE_IDS = ["gluon-atomics", "gluon-partials", "tl-atomics", "tl-partials", "split", "split-kp5", "split-kc5-sg3",
+           "split-kc4-sg8", "split-kp1"]
 
 
 def _moe_config(variant, partials):
@@ -198,8 +204,10 @@ def make_shared(h, i, limit=None, seed=0, pow2=True):
 
 
 @pytest.mark.parametrize("tiling", [None, {"BI": 64, "KP": 5, "num_warps": 8}, {"BI": 64, "KP": 10, "num_warps": 4},
+                                    {"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "SG": 3},
+                                    {"BI": 64, "KP": 1, "KC": 10, "num_warps": 8, "SG": 4, "pdl_in": 2},
                                     {"KP": 1, "BI": 32, "KP2": 6, "BH": 128, "down_warps": 8}],
-                         ids=["default", "h200-m1", "h200-m4", "kp1"])
+                         ids=["default", "h200-m1", "h200-m4", "kc5-sg3", "kc10-sg4-pdl2", "kp1"])
 @pytest.mark.parametrize("m,dup", [(1, 0), (2, 3), (4, 0), (4, 5)])
 @pytest.mark.parametrize("limits", [(None, None), (1.0, None), (None, 0.75)], ids=["noclamp", "routed", "shared"])
 def test_split_shared_expert(ling_experts, tiling, m, dup, limits):

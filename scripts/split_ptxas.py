@@ -1,0 +1,79 @@
+"""Compile the ``split`` MoE kernels (``kernels.triton_moe_split``, Gluon) for sm_90 without a GPU and print
+ptxas' resource usage (registers, spills, shared memory) per config: a compile and register-pressure check that
+runs on a CPU machine, for a tiling before it goes to the device.
+
+Pointers are declared 16-divisible, as Triton specialises them at a real launch on the engine's tensors.
+
+    python scripts/split_ptxas.py [--m 1,4] [--config '{"BI": 64, "KP": 2, "KC": 5, "SG": 4}'] [--shared 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ptxas_util  # noqa: E402  (scripts/ptxas_util.py)
+
+LING = dict(h=2560, i=768, k=8)
+
+
+def _compile(fn, const: dict, types: dict, nw: int, arch: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    sig, attrs = {}, {}
+    for n_, name in enumerate(fn.arg_names):
+        sig[name] = "constexpr" if name in const else types[name]
+        if sig[name].startswith("*"):
+            attrs[(n_,)] = [["tt.divisibility", 16]]
+    return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options=dict(num_warps=nw))
+
+
+def compile_split(m: int, cfg: dict, shared: bool = True, arch: int = 90, h: int = LING["h"], i: int = LING["i"],
+                  k: int = LING["k"], limit: bool = True):
+    """``(kernel A, kernel B)`` compiled as ``launch_split`` would specialise them for ``m`` tokens."""
+    from bytebound.kernels import triton_moe_split as ts
+    c = ts.fit_split_config(cfg, h, i)
+    s = m * k
+    sp = max(32, 1 << (s - 1).bit_length())
+    bi, kp, kc, nw = c["BI"], c["KP"], c["KC"], c["num_warps"]
+    a = _compile(ts._moe_gateup_split,
+                 dict(H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, KP=kp, HAS_LIMIT=limit,
+                      WD=ts.word_layout(2 * bi, h // kp // kc // 128, nw), PDL=True, SHARED=shared,
+                      WD8=ts.fp8_word_layout(2 * bi, max(1, h // kp // kc // 256), nw) if shared else None,
+                      PDL_IN=int(c.get("pdl_in", 0)), KC=kc),
+                 dict(x_ptr="*bf16", ids_ptr="*i32", tw_ptr="*fp32", w13_ptr="*i32", s13_ptr="*u8", act_ptr="*bf16",
+                      part_ptr="*fp32", cnt_ptr="*i32", lut_ptr="*i32", limit="fp32", sw13_ptr="*i32",
+                      ss13_ptr="*i32", slimit="fp32"), nw, arch)
+    bh, kp2, dw = c["BH"], c["KP2"], c["down_warps"]
+    b = _compile(ts._moe_down_split,
+                 dict(H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2, SG=max(1, min(c["SG"], s)),
+                      WD=ts.word_layout(bh, i // kp2 // 128, dw), PDL=True, SHARED=shared,
+                      WD8=ts.fp8_word_layout(bh, i // kp2 // 128, dw) if shared else None),
+                 dict(act_ptr="*bf16", ids_ptr="*i32", w2_ptr="*i32", s2_ptr="*u8", out_ptr="*bf16", part_ptr="*fp32",
+                      cnt_ptr="*i32", lut_ptr="*i32", sw2_ptr="*i32", ss2_ptr="*i32"), dw, arch)
+    return c, a, b
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--m", default="1,4")
+    ap.add_argument("--config", action="append", default=[], help="JSON overrides of SPLIT_DEFAULT (repeatable)")
+    ap.add_argument("--shared", type=int, default=1)
+    a = ap.parse_args(argv)
+    for m in (int(v) for v in a.m.split(",")):
+        for cj in a.config or ["{}"]:
+            c, ka, kb = compile_split(m, json.loads(cj), bool(a.shared), a.arch)
+            print(f"M={m} {json.dumps(c, sort_keys=True)}\n  A: {ptxas_util.resource_usage(ka)}\n"
+                  f"  B: {ptxas_util.resource_usage(kb)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
