@@ -245,12 +245,7 @@ def tune_stream(layers, ms, reps, out_dir: Path, log) -> dict:
     rows, best = [], {}
 
     def run(m, cfg):
-        try:
-            fns = [bind("triton", ex, cfg) for ex in layers]
-            r = run_case("triton", fns, layers, m, "random", reps)
-            r["config"] = cfg
-        except Exception as exc:  # a config that fails to compile/run is recorded, not fatal
-            r = {"M": m, "config": cfg, "error": f"{type(exc).__name__}: {exc}"[:400]}
+        r = time_config(layers, m, cfg, reps)
         rows.append(r)
         ok = "error" not in r and r["rel_err_vs_ref"] <= 1e-2 and r["repeat_max_diff_elems"] == 0
         log(f"tune-stream M={m} {cfg} -> {r.get('time_us_median', 'ERR')} us rel={r.get('rel_err_vs_ref')} "
@@ -278,19 +273,26 @@ def tune_stream(layers, ms, reps, out_dir: Path, log) -> dict:
     return {"candidates": rows, "best": best, "table": table}
 
 
+def time_config(layers, m: int, cfg: dict, reps: int) -> dict:
+    """One tuning candidate: :func:`run_case` of the triton backend with ``cfg`` at ``m`` tokens, random routing, plus
+    ``config`` and ``compile_and_run_s``; a config that fails to compile or run is a row with ``error``, not fatal."""
+    try:
+        t0 = time.perf_counter()
+        fns = [bind("triton", ex, cfg) for ex in layers]
+        r = run_case("triton", fns, layers, m, "random", reps)
+        r["config"] = cfg
+        r["compile_and_run_s"] = time.perf_counter() - t0
+    except Exception as exc:
+        r = {"M": m, "config": cfg, "error": f"{type(exc).__name__}: {exc}"[:400]}
+    return r
+
+
 def tune(layers, ms, reps, out_dir: Path, log) -> dict:
     from bytebound.kernels.moe_host import shape_key, gpu_name
     best, rows = {}, []
     for m in ms:
         for cfg in TUNE_CANDIDATES[m]:
-            try:
-                t0 = time.perf_counter()
-                fns = [bind("triton", ex, cfg) for ex in layers]
-                r = run_case("triton", fns, layers, m, "random", reps)
-                r["config"] = cfg
-                r["compile_and_run_s"] = time.perf_counter() - t0
-            except Exception as exc:  # a config that fails to compile/run is recorded, not fatal
-                r = {"M": m, "config": cfg, "error": f"{type(exc).__name__}: {exc}"[:400]}
+            r = time_config(layers, m, cfg, reps)
             rows.append(r)
             log(f"tune M={m} {cfg} -> {r.get('time_us_median', 'ERR')} us rel={r.get('rel_err_vs_ref')}"
                 f" {r.get('error', '')}")

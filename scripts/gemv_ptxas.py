@@ -23,39 +23,32 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ptxas_util  # noqa: E402  (scripts/ptxas_util.py)
 os.environ.pop("TRITON_INTERPRET", None)
 
 
 def compile_one(n: int, k: int, m: int, cfg: dict, arch: int = 90):
     """(resource line, Counter of SASS opcodes) of one config (fitted by ``fit_gemv_config``)."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from bytebound.kernels import triton_fp8 as tf
     c = tf.fit_gemv_config(cfg, n, k, m)
     types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", o_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32")
     if c.get("MMA"):
-        from triton.experimental.gluon._runtime import GluonASTSource
         from bytebound.kernels import gluon_fp8_gemv as gk
         from bytebound.kernels.triton_moe_split import fp8_word_layout
-        fn, source = gk._fp8_gemv_mma, GluonASTSource
+        fn = gk._fp8_gemv_mma
         const = dict(K=k, M=m, KS=c["KS"], SPLIT=c["SPLIT"], EVEN_N=n % c["BN"] == 0, PDL=c["PDL"],
                      WD8=fp8_word_layout(c["BN"], c["NC"], c["num_warps"]),
                      WD1=fp8_word_layout(c["BN"], 1, c["num_warps"]))
         types["w_ptr"] = "*i32"             # the E4M3 bytes as int32 words
     else:
-        fn, source = tf._fp8_gemv, ASTSource
+        fn = tf._fp8_gemv
         const = dict(K=k, SK=triton.cdiv(k, 128), M=m, BN=c["BN"], BK=c["BK"], KS=c["KS"], SPLIT=c["SPLIT"],
                      SBN=128, SBK=128, EVEN_N=n % c["BN"] == 0, EVEN_K=k % c["KS"] == 0, DOT=c["DOT"],
                      PRE=c["PRE"], PF=c["PF"], PDL=c["PDL"], HW=True, NT=32 * c["num_warps"])
-    sig, attrs = {}, {}
-    for i, a in enumerate(fn.arg_names):
-        sig[a] = "constexpr" if a in const else types.get(a, "i32")
-        if sig[a].startswith("*"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    kern = triton.compile(source(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                          target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=c["num_warps"], num_stages=c["num_stages"]))
+    kern = ptxas_util.compile_kernel(fn, const, types, arch,
+                                     dict(num_warps=c["num_warps"], num_stages=c["num_stages"]),
+                                     gluon=bool(c.get("MMA")), default=lambda a: "i32")
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kern.asm["cubin"])

@@ -24,8 +24,6 @@ def resource_usage(warps: int, heads: int, d: int, arch: int, safe: bool = True,
     """ptxas' ``REG:.. STACK:..`` line for one specialisation of ``_fused_kda_kernel`` (beta computed in the
     kernel from an input of ``hidden`` channels, as the engine binds it)."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from bytebound.kernels import triton_kda as tk
     fn = tk._fused_kda_kernel
     f32, bf16 = "*fp32", "*bf16"
@@ -37,13 +35,9 @@ def resource_usage(warps: int, heads: int, d: int, arch: int, safe: bool = True,
     # launches it
     const = dict(H=heads, K=d, V=d, BK=bk, BV=bk, SAFE_GATE=safe, VS=v_split, FENCE=True, PDL=True, PF=True,
                  NTH=32 * warps, BETA_X=True, HID=hidden, BH=min(512, triton.next_power_of_2(hidden)))
-    sig, attrs = {}, {}
-    for i, n in enumerate(fn.arg_names):
-        sig[n] = "constexpr" if n in const else types.get(n, f32 if n.endswith("_ptr") else "i32")
-        if sig[n].startswith("*") or n.startswith("s_"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                       target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))
+    k = ptxas_util.compile_kernel(fn, const, types, arch, dict(num_warps=warps),
+                                  default=lambda n: f32 if n.endswith("_ptr") else "i32",
+                                  aligned=lambda n, ty: ty.startswith("*") or n.startswith("s_"))
     return ptxas_util.resource_usage(k)
 
 

@@ -31,8 +31,8 @@ FIELDS = {
     "dram__bytes_read.sum": "dram_rd",
     "DRAM Throughput": "dram_pct",
 }
-UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "ns": 1e-3, "us": 1.0, "ms": 1e3, "byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0,
-         "Gbyte": 1e3, "KB": 1e-3, "MB": 1.0, "GB": 1e3}
+UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "ns": 1e-3, "us": 1.0, "ms": 1e3,
+         "byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3, "KB": 1e-3, "MB": 1.0, "GB": 1e3}
 
 
 def _num(v: str) -> float | None:

@@ -25,9 +25,6 @@ def compile_persist(m: int, warps: int = 4, shared: bool = True, hc: int = 512, 
                     h: int = LING["h"], i: int = LING["i"], k: int = LING["k"], limit: bool = True):
     """The compiled kernel (``triton.compile`` of a ``GluonASTSource``) for one specialisation, as
     ``launch_persist`` would build it."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
     from bytebound.kernels import triton_moe_persist as tp
     cfg = tp.fit_persist_config({"num_warps": warps, "HC": hc, "IC": ic}, h, i)
     nw, bi = cfg["num_warps"], cfg["BI"]
@@ -41,14 +38,7 @@ def compile_persist(m: int, warps: int = 4, shared: bool = True, hc: int = 512, 
     types = dict(x_ptr="*bf16", ids_ptr="*i32", tw_ptr="*fp32", w13_ptr="*i32", s13_ptr="*u8", w2_ptr="*i32",
                  s2_ptr="*u8", act_ptr="*bf16", out_ptr="*bf16", bar_ptr="*i32", lut_ptr="*i32", limit="fp32",
                  sw13_ptr="*i32", ss13_ptr="*i32", sw2_ptr="*i32", ss2_ptr="*i32", slimit="fp32", NP="i32")
-    fn = tp._moe_persist
-    sig, attrs = {}, {}
-    for n_, name in enumerate(fn.arg_names):
-        sig[name] = "constexpr" if name in const else types[name]
-        if sig[name].startswith("*"):
-            attrs[(n_,)] = [["tt.divisibility", 16]]
-    return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                          target=GPUTarget("cuda", arch, 32), options=dict(num_warps=nw)), nw
+    return ptxas_util.compile_kernel(tp._moe_persist, const, types, arch, dict(num_warps=nw), gluon=True), nw
 
 
 def resource_usage(kernel) -> str:

@@ -1,6 +1,7 @@
-"""The offline-compile scripts' shared step (``kda_ptxas.py``, ``persist_ptxas.py``): ptxas' resource line of a
-kernel compiled with ``triton.compile`` for a GPU target, read from its cubin with the ``cuobjdump`` that Triton
-bundles (no GPU needed)."""
+"""The offline-compile scripts' shared steps (``kda_ptxas.py``, ``persist_ptxas.py``, ``split_ptxas.py``,
+``gemv_ptxas.py``): the compile of one kernel specialisation for a GPU target (:func:`compile_kernel`) and ptxas'
+resource line of the compiled kernel, read from its cubin with the ``cuobjdump`` that Triton bundles (no GPU
+needed)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,29 @@ def resource_usage(kernel) -> str:
     finally:
         os.unlink(f.name)
     return next((ln.strip() for ln in out.splitlines() if "REG:" in ln), out.strip()[-200:])
+
+
+def compile_kernel(fn, const: dict, types: dict, arch: int, options: dict, gluon: bool = False, default=None,
+                   aligned=None):
+    """``triton.compile`` of one specialisation of the ``@triton.jit`` (or, with ``gluon``, ``@gluon.jit``) kernel
+    ``fn`` for ``sm_<arch>``, with no GPU: arguments named in ``const`` are constexprs, the others get their type
+    from ``types`` (or ``default(name)`` when given; a missing name is a KeyError otherwise). Arguments for which
+    ``aligned(name, type)`` holds (default: the pointers) are declared 16-divisible, as Triton specialises them at a
+    real launch on the engine's tensors. ``options``: ``num_warps`` (and ``num_stages``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    else:
+        from triton.compiler import ASTSource as source
+    aligned = aligned or (lambda name, ty: ty.startswith("*"))
+    sig, attrs = {}, {}
+    for n, name in enumerate(fn.arg_names):
+        if name in const:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = types[name] if default is None else types.get(name, default(name))
+        if sig[name] != "constexpr" and aligned(name, sig[name]):
+            attrs[(n,)] = [["tt.divisibility", 16]]
+    return triton.compile(source(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options=options)

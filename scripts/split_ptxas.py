@@ -21,19 +21,6 @@ import ptxas_util  # noqa: E402  (scripts/ptxas_util.py)
 LING = dict(h=2560, i=768, k=8)
 
 
-def _compile(fn, const: dict, types: dict, nw: int, arch: int):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    sig, attrs = {}, {}
-    for n_, name in enumerate(fn.arg_names):
-        sig[name] = "constexpr" if name in const else types[name]
-        if sig[name].startswith("*"):
-            attrs[(n_,)] = [["tt.divisibility", 16]]
-    return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                          target=GPUTarget("cuda", arch, 32), options=dict(num_warps=nw))
-
-
 def compile_split(m: int, cfg: dict, shared: bool = True, arch: int = 90, h: int = LING["h"], i: int = LING["i"],
                   k: int = LING["k"], limit: bool = True):
     """``(kernel A, kernel B)`` compiled as ``launch_split`` would specialise them for ``m`` tokens."""
@@ -42,21 +29,22 @@ def compile_split(m: int, cfg: dict, shared: bool = True, arch: int = 90, h: int
     s = m * k
     sp = max(32, 1 << (s - 1).bit_length())
     bi, kp, kc, nw = c["BI"], c["KP"], c["KC"], c["num_warps"]
-    a = _compile(ts._moe_gateup_split,
+    a = ptxas_util.compile_kernel(ts._moe_gateup_split,
                  dict(H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, KP=kp, HAS_LIMIT=limit,
                       WD=ts.word_layout(2 * bi, h // kp // kc // 128, nw), PDL=True, SHARED=shared,
                       WD8=ts.fp8_word_layout(2 * bi, max(1, h // kp // kc // 256), nw) if shared else None,
                       PDL_IN=int(c.get("pdl_in", 0)), KC=kc),
                  dict(x_ptr="*bf16", ids_ptr="*i32", tw_ptr="*fp32", w13_ptr="*i32", s13_ptr="*u8", act_ptr="*bf16",
                       part_ptr="*fp32", cnt_ptr="*i32", lut_ptr="*i32", limit="fp32", sw13_ptr="*i32",
-                      ss13_ptr="*i32", slimit="fp32"), nw, arch)
+                      ss13_ptr="*i32", slimit="fp32"), arch, dict(num_warps=nw), gluon=True)
     bh, kp2, dw = c["BH"], c["KP2"], c["down_warps"]
-    b = _compile(ts._moe_down_split,
+    b = ptxas_util.compile_kernel(ts._moe_down_split,
                  dict(H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2, SG=max(1, min(c["SG"], s)),
                       WD=ts.word_layout(bh, i // kp2 // 128, dw), PDL=True, SHARED=shared,
                       WD8=ts.fp8_word_layout(bh, i // kp2 // 128, dw) if shared else None),
                  dict(act_ptr="*bf16", ids_ptr="*i32", w2_ptr="*i32", s2_ptr="*u8", out_ptr="*bf16", part_ptr="*fp32",
-                      cnt_ptr="*i32", lut_ptr="*i32", sw2_ptr="*i32", ss2_ptr="*i32"), dw, arch)
+                      cnt_ptr="*i32", lut_ptr="*i32", sw2_ptr="*i32", ss2_ptr="*i32"), arch, dict(num_warps=dw),
+                                  gluon=True)
     return c, a, b
 
 

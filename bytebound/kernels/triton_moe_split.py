@@ -49,9 +49,10 @@ Config keys (``configs/triton_moe.json``, variant ``"split"``): ``BI`` (intermed
 reads 2*BI rows), ``KP`` (H slices), ``num_warps`` (kernel A), ``BH`` (hidden rows per kernel-B program), ``KP2``
 (I slices), ``down_warps``, ``KC`` (default 1: kernel A's H slice in KC chunks through a two-deep register
 pipeline, :func:`_gateup_routed`), ``SG`` (default 1: kernel B's slots per program, summed in registers in slot
-order, :func:`_down_routed_group`), ``pdl`` (default true), ``pdl_in`` (0, the default: kernel A is an ordinary launch; 1: A is launched as a
-PDL dependent of the kernel before it, the router, so its programs start while the router runs and wait before
-touching ``ids``, x or the scratch; 2: as 1, and the shared slot loads its first weights before waiting). Constraints: H/(KP*KC) and I/KP2 are 128 x a power of two,
+order, :func:`_down_routed_group`), ``pdl`` (default true), ``pdl_in`` (0, the default: kernel A is an ordinary
+launch; 1: A is launched as a PDL dependent of the kernel before it, the router, so its programs start while the
+router runs and wait before touching ``ids``, x or the scratch; 2: as 1, and the shared slot loads its first weights
+before waiting). Constraints: H/(KP*KC) and I/KP2 are 128 x a power of two,
 ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (an mma row tile per warp); :func:`fit_split_config` fits a
 config to a model's shape or raises BackendError.
 
@@ -434,8 +435,9 @@ mov.b32 {$2, $3}, a1;
         (``WD`` is one chunk's layout) through a two-deep register pipeline: chunks ``c + 1`` and ``c + 2`` are in
         flight while chunk ``c`` is decoded and multiplied, so a program keeps loading for its whole life and one
         wave of long programs replaces several waves of short ones, each of which paid the ids -> weights ->
-        partial -> ticket chain (docs/perf/moe-kernels-h200.md, thirteenth session). The chunks accumulate into one
-        float32 accumulator in the order c = 0..KC-1."""
+        partial -> ticket chain (docs/perf/moe-kernels-h200.md, fourteenth session, where the sweep measured it
+        level with KC 1: the pipeline's registers cost resident programs). The chunks accumulate into one float32
+        accumulator in the order c = 0..KC-1."""
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         S: gl.constexpr = M * TOPK
