@@ -27,8 +27,9 @@ import ptxas_util  # noqa: E402  (scripts/ptxas_util.py)
 os.environ.pop("TRITON_INTERPRET", None)
 
 
-def compile_one(n: int, k: int, m: int, cfg: dict, arch: int = 90):
-    """(resource line, Counter of SASS opcodes) of one config (fitted by ``fit_gemv_config``)."""
+def compile_one(n: int, k: int, m: int, cfg: dict, arch: int = 90, norm: bool = False):
+    """(resource line, Counter of SASS opcodes) of one config (fitted by ``fit_gemv_config``); ``norm``: the MMA
+    kernel with the input add + RMSNorm folded in (``NORM``)."""
     import triton
     from bytebound.kernels import triton_fp8 as tf
     c = tf.fit_gemv_config(cfg, n, k, m)
@@ -39,8 +40,9 @@ def compile_one(n: int, k: int, m: int, cfg: dict, arch: int = 90):
         fn = gk._fp8_gemv_mma
         const = dict(K=k, M=m, KS=c["KS"], SPLIT=c["SPLIT"], EVEN_N=n % c["BN"] == 0, PDL=c["PDL"],
                      WD8=fp8_word_layout(c["BN"], c["NC"], c["num_warps"]),
-                     WD1=fp8_word_layout(c["BN"], 1, c["num_warps"]))
-        types["w_ptr"] = "*i32"             # the E4M3 bytes as int32 words
+                     WD1=fp8_word_layout(c["BN"], 1, c["num_warps"]), NORM=norm,
+                     KP=1 << max(0, (k - 1).bit_length()))
+        types.update(w_ptr="*i32", h_ptr="*bf16", d_ptr="*bf16", nw_ptr="*fp32", ho_ptr="*bf16", eps="fp32")
     else:
         fn = tf._fp8_gemv
         const = dict(K=k, SK=triton.cdiv(k, 128), M=m, BN=c["BN"], BK=c["BK"], KS=c["KS"], SPLIT=c["SPLIT"],
@@ -69,6 +71,7 @@ def main(argv=None) -> int:
     ap.add_argument("--m", default="1,4")
     ap.add_argument("--configs", default='[{"BN": 16, "BK": 256, "num_warps": 4}]')
     ap.add_argument("--sass", action="store_true", help="print the whole SASS")
+    ap.add_argument("--norm", action="store_true", help="the MMA kernel with the input add + RMSNorm folded in")
     ap.add_argument("--mma", action="store_true", help="the MMA kernel at every decode shape (--configs: MMA "
                     "configs, default MMA_CONFIGS)")
     a = ap.parse_args(argv)
@@ -83,7 +86,7 @@ def main(argv=None) -> int:
     for n, k in shapes:
         for m in (int(x) for x in a.m.split(",")):
             for cfg in cfgs:
-                c, line, ops, sass = compile_one(n, k, m, cfg, a.arch)
+                c, line, ops, sass = compile_one(n, k, m, cfg, a.arch, a.norm)
                 top = ", ".join(f"{op} {v}" for op, v in ops.most_common(14))
                 print(f"{n}x{k} M={m} {json.dumps({kk: c[kk] for kk in keys if kk in c})}: {line}\n    {top}",
                       flush=True)

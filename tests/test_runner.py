@@ -310,3 +310,69 @@ def test_decode_token_through_token_graphs_equals_eager_across_requests():
         if not p.greedy:
             assert g._written == (p.temperature, p.top_p, p.top_k)
             assert len(set(out["graph"][0])) > 1 or p.temperature < 0.1, "a constant draw could hide a stale setting"
+
+
+class _FoldingProj:
+    """A bound projection that also offers the input add + norm fold (``add_norm``), as ``TritonLinear.bind``'s
+    does on the GPU, here in torch: the norm's own ``add_norm`` then the projection. ``takes`` decides which calls
+    it accepts (None for the others, as the GPU binding does); ``calls`` counts the folded ones."""
+
+    def __init__(self, proj, norm, takes):
+        self.proj, self.norm, self.takes, self.calls, self.direct = proj, norm, takes, 0, 0
+
+    def __call__(self, x):
+        self.direct += 1
+        return self.proj(x)
+
+    def add_norm(self, delta, h, weight, eps):
+        assert weight is self.norm.weight and eps == self.norm.eps
+        if not self.takes(h):
+            return None
+        self.calls += 1
+        x, h2 = self.norm.add_norm(delta, h)
+        return self.proj(x), x, h2          # (self.proj: a folded call is not a direct one)
+
+
+@pytest.mark.parametrize("takes", ["decode", "all"])
+def test_input_norm_folds_into_the_attention_projection(quant_ckpt, takes):
+    """``DecoderLayer`` with ``fold_input_norm``: the input add + norm goes to the fused projection's ``add_norm``
+    (its ``(y, x, h_new)`` feed the attention and the residual stream), and a call it refuses (None) runs the norm
+    then the projection. Logits of a prefill and decode steps equal the unfolded model's; the fold is used for
+    every layer with a previous delta (not layer 0) on the calls it takes."""
+    from bytebound.checkpoint.loader import load_model
+    from bytebound.models.bailing_moe_v3 import DecoderLayer
+    from bytebound.runner.backends import BackendPlan, bind_model
+    model = load_model(quant_ckpt, "cpu")
+    bind_model(model, BackendPlan.default("cpu"), "cpu")
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer) and m.attention.proj_fn is not None]
+    assert layers and not any(m.attention.fold_input_norm for m in layers)   # CPU binding: no fold
+    prompt = torch.randint(4, model.cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(3))
+
+    def run():
+        r = ModelRunner(model, 64, "cpu")
+        h = r.prefill(prompt)
+        tok = model.logits(h[-1:]).argmax(-1)
+        out = []
+        for _ in range(4):
+            lg = model.logits(r.forward(tok.view(1)))
+            out.append(lg)
+            tok = lg.argmax(-1)
+        return torch.cat(out)
+    with torch.inference_mode():
+        plain = run()
+        rule = (lambda h: h.shape[-2] <= 4) if takes == "decode" else (lambda h: True)
+        folds = []
+        for m in layers:
+            f = _FoldingProj(m.attention.proj_fn, m.input_layernorm, rule)
+            m.attention.proj_fn, m.attention.fold_input_norm = f, True
+            folds.append((m, f))
+        folded = run()
+    torch.testing.assert_close(folded, plain, rtol=1e-5, atol=1e-5)
+    for m, f in folds:
+        if m.index == model.cfg.num_hidden_layers:       # the NEXTN layer: not run without MTP
+            assert f.calls == f.direct == 0
+            continue
+        # layer 0 has no delta to add (the embedding is h); the others fold every call they take
+        want = 0 if m.index == 0 else (4 if takes == "decode" else 5)
+        assert f.calls == want, (m.index, f.calls, want)
+        assert f.direct == 5 - want, (m.index, f.direct)     # the attention used y, it did not project again

@@ -106,13 +106,46 @@ if gluon is not None:
         return total
 
     @gluon.jit
+    def _norm_rows(h_ptr, d_ptr, nw_ptr, xo_ptr, ho_ptr, eps, write_h, K: gl.constexpr, KP: gl.constexpr,
+                   M: gl.constexpr, NW: gl.constexpr):
+        """The decoder's input residual add and RMSNorm of the ``M`` rows, with ``triton_norm.add_rmsnorm``'s
+        roundings: ``hs = bf16(h + delta)`` (one rounding), ``r = rsqrt(sum(hs^2) / K + eps)`` in float32,
+        ``x = bf16(w * bf16(hs * r))`` stored to ``xo``; where ``write_h`` also ``hs`` to ``ho``. One row is one
+        ``[KP]`` vector (K padded to a power of two, masked), so its loads are one round trip.
+
+        Every program of the grid calls this and stores the same ``x`` (the same code on the same inputs gives the
+        same bits), then reads its B operand back from ``xo`` after a CTA barrier: its own stores are visible to
+        its threads after the barrier, and any other program's store it may observe holds identical values. That
+        keeps the main loop's B gather (``_load_b``) and its registers as in the plain kernel."""
+        RL: gl.constexpr = gl.BlockedLayout([8], [32], [NW], [0])
+        cols = gl.arange(0, KP, layout=RL)
+        km = cols < K
+        w = gl.load(nw_ptr + cols, mask=km, other=0.0).to(gl.float32)
+        for m in gl.static_range(M):
+            hs = (gl.load(h_ptr + m * K + cols, mask=km, other=0.0).to(gl.float32) +
+                  gl.load(d_ptr + m * K + cols, mask=km, other=0.0).to(gl.float32))
+            hs = hs.to(gl.bfloat16).to(gl.float32)
+            r = gl.rsqrt(gl.sum(hs * hs, axis=0) / K + eps)
+            gl.store(xo_ptr + m * K + cols, (w * (hs * r).to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16), mask=km)
+            if write_h:
+                gl.store(ho_ptr + m * K + cols, hs.to(gl.bfloat16), mask=km)
+        gl.thread_barrier()
+
+    @gluon.jit
     def _fp8_gemv_mma(x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, cnt_ptr, N, K: gl.constexpr, M: gl.constexpr,
                       KS: gl.constexpr, SPLIT: gl.constexpr, EVEN_N: gl.constexpr, PDL: gl.constexpr,
-                      WD8: gl.constexpr, WD1: gl.constexpr):
+                      WD8: gl.constexpr, WD1: gl.constexpr, h_ptr, d_ptr, nw_ptr, ho_ptr, eps,
+                      NORM: gl.constexpr = False, KP: gl.constexpr = 1):
         """``o[m, n] = sum_k x[m, k] * w[n, k] * s[n // 128, k // 128]`` (module docstring). ``x`` BF16 ``[M, K]``,
         ``w`` the E4M3 weight as int32 ``[N, K/4]``, ``s`` float32 ``[ceil(N/128), K/128]``, ``o`` BF16 ``[M, N]``;
         ``part``/``cnt``: split-K scratch (unused when ``SPLIT == 1``). ``WD8`` = ``fp8_word_layout(R, NC, NW)``
-        (R rows, NC blocks per chunk), ``WD1`` the same for one block."""
+        (R rows, NC blocks per chunk), ``WD1`` the same for one block.
+
+        ``NORM`` (the decoder's input add + RMSNorm folded in, :func:`launch_mma`'s ``norm``): ``h`` is the
+        residual stream, ``d`` the previous sublayer's output, ``nw`` the norm weight (``KP`` = K rounded up to a
+        power of two); each program first writes ``x = RMSNorm(h + d)`` to ``x_ptr`` (:func:`_norm_rows`) and
+        multiplies by it; program (0, 0) also writes ``h + d`` (``ho``). The kernels after this one read both
+        only after this grid completed (stream order, or PDL's wait)."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = WD8.shape[0]
         NC: gl.constexpr = WD8.shape[1]
@@ -133,6 +166,8 @@ if gluon is not None:
         wv = _chunk_words(w_ptr, rows, rmask, kb0, K, EVEN_N, WD8)     # read-only: may precede the wait
         if PDL:
             _gdc("griddepcontrol.wait; mov.u32 $0, 0;", NW)
+        if NORM:
+            _norm_rows(h_ptr, d_ptr, nw_ptr, x_ptr, ho_ptr, eps, (pid == 0) & (pk == 0), K, KP, M, NW)
         total = gl.zeros([R, 8], gl.float32, MMA)
         for c in range(nch - 1):
             wn = _chunk_words(w_ptr, rows, rmask, kb0 + (c + 1) * NC, K, EVEN_N, WD8)   # in flight during the decode
@@ -175,12 +210,15 @@ def mma_refusal(n: int, k: int, block) -> str | None:
 
 
 def launch_mma(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out: torch.Tensor, part, cnt,
-               cfg: dict, pdl: bool) -> None:
+               cfg: dict, pdl: bool, norm: tuple | None = None) -> None:
     """Launch :func:`_fp8_gemv_mma` for a fitted MMA config (``triton_fp8.fit_gemv_config`` with ``MMA``).
 
     ``x2`` BF16 ``[M <= 4, K]`` contiguous, ``weight`` E4M3 ``[N, K]`` contiguous and 16-byte aligned,
     ``scale_inv`` float32 ``[ceil(N/128), K/128]`` contiguous, ``out`` BF16 ``[M, N]``; ``part``/``cnt`` the split-K
-    scratch (any tensor when ``SPLIT == 1``).
+    scratch (any tensor when ``SPLIT == 1``). ``norm``: ``(h, delta, norm_weight, h_out, eps)`` folds the
+    decoder's input add + RMSNorm in: ``x2`` is then written (x = RMSNorm(h + delta)) rather than read, and
+    ``h_out`` receives h + delta (h, delta, h_out BF16 ``[M, K]`` contiguous, norm_weight ``[K]`` contiguous;
+    ``triton_fp8.fp8_block_gemv_add_norm`` checks them).
 
     Raises:
         BackendError: Gluon missing, activations not BF16, or a weight the 16-byte vector loads cannot read."""
@@ -195,6 +233,9 @@ def launch_mma(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, 
                            f"16-byte aligned [N, K] weight with K % 128 == 0, got {tuple(weight.shape)}")
     r, nc, nw, split = cfg["BN"], cfg["NC"], cfg["num_warps"], cfg["SPLIT"]
     grid = (-(-n // r), split)
+    h, d, nwt, ho, eps = norm if norm is not None else (x2, x2, x2, x2, 0.0)
     _fp8_gemv_mma[grid](x2, weight.view(torch.int32), scale_inv, out, part, cnt, n, K=k, M=m, KS=cfg["KS"],
                         SPLIT=split, EVEN_N=n % r == 0, PDL=pdl, WD8=fp8_word_layout(r, nc, nw),
-                        WD1=fp8_word_layout(r, 1, nw), num_warps=nw, **({"launch_pdl": True} if pdl else {}))
+                        WD1=fp8_word_layout(r, 1, nw), h_ptr=h, d_ptr=d, nw_ptr=nwt, ho_ptr=ho, eps=float(eps),
+                        NORM=norm is not None, KP=1 << max(0, (k - 1).bit_length()), num_warps=nw,
+                        **({"launch_pdl": True} if pdl else {}))

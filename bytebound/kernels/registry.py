@@ -36,7 +36,8 @@ class Resolution:
     shared: str | None = None       # moe only: where the shared expert runs ("dense" | "fused into the routed kernels")
     tuning: dict | None = None      # moe only: per token count "M=<m>" the launch config and which table key matched
     fused: str | None = None        # kda: what the fused decode kernel takes in (beta's b_proj inside, or why not);
-    #                                 mla: the q|kv_a|g projection (one fused, or why three)
+    #                                 mla: the q|kv_a|g projection (one fused, or why three); norm: the input
+    #                                 add + norm folded into the attention projection (or None)
     gemv: dict | None = None        # linear only: per FP8 weight shape "NxK" its bindings and per "M=<m>" the
     #                                 decode/verify GEMV path and its source (runner.backends._linear_gemv)
 

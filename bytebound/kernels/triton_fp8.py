@@ -628,6 +628,64 @@ def fp8_block_gemv(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tens
     return out
 
 
+def norm_fold_enabled() -> bool:
+    """False when ``BYTEBOUND_NORM_FOLD=0``: the input add + norm then run as their own launch again (an A/B switch,
+    e.g. ``scripts/profile_decode.py --ab BYTEBOUND_NORM_FOLD=0``). Read at bind (the manifest) and at each call
+    of the binding's ``add_norm``, so a graph captured after the change sees it."""
+    return os.environ.get("BYTEBOUND_NORM_FOLD", "1") != "0"
+
+
+def fp8_block_gemv_add_norm(delta2: torch.Tensor, h2: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            weight: torch.Tensor, scale_inv: torch.Tensor, cfg: dict
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder's input residual add and RMSNorm folded into the projection after it: one launch of the MMA
+    GEMV (``kernels.gluon_fp8_gemv``, ``NORM``) instead of ``triton_norm.add_rmsnorm`` and :func:`fp8_block_gemv`.
+
+    Math: ``h_new = bf16(h + delta)``, ``x = bf16(w * bf16(h_new * rsqrt(mean(h_new^2) + eps)))`` (the roundings
+    of ``add_rmsnorm``; the float32 sum of squares runs in another order, so ``x`` can differ from it in the last
+    BF16 bit where ``r`` lands on a rounding edge), then ``y = x @ W.T`` as :func:`fp8_block_gemv`. Every row's
+    result is independent of M (the statistics are per row), so verify rows equal decode results bit for bit.
+
+    Args:
+        delta2, h2: BF16 ``[M <= 4, K]``, the previous sublayer's output and the residual stream;
+        norm_weight: ``[K]`` (any float dtype, read as float32); eps: the norm's epsilon;
+        weight / scale_inv: as :func:`fp8_block_gemv` (128x128 blocks); cfg: that weight's fitted config for
+            this M, which must be the MMA path (:func:`gemv_path`).
+
+    Returns:
+        ``(y [M, N], x [M, K], h_new [M, K])``, all BF16.
+
+    Raises:
+        BackendError: a config that is not the MMA path, non-BF16 or mismatched activations, a norm weight not of
+            K elements, M outside 1..4; the MMA kernel's own checks (``launch_mma``).
+    """
+    m, k = h2.shape
+    if not cfg.get("MMA"):
+        raise BackendError(f"linear[triton]: the add + norm fold needs the MMA GEMV path, the config is "
+                           f"{gemv_path(cfg)}")
+    if (delta2.shape != h2.shape or h2.dtype != torch.bfloat16 or delta2.dtype != torch.bfloat16 or
+            norm_weight.numel() != k or not 0 < m <= MAX_M or weight.shape[1] != k):
+        raise BackendError(f"linear[triton]: add + norm GEMV needs BF16 delta and h of one shape [1..{MAX_M}, K], a "
+                           f"norm weight of K elements and a weight [N, K]; got {tuple(delta2.shape)} "
+                           f"{delta2.dtype}, {tuple(h2.shape)} {h2.dtype}, {norm_weight.numel()}, "
+                           f"{tuple(weight.shape)}")
+    dev = h2.device
+    n = weight.shape[0]
+    h2, delta2, nw = h2.contiguous(), delta2.contiguous(), norm_weight.contiguous()
+    x, h_new = torch.empty_like(h2), torch.empty_like(h2)
+    out = torch.empty(m, n, dtype=h2.dtype, device=dev)
+    if cfg["SPLIT"] > 1:
+        tiles = triton.cdiv(n, cfg["BN"])
+        part = gemv_scratch(dev, "part", tiles * cfg["SPLIT"] * 4 * cfg["BN"])
+        cnt = gemv_scratch(dev, "ticket", tiles, torch.int32)
+    else:
+        part = cnt = out
+    from bytebound.kernels.gluon_fp8_gemv import launch_mma
+    launch_mma(x, weight, scale_inv, out, part, cnt, cfg, bool(cfg.get("PDL", True)) and pdl_enabled(dev),
+               norm=(h2, delta2, nw, h_new, float(eps)))
+    return out, x, h_new
+
+
 # ---- prefill on FP8 tensor cores (DeepSeek-V3 recipe: 1x128 activation scales x 128x128 weight scales) -------
 PREFILL_PATHS = ("dequant", "fp8", "scaled_mm")
 _SM_COUNT: dict = {}
@@ -932,6 +990,19 @@ class TritonLinear:
             y = (fp8_block_gemv(x2, weight, scale, block, cfgs[m]) if 0 < m <= MAX_M else
                  fp8_block_linear(x2, weight, scale, block, prefill=prefill, scale_b=scale_b))
             return y.to(x.dtype).view(*shape[:-1], y.shape[-1])
+        def add_norm(delta, h, norm_weight, eps):
+            """``(y, x, h_new)`` of :func:`fp8_block_gemv_add_norm` for ``delta, h [..., K]`` BF16 with M = 1..4
+            rows whose config is the MMA path; None for any other call, or with :func:`norm_fold_enabled` false
+            (the caller runs the norm, then ``fn``)."""
+            m = h.numel() // h.shape[-1] if h.dim() else 0
+            if (not 0 < m <= MAX_M or not cfgs[m].get("MMA") or h.dtype != torch.bfloat16 or
+                    delta.dtype != torch.bfloat16 or delta.shape != h.shape or not norm_fold_enabled()):
+                return None
+            y, x, hn = fp8_block_gemv_add_norm(delta.reshape(m, -1), h.reshape(m, -1), norm_weight, eps, weight,
+                                               scale, cfgs[m])
+            return y.view(*h.shape[:-1], n_out), x.view(h.shape), hn.view(h.shape)
+        n_out = weight.shape[0]
+        fn.add_norm = add_norm if block == (128, 128) else None
         fn.max_tokens = MAX_M       # the GEMV's width; more tokens dequantise the weight (read by bind_model)
         # which GEMV kernel each M runs and why (runner.backends puts it in the manifest's linear lever)
         fn.gemv_shape, fn.gemv_paths = tuple(weight.shape), paths

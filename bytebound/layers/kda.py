@@ -122,6 +122,9 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = RMSNormGated(d, cfg.rms_norm_eps)
         self.kda_fn = torch_kda
         self.proj_fn = None          # fused q|k|v|f|g projection, set by runner.backends.bind_model
+        # the decoder's input add + norm may run inside proj_fn (its ``add_norm``; bind_model sets this with the
+        # fused norms): models.bailing_moe_v3.DecoderLayer reads it
+        self.fold_input_norm = False
         # decode/verify (T <= fused_fn.max_tokens, with a state): conv, gates, beta (b_proj included), recurrence
         # and gated norm in one kernel (kda backend 'triton', kernels.triton_kda.FusedKDA); None: the path below
         self.fused_fn = None
@@ -169,11 +172,12 @@ class KimiDeltaAttention(nn.Module):
             y = F.conv1d(full, self.conv_weight(), groups=3 * self.dim)[..., -t:]
         return F.silu(y).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, state: KDAState | None = None) -> torch.Tensor:
-        """``x [B, T, hidden]`` (normed) -> ``[B, T, hidden]``; with ``state`` continues and updates it."""
+    def forward(self, x: torch.Tensor, state: KDAState | None = None, y: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [B, T, hidden]`` (normed) -> ``[B, T, hidden]``; with ``state`` continues and updates it. ``y``: the
+        fused projection's output ``proj_fn(x)`` when the caller already has it (the input norm folded into it)."""
         b, t, _ = x.shape
-        if self.proj_fn is not None:        # q|k|v|f|g in one GEMV/GEMM (bind_model: linear.fuse_rows)
-            y = self.proj_fn(x)
+        if y is not None or self.proj_fn is not None:   # q|k|v|f|g in one GEMV/GEMM (bind_model: linear.fuse_rows)
+            y = self.proj_fn(x) if y is None else y
             qkv, f, gate = y[..., :3 * self.dim], y[..., 3 * self.dim:4 * self.dim], y[..., 4 * self.dim:]
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)

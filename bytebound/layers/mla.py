@@ -83,6 +83,7 @@ class GatedMLA(nn.Module):
         # (FP8 scale-block padding in between is never read); None: the three projections
         self.proj_fn = None
         self.proj_spans: list[tuple[int, int]] | None = None
+        self.fold_input_norm = False    # the decoder's input add + norm inside proj_fn (as layers.kda's)
 
     def new_state(self, batch: int, max_len: int, dtype, device) -> MLAState:
         return MLAState(torch.zeros(batch, max_len, self.rank + self.rope_dim, dtype=dtype, device=device))
@@ -101,16 +102,17 @@ class GatedMLA(nn.Module):
         self._absorbed = (wkc.contiguous(), wvc.contiguous())
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, state: MLAState | None = None,
-                kv_len: int | None = None) -> torch.Tensor:
+                kv_len: int | None = None, y: torch.Tensor | None = None) -> torch.Tensor:
         """``x [B, T, hidden]`` at ``positions [T]`` -> ``[B, T, hidden]``.
 
         With ``state`` the new latents are written at ``positions`` and attention reads slots ``[0, kv_len)``
         (``kv_len`` defaults to ``positions[-1] + 1``; a larger static length is masked by position, which is
-        what CUDA-graph replay uses).
+        what CUDA-graph replay uses). ``y``: the fused projection's output ``proj_fn(x)`` when the caller already has
+        it (the input norm folded into it).
         """
         b, t, _ = x.shape
-        if self.proj_fn is not None:        # one GEMV/GEMM; q, ckv and g are column slices of its output (views)
-            y = self.proj_fn(x)
+        if y is not None or self.proj_fn is not None:   # one GEMV/GEMM; q, ckv, g: column slices (views)
+            y = self.proj_fn(x) if y is None else y
             q, ckv, g = (y[..., i:j] for i, j in self.proj_spans)
         else:
             q, ckv, g = self.q_proj(x), self.kv_a_proj_with_mqa(x), self.g_proj(x)

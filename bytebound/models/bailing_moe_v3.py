@@ -47,12 +47,21 @@ class DecoderLayer(nn.Module):
     def forward(self, h, delta, positions, state=None, kv_len=None):
         """Residual stream ``h [B, T, H]`` plus the previous layer's last output ``delta`` (None: nothing to add)
         -> ``(h, delta)`` of this layer, whose output is ``h + delta``. The adds run inside the norms
-        (``RMSNorm.add_norm``: one launch with the fused norm kernel); the next norm does this layer's last one."""
-        x, h = self.input_layernorm.add_norm(delta, h)
-        if self.is_mla:
-            a = self.attention(x, positions, state, kv_len)
+        (``RMSNorm.add_norm``: one launch with the fused norm kernel); the next norm does this layer's last one.
+        Where the attention's fused projection can take the input add + norm itself (``fold_input_norm``, its
+        ``proj_fn.add_norm``: the FP8 MMA GEMV at M <= 4), that one launch does the add, the norm and the
+        projection; it returns None for calls it does not take, which then run as above."""
+        attn, norm = self.attention, self.input_layernorm
+        fold = getattr(attn.proj_fn, "add_norm", None) if attn.fold_input_norm and delta is not None else None
+        folded = fold(delta, h, norm.weight, norm.eps) if fold is not None else None
+        if folded is not None:
+            y, x, h = folded
         else:
-            a = self.attention(x, state)
+            y, (x, h) = None, norm.add_norm(delta, h)
+        if self.is_mla:
+            a = attn(x, positions, state, kv_len, y=y)
+        else:
+            a = attn(x, state, y=y)
         return self.mlp.add_norm_forward(self.post_attention_layernorm, a, h)     # x, h = norm(a, h); mlp(x)
 
 

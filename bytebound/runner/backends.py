@@ -45,6 +45,21 @@ def prefill_slices(fn):
     return token_slices(functools.partial(fn, shared=False), fn.max_tokens)
 
 
+def _fold_norm(plan, proj_fn) -> bool:
+    """Whether a KDA/MLA layer's input add + RMSNorm runs inside its fused projection (``proj_fn.add_norm``, the
+    FP8 MMA GEMV: ``kernels.triton_fp8.fp8_block_gemv_add_norm``): with the fused norms requested and a projection
+    backend that offers it, unless ``BYTEBOUND_NORM_FOLD=0`` (``triton_fp8.norm_fold_enabled``). Recorded once in
+    the norm lever's ``fused`` note."""
+    ok = plan.requested["norm"] == "triton" and getattr(proj_fn, "add_norm", None) is not None
+    if ok:
+        from bytebound.kernels.triton_fp8 import norm_fold_enabled
+        ok = norm_fold_enabled()
+    if ok and plan.resolutions["norm"].fused is None:
+        plan.resolutions["norm"].fused = ("input add + RMSNorm inside the attention's fused FP8 projection (MMA GEMV, "
+                                          "M <= 4; other calls: the norm kernel)")
+    return ok
+
+
 def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> BackendPlan:
     """Resolve each entry of ``plan`` once and bind every module of that op to it; then record per entry and
     regime what serves it and why (``plan.entries``, ``plan.resolutions``, ``plan.fast_paths``).
@@ -133,6 +148,7 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
             parts = [m.q_proj, m.k_proj, m.v_proj, m.f_proj, m.g_proj]
             fused = fuse_rows(parts)
             m.proj_fn = impl["linear"].bind(fused, dtype) if fused is not None else None
+            m.fold_input_norm = _fold_norm(plan, m.proj_fn)
             if fused is not None:       # modules() yields the layer before its projections
                 fused_parts.update(id(x) for x in parts)
         elif isinstance(m, DenseMLP) and not cuda:
@@ -155,6 +171,7 @@ def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> 
             fused = fuse_rows(parts, pad=True)
             m.proj_fn = impl["linear"].bind(fused, dtype) if fused is not None else None
             m.proj_spans = fused.row_spans if fused is not None else None
+            m.fold_input_norm = _fold_norm(plan, m.proj_fn)
             if fused is not None:       # modules() yields the layer before its projections
                 fused_parts.update(id(x) for x in parts)
             if plan.resolutions["mla"].fused is None:          # the first layer's (they share a format)

@@ -10,7 +10,9 @@
   and the kernels of one decode-graph replay counted (torch.profiler) with the fusions off and on, so the saving
   is measured: at least one launch per residual add (2 per layer), one per fused KDA layer, one more per MoE
   layer (its post-attention norm) and two per MLA layer (q_proj | kv_a_proj_with_mqa | g_proj as one GEMV instead
-  of three; the MLA layer is then 5 launches: that GEMV, the three kernels of ``kernels.triton_mla``, dense).
+  of three; the MLA layer is then 5 launches: that GEMV, the three kernels of ``kernels.triton_mla``, dense), and
+  one per layer after the first for the input add + norm folded into the attention's FP8 MMA projection
+  (``fold_input_norm``: ``triton_fp8.fp8_block_gemv_add_norm``; tests/gpu/test_gemv_gpu.py checks its numerics).
 """
 
 from __future__ import annotations
@@ -180,6 +182,9 @@ def test_full_width_decode_fusions_graph_equals_eager_and_kernel_count():
     assert mlas and all(m.proj_fn is not None and m.attn_fn is not None for m in mlas)
     assert plan.resolutions["mla"].fused == ("q_proj | kv_a_proj_with_mqa | g_proj: one fp8 projection of 6816 rows "
                                              "(64 zero rows keep the parts on 128-row scale-block edges)")
+    folds = [layer.attention for layer in model.decoder_layers if layer.attention.fold_input_norm]
+    assert len(folds) == model.cfg.num_hidden_layers, "every attention projection takes the input norm (MMA GEMV)"
+    assert plan.resolutions["norm"].fused.startswith("input add + RMSNorm inside the attention's fused FP8")
     r = ModelRunner(model, 256)
     h = r.prefill(torch.randint(0, model.cfg.vocab_size, (12,), device=DEV))
     tok = model.logits(h[-1:]).argmax(-1).view(1)
@@ -202,6 +207,8 @@ def test_full_width_decode_fusions_graph_equals_eager_and_kernel_count():
     for m in moes:
         m.gemv_add_norm_saved, m.gemv_add_norm_fn = m.gemv_add_norm_fn, None
     parts = [p for m in mlas for p in (m.q_proj, m.kv_a_proj_with_mqa, m.g_proj)]
+    for m in folds:
+        m.fold_input_norm = False
     for m in mlas:                      # the three projections, each bound as the triton linear binds it alone
         m.proj_saved, m.proj_fn = m.proj_fn, None
     for p in parts:
@@ -217,11 +224,13 @@ def test_full_width_decode_fusions_graph_equals_eager_and_kernel_count():
             m.gemv_add_norm_fn = m.gemv_add_norm_saved
         for m in mlas:
             m.proj_fn = m.proj_saved
+        for m in folds:
+            m.fold_input_norm = True
         for p in parts:
             p.fn = None
     L = model.cfg.num_hidden_layers
     n_moe = sum(isinstance(layer.mlp, MoE) for layer in model.decoder_layers)     # (the NEXTN layer's is not run)
-    expect = 2 * L + len(kda) + n_moe + 2 * len(mlas)
+    expect = 2 * L + len(kda) + n_moe + 2 * len(mlas) + (L - 1)      # (L - 1: the folded input norms)
     print(f"\nkernels per decode-graph replay ({L} layers, {len(kda)} fused KDA, {n_moe} MoE, {len(mlas)} MLA): "
           f"unfused {unfused:.1f}, fused {fused:.1f}, saved {unfused - fused:.1f} (expected >= {expect})")
     if os.environ.get("OUT"):           # the device tool's result folder (scripts/gpu_check.sh)
@@ -229,6 +238,7 @@ def test_full_width_decode_fusions_graph_equals_eager_and_kernel_count():
             {"layers": L, "fused_kda_layers": len(kda), "moe_layers": n_moe, "mla_layers": len(mlas),
              "add_norms": len(norms), "kernels_unfused": unfused, "kernels_fused": fused}, indent=2))
     assert unfused - fused >= expect
-    # the same step either way, up to beta's bf16 rounding (summation order of the b_proj dot)
+    # the same step either way, up to beta's bf16 rounding (summation order of the b_proj dot) and the folded norm's
+    # (its sum of squares in another order)
     err = ((fused_out.float() - unfused_out.float()).norm() / unfused_out.float().norm()).item()
     assert err < 2e-2, err

@@ -187,3 +187,107 @@ def test_bind_records_gemv_paths():
         assert gk.GLUON_ERR is None, gk.GLUON_ERR
         assert tf.gemv_bind_configs(20480, 2560, DEV)[1][1] == {"path": "mma", "source": "sm_90 table",
                                                                  "refused": None}
+
+
+NORM_SHAPES = [(20480, 2560, "r64-nc4-w4"), (6816, 2560, "r128-nc4-w8-split"), (6816, 2560, "r32-nc1-w2-split1")]
+NORM_CFGS = {"r64-nc4-w4": {"MMA": True, "BN": 64, "NC": 4, "num_warps": 4, "SPLIT": 0},
+             "r128-nc4-w8-split": {"MMA": True, "BN": 128, "NC": 4, "num_warps": 8, "SPLIT": 3},
+             "r32-nc1-w2-split1": {"MMA": True, "BN": 32, "NC": 1, "num_warps": 2, "SPLIT": 1}}
+
+
+@pytest.mark.parametrize("n,k,name", NORM_SHAPES)
+def test_gemv_mma_add_norm_fold(n, k, name):
+    """The decoder's input add + RMSNorm folded into the MMA GEMV (``fp8_block_gemv_add_norm``) at the KDA and MLA
+    projection shapes (20480 / 6816 x 2560), M = 1..4, with and without split-K:
+
+    * ``h_new`` equals torch's ``h + delta`` bit for bit;
+    * ``x`` equals ``triton_norm.add_rmsnorm``'s (a reference written apart) except where the float32 sum of squares,
+      summed in another order, puts ``x * r`` on the other side of a BF16 rounding edge: at most one BF16 step, on
+      under 1 % of the elements; and it is within one BF16 step of the float64 RMSNorm;
+    * ``y`` equals the plain MMA GEMV on that ``x`` with the same config bit for bit (the main loop is the plain
+      kernel's) and lies within the float64 bound of ``_check_calls`` for that x;
+    * each of the M rows equals an M = 1 call on that row (verify == decode), two calls are bit-equal, and a CUDA
+      graph replay equals eager."""
+    from bytebound.kernels.triton_fp8 import fit_gemv_config, fp8_block_gemv, fp8_block_gemv_add_norm, gemv_reserve
+    from bytebound.kernels.triton_norm import add_rmsnorm
+    from bytebound.quant import dequantize_fp8_block
+    g = torch.Generator(device=DEV).manual_seed(n + k + len(name))
+    lin = _linear(n, k, g, "any")
+    w, s = lin.weight.data, lin.weight_scale_inv.data
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    cfg = fit_gemv_config(NORM_CFGS[name], n, k, 1, (128, 128), sms)
+    assert cfg["MMA"] and (cfg["SPLIT"] > 1) == ("split" in name and "split1" not in name), cfg
+    gemv_reserve(DEV, n, k, (128, 128), {m: cfg for m in (1, 2, 3, 4)})
+    wd = dequantize_fp8_block(w, s, (128, 128), torch.float64)
+    nw = (1 + 0.3 * torch.randn(k, device=DEV, generator=g)).float()        # float32 norm weight, not BF16 values
+    eps = 1e-6
+
+    def fn(d, h):
+        return fp8_block_gemv_add_norm(d, h, nw, eps, w, s, cfg)
+    for m in (1, 2, 3, 4):
+        h = (torch.randn(m, k, device=DEV, generator=g) * 3).to(torch.bfloat16)
+        d = (torch.randn(m, k, device=DEV, generator=g) * torch.rand(m, 1, device=DEV, generator=g) * 4
+             ).to(torch.bfloat16)
+        y, x, hn = fn(d, h)
+        assert y.shape == (m, n) and x.shape == hn.shape == (m, k) and y.dtype == x.dtype == torch.bfloat16
+        assert torch.equal(hn, h + d), f"M={m}: h_new != h + delta"
+        xr, hr = add_rmsnorm(d, h, nw, eps)
+        assert torch.equal(hr, hn)
+        step = torch.finfo(torch.bfloat16).eps * xr.float().abs().clamp_min(2.0 ** -100)
+        diff = (x.float() - xr.float()).abs()
+        assert (diff <= step).all() and (diff > 0).float().mean() < 0.01, \
+            f"M={m}: x vs add_rmsnorm: {(diff > 0).float().mean().item():.4f} differ, max {diff.max().item():.3e}"
+        h64 = hn.double()
+        x64 = nw.double() * h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + eps)
+        assert ((x.double() - x64).abs() <= 2 * torch.finfo(torch.bfloat16).eps * x64.abs() + 1e-30).all()
+        assert torch.equal(fp8_block_gemv(x, w, s, (128, 128), cfg), y), f"M={m}: y != plain GEMV on x"
+        ref = x.double() @ wd.t()
+        bound = ref.abs() * 2.0 ** -8 + (x.double().abs() @ wd.abs().t()) * k * 2.0 ** -24
+        assert ((y.double() - ref).abs() <= bound).all()
+        again = fn(d, h)
+        assert all(torch.equal(a, b) for a, b in zip(again, (y, x, hn))), f"M={m}: two calls differ"
+        for i in range(m):
+            one = fn(d[i:i + 1].clone(), h[i:i + 1].clone())
+            assert all(torch.equal(a[0], b[i]) for a, b in zip(one, (y, x, hn))), f"M={m}: row {i} != M=1 call"
+        hs, ds = h.clone(), d.clone()
+        st = torch.cuda.Stream()
+        st.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(st):
+            fn(ds, hs)
+        torch.cuda.current_stream().wait_stream(st)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = fn(ds, hs)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(outs, (y, x, hn))), f"M={m}: graph replay differs from eager"
+
+
+def test_linear_add_norm_binding():
+    """``TritonLinear.bind``'s ``add_norm``: the MMA shapes take M = 1..4 (the result equals the direct call),
+    anything else (M = 5, float32 activations, a shape whose table entry is not MMA) returns None so the caller
+    runs the norm kernel and the plain projection."""
+    from bytebound.kernels import triton_fp8 as tf
+    g = torch.Generator(device=DEV).manual_seed(21)
+    lin = _linear(20480, 2560, g)
+    fn = tf.TritonLinear().bind(lin, torch.bfloat16)
+    nw = torch.rand(2560, device=DEV, generator=g) + 0.5
+    cfgs, _ = tf.gemv_bind_configs(20480, 2560, DEV)
+    for m in (1, 4):
+        h = torch.randn(1, m, 2560, device=DEV, generator=g).to(torch.bfloat16)
+        d = torch.randn(1, m, 2560, device=DEV, generator=g).to(torch.bfloat16)
+        got = fn.add_norm(d, h, nw, 1e-6)
+        if not cfgs[m]["MMA"]:
+            assert got is None
+            continue
+        y, x, hn = got
+        assert y.shape == (1, m, 20480) and x.shape == hn.shape == h.shape
+        ref = tf.fp8_block_gemv_add_norm(d[0], h[0], nw, 1e-6, lin.weight.data, lin.weight_scale_inv.data, cfgs[m])
+        assert all(torch.equal(a[0], b) for a, b in zip((y, x, hn), ref))
+    h5 = torch.randn(5, 2560, device=DEV, generator=g).to(torch.bfloat16)
+    assert fn.add_norm(h5, h5, nw, 1e-6) is None
+    assert fn.add_norm(h5[:1].float(), h5[:1].float(), nw, 1e-6) is None
+    small = tf.TritonLinear().bind(_linear(2560, 768, g), torch.bfloat16)      # the table's FMA shape
+    hs = torch.randn(1, 768, device=DEV, generator=g).to(torch.bfloat16)
+    assert tf.gemv_bind_configs(2560, 768, DEV)[0][1]["MMA"] or small.add_norm(hs, hs, nw[:768], 1e-6) is None
