@@ -220,6 +220,60 @@ def precompile(jobs: list, workers: int) -> None:
     print(f"precompiled {done}/{len(jobs)} kernels in {time.time() - t:.1f} s with {workers} processes", flush=True)
 
 
+FOLD_SHAPES = ((20480, 2560, "kda q|k|v|f|g"), (6816, 2560, "mla q|kv_a|g"))
+
+
+def fold_main(a) -> int:
+    """``--fold``: per projection shape and M, microseconds per call (CUDA graph over weight copies covering
+    ``--l2-factor`` times the L2, as the GEMV rows) of ``add_rmsnorm`` then ``fp8_block_gemv`` (two launches, the
+    unfused step), of ``fp8_block_gemv_add_norm`` in each fold mode (one launch), and of the GEMV alone; every fold
+    mode's outputs are checked bit-equal to the first mode's."""
+    from bytebound.kernels import triton_fp8 as tf
+    from bytebound.kernels.gluon_fp8_gemv import FOLD_MODES
+    from bytebound.kernels.triton_norm import add_rmsnorm
+    dev = torch.device("cuda", torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(dev)
+    l2 = getattr(props, "L2_cache_size", 50 << 20)
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for n, k, name in FOLD_SHAPES:
+        nbytes = n * k + 4 * math.ceil(n / 128) * math.ceil(k / 128)
+        copies = max(2, min(256, math.ceil(a.l2_factor * l2 / nbytes)))
+        ws = make_weights(n, k, copies, dev)
+        calls = max(a.min_calls, copies)
+        idx = [i % copies for i in range(calls)]
+        nw = (1 + 0.2 * torch.randn(k, device=dev)).float()
+        tf.gemv_reserve(dev, n, k)
+        for m in (int(x) for x in a.m.split(",")):
+            cfg = tf.gemv_config(n, k, m, dev)
+            h = torch.randn(m, k, device=dev).to(torch.bfloat16)
+            d = torch.randn(m, k, device=dev).to(torch.bfloat16)
+            x = add_rmsnorm(d, h, nw, 1e-6)[0]
+            modes = {"gemv alone": lambda i: tf.fp8_block_gemv(x, *ws[i], cfg=cfg),
+                     "add_rmsnorm + gemv": lambda i: tf.fp8_block_gemv(add_rmsnorm(d, h, nw, 1e-6)[0], *ws[i],
+                                                                         cfg=cfg)}
+            ref = None
+            for mode in FOLD_MODES:
+                if not cfg.get("MMA"):
+                    break
+                modes[f"fold {mode}"] = (lambda i, mode=mode: tf.fp8_block_gemv_add_norm(d, h, nw, 1e-6, *ws[i], cfg,
+                                                                                       mode))
+                got = tf.fp8_block_gemv_add_norm(d, h, nw, 1e-6, *ws[0], cfg, mode)
+                ref = ref or got
+                if not all(torch.equal(p, q) for p, q in zip(got, ref)):
+                    print(f"  WRONG {name} M={m} fold {mode}: differs from the first mode", flush=True)
+            for label, f in modes.items():
+                us = graph_time([(lambda i=i, f=f: f(i)) for i in idx])
+                rows.append({"shape": name, "n": n, "k": k, "M": m, "mode": label, "us": round(us, 3),
+                             "config": {kk: cfg[kk] for kk in tf.GEMV_KEYS + ("KS",) if kk in cfg}})
+                print(f"{name:16s} {n:6d}x{k:<5d} M={m} {label:20s} {us:8.2f} us", flush=True)
+    meta = {"device": props.name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": git_commit(), "weights": "synthetic", "command": "scripts/bench_gemv.py --fold " + a.m}
+    (out_dir / "bench_gemv_fold.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="out/bench_gemv")
@@ -232,7 +286,11 @@ def main(argv=None) -> int:
     ap.add_argument("--l2-factor", type=float, default=3.0, help="weight copies cover this many times the L2")
     ap.add_argument("--min-calls", type=int, default=24)
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop the sweep after this many seconds")
+    ap.add_argument("--fold", action="store_true", help="time the input add + RMSNorm folded into the attention "
+                    "projections (each fold mode) against the norm kernel then the GEMV; writes bench_gemv_fold.json")
     a = ap.parse_args(argv)
+    if a.fold:
+        return fold_main(a)
     from bytebound.kernels import triton_fp8 as tf
     dev = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(dev)
