@@ -226,10 +226,9 @@ FOLD_SHAPES = ((20480, 2560, "kda q|k|v|f|g"), (6816, 2560, "mla q|kv_a|g"))
 def fold_main(a) -> int:
     """``--fold``: per projection shape and M, microseconds per call (CUDA graph over weight copies covering
     ``--l2-factor`` times the L2, as the GEMV rows) of ``add_rmsnorm`` then ``fp8_block_gemv`` (two launches, the
-    unfused step), of ``fp8_block_gemv_add_norm`` in each fold mode (one launch), and of the GEMV alone; every fold
-    mode's outputs are checked bit-equal to the first mode's."""
+    default step), of ``fp8_block_gemv_add_norm`` (one launch, the opt-in fold) and of the GEMV alone; the fold's
+    output is checked against the two-launch result (tests/gpu/test_gemv_gpu.py has the exact checks)."""
     from bytebound.kernels import triton_fp8 as tf
-    from bytebound.kernels.gluon_fp8_gemv import FOLD_MODES
     from bytebound.kernels.triton_norm import add_rmsnorm
     dev = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(dev)
@@ -253,16 +252,13 @@ def fold_main(a) -> int:
             modes = {"gemv alone": lambda i: tf.fp8_block_gemv(x, *ws[i], cfg=cfg),
                      "add_rmsnorm + gemv": lambda i: tf.fp8_block_gemv(add_rmsnorm(d, h, nw, 1e-6)[0], *ws[i],
                                                                          cfg=cfg)}
-            ref = None
-            for mode in FOLD_MODES:
-                if not cfg.get("MMA"):
-                    break
-                modes[f"fold {mode}"] = (lambda i, mode=mode: tf.fp8_block_gemv_add_norm(d, h, nw, 1e-6, *ws[i], cfg,
-                                                                                       mode))
-                got = tf.fp8_block_gemv_add_norm(d, h, nw, 1e-6, *ws[0], cfg, mode)
-                ref = ref or got
-                if not all(torch.equal(p, q) for p, q in zip(got, ref)):
-                    print(f"  WRONG {name} M={m} fold {mode}: differs from the first mode", flush=True)
+            if cfg.get("MMA"):
+                modes["fold"] = lambda i: tf.fp8_block_gemv_add_norm(d, h, nw, 1e-6, *ws[i], cfg)
+                y, xf, _ = modes["fold"](0)
+                y2 = tf.fp8_block_gemv(x, *ws[0], cfg=cfg)
+                err = float((y.float() - y2.float()).norm() / y2.float().norm())
+                if err > 1e-2 or (xf.float() - x.float()).abs().max() > 2 ** -6 * x.float().abs().max():
+                    print(f"  WRONG {name} M={m} fold: rel err {err:.2e} against the two launches", flush=True)
             for label, f in modes.items():
                 us = graph_time([(lambda i=i, f=f: f(i)) for i in idx])
                 rows.append({"shape": name, "n": n, "k": k, "M": m, "mode": label, "us": round(us, 3),

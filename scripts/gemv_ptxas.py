@@ -27,9 +27,9 @@ import ptxas_util  # noqa: E402  (scripts/ptxas_util.py)
 os.environ.pop("TRITON_INTERPRET", None)
 
 
-def compile_one(n: int, k: int, m: int, cfg: dict, arch: int = 90, norm: int = 0):
+def compile_one(n: int, k: int, m: int, cfg: dict, arch: int = 90, norm: bool = False):
     """(resource line, Counter of SASS opcodes) of one config (fitted by ``fit_gemv_config``); ``norm``: the MMA
-    kernel with the input add + RMSNorm folded in, in that ``NORM`` mode (``gluon_fp8_gemv.FOLD_MODES``; 0: off)."""
+    kernel with the input add + RMSNorm folded in (``NORM``, the opt-in fold)."""
     import triton
     from bytebound.kernels import triton_fp8 as tf
     c = tf.fit_gemv_config(cfg, n, k, m)
@@ -72,8 +72,7 @@ def main(argv=None) -> int:
     ap.add_argument("--m", default="1,4")
     ap.add_argument("--configs", default='[{"BN": 16, "BK": 256, "num_warps": 4}]')
     ap.add_argument("--sass", action="store_true", help="print the whole SASS")
-    ap.add_argument("--norm", type=int, default=0, help="the MMA kernel with the input add + RMSNorm folded in, "
-                    "in this NORM mode (gluon_fp8_gemv.FOLD_MODES: 1 shared, 2 slot, 3 regs)")
+    ap.add_argument("--norm", action="store_true", help="the MMA kernel with the input add + RMSNorm folded in")
     ap.add_argument("--mma", action="store_true", help="the MMA kernel at every decode shape (--configs: MMA "
                     "configs, default MMA_CONFIGS)")
     a = ap.parse_args(argv)

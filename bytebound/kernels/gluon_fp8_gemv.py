@@ -42,11 +42,6 @@ from bytebound.kernels.triton_moe_split import GLUON_ERR, fp8_word_layout, gl, g
 # factor the decoded BF16 equals the E4M3 value exactly (the float32 block scale is applied after the mma).
 F120 = 0x7B807B80
 MAX_NC = 4                  # scale blocks per chunk: the double buffer holds 2 * NC * R * 128 bytes per program
-# Where a program of the add + norm fold (``NORM``) takes its mma operand x = RMSNorm(h + delta) from: 1 "shared":
-# every program stores the same x to the output buffer and reads it back; 2 "slot": each into its own scratch slot;
-# 3 "regs": formed per scale block in registers from h, delta and the norm weight (nothing stored but program
-# (0, 0)'s copy for the next kernels). Same results in every mode (the same roundings); the speed differs.
-FOLD_MODES = {"shared": 1, "slot": 2, "regs": 3}
 
 
 if gluon is not None:
@@ -68,80 +63,60 @@ if gluon is not None:
 
     @gluon.jit
     def _block_mma(total, wb, x_ptr, srow_ptr, kb, K: gl.constexpr, M: gl.constexpr, WD1: gl.constexpr,
-                   MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, REG: gl.constexpr, h_ptr, d_ptr, nw_ptr,
-                   rr):
+                   MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr):
         """``total += (W[rows, block kb] @ x[:, block kb]^T) * s[kb]``: one scale block's words ``wb`` (any layout
         equal to ``WD1`` = ``fp8_word_layout(R, 1, NW)``, shape ``[R, 1, 4, 8]``) decoded to exact BF16, one mma
         product into a fresh float32 accumulator ``[R, 8]``, scaled in float32 by the block's scale (a scalar:
-        the program's rows share one scale row, ``srow_ptr``). ``REG``: the B operand is RMSNorm(h + delta) formed
-        here (:func:`_load_b_norm`, ``rr`` the rows' reciprocal RMS) instead of read from ``x_ptr``."""
+        the program's rows share one scale row, ``srow_ptr``)."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = WD1.shape[0]
         wb = gl.convert_layout(wb, WD1, assert_trivial=True)
         f = gl.full([R, 1], _F120, gl.int32, gl.SliceLayout(2, gl.SliceLayout(3, WD1)))
-        if REG:
-            b = _load_b_norm(h_ptr, d_ptr, nw_ptr, rr, kb, K, M, NW, DB)
-        else:
-            b = _load_b(x_ptr + kb * 128, K, M, 1, NW, DB)
+        b = _load_b(x_ptr + kb * 128, K, M, 1, NW, DB)
         sc = gl.load(srow_ptr + kb)
         acc = mma_v2(_frag_fp8(wb, f, DA), b, gl.zeros([R, 8], gl.float32, MMA))
         return total + acc * sc
 
     @gluon.jit
     def _chunk_mma(total, wv, x_ptr, srow_ptr, kb, K: gl.constexpr, M: gl.constexpr, NC: gl.constexpr,
-                   WD1: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, REG: gl.constexpr,
-                   h_ptr, d_ptr, nw_ptr, rr):
+                   WD1: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr):
         """The ``NC`` scale blocks of one chunk (words ``wv [R, NC, 4, 8]``), in block order. The block axis is
         in-register (``fp8_word_layout``), so moving it last and splitting it costs no data movement."""
         R: gl.constexpr = WD1.shape[0]
         if NC == 1:
-            total = _block_mma(total, wv, x_ptr, srow_ptr, kb, K, M, WD1, MMA, DA, DB, REG, h_ptr, d_ptr, nw_ptr, rr)
+            total = _block_mma(total, wv, x_ptr, srow_ptr, kb, K, M, WD1, MMA, DA, DB)
         else:
             v = gl.permute(wv, [0, 2, 3, 1])                          # [R, 4, 8, NC]
             if NC == 2:
                 b0, b1 = gl.split(v)
-                total = _block_mma(total, gl.reshape(b0, [R, 1, 4, 8]), x_ptr, srow_ptr, kb, K, M, WD1, MMA, DA,
-                                   DB, REG, h_ptr, d_ptr, nw_ptr, rr)
-                total = _block_mma(total, gl.reshape(b1, [R, 1, 4, 8]), x_ptr, srow_ptr, kb + 1, K, M, WD1, MMA,
-                                   DA, DB, REG, h_ptr, d_ptr, nw_ptr, rr)
+                total = _block_mma(total, gl.reshape(b0, [R, 1, 4, 8]), x_ptr, srow_ptr, kb, K, M, WD1, MMA, DA, DB)
+                total = _block_mma(total, gl.reshape(b1, [R, 1, 4, 8]), x_ptr, srow_ptr, kb + 1, K, M, WD1, MMA, DA,
+                                   DB)
             else:                                                      # NC == 4: block 2i + j
                 j0, j1 = gl.split(gl.reshape(v, [R, 4, 8, 2, 2]))
                 b0, b2 = gl.split(j0)
                 b1, b3 = gl.split(j1)
-                total = _block_mma(total, gl.reshape(b0, [R, 1, 4, 8]), x_ptr, srow_ptr, kb, K, M, WD1, MMA, DA,
-                                   DB, REG, h_ptr, d_ptr, nw_ptr, rr)
-                total = _block_mma(total, gl.reshape(b1, [R, 1, 4, 8]), x_ptr, srow_ptr, kb + 1, K, M, WD1, MMA,
-                                   DA, DB, REG, h_ptr, d_ptr, nw_ptr, rr)
-                total = _block_mma(total, gl.reshape(b2, [R, 1, 4, 8]), x_ptr, srow_ptr, kb + 2, K, M, WD1, MMA,
-                                   DA, DB, REG, h_ptr, d_ptr, nw_ptr, rr)
-                total = _block_mma(total, gl.reshape(b3, [R, 1, 4, 8]), x_ptr, srow_ptr, kb + 3, K, M, WD1, MMA,
-                                   DA, DB, REG, h_ptr, d_ptr, nw_ptr, rr)
+                total = _block_mma(total, gl.reshape(b0, [R, 1, 4, 8]), x_ptr, srow_ptr, kb, K, M, WD1, MMA, DA, DB)
+                total = _block_mma(total, gl.reshape(b1, [R, 1, 4, 8]), x_ptr, srow_ptr, kb + 1, K, M, WD1, MMA, DA,
+                                   DB)
+                total = _block_mma(total, gl.reshape(b2, [R, 1, 4, 8]), x_ptr, srow_ptr, kb + 2, K, M, WD1, MMA, DA,
+                                   DB)
+                total = _block_mma(total, gl.reshape(b3, [R, 1, 4, 8]), x_ptr, srow_ptr, kb + 3, K, M, WD1, MMA, DA,
+                                   DB)
         return total
-
-    @gluon.constexpr_function
-    def _b_layout(NW):
-        """The blocked layout ``[1, 8, 4, 32]`` (block, token, t, c) in which ``triton_moe_split._load_b`` gathers
-        one scale block of the B operand; the norm's per-token statistics live in its token slice."""
-        return gl.BlockedLayout([1, 1, 1, 32], [1, 8, 4, 1], [1, 1, 1, NW], [3, 2, 1, 0])
 
     @gluon.jit
     def _norm_rows(h_ptr, d_ptr, nw_ptr, xs_ptr, xo_ptr, ho_ptr, eps, first, K: gl.constexpr, KP: gl.constexpr,
-                   M: gl.constexpr, NW: gl.constexpr, NORM: gl.constexpr):
+                   M: gl.constexpr, NW: gl.constexpr):
         """The decoder's input residual add and RMSNorm of the ``M`` rows, with ``triton_norm.add_rmsnorm``'s
         roundings: ``hs = bf16(h + delta)`` (one rounding), ``r = rsqrt(sum(hs^2) / K + eps)`` in float32,
-        ``x = bf16(w * bf16(hs * r))``. One row is one ``[KP]`` vector (K padded to a power of two, masked), so its
-        loads are one round trip. The grid's ``first`` program stores ``x`` to ``xo`` and ``hs`` to ``ho`` for the
-        kernels after this one. Where this program's mma operand comes from (``NORM``, :data:`FOLD_MODES`):
-        1: every program stores the same ``x`` to ``xo`` (the same code on the same inputs: the same bits) and reads
-        it back after a CTA barrier; 2: into its own slot ``xs``, read back after the barrier; 3: nothing is
-        stored, the operand is formed per block (:func:`_load_b_norm`) from the returned ``r``, ``[8]`` float32
-        in the token slice of :func:`_b_layout` (rows >= M: 0)."""
+        ``x = bf16(w * bf16(hs * r))``, stored to this program's own slot ``xs`` and read back as its mma operand
+        after a CTA barrier (a slot per program: no two programs store to one address). The grid's ``first``
+        program also stores ``x`` to ``xo`` and ``hs`` to ``ho`` for the kernels after this one. One row is one
+        ``[KP]`` vector (K padded to a power of two, masked), so its loads are one round trip."""
         RL: gl.constexpr = gl.BlockedLayout([8], [32], [NW], [0])
-        RN: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, _b_layout(NW))))
         cols = gl.arange(0, KP, layout=RL)
         km = cols < K
-        n = gl.arange(0, 8, layout=RN)
-        rr = gl.zeros([8], gl.float32, RN)
         w = gl.load(nw_ptr + cols, mask=km, other=0.0).to(gl.float32)
         for m in gl.static_range(M):
             hs = (gl.load(h_ptr + m * K + cols, mask=km, other=0.0).to(gl.float32) +
@@ -149,60 +124,27 @@ if gluon is not None:
             hs = hs.to(gl.bfloat16).to(gl.float32)
             r = gl.rsqrt(gl.sum(hs * hs, axis=0) / K + eps)
             x = (w * (hs * r).to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16)
-            if NORM == 1:
-                gl.store(xo_ptr + m * K + cols, x, mask=km)
-            else:
-                if NORM == 2:
-                    gl.store(xs_ptr + m * K + cols, x, mask=km)
-                if first:
-                    gl.store(xo_ptr + m * K + cols, x, mask=km)
+            gl.store(xs_ptr + m * K + cols, x, mask=km)
             if first:
+                gl.store(xo_ptr + m * K + cols, x, mask=km)
                 gl.store(ho_ptr + m * K + cols, hs.to(gl.bfloat16), mask=km)
-            rr = gl.where(n == m, r, rr)
-        if NORM != 3:
-            gl.thread_barrier()         # the CTA's stores are visible to all its threads before the main loop
-        return rr
-
-    @gluon.jit
-    def _load_b_norm(h_ptr, d_ptr, nw_ptr, rr, kb, K: gl.constexpr, M: gl.constexpr, NW: gl.constexpr,
-                     DB: gl.constexpr):
-        """``triton_moe_split._load_b`` of scale block ``kb`` of ``x = RMSNorm(h + delta)`` formed on the fly with
-        :func:`_norm_rows`' roundings (``rr``: its per-token reciprocal RMS): the same index maths and the same free
-        reshape into the mma B-fragment layout ``DB``."""
-        XL: gl.constexpr = _b_layout(NW)
-        sb = gl.arange(0, 1, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
-        n = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
-        t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, XL))))
-        c = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, XL))))
-        col = (kb * 128 + sb[:, None, None] * 128 + t[None, None, :] * 32)[:, :, :, None] + c[None, None, None, :]
-        msk = ((n[None, :, None] < M) & (sb[:, None, None] >= 0) & (t[None, None, :] >= 0))[:, :, :, None] & \
-            (c[None, None, None, :] >= 0)                                                        # [1, 8, 4, 32]
-        off = (n[None, :, None] * K)[:, :, :, None] + col
-        hs = (gl.load(h_ptr + off, mask=msk, other=0.0).to(gl.float32) +
-              gl.load(d_ptr + off, mask=msk, other=0.0).to(gl.float32))
-        hs = hs.to(gl.bfloat16).to(gl.float32)
-        w = gl.load(nw_ptr + col).to(gl.float32)                                                 # [1, 1, 4, 32]
-        x = (w * (hs * rr[None, :, None][:, :, :, None]).to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16)
-        x = gl.reshape(x, [1, 8, 4, 4, 2, 2, 2])             # c = 8tau + 4p + 2h + j (as _load_b)
-        x = gl.permute(x, [0, 3, 4, 5, 2, 6, 1])             # [s, tau, p, h, t, j, n]
-        return gl.convert_layout(gl.reshape(x, [128, 8]), DB, assert_trivial=True)
+        gl.thread_barrier()         # the CTA's slot stores are visible to all its threads before the main loop
 
     @gluon.jit
     def _fp8_gemv_mma(x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, cnt_ptr, N, K: gl.constexpr, M: gl.constexpr,
                       KS: gl.constexpr, SPLIT: gl.constexpr, EVEN_N: gl.constexpr, PDL: gl.constexpr,
                       WD8: gl.constexpr, WD1: gl.constexpr, h_ptr, d_ptr, nw_ptr, ho_ptr, xs_ptr, eps,
-                      NORM: gl.constexpr = 0, KP: gl.constexpr = 1):
+                      NORM: gl.constexpr = False, KP: gl.constexpr = 1):
         """``o[m, n] = sum_k x[m, k] * w[n, k] * s[n // 128, k // 128]`` (module docstring). ``x`` BF16 ``[M, K]``,
         ``w`` the E4M3 weight as int32 ``[N, K/4]``, ``s`` float32 ``[ceil(N/128), K/128]``, ``o`` BF16 ``[M, N]``;
         ``part``/``cnt``: split-K scratch (unused when ``SPLIT == 1``). ``WD8`` = ``fp8_word_layout(R, NC, NW)``
         (R rows, NC blocks per chunk), ``WD1`` the same for one block.
 
-        ``NORM`` > 0 (the decoder's input add + RMSNorm folded in, :func:`launch_mma`'s ``norm``; the mode, one of
-        :data:`FOLD_MODES`): ``h`` is the residual stream, ``d`` the previous sublayer's output, ``nw`` the norm
-        weight (``KP`` = K rounded up to a power of two); each program forms ``x = RMSNorm(h + d)`` itself
-        (:func:`_norm_rows`) and multiplies by it; program (0, 0) writes ``x`` to ``x_ptr`` and ``h + d`` to
-        ``ho``, which the kernels after this one read only after this grid completed (stream order, or PDL's
-        wait). ``xs``: the per-program slots of mode 2, ``[programs, M, K]`` BF16."""
+        ``NORM`` (the decoder's input add + RMSNorm folded in, :func:`launch_mma`'s ``norm``): ``h`` is the residual
+        stream, ``d`` the previous sublayer's output, ``nw`` the norm weight (``KP`` = K rounded up to a power of
+        two); each program forms ``x = RMSNorm(h + d)`` itself into its slot of ``xs`` (``[programs, M, K]`` BF16,
+        :func:`_norm_rows`) and multiplies by it; program (0, 0) writes ``x`` to ``x_ptr`` and ``h + d`` to ``ho``,
+        which the kernels after this one read only after this grid completed (stream order, or PDL's wait)."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = WD8.shape[0]
         NC: gl.constexpr = WD8.shape[1]
@@ -223,24 +165,16 @@ if gluon is not None:
         wv = _chunk_words(w_ptr, rows, rmask, kb0, K, EVEN_N, WD8)     # read-only: may precede the wait
         if PDL:
             _gdc("griddepcontrol.wait; mov.u32 $0, 0;", NW)
-        REG: gl.constexpr = NORM == 3
         src = x_ptr
-        if NORM > 0:
-            xs = xs_ptr + (pid * SPLIT + pk).to(gl.int64) * (M * K)
-            rr = _norm_rows(h_ptr, d_ptr, nw_ptr, xs, x_ptr, ho_ptr, eps, (pid == 0) & (pk == 0), K, KP, M, NW,
-                            NORM)
-            if NORM == 2:
-                src = xs
-        else:
-            rr = 0.0
+        if NORM:
+            src = xs_ptr + (pid * SPLIT + pk).to(gl.int64) * (M * K)
+            _norm_rows(h_ptr, d_ptr, nw_ptr, src, x_ptr, ho_ptr, eps, (pid == 0) & (pk == 0), K, KP, M, NW)
         total = gl.zeros([R, 8], gl.float32, MMA)
         for c in range(nch - 1):
             wn = _chunk_words(w_ptr, rows, rmask, kb0 + (c + 1) * NC, K, EVEN_N, WD8)   # in flight during the decode
-            total = _chunk_mma(total, wv, src, srow_ptr, kb0 + c * NC, K, M, NC, WD1, MMA, DA, DB, REG, h_ptr,
-                               d_ptr, nw_ptr, rr)
+            total = _chunk_mma(total, wv, src, srow_ptr, kb0 + c * NC, K, M, NC, WD1, MMA, DA, DB)
             wv = wn
-        total = _chunk_mma(total, wv, src, srow_ptr, kb0 + (nch - 1) * NC, K, M, NC, WD1, MMA, DA, DB, REG, h_ptr,
-                           d_ptr, nw_ptr, rr)
+        total = _chunk_mma(total, wv, src, srow_ptr, kb0 + (nch - 1) * NC, K, M, NC, WD1, MMA, DA, DB)
 
         out = gl.convert_layout(total, OL)              # [R, 8]: row r, token column m (m >= M is padding)
         orow = gl.arange(0, R, layout=gl.SliceLayout(1, OL))
@@ -282,11 +216,10 @@ def launch_mma(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, 
 
     ``x2`` BF16 ``[M <= 4, K]`` contiguous, ``weight`` E4M3 ``[N, K]`` contiguous and 16-byte aligned,
     ``scale_inv`` float32 ``[ceil(N/128), K/128]`` contiguous, ``out`` BF16 ``[M, N]``; ``part``/``cnt`` the split-K
-    scratch (any tensor when ``SPLIT == 1``). ``norm``: ``(h, delta, norm_weight, h_out, eps, mode, slots)``
-    folds the decoder's input add + RMSNorm in: ``x2`` is then written (x = RMSNorm(h + delta)) rather than read,
-    ``h_out`` receives h + delta (h, delta, h_out BF16 ``[M, K]`` contiguous, norm_weight ``[K]`` contiguous),
-    ``mode`` one of :data:`FOLD_MODES`, ``slots`` BF16 of >= programs * M * K elements for mode 2 (any tensor
-    otherwise); ``triton_fp8.fp8_block_gemv_add_norm`` checks them.
+    scratch (any tensor when ``SPLIT == 1``). ``norm``: ``(h, delta, norm_weight, h_out, eps, slots)`` folds the
+    decoder's input add + RMSNorm in: ``x2`` is then written (x = RMSNorm(h + delta)) rather than read, ``h_out``
+    receives h + delta (h, delta, h_out BF16 ``[M, K]`` contiguous, norm_weight ``[K]`` contiguous), ``slots``
+    BF16 of >= programs * M * K elements; ``triton_fp8.fp8_block_gemv_add_norm`` checks them.
 
     Raises:
         BackendError: Gluon missing, activations not BF16, or a weight the 16-byte vector loads cannot read."""
@@ -301,9 +234,9 @@ def launch_mma(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, 
                            f"16-byte aligned [N, K] weight with K % 128 == 0, got {tuple(weight.shape)}")
     r, nc, nw, split = cfg["BN"], cfg["NC"], cfg["num_warps"], cfg["SPLIT"]
     grid = (-(-n // r), split)
-    h, d, nwt, ho, eps, mode, slots = norm if norm is not None else (x2, x2, x2, x2, 0.0, 0, x2)
+    h, d, nwt, ho, eps, slots = norm if norm is not None else (x2, x2, x2, x2, 0.0, x2)
     _fp8_gemv_mma[grid](x2, weight.view(torch.int32), scale_inv, out, part, cnt, n, K=k, M=m, KS=cfg["KS"],
                         SPLIT=split, EVEN_N=n % r == 0, PDL=pdl, WD8=fp8_word_layout(r, nc, nw),
                         WD1=fp8_word_layout(r, 1, nw), h_ptr=h, d_ptr=d, nw_ptr=nwt, ho_ptr=ho, xs_ptr=slots,
-                        eps=float(eps), NORM=int(mode), KP=1 << max(0, (k - 1).bit_length()), num_warps=nw,
+                        eps=float(eps), NORM=norm is not None, KP=1 << max(0, (k - 1).bit_length()), num_warps=nw,
                         **({"launch_pdl": True} if pdl else {}))

@@ -572,7 +572,7 @@ def gemv_reserve(device, n: int, k: int, block=(128, 128), cfgs=None) -> None:
             gemv_scratch(device, "part", tiles * cfg["SPLIT"] * 4 * cfg["BN"])
             gemv_scratch(device, "ticket", tiles, torch.int32)
         if cfg.get("MMA") and torch.device(device).type == "cuda":
-            _fold_slots(device, n, k, cfg, m)     # the add + norm fold's mode-2 slots (tiles * SPLIT * M * K BF16)
+            _fold_slots(device, n, k, cfg, m)     # the add + norm fold's slots (tiles * SPLIT * M * K BF16)
 
 
 def fp8_block_gemv(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128),
@@ -630,34 +630,23 @@ def fp8_block_gemv(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tens
     return out
 
 
-NORM_FOLD_MODE = "slot"     # the fold's default operand source (gluon_fp8_gemv.FOLD_MODES; docs/perf/history.md)
-
-
-def norm_fold_mode() -> str | None:
-    """The add + norm fold's mode (``gluon_fp8_gemv.FOLD_MODES``): ``BYTEBOUND_NORM_FOLD`` names one, ``0`` turns
-    the fold off (None: the input add + norm then run as their own launch again), unset is
-    :data:`NORM_FOLD_MODE`. An A/B switch (``scripts/profile_decode.py --ab BYTEBOUND_NORM_FOLD=0``), read at bind
-    (the manifest) and at each call of the binding's ``add_norm``, so a graph captured after a change sees it.
-
-    Raises:
-        ConfigError: a value that is neither 0 nor a mode."""
-    from bytebound.kernels.gluon_fp8_gemv import FOLD_MODES
-    v = os.environ.get("BYTEBOUND_NORM_FOLD", NORM_FOLD_MODE)
-    if v == "0":
-        return None
-    if v not in FOLD_MODES:
-        raise ConfigError(f"BYTEBOUND_NORM_FOLD={v!r}: expected 0 or one of {sorted(FOLD_MODES)}")
-    return v
+def norm_fold_enabled() -> bool:
+    """Whether the decoder's input add + RMSNorm run inside the attention's FP8 MMA projection
+    (:func:`fp8_block_gemv_add_norm`): opt-in, ``BYTEBOUND_NORM_FOLD=1``. Off by default because it measured
+    slower than the norm kernel before a PDL-launched GEMV (docs/perf/history.md). Read at bind (the manifest) and
+    at each call of the binding's ``add_norm``, so a graph captured after a change sees it (``scripts/
+    profile_decode.py --ab BYTEBOUND_NORM_FOLD=1``)."""
+    return os.environ.get("BYTEBOUND_NORM_FOLD", "0") == "1"
 
 
 def _fold_slots(dev, n: int, k: int, cfg: dict, m: int) -> torch.Tensor:
-    """The fold's mode-2 scratch: one ``[M, K]`` BF16 slot per program of the MMA grid (``gemv_scratch``, grown
-    at bind by :func:`gemv_reserve`, so a capture allocates nothing)."""
+    """The fold's scratch: one ``[M, K]`` BF16 slot per program of the MMA grid (``gemv_scratch``, grown at bind
+    by :func:`gemv_reserve`, so a capture allocates nothing)."""
     return gemv_scratch(dev, "norm_x", triton.cdiv(n, cfg["BN"]) * cfg["SPLIT"] * m * k, torch.bfloat16)
 
 
 def fp8_block_gemv_add_norm(delta2: torch.Tensor, h2: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                            weight: torch.Tensor, scale_inv: torch.Tensor, cfg: dict, mode: str = NORM_FOLD_MODE
+                            weight: torch.Tensor, scale_inv: torch.Tensor, cfg: dict
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A decoder's input residual add and RMSNorm folded into the projection after it: one launch of the MMA
     GEMV (``kernels.gluon_fp8_gemv``, ``NORM``) instead of ``triton_norm.add_rmsnorm`` and :func:`fp8_block_gemv`.
@@ -671,19 +660,16 @@ def fp8_block_gemv_add_norm(delta2: torch.Tensor, h2: torch.Tensor, norm_weight:
         delta2, h2: BF16 ``[M <= 4, K]``, the previous sublayer's output and the residual stream;
         norm_weight: ``[K]`` (any float dtype, read as float32); eps: the norm's epsilon;
         weight / scale_inv: as :func:`fp8_block_gemv` (128x128 blocks); cfg: that weight's fitted config for
-            this M, which must be the MMA path (:func:`gemv_path`); mode: where each program takes its operand
-            from (``gluon_fp8_gemv.FOLD_MODES``; the results are the same in every mode).
+            this M, which must be the MMA path (:func:`gemv_path`).
 
     Returns:
         ``(y [M, N], x [M, K], h_new [M, K])``, all BF16.
 
     Raises:
         BackendError: a config that is not the MMA path, non-BF16 or mismatched activations, a norm weight not of
-            K elements, M outside 1..4, an unknown mode; the MMA kernel's own checks (``launch_mma``).
+            K elements, M outside 1..4; the MMA kernel's own checks (``launch_mma``).
     """
-    from bytebound.kernels.gluon_fp8_gemv import FOLD_MODES, launch_mma
-    if mode not in FOLD_MODES:
-        raise BackendError(f"linear[triton]: add + norm fold mode {mode!r}: expected one of {sorted(FOLD_MODES)}")
+    from bytebound.kernels.gluon_fp8_gemv import launch_mma
     m, k = h2.shape
     if not cfg.get("MMA"):
         raise BackendError(f"linear[triton]: the add + norm fold needs the MMA GEMV path, the config is "
@@ -705,9 +691,8 @@ def fp8_block_gemv_add_norm(delta2: torch.Tensor, h2: torch.Tensor, norm_weight:
         cnt = gemv_scratch(dev, "ticket", tiles, torch.int32)
     else:
         part = cnt = out
-    slots = _fold_slots(dev, n, k, cfg, m) if mode == "slot" else out
     launch_mma(x, weight, scale_inv, out, part, cnt, cfg, bool(cfg.get("PDL", True)) and pdl_enabled(dev),
-               norm=(h2, delta2, nw, h_new, float(eps), FOLD_MODES[mode], slots))
+               norm=(h2, delta2, nw, h_new, float(eps), _fold_slots(dev, n, k, cfg, m)))
     return out, x, h_new
 
 
@@ -1017,17 +1002,14 @@ class TritonLinear:
             return y.to(x.dtype).view(*shape[:-1], y.shape[-1])
         def add_norm(delta, h, norm_weight, eps):
             """``(y, x, h_new)`` of :func:`fp8_block_gemv_add_norm` for ``delta, h [..., K]`` BF16 with M = 1..4
-            rows whose config is the MMA path, in :func:`norm_fold_mode`'s mode; None for any other call, or with
-            the fold off (the caller runs the norm, then ``fn``)."""
+            rows whose config is the MMA path; None for any other call, or with the fold off
+            (:func:`norm_fold_enabled`; the caller runs the norm, then ``fn``)."""
             m = h.numel() // h.shape[-1] if h.dim() else 0
             if (not 0 < m <= MAX_M or not cfgs[m].get("MMA") or h.dtype != torch.bfloat16 or
-                    delta.dtype != torch.bfloat16 or delta.shape != h.shape):
-                return None
-            mode = norm_fold_mode()
-            if mode is None:
+                    delta.dtype != torch.bfloat16 or delta.shape != h.shape or not norm_fold_enabled()):
                 return None
             y, x, hn = fp8_block_gemv_add_norm(delta.reshape(m, -1), h.reshape(m, -1), norm_weight, eps, weight,
-                                               scale, cfgs[m], mode)
+                                               scale, cfgs[m])
             return y.view(*h.shape[:-1], n_out), x.view(h.shape), hn.view(h.shape)
         n_out = weight.shape[0]
         fn.add_norm = add_norm if block == (128, 128) else None

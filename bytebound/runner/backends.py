@@ -47,17 +47,17 @@ def prefill_slices(fn):
 
 def _fold_norm(plan, proj_fn) -> bool:
     """Whether a KDA/MLA layer's input add + RMSNorm runs inside its fused projection (``proj_fn.add_norm``, the
-    FP8 MMA GEMV: ``kernels.triton_fp8.fp8_block_gemv_add_norm``): with the fused norms requested and a projection
-    backend that offers it, unless ``BYTEBOUND_NORM_FOLD=0`` (``triton_fp8.norm_fold_mode``). Recorded once in
-    the norm lever's ``fused`` note."""
-    mode = None
-    if plan.requested["norm"] == "triton" and getattr(proj_fn, "add_norm", None) is not None:
-        from bytebound.kernels.triton_fp8 import norm_fold_mode
-        mode = norm_fold_mode()
-    if mode is not None and plan.resolutions["norm"].fused is None:
-        plan.resolutions["norm"].fused = (f"input add + RMSNorm inside the attention's fused FP8 projection (MMA GEMV, "
-                                          f"M <= 4, operand mode {mode}; other calls: the norm kernel)")
-    return mode is not None
+    FP8 MMA GEMV: ``kernels.triton_fp8.fp8_block_gemv_add_norm``): with the fused norms requested, a projection
+    backend that offers it, and the opt-in ``BYTEBOUND_NORM_FOLD=1`` (``triton_fp8.norm_fold_enabled``: off by
+    default, measured slower). Recorded once in the norm lever's ``fused`` note."""
+    ok = plan.requested["norm"] == "triton" and getattr(proj_fn, "add_norm", None) is not None
+    if ok:
+        from bytebound.kernels.triton_fp8 import norm_fold_enabled
+        ok = norm_fold_enabled()
+    if ok and plan.resolutions["norm"].fused is None:
+        plan.resolutions["norm"].fused = ("input add + RMSNorm inside the attention's fused FP8 projection (MMA GEMV, "
+                                          "M <= 4; other calls: the norm kernel)")
+    return ok
 
 
 def bind_model(model, plan: BackendPlan, device, lm_head_mode: str = "bf16") -> BackendPlan:
