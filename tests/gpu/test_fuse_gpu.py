@@ -141,6 +141,56 @@ def test_gemv_route_add_norm_ling(m):
     assert all(torch.equal(a, b_) for a, b_ in zip(out, (ids, w, x, h2)))
 
 
+@pytest.mark.parametrize("m", [1, 4])
+def test_pdl_l2_prefetch_on_equals_off(m, monkeypatch):
+    """The opt-in early PDL launch with L2 prefetch before the wait (``BYTEBOUND_PDL_PREFETCH=router,kda``,
+    ``kernels.pdl.early``) changes no result: the router (``gemv_route_add_norm``) and the fused KDA kernel (beta in
+    the kernel, the verify's history) at Ling's shapes give the same bits with it on as off, eagerly and in a CUDA
+    graph where each follows the kernel that writes its input. The prefetch path is asserted to be the one taken
+    (aligned tensors on sm_90), so the comparison covers it."""
+    from bytebound.kernels import pdl
+    from bytebound.kernels import triton_kda as tk
+    from bytebound.kernels.triton_router import gemv_route_add_norm
+    dev = torch.device(DEV)
+    e, g, tg, k = 512, 8, 4, 8
+    gen = torch.Generator(device=DEV).manual_seed(70 + m)
+    nw = (torch.rand(HID, generator=gen, device=DEV) + 0.5).to(torch.bfloat16)
+    wg = torch.randn(e, HID, generator=gen, device=DEV) * 0.02
+    b = torch.randn(e, generator=gen, device=DEV) * 0.1
+    h = (torch.randn(m, HID, generator=gen, device=DEV) * 3).to(torch.bfloat16)
+    d0 = (torch.randn(m, HID, generator=gen, device=DEV) * 0.4).to(torch.bfloat16)
+    x, p, s, xin, wb = _kda_inputs(m, 500 + m)
+    st0 = {kk: v.clone().to(DEV) for kk, v in s.items()}
+
+    def run():
+        """delta written by a kernel just before the router; KDA after the router, on fresh state copies."""
+        delta = d0 * 1.0
+        ids, w, xr, h2 = gemv_route_add_norm(delta, h, nw, 1e-6, wg, b, k, g, tg, True, 2.5)
+        st = {kk: v.clone() for kk, v in st0.items()}
+        ch, rh = torch.zeros(m, 1, 3 * H * K, 3, device=DEV), torch.zeros(m, 1, H, K, K, device=DEV)
+        o = tk.fused_kda(x["qkv"], x["f"], x["gate"], None, p["conv_weight"], st["conv"], p["a_log"], p["dt_bias"],
+                         st["rec"], p["norm_weight"], 1e-6, -5.0, torch.bfloat16, ch, rh, x=xin, b_weight=wb)
+        return ids, w, xr, h2, o, st["conv"], st["rec"], ch, rh
+
+    def outputs(value):
+        monkeypatch.setenv("BYTEBOUND_PDL_PREFETCH", value)
+        eager = [t.clone() for t in run()]
+        graph, out = _graph(run)
+        graph.replay()
+        torch.cuda.synchronize()
+        return eager, [t.clone() for t in out]
+    monkeypatch.setenv("BYTEBOUND_PDL_PREFETCH", "router,kda")
+    assert pdl.early("router", dev) and pdl.early("kda", dev), "the prefetch path is off on this device"
+    vs, _, _ = tk.resolve_launch(1, H, K, K, m, str(dev))
+    assert tk.prefetch_aligned(torch.zeros(1, H, K, K, device=DEV), p["conv_weight"], st0["conv"], wb, vs)
+    off_e, off_g = outputs("")
+    on_e, on_g = outputs("router,kda")
+    names = ("ids", "w", "x", "h", "o", "conv", "rec", "conv_hist", "rec_hist")
+    for name, a, b1, c1, d1 in zip(names, off_e, off_g, on_e, on_g):
+        assert torch.equal(a, b1), f"{name}: graph != eager with the prefetch off"
+        assert torch.equal(a, c1) and torch.equal(a, d1), f"{name}: the prefetch changed the result"
+
+
 def _kernels_per_replay(runner, pos: int, replays: int = 3) -> float:
     """CUDA kernels in one replay of the captured decode graph (``analysis.kernels.kernel_table``, as
     scripts/bench_decode.py counts ``kernels_per_step``, without the LM head: the fusions do not touch it)."""
