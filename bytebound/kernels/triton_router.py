@@ -257,6 +257,8 @@ def gemv_route_add_norm(delta: torch.Tensor, h: torch.Tensor, norm_weight: torch
         and h_new = h + delta in h's dtype, rounded as ``kernels.triton_norm.add_rmsnorm`` rounds them (h_new bit-equal
         to torch's add), for ``layers.moe.MoE.add_norm_forward``.
 
+    With ``BYTEBOUND_ROUTER_NORM_FOLD=0`` (:func:`norm_fold_enabled`) the add + norm are a launch of their own.
+
     Raises:
         BackendError: as :func:`gemv_route`, and for a delta of another shape or dtype than h or a norm weight not of
             H elements.
@@ -265,8 +267,22 @@ def gemv_route_add_norm(delta: torch.Tensor, h: torch.Tensor, norm_weight: torch
         raise BackendError(f"router[triton]: gemv_route_add_norm needs delta of h's shape and dtype and a norm weight "
                            f"of H elements, got {tuple(delta.shape)} {delta.dtype}, {tuple(h.shape)} {h.dtype}, "
                            f"{norm_weight.numel()}")
+    if not norm_fold_enabled():
+        from bytebound.kernels.triton_norm import add_rmsnorm
+        x, h2 = add_rmsnorm(delta, h, norm_weight, eps)
+        ids, w = _gemv_route(x, None, None, 0.0, weight, bias, top_k, n_group, topk_group, norm, scale, be,
+                             num_warps)[:2]
+        return ids, w, x, h2
     return _gemv_route(h, delta, norm_weight, eps, weight, bias, top_k, n_group, topk_group, norm, scale, be,
                        num_warps)
+
+
+def norm_fold_enabled() -> bool:
+    """False when ``BYTEBOUND_ROUTER_NORM_FOLD=0``: :func:`gemv_route_add_norm` then runs the add + norm as their own
+    launch (``triton_norm.add_rmsnorm``) before :func:`gemv_route`, with the same results up to the norm's float32
+    summation order. An A/B switch (``scripts/profile_decode.py --ab BYTEBOUND_ROUTER_NORM_FOLD=0``), read at each
+    call, so a graph captured after a change sees it."""
+    return os.environ.get("BYTEBOUND_ROUTER_NORM_FOLD", "1") != "0"
 
 
 def _gemv_route(x, delta, norm_weight, eps, weight, bias, top_k, n_group, topk_group, norm, scale, be, num_warps):

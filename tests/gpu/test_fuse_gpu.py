@@ -108,8 +108,13 @@ def test_fused_kda_beta_from_x_ling_shape(m):
     assert torch.equal(o_g, o_x) and torch.equal(st_g["rec"], st_x["rec"]) and torch.equal(rh_g, rh_x)
 
 
+@pytest.mark.parametrize("fold", ["1", "0"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-def test_gemv_route_add_norm_ling(m):
+def test_gemv_route_add_norm_ling(m, fold, monkeypatch):
+    """The post-attention add + norm inside the router launch (``BYTEBOUND_ROUTER_NORM_FOLD`` unset / 1), or as the
+    norm kernel's launch before ``gemv_route`` (0): h' bit-equal to torch's add, x within two BF16 steps of the
+    norm on 99 % of elements, the routing equal to ``route`` on x's float32 logits; graph replay == eager."""
+    monkeypatch.setenv("BYTEBOUND_ROUTER_NORM_FOLD", fold)
     from bytebound.kernels.triton_router import gemv_route_add_norm
     from bytebound.layers.moe import route
     from bytebound.layers.norm import RMSNorm
