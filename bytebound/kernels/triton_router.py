@@ -49,12 +49,20 @@ if tl is not None:
     from bytebound.kernels.pdl import gdc as pdl_gdc, l2_prefetch as pdl_l2_prefetch
 
     @triton.jit
-    def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, row0, M, E: tl.constexpr, G: tl.constexpr,
+    def _load_bias(bias_ptr, E: tl.constexpr, MP: tl.constexpr):
+        """The expert bias as ``[MP, E]`` float32, every row the same: loaded in the logits' shape so that it needs
+        no layout conversion (shared memory, a barrier) where it is added."""
+        offs = tl.zeros([MP, 1], tl.int32) + tl.arange(0, E)[None, :]
+        return tl.load(bias_ptr + offs).to(tl.float32)
+
+    @triton.jit
+    def _route_rows(logits_ptr, bias, ids_ptr, w_ptr, scale, row0, M, E: tl.constexpr, G: tl.constexpr,
                     TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
                     NORM: tl.constexpr, MP: tl.constexpr):
         """Route rows ``row0 .. row0+MP-1`` (those < ``M``) of ``logits [M, E]`` float32 into ``ids [M, K]``,
-        ``w [M, K]`` (module docstring). The rows go through every step together, as ``[MP, E]`` tensors, so MP rows
-        cost one pass of reductions rather than MP passes."""
+        ``w [M, K]`` (module docstring); ``bias`` is :func:`_load_bias`'s (unused without ``HAS_BIAS``). The rows go
+        through every step together, as ``[MP, E]`` tensors, so MP rows cost one pass of reductions rather than MP
+        passes."""
         EG: tl.constexpr = E // G
         NEG: tl.constexpr = float("-inf")
         rows = row0 + tl.arange(0, MP)
@@ -64,7 +72,7 @@ if tl is not None:
         s = tl.sigmoid(tl.load(logits_ptr + rows[:, None] * E + offs[None, :], mask=live[:, None], other=0.0,
                                cache_modifier=".cg").to(tl.float32))                      # [MP, E]
         if HAS_BIAS:
-            sb = s + tl.load(bias_ptr + offs).to(tl.float32)[None, :]
+            sb = s + bias
         else:
             sb = s
         # per-group top-2 sum
@@ -108,7 +116,8 @@ if tl is not None:
         if PDL_OUT:     # the MoE kernel A may launch now (PDL, ``pdl_in``); it waits for this kernel's results
             tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r",
                                       [tl.arange(0, 32)], dtype=tl.int32, is_pure=False, pack=1)
-        _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, tl.program_id(0), M, E, G, TOPK_GROUP, K, KP,
+        bias = _load_bias(bias_ptr, E, 1) if HAS_BIAS else 0.0
+        _route_rows(logits_ptr, bias, ids_ptr, w_ptr, scale, tl.program_id(0), M, E, G, TOPK_GROUP, K, KP,
                     HAS_BIAS, NORM, 1)
 
     @triton.jit
@@ -155,6 +164,9 @@ if tl is not None:
         kk = tl.arange(0, HP)
         km = kk < H
         wt = tl.load(wg_ptr + e[:, None] * H + kk[None, :], mask=km[None, :], other=0.0).to(tl.float32)
+        # the routing's bias, in every program (2 KB from L2): whichever program routes has it in registers by then,
+        # its load overlapped with the weight tile's rather than waited for after the ticket
+        bias = _load_bias(bias_ptr, E, MP) if HAS_BIAS else 0.0
         for m in tl.static_range(M):
             if ADD_NORM:
                 hs = (tl.load(x_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32) +
@@ -177,8 +189,7 @@ if tl is not None:
         tl.debug_barrier()
         ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
         if ticket == E // BE - 1:
-            _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, 0, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS, NORM,
-                        MP)
+            _route_rows(logits_ptr, bias, ids_ptr, w_ptr, scale, 0, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS, NORM, MP)
             tl.store(cnt_ptr, 0)
 
 
