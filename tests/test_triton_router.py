@@ -283,10 +283,11 @@ ROUTE_SHAPES = [(512, 8, 4, 8), (64, 4, 2, 4), (64, 1, 1, 6)]
 @pytest.mark.parametrize("e,g,tg,k", ROUTE_SHAPES)
 @pytest.mark.parametrize("kind", TIE_KINDS)
 def test_fused_route_equals_previous_code_exactly(router, v0, e, g, tg, k, kind):
-    """``fused_route`` == the previous routing code (``_v0_route_kernel``) bit for bit, ids and weights, M 1..4."""
+    """``fused_route`` == the previous routing code (``_v0_route_kernel``) bit for bit, ids and weights (one
+    program per row, so rows of different draws in one call)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(e + g + k + TIE_KINDS.index(kind))
-    for m in range(1, 5):
+    for m in (1, 3):
         logits, b = tie_case(kind, m, e, g, gen)
         logits, b = logits.to(dev), (b.to(dev) if b is not None else None)
         for norm in (True, False):
@@ -303,24 +304,28 @@ def test_fused_route_equals_previous_code_exactly(router, v0, e, g, tg, k, kind)
 @pytest.mark.parametrize("kind", TIE_KINDS)
 def test_gemv_route_equals_previous_code_exactly(router_rne, v0, e, g, tg, k, h, kind):
     """``gemv_route`` (M rows routed together by the last program) == the previous routing code bit for bit, M
-    1..4 at the default ``be``/warps: the identity router weight makes the logits x's values exactly. And
-    ``gemv_route_add_norm`` (delta 0) routes the logits it computed (read back from the scratch) as the previous
-    code routes them."""
+    1..4 (on a GPU at the default ``be``/warps; the interpreter gets 16 experts a program, fewer programs to
+    run): the identity router weight makes the logits x's values exactly. And
+    ``gemv_route_add_norm`` (delta 0; at M 3, the interpreter being slow) routes the logits it computed (read back
+    from the scratch) as the previous code routes them."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(e + h + TIE_KINDS.index(kind))
     wg = torch.eye(e, h).to(dev)
     nw = torch.ones(h, dtype=torch.bfloat16, device=dev)
+    be = None if torch.cuda.is_available() else 16
     for m in range(1, 5):
         logits, b = tie_case(kind, m, e, g, gen)
         b = b.to(dev) if b is not None else None
         x = torch.zeros(m, h, dtype=torch.bfloat16)
         x[:, :e] = logits.bfloat16()
         x = x.to(dev)
-        ids, w = router_rne.gemv_route(x, wg, b, k, g, tg, True, 2.5)
+        ids, w = router_rne.gemv_route(x, wg, b, k, g, tg, True, 2.5, be=be)
         rid, rw = v0_route(v0, x[:, :e].float(), b, k, g, tg, True, 2.5)
         assert torch.equal(ids, rid) and torch.equal(w, rw), (m, ids, rid, w, rw)
+        if m != 3:
+            continue
         ids, w, _, _ = router_rne.gemv_route_add_norm(torch.zeros_like(x), x, nw, 1e-6, wg, b, k, g, tg, True, 2.5,
-                                                      be=16)       # (fewer programs for the interpreter)
+                                                      be=be)
         used = router_rne.scratch(dev, "router_logits", router_rne.MAX_M * e)[:m * e].view(m, e)
         rid, rw = v0_route(v0, used, b, k, g, tg, True, 2.5)
         assert torch.equal(ids, rid) and torch.equal(w, rw), (m, ids, rid, w, rw)
