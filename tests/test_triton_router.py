@@ -11,6 +11,11 @@ from bytebound.errors import BackendError
 from bytebound.layers.moe import route
 from conftest import needs_triton, triton_module_fixture
 
+try:
+    import triton.language as tl        # _v0_route_kernel's body (its annotations are strings)
+except ImportError:                     # CI: no Triton, and every test here skips
+    tl = None
+
 pytestmark = needs_triton
 router = triton_module_fixture("router", "bytebound.kernels.triton_router")
 
@@ -175,3 +180,176 @@ def test_model_post_attention_norms_fold_into_the_router(router_rne):
     assert calls["router"] + calls["norm"] == 2 * cfg.num_hidden_layers + 2      # every add, once
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_n, want_n, rtol=1e-5, atol=1e-5)
+
+
+# ---- bit-exact equality with the previous routing code on ties, signs, magnitudes and -inf ----
+
+def _v0_route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, E: tl.constexpr, G: tl.constexpr,
+                     TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     NORM: tl.constexpr):
+    """The routing as the kernels computed it before the int64-key selection (iterative float argmax, a where-sum
+    per pick; one row per program), kept as the reference for the tie rule: ids and weights must equal it
+    bit for bit. (Jitted by the ``v0`` fixture, under the interpreter on CPU.)"""
+    EG: tl.constexpr = E // G
+    NEG: tl.constexpr = float("-inf")
+    row = tl.program_id(0)
+    offs = tl.arange(0, E)
+    s = tl.sigmoid(tl.load(logits_ptr + row * E + offs).to(tl.float32))
+    if HAS_BIAS:
+        sb = s + tl.load(bias_ptr + offs).to(tl.float32)
+    else:
+        sb = s
+    sb3 = tl.reshape(sb, (G, EG))
+    col = tl.arange(0, EG)
+    a1 = tl.argmax(sb3, axis=1)
+    top2 = tl.max(tl.where(col[None, :] == a1[:, None], NEG, sb3), axis=1)
+    gs = tl.max(sb3, axis=1) + top2
+    gidx = tl.arange(0, G)
+    keep = tl.zeros([G], tl.int32)
+    for _ in tl.static_range(TOPK_GROUP):
+        hit = gidx == tl.argmax(gs, axis=0)
+        keep = tl.where(hit, 1, keep)
+        gs = tl.where(hit, NEG, gs)
+    keep_e = tl.reshape(tl.broadcast_to(keep[:, None], (G, EG)), (E,))
+    sel = tl.where(keep_e != 0, sb, NEG)
+    kk = tl.arange(0, KP)
+    out_ids = tl.zeros([KP], tl.int64)
+    out_w = tl.zeros([KP], tl.float32)
+    for i in tl.static_range(K):
+        a = tl.argmax(sel, axis=0)
+        hit = offs == a
+        out_ids = tl.where(kk == i, a.to(tl.int64), out_ids)
+        out_w = tl.where(kk == i, tl.sum(tl.where(hit, s, 0.0), axis=0), out_w)
+        sel = tl.where(hit, NEG, sel)
+    if NORM:
+        out_w = out_w / (tl.sum(out_w, axis=0) + 1e-20)
+    tl.store(ids_ptr + row * K + kk, out_ids, mask=kk < K)
+    tl.store(w_ptr + row * K + kk, out_w * scale, mask=kk < K)
+
+
+@pytest.fixture(scope="module")
+def v0(router):
+    """``_v0_route_kernel`` jitted while ``router``'s fixture has the interpreter on (on a CPU machine)."""
+    import triton
+    return triton.jit(_v0_route_kernel)
+
+
+def v0_route(v0, logits, bias, k, g, tg, norm, scale):
+    import triton
+    m, e = logits.shape
+    ids = torch.empty(m, k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(m, k, dtype=torch.float32, device=logits.device)
+    v0[(m,)](logits.contiguous(), bias if bias is not None else logits, ids, w, float(scale), E=e, G=g,
+             TOPK_GROUP=tg if g > 1 else 1, K=k, KP=triton.next_power_of_2(k), HAS_BIAS=bias is not None,
+             NORM=bool(norm))
+    return ids, w
+
+
+TIE_KINDS = ["ties", "negative_ties", "mixed_sign", "magnitudes", "equal", "neg_inf", "neg_inf_groups"]
+
+
+def tie_case(kind, m, e, g, gen):
+    """``(logits [m, e], bias [e] or None)``, float32 with bf16-exact logits (a router GEMV against the identity
+    reproduces them): exact ties between experts and between groups (``ties``, ``negative_ties``: every sb < 0),
+    both signs of sb, sigmoid saturated to 0 and 1 with biases of 1e30 and subnormals (``magnitudes``), every
+    score equal and no bias (``equal``), and -inf biases that leave fewer than K finite experts (``neg_inf``) or
+    fewer than topk_group finite groups (``neg_inf_groups``)."""
+    def pick(values, shape):
+        return torch.tensor(values, dtype=torch.float32)[torch.randint(len(values), shape, generator=gen)]
+    eg = e // g
+    if kind == "ties":
+        return torch.randint(-2, 3, (m, e), generator=gen) * 0.5, torch.randint(-2, 3, (e,), generator=gen) * 0.125
+    if kind == "negative_ties":
+        return (torch.randint(-2, 3, (m, e), generator=gen) * 0.5,
+                -2.0 - torch.randint(0, 3, (e,), generator=gen) * 0.25)
+    logits = (torch.randn(m, e, generator=gen) * 2).bfloat16().float()
+    if kind == "mixed_sign":
+        return logits, torch.randn(e, generator=gen) * 0.5 - 0.5
+    if kind == "magnitudes":
+        return (pick([-120.0, -60.0, 0.0, 60.0, 2.0 ** -100], (m, e)),
+                pick([0.0, 1e30, -1e30, 1e-40, -1e-40, 2.0 ** -126, -3.0], (e,)))
+    if kind == "equal":
+        return torch.zeros(m, e), None
+    bias = torch.full((e,), float("-inf"))
+    if kind == "neg_inf":               # 3 finite experts: fewer than K
+        bias[torch.randperm(e, generator=gen)[:3]] = torch.randn(3, generator=gen)
+    else:                               # 2 finite experts, both in one group: one finite group score
+        grp = int(torch.randint(g, (1,), generator=gen))
+        bias[grp * eg + torch.randperm(eg, generator=gen)[:2]] = torch.randn(2, generator=gen)
+    return logits, bias
+
+
+ROUTE_SHAPES = [(512, 8, 4, 8), (64, 4, 2, 4), (64, 1, 1, 6)]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")       # sigmoid(-120) in numpy: 0, as meant
+@pytest.mark.parametrize("e,g,tg,k", ROUTE_SHAPES)
+@pytest.mark.parametrize("kind", TIE_KINDS)
+def test_fused_route_equals_previous_code_exactly(router, v0, e, g, tg, k, kind):
+    """``fused_route`` == the previous routing code (``_v0_route_kernel``) bit for bit, ids and weights (one
+    program per row, so rows of different draws in one call)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(e + g + k + TIE_KINDS.index(kind))
+    for m in (1, 3):
+        logits, b = tie_case(kind, m, e, g, gen)
+        logits, b = logits.to(dev), (b.to(dev) if b is not None else None)
+        for norm in (True, False):
+            ids, w = router.fused_route(logits, b, k, g, tg, norm, 2.5)
+            rid, rw = v0_route(v0, logits, b, k, g, tg, norm, 2.5)
+            assert torch.equal(ids, rid), (m, norm, ids, rid)
+            assert torch.equal(w, rw), (m, norm, w, rw)
+        if kind.startswith("neg_inf"):      # out of finite scores, argmax picks expert 0 (again)
+            assert (ids == 0).any(1).all()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("e,g,tg,k,h", [(512, 8, 4, 8, 600), (64, 4, 2, 4, 100)])
+@pytest.mark.parametrize("kind", TIE_KINDS)
+def test_gemv_route_equals_previous_code_exactly(router_rne, v0, e, g, tg, k, h, kind):
+    """``gemv_route`` (M rows routed together by the last program) == the previous routing code bit for bit, M
+    1..4 (on a GPU at the default ``be``/warps; the interpreter gets 16 experts a program, fewer programs to
+    run): the identity router weight makes the logits x's values exactly. And
+    ``gemv_route_add_norm`` (delta 0; at M 3, the interpreter being slow) routes the logits it computed (read back
+    from the scratch) as the previous code routes them."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(e + h + TIE_KINDS.index(kind))
+    wg = torch.eye(e, h).to(dev)
+    nw = torch.ones(h, dtype=torch.bfloat16, device=dev)
+    be = None if torch.cuda.is_available() else 16
+    for m in range(1, 5):
+        logits, b = tie_case(kind, m, e, g, gen)
+        b = b.to(dev) if b is not None else None
+        x = torch.zeros(m, h, dtype=torch.bfloat16)
+        x[:, :e] = logits.bfloat16()
+        x = x.to(dev)
+        ids, w = router_rne.gemv_route(x, wg, b, k, g, tg, True, 2.5, be=be)
+        rid, rw = v0_route(v0, x[:, :e].float(), b, k, g, tg, True, 2.5)
+        assert torch.equal(ids, rid) and torch.equal(w, rw), (m, ids, rid, w, rw)
+        if m != 3:
+            continue
+        ids, w, _, _ = router_rne.gemv_route_add_norm(torch.zeros_like(x), x, nw, 1e-6, wg, b, k, g, tg, True, 2.5,
+                                                      be=be)
+        used = router_rne.scratch(dev, "router_logits", router_rne.MAX_M * e)[:m * e].view(m, e)
+        rid, rw = v0_route(v0, used, b, k, g, tg, True, 2.5)
+        assert torch.equal(ids, rid) and torch.equal(w, rw), (m, ids, rid, w, rw)
+
+
+def test_route_tie_rule_and_negative_scores(router):
+    """The tie rule and the sign handling, spelled out: equal scores go lowest index first (groups too), ids
+    come out in decreasing sb, and all-negative sb (bias < -1) orders as the floats do."""
+    e, g, tg, k = 64, 4, 2, 4
+    z = torch.zeros(1, e)
+    ids, w = router.fused_route(z, None, k, g, tg, True, 2.0)          # all equal: groups 0, 1; experts 0..3
+    assert ids.tolist() == [[0, 1, 2, 3]] and torch.equal(w, torch.full((1, k), 0.5))
+    b = torch.zeros(e)
+    b[40] = b[20] = 1.0                     # groups 1 and 2 tie for first; 20 and 40 tie, then 16, 17 (sb 0.5)
+    ids, _ = router.fused_route(z, b, k, g, tg, True, 1.0)
+    assert ids.tolist() == [[20, 40, 16, 17]]
+    down = -1.0 - torch.arange(e) / 1024    # sb < 0, falling with the index: experts 0.. of groups 0, 1
+    ids, _ = router.fused_route(z, down, k, g, tg, True, 1.0)
+    assert ids.tolist() == [[0, 1, 2, 3]]
+    up = -1.0 + torch.arange(e) / 1024 - 0.5    # sb < 0, rising: the last experts, largest first
+    ids, w = router.fused_route(z, up, k, g, tg, True, 1.0)
+    assert ids.tolist() == [[63, 62, 61, 60]]
+    rid, rw = route(z, up, k, g, tg, True, 1.0)
+    assert set(rid[0].tolist()) == set(ids[0].tolist()) and torch.allclose(w, rw)

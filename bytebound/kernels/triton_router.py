@@ -5,26 +5,33 @@ top-k, scatter, repeat, masked fill, top-k, gather, normalise, scale). At batch 
 while moving a few KB. Here one program per token does it all in registers over the ``E`` router logits:
 
     s = sigmoid(logits); sb = s + bias
-    group score = max + second max of sb in each of the G groups (the top-2 sum)
-    keep the TOPK_GROUP best groups (iterative argmax), mask the other groups' experts
-    ids = the K best remaining sb (iterative argmax); w = s[ids] / (sum + 1e-20) * scale
+    key = an int64 ordered as (sb, -index): sb's float order in the high word, E - 1 - index in the low one
+    group score = max + second max of sb in each of the G groups (the top-2 sum: two maxima of the keys)
+    keep the TOPK_GROUP best groups (iterative max of the group scores' keys), mask the other groups' experts
+    ids = the K best remaining sb (iterative max of the keys, s riding along); w = s[ids] / (sum + 1e-20) * scale
+
+Each pick is one reduction over the row: a shuffle tree, then shared memory and barriers across warps, one after
+the other, so their number is the routing's length; in ``gemv_route`` one program runs them while the rest of the
+GPU waits. A max of keys is a single reduction where argmax carries an index and a gather of s[id] needs another.
 
 Selection order: ``ids`` come out in decreasing ``sb``. The reference's ``topk(sorted=False)`` leaves the order
-open, and the routed sum does not depend on it. On exact ties argmax takes the lowest index. ``torch.topk``
-makes no promise there, and with float32 sigmoid scores a tie is a measure-zero event. With :func:`fused_route`
+open, and the routed sum does not depend on it. On exact ties the lowest index wins, as iterative argmax picks
+(for non-NaN scores the picks are argmax's exactly, -inf included). ``torch.topk`` makes no promise there, and
+with float32 sigmoid scores a tie is a measure-zero event. With :func:`fused_route`
 the router GEMV (``F.linear`` in float32) stays a launch of its own. :func:`gemv_route` does both in one launch
 (``_gemv_route_kernel``): E/``be`` programs compute ``be`` experts' logits each for every row, and the last to
 finish (an acq_rel ticket) routes all rows at once; the CUDA default (plan entry ``router=gemv``;
 docs/perf/moe-kernels-h200.md has its measurements). Both let the MoE kernel A launch early (PDL trigger);
 ``gemv_route`` is also a PDL dependent that L2-prefetches its weight tile before its wait when
-``BYTEBOUND_PDL_PREFETCH`` names ``router`` (``kernels.pdl.early``; off by default). Its logits are summed in a different order than cuBLAS's, so
-a routing near-tie can break the other way.
+``BYTEBOUND_PDL_PREFETCH`` names ``router`` (``kernels.pdl.early``; off by default). Its logits are summed in a
+different order than cuBLAS's, so a routing near-tie can break the other way.
 
 Constraints: ``E`` a power of two divisible by ``G`` (Ling: 512 experts, 8 groups); float32 logits. Tested against
 ``route`` in the Triton interpreter on CPU and on the H200 (tests/test_triton_router.py, and at Ling's routing in
 tests/gpu). It replaces a dozen launches per MoE layer (its measured effect: docs/perf/history.md). On with
-CUDA as ``router=triton`` (plan entry; ``--backend router=torch`` turns both off); the full-scale spec_vs_plain failure once
-blamed on the fast paths was a routing near-tie that the committed defaults hit too (docs/perf/gpu-tests-h200.md).
+CUDA as ``router=triton`` (plan entry; ``--backend router=torch`` turns both off); the full-scale spec_vs_plain
+failure once blamed on the fast paths was a routing near-tie that the committed defaults hit too
+(docs/perf/gpu-tests-h200.md).
 """
 
 from __future__ import annotations
@@ -49,14 +56,52 @@ if tl is not None:
     from bytebound.kernels.pdl import gdc as pdl_gdc, l2_prefetch as pdl_l2_prefetch
 
     @triton.jit
-    def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, row0, M, E: tl.constexpr, G: tl.constexpr,
+    def _key(v, low):
+        """int64 keys of float32 ``v`` with ``low`` (0 <= low < 2**31) as the low word, ordered as (v, low): the high
+        word is v's bits with a negative float's magnitude negated, so that signed int32 order is float order (v not
+        NaN), -0.0 and 0.0, equal floats, share a key, and -inf has the lowest. With ``low = E - 1 - index`` the
+        largest key is argmax's pick with argmax's tie rule (the lowest index of the largest value)."""
+        b = v.to(tl.int32, bitcast=True)
+        t = b >> 31
+        return (((b ^ (t & 0x7FFFFFFF)) - t).to(tl.int64) << 32) | low
+
+    @triton.jit
+    def _key_value(key):
+        """The float32 value of a :func:`_key` key (0.0 for -0.0)."""
+        hi = (key >> 32).to(tl.int32)
+        t = hi >> 31
+        return (((hi ^ t) - t) | (t << 31)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _max_key(k1, v1, k2, v2):
+        """``tl.reduce`` combine: the larger key and the value riding with it (a row's keys are distinct: the index
+        is in them)."""
+        gt = k1 > k2
+        return tl.where(gt, k1, k2), tl.where(gt, v1, v2)
+
+    @triton.jit
+    def _load_bias(bias_ptr, E: tl.constexpr, MP: tl.constexpr):
+        """The expert bias as ``[MP, E]`` float32, every row the same: loaded in the logits' shape so that it needs
+        no layout conversion (shared memory, a barrier) where it is added."""
+        offs = tl.zeros([MP, 1], tl.int32) + tl.arange(0, E)[None, :]
+        return tl.load(bias_ptr + offs).to(tl.float32)
+
+    @triton.jit
+    def _route_rows(logits_ptr, bias, ids_ptr, w_ptr, scale, row0, M, E: tl.constexpr, G: tl.constexpr,
                     TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
                     NORM: tl.constexpr, MP: tl.constexpr):
         """Route rows ``row0 .. row0+MP-1`` (those < ``M``) of ``logits [M, E]`` float32 into ``ids [M, K]``,
-        ``w [M, K]`` (module docstring). The rows go through every step together, as ``[MP, E]`` tensors, so MP rows
-        cost one pass of reductions rather than MP passes."""
+        ``w [M, K]`` (module docstring); ``bias`` is :func:`_load_bias`'s (unused without ``HAS_BIAS``). The rows go
+        through every step together, as ``[MP, E]`` tensors, so MP rows cost one pass of reductions rather than MP
+        passes.
+
+        Every pick is a max over :func:`_key` keys of (sb, ``E - 1 - index``), one reduction (argmax would carry
+        the index beside the value), and the expert's unbiased score s rides along in it, so no second reduction
+        fetches s[id]. A picked or masked-out expert's key becomes -inf's key at its index, which is what argmax
+        over scores set to -inf sees: the picks are those of iterative argmax even where -inf scores compete
+        (fewer than K finite ones left: expert 0, again and again)."""
         EG: tl.constexpr = E // G
-        NEG: tl.constexpr = float("-inf")
+        DEAD: tl.constexpr = -0x7F800000 << 32      # the high word of -inf's key
         rows = row0 + tl.arange(0, MP)
         live = rows < M
         offs = tl.arange(0, E)
@@ -64,36 +109,38 @@ if tl is not None:
         s = tl.sigmoid(tl.load(logits_ptr + rows[:, None] * E + offs[None, :], mask=live[:, None], other=0.0,
                                cache_modifier=".cg").to(tl.float32))                      # [MP, E]
         if HAS_BIAS:
-            sb = s + tl.load(bias_ptr + offs).to(tl.float32)[None, :]
+            sb = s + bias
         else:
             sb = s
-        # per-group top-2 sum
-        sb3 = tl.reshape(sb, (MP, G, EG))
-        col = tl.arange(0, EG)
-        a1 = tl.argmax(sb3, axis=2)
-        top1 = tl.max(sb3, axis=2)
-        top2 = tl.max(tl.where(col[None, None, :] == a1[:, :, None], NEG, sb3), axis=2)
-        gs = top1 + top2                                                      # [MP, G]
-        # keep the TOPK_GROUP best groups
-        gidx = tl.arange(0, G)
-        keep = tl.zeros([MP, G], tl.int32)
-        for _ in tl.static_range(TOPK_GROUP):
-            hit = gidx[None, :] == tl.argmax(gs, axis=1)[:, None]
-            keep = tl.where(hit, 1, keep)
-            gs = tl.where(hit, NEG, gs)
-        keep_e = tl.reshape(tl.broadcast_to(keep[:, :, None], (MP, G, EG)), (MP, E))
-        sel = tl.where(keep_e != 0, sb, NEG)
+        low = tl.zeros([MP, 1], tl.int64) + (E - 1 - offs).to(tl.int64)[None, :]
+        dead = low + DEAD                                                     # -inf's key at each index
+        key = _key(sb, low)                                                   # [MP, E]
+        if G > 1:       # (one group: every expert is kept)
+            # per-group top-2 sum: the group's best key, then the best with that one at -inf
+            key3 = tl.reshape(key, (MP, G, EG))
+            dead3 = tl.reshape(dead, (MP, G, EG))
+            k1 = tl.max(key3, axis=2)
+            k2 = tl.max(tl.where(key3 == k1[:, :, None], dead3, key3), axis=2)
+            gkey_low = (G - 1 - tl.arange(0, G)).to(tl.int64)[None, :]
+            gkey = _key(_key_value(k1) + _key_value(k2), gkey_low)            # [MP, G]
+            # keep the TOPK_GROUP best groups
+            keep = tl.zeros([MP, G], tl.int32)
+            for _ in tl.static_range(TOPK_GROUP):
+                hit = gkey == tl.max(gkey, axis=1)[:, None]
+                keep = tl.where(hit, 1, keep)
+                gkey = tl.where(hit, gkey_low + DEAD, gkey)
+            keep_e = tl.reshape(tl.broadcast_to(keep[:, :, None], (MP, G, EG)), (MP, E))
+            key = tl.where(keep_e != 0, key, dead)
         # the K best experts of the kept groups
         kk = tl.arange(0, KP)
         out_ids = tl.zeros([MP, KP], tl.int64)
         out_w = tl.zeros([MP, KP], tl.float32)
         for i in tl.static_range(K):
-            a = tl.argmax(sel, axis=1)                                        # [MP]
-            hit = offs[None, :] == a[:, None]
+            kmax, w = tl.reduce((key, s), 1, _max_key)                       # [MP]
             at_i = kk[None, :] == i
-            out_ids = tl.where(at_i, a.to(tl.int64)[:, None], out_ids)
-            out_w = tl.where(at_i, tl.sum(tl.where(hit, s, 0.0), axis=1)[:, None], out_w)
-            sel = tl.where(hit, NEG, sel)
+            out_ids = tl.where(at_i, (E - 1 - kmax.to(tl.int32)).to(tl.int64)[:, None], out_ids)
+            out_w = tl.where(at_i, w[:, None], out_w)
+            key = tl.where(key == kmax[:, None], dead, key)
         if NORM:
             out_w = out_w / (tl.sum(out_w, axis=1)[:, None] + 1e-20)
         dst = rows[:, None] * K + kk[None, :]
@@ -108,7 +155,8 @@ if tl is not None:
         if PDL_OUT:     # the MoE kernel A may launch now (PDL, ``pdl_in``); it waits for this kernel's results
             tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r",
                                       [tl.arange(0, 32)], dtype=tl.int32, is_pure=False, pack=1)
-        _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, tl.program_id(0), M, E, G, TOPK_GROUP, K, KP,
+        bias = _load_bias(bias_ptr, E, 1) if HAS_BIAS else 0.0
+        _route_rows(logits_ptr, bias, ids_ptr, w_ptr, scale, tl.program_id(0), M, E, G, TOPK_GROUP, K, KP,
                     HAS_BIAS, NORM, 1)
 
     @triton.jit
@@ -155,6 +203,9 @@ if tl is not None:
         kk = tl.arange(0, HP)
         km = kk < H
         wt = tl.load(wg_ptr + e[:, None] * H + kk[None, :], mask=km[None, :], other=0.0).to(tl.float32)
+        # the routing's bias, in every program (2 KB from L2): whichever program routes has it in registers by then,
+        # its load overlapped with the weight tile's rather than waited for after the ticket
+        bias = _load_bias(bias_ptr, E, MP) if HAS_BIAS else 0.0
         for m in tl.static_range(M):
             if ADD_NORM:
                 hs = (tl.load(x_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32) +
@@ -177,8 +228,7 @@ if tl is not None:
         tl.debug_barrier()
         ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
         if ticket == E // BE - 1:
-            _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, 0, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS, NORM,
-                        MP)
+            _route_rows(logits_ptr, bias, ids_ptr, w_ptr, scale, 0, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS, NORM, MP)
             tl.store(cnt_ptr, 0)
 
 
