@@ -95,7 +95,8 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_compile: bool | str = False)
 
 def engine_config(a, mtp_steps_used: bool = False):
     """The EngineConfig of a parsed command line (:func:`add_engine_args`). ``mtp_steps_used``: the command reads
-    ``--speculative-num-steps`` without NEXTN itself (bench ablation's +mtp step), so giving it is not pointless.
+    ``--speculative-num-steps`` and ``--speculative-draft-vocab`` without NEXTN itself (bench ablation's +mtp
+    step), so giving them is not pointless.
 
     Raises:
         ConfigError: contradictory or out-of-range flags (a flag that needs NEXTN given without it, a bad
@@ -128,7 +129,8 @@ def engine_config(a, mtp_steps_used: bool = False):
             backends[op] = v
     if (a.spec_static_round is True or backends.get("round") == "static") and a.speculative_algorithm != "NEXTN":
         raise ConfigError("--spec-static-round (--backend round=static) needs --speculative-algorithm NEXTN")
-    if a.speculative_draft_vocab not in (None, "", "0") and a.speculative_algorithm != "NEXTN":
+    if a.speculative_draft_vocab not in (None, "", "0") and a.speculative_algorithm != "NEXTN" \
+            and not mtp_steps_used:     # (bench ablation: its +mtp step turns MTP on and takes the draft vocabulary)
         raise ConfigError("--speculative-draft-vocab needs --speculative-algorithm NEXTN")
     if getattr(a, "speculative_adaptive", False) and a.speculative_algorithm != "NEXTN":
         raise ConfigError("--speculative-adaptive needs --speculative-algorithm NEXTN")

@@ -98,7 +98,7 @@ def test_explicit_accept_length_needs_a_source_and_a_sane_value():
 
 
 # ---- the ladder with cases, fake engines -----------------------------------------------------------------------
-def _ladder(monkeypatch, tpots, rounds_ms=None, device="cuda", load_format="dummy", **kw):
+def _ladder(monkeypatch, tpots, rounds_ms=None, device="cuda", load_format="dummy", base=None, **kw):
     """Run the ladder on fake engines: ``tpots[step][case]`` is the step's TPOT per case; the +mtp step's requests
     carry MTP stats with ``rounds_ms[case]`` per round and one token per round (nothing accepted)."""
     monkeypatch.setattr(ab, "check_lever", lambda step, eng, outputs=None: (True, "fake"))
@@ -115,9 +115,22 @@ def _ladder(monkeypatch, tpots, rounds_ms=None, device="cuda", load_format="dumm
         return [_out(t)], {"input_len": case}
 
     kw.setdefault("log", lambda *_: None)
-    r = ab.run_ablation(EngineConfig(device=device, load_format=load_format), work, cases=[2048, 32768],
-                        make_engine=make, manifest=lambda eng: {}, **kw)
+    base = base or EngineConfig(device=device, load_format=load_format)
+    r = ab.run_ablation(base, work, cases=[2048, 32768], make_engine=make, manifest=lambda eng: {}, **kw)
     return r, made
+
+
+def test_draft_vocab_is_the_mtp_steps_alone(monkeypatch):
+    """``--speculative-draft-vocab`` given to the ablation: only the ``+mtp`` step's engine gets the hot-vocabulary
+    draft head (the engine refuses one without MTP), its lever says so, and the recorded ladder agrees."""
+    tpots = [{2048: 9.7, 32768: 10.5}, {2048: 4.0, 32768: 4.4}, {2048: 3.9, 32768: 4.3}, {2048: 9.5, 32768: 10.4}]
+    base = EngineConfig(device="cuda", load_format="dummy", draft_vocab="hot.json")
+    r, made = _ladder(monkeypatch, tpots, {2048: 9.0, 32768: 10.0}, base=base)
+    assert [(c.speculative_steps, c.draft_vocab) for c in made] == [(0, None), (0, None), (0, None), (3, "hot.json")]
+    assert r["steps"][3]["lever"] == "NEXTN MTP, 3 draft steps, hot-vocabulary draft head (hot.json)"
+    assert [x["config"]["draft_vocab"] for x in r["ladder"]] == [None, None, None, "hot.json"]
+    r0, made0 = _ladder(monkeypatch, tpots, {2048: 9.0, 32768: 10.0})
+    assert made0[3].draft_vocab is None and r0["steps"][3]["lever"] == "NEXTN MTP, 3 draft steps"
 
 
 def test_synthetic_mtp_row_is_priced_and_not_stopped_on(monkeypatch):

@@ -61,22 +61,28 @@ from bytebound.errors import ByteboundError, ConfigError
 STEPS = ("baseline", "+kernel", "+fp8-head", "+mtp")
 
 
-def levers(baseline_moe: str = "torch", kernel_moe: str = "triton", mtp_steps: int = 3) -> list[tuple]:
-    """``[(step, lever description, apply(config) -> config)]``: each ``apply`` turns on one lever."""
+def levers(baseline_moe: str = "torch", kernel_moe: str = "triton", mtp_steps: int = 3,
+           draft_vocab=None) -> list[tuple]:
+    """``[(step, lever description, apply(config) -> config)]``: each ``apply`` turns on one lever. ``draft_vocab``
+    (``--speculative-draft-vocab``): the ``+mtp`` step's hot-vocabulary draft head; the steps before it run without
+    one (the engine refuses a draft vocabulary without MTP)."""
+    hot = f", hot-vocabulary draft head ({draft_vocab})" if draft_vocab not in (None, 0, "", "0") else ""
     return [("baseline", f"moe={baseline_moe}, lm_head=fp32 (BF16 weight, FP32 logits), no MTP",
-             lambda c: replace(c, backends={**c.backends, "moe": baseline_moe}, lm_head="fp32", speculative_steps=0)),
+             lambda c: replace(c, backends={**c.backends, "moe": baseline_moe}, lm_head="fp32", speculative_steps=0,
+                               draft_vocab=None)),
             ("+kernel", f"routed-MoE backend {baseline_moe} -> {kernel_moe}",
              lambda c: replace(c, backends={**c.backends, "moe": kernel_moe})),
             ("+fp8-head", "LM head fp32 -> online FP8 (per-channel E4M3)", lambda c: replace(c, lm_head="fp8")),
-            ("+mtp", f"NEXTN MTP, {mtp_steps} draft steps",
-             lambda c: replace(c, speculative_steps=mtp_steps, speculative_adaptive=False))]
+            ("+mtp", f"NEXTN MTP, {mtp_steps} draft steps{hot}",
+             lambda c: replace(c, speculative_steps=mtp_steps, speculative_adaptive=False,
+                               draft_vocab=draft_vocab if hot else None))]
 
 
 def ladder(base, baseline_moe: str = "torch", kernel_moe: str = "triton", mtp_steps: int = 3) -> list[tuple]:
     """``[(step, lever description, EngineConfig)]`` when every lever turns on: each config differs from the
-    previous one in one lever."""
+    previous one in one lever (``base.draft_vocab``, if any, belongs to the ``+mtp`` step)."""
     out, cfg = [], base
-    for name, desc, apply in levers(baseline_moe, kernel_moe, mtp_steps):
+    for name, desc, apply in levers(baseline_moe, kernel_moe, mtp_steps, getattr(base, "draft_vocab", None)):
         cfg = apply(cfg)
         out.append((name, desc, cfg))
     return out
@@ -320,7 +326,7 @@ def run_ablation(base, workload, baseline_moe: str = "torch", kernel_moe: str = 
         if on_step is not None:
             on_step(result("running"))
 
-    for name, lever, apply in levers(baseline_moe, kernel_moe, mtp_steps):
+    for name, lever, apply in levers(baseline_moe, kernel_moe, mtp_steps, getattr(base, "draft_vocab", None)):
         cfg = apply(prev_cfg or base)     # on top of what really ran: an inactive lever stays off afterwards
         rec = {"step": name, "lever": lever, "active": None, "check": "", "note": ""}
         log(f"[ablation] step {name}: {lever}")
@@ -521,8 +527,8 @@ def reprice(data: dict, pricing: list[dict]) -> dict:
 
 def _cfg_dict(cfg) -> dict:
     d = asdict(cfg)
-    return {k: d[k] for k in ("backends", "lm_head", "speculative_steps", "allow_fallback", "load_format", "device",
-                              "max_model_len") if k in d}
+    return {k: d[k] for k in ("backends", "lm_head", "speculative_steps", "draft_vocab", "allow_fallback",
+                              "load_format", "device", "max_model_len") if k in d}
 
 
 def draw_ladder(result: dict):
