@@ -29,6 +29,10 @@ PDL (sm_90): ``launch_dependents`` first; the first chunk's weight words (read-o
 (``SPLIT > 1``) as ``triton_fp8._fp8_gemv``: float32 partials ``[tiles, SPLIT, 4, R]`` in
 ``gemv_scratch("part")``, an acq_rel ticket per row tile, the last program sums the partials in the fixed order p
 = 0..SPLIT-1 and re-arms the ticket (bit-identical run to run and under CUDA-graph replay).
+
+``NORM`` (opt-in, ``triton_fp8.fp8_block_gemv_add_norm``): the decoder's input add + RMSNorm folded in; after the
+wait each program forms x = RMSNorm(h + delta) into its own scratch slot and multiplies by it. One launch fewer per
+layer, but measured slower than the norm kernel before the GEMV (docs/perf/history.md), so off by default.
 """
 
 from __future__ import annotations
