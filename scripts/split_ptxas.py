@@ -23,28 +23,19 @@ LING = dict(h=2560, i=768, k=8)
 
 def compile_split(m: int, cfg: dict, shared: bool = True, arch: int = 90, h: int = LING["h"], i: int = LING["i"],
                   k: int = LING["k"], limit: bool = True):
-    """``(kernel A, kernel B)`` compiled as ``launch_split`` would specialise them for ``m`` tokens."""
+    """``(config, kernel A, kernel B)`` compiled as ``launch_split`` specialises them for ``m`` tokens (both take
+    their compile-time arguments from ``triton_moe_split.split_constexprs``)."""
     from bytebound.kernels import triton_moe_split as ts
     c = ts.fit_split_config(cfg, h, i)
-    s = m * k
-    sp = max(32, 1 << (s - 1).bit_length())
-    bi, kp, kc, nw = c["BI"], c["KP"], c["KC"], c["num_warps"]
-    a = ptxas_util.compile_kernel(ts._moe_gateup_split,
-                 dict(H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, KP=kp, HAS_LIMIT=limit,
-                      WD=ts.word_layout(2 * bi, h // kp // kc // 128, nw), PDL=True, SHARED=shared,
-                      WD8=ts.fp8_word_layout(2 * bi, max(1, h // kp // kc // 256), nw) if shared else None,
-                      PDL_IN=int(c.get("pdl_in", 0)), KC=kc),
+    ca, cb = ts.split_constexprs(m, k, h, i, c, shared, limit, True, int(c.get("pdl_in", 0)))
+    a = ptxas_util.compile_kernel(ts._moe_gateup_split, ca,
                  dict(x_ptr="*bf16", ids_ptr="*i32", tw_ptr="*fp32", w13_ptr="*i32", s13_ptr="*u8", act_ptr="*bf16",
                       part_ptr="*fp32", cnt_ptr="*i32", lut_ptr="*i32", limit="fp32", sw13_ptr="*i32",
-                      ss13_ptr="*i32", slimit="fp32"), arch, dict(num_warps=nw), gluon=True)
-    bh, kp2, dw = c["BH"], c["KP2"], c["down_warps"]
-    b = ptxas_util.compile_kernel(ts._moe_down_split,
-                 dict(H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2, SG=max(1, min(c["SG"], s)),
-                      WD=ts.word_layout(bh, i // kp2 // 128, dw), PDL=True, SHARED=shared,
-                      WD8=ts.fp8_word_layout(bh, i // kp2 // 128, dw) if shared else None),
+                      ss13_ptr="*i32", slimit="fp32"), arch, dict(num_warps=c["num_warps"]), gluon=True)
+    b = ptxas_util.compile_kernel(ts._moe_down_split, cb,
                  dict(act_ptr="*bf16", ids_ptr="*i32", w2_ptr="*i32", s2_ptr="*u8", out_ptr="*bf16", part_ptr="*fp32",
-                      cnt_ptr="*i32", lut_ptr="*i32", sw2_ptr="*i32", ss2_ptr="*i32"), arch, dict(num_warps=dw),
-                                  gluon=True)
+                      cnt_ptr="*i32", lut_ptr="*i32", sw2_ptr="*i32", ss2_ptr="*i32"), arch,
+                 dict(num_warps=c["down_warps"]), gluon=True)
     return c, a, b
 
 

@@ -59,6 +59,23 @@ def test_split_fit_chunks():
     assert ts.fit_split_config({}, 2560, 768)["KC"] == 1 and ts.fit_split_config({}, 2560, 768)["SG"] == 1
 
 
+@pytest.mark.skipif(ts.gl is None, reason="needs Gluon (triton >= 3.5) for the word layouts")
+@pytest.mark.parametrize("m,shared", [(1, True), (4, True), (4, False)])
+def test_split_constexprs_follow_the_fitted_config(m, shared):
+    """``split_constexprs`` (what ``launch_split`` launches with and ``scripts/split_ptxas.py`` compiles): kernel A's
+    word layout spans one H chunk of ``2*BI`` rows, kernel B's one I slice of ``BH`` rows, ``SG`` is cut to the routed
+    slot count, the shared expert's FP8 layouts exist only with it, and the PDL switches pass through."""
+    c = ts.fit_split_config({"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "SG": 64}, 2560, 768)
+    a, b = ts.split_constexprs(m, 8, 2560, 768, c, shared, False, True, 1)
+    assert (a["M"], a["TOPK"], a["BI"], a["KP"], a["KC"], a["PDL"], a["PDL_IN"], a["SHARED"]) == \
+        (m, 8, 64, 2, 5, True, 1, shared)
+    assert a["WD"] == ts.word_layout(128, 2560 // 2 // 5 // 128, 8)
+    assert a["SP"] == max(32, 1 << (8 * m - 1).bit_length())
+    assert b["SG"] == min(c["SG"], 8 * m) and b["S"] == 8 * m
+    assert b["WD"] == ts.word_layout(c["BH"], 768 // c["KP2"] // 128, c["down_warps"])
+    assert (a["WD8"] is not None, b["WD8"] is not None) == (shared, shared)
+
+
 def test_split_fit_picks_the_nearest_slice_count():
     assert ts.fit_split_config({"KP": 4, "KP2": 3}, 2560, 768)["KP"] == 5       # 2560/4 = 640 is not 128 x 2^n
     assert ts.fit_split_config({"KP": 10, "KP2": 3}, 2560, 768)["KP2"] == 3

@@ -821,6 +821,28 @@ def shared_fp8(mlp, h: int, i: int) -> SharedFP8:
                      s2=_bf16x2_factor(d.weight_scale_inv.data, "down"), limit=mlp.limit)
 
 
+def split_constexprs(m: int, k: int, h: int, i: int, cfg: dict, shared: bool, has_limit: bool, pdl: bool,
+                     pdl_in: int) -> tuple[dict, dict]:
+    """The compile-time arguments of kernel A (``_moe_gateup_split``) and kernel B (``_moe_down_split``) for ``m``
+    tokens of top ``k`` at hidden ``h`` and intermediate ``i`` under a fitted ``cfg`` (:func:`fit_split_config`):
+    the one derivation :func:`launch_split` launches with and ``scripts/split_ptxas.py`` compiles offline, so the
+    two cannot drift. ``shared``: the shared expert is one more slot; ``has_limit``: a SwiGLU clamp in the launch;
+    ``pdl`` / ``pdl_in``: as the config's ``pdl`` / ``pdl_in`` on an sm_90 device (0 / False elsewhere)."""
+    s = m * k
+    sp = max(32, 1 << (s - 1).bit_length())
+    bi, kp, bh, kp2 = cfg["BI"], cfg["KP"], cfg["BH"], cfg["KP2"]
+    kc = int(cfg.get("KC", 1))
+    nw, dw = cfg["num_warps"], cfg["down_warps"]
+    a = dict(H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, KP=kp, HAS_LIMIT=has_limit,
+             WD=word_layout(2 * bi, h // kp // kc // 128, nw), PDL=pdl, SHARED=shared,
+             WD8=fp8_word_layout(2 * bi, max(1, h // kp // kc // 256), nw) if shared else None,
+             PDL_IN=pdl_in, KC=kc)
+    b = dict(H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2, SG=max(1, min(int(cfg.get("SG", 1)), s)),
+             WD=word_layout(bh, i // kp2 // 128, dw), PDL=pdl, SHARED=shared,
+             WD8=fp8_word_layout(bh, i // kp2 // 128, dw) if shared else None)
+    return a, b
+
+
 def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict,
                  sh: SharedFP8 | None = None) -> None:
     """Run the two kernels for one call of :class:`~bytebound.kernels.moe_host.MoEKernel` ``kern``.
@@ -838,12 +860,10 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
     st = s + (sh is not None)           # slots: routed, then the shared expert
     h, i = kern.h, kern.i
     bi, kp, bh, kp2 = cfg["BI"], cfg["KP"], cfg["BH"], cfg["KP2"]
-    kc = int(cfg.get("KC", 1))
     sg = max(1, min(int(cfg.get("SG", 1)), s))
     gt = -(-s // sg) + (sh is not None)     # kernel B's slot groups: routed, then the shared expert's
     nj, mv = i // bi, (1 if m == 1 else 4)
     dev = x.device
-    sp = max(32, 1 << (s - 1).bit_length())
     act = scratch(dev, "act", st * m * i, torch.bfloat16)
     part_a = scratch(dev, "part_a", st * nj * kp * 2 * bi * mv) if kp > 1 else act
     part_b = scratch(dev, "part_b", (h // bh) * gt * kp2 * bh * mv)
@@ -856,19 +876,8 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
     pdl = bool(cfg.get("pdl", True)) and kern.sm90
     pdl_in = int(cfg.get("pdl_in", 0)) if kern.sm90 else 0
     sw13, ss13, sw2, ss2 = (sh.w13w, sh.s13, sh.w2w, sh.s2) if sh is not None else (kern.w13w, kern.lut) * 2
-    nw = cfg["num_warps"]
+    ca, cb = split_constexprs(m, k, h, i, cfg, sh is not None, has_limit, pdl, pdl_in)
     _moe_gateup_split[(nj, st, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
-                                    sw13, ss13, slimit,
-                                    H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, KP=kp, HAS_LIMIT=has_limit,
-                                    WD=word_layout(2 * bi, h // kp // kc // 128, nw), PDL=pdl,
-                                    SHARED=sh is not None,
-                                    WD8=fp8_word_layout(2 * bi, max(1, h // kp // kc // 256), nw)
-                                    if sh is not None else None,
-                                    PDL_IN=pdl_in, KC=kc, num_warps=nw, launch_pdl=pdl_in > 0)
-    dw = cfg["down_warps"]
+                                    sw13, ss13, slimit, **ca, num_warps=cfg["num_warps"], launch_pdl=pdl_in > 0)
     _moe_down_split[(h // bh, gt, kp2)](act, ids, kern.w2w, kern.s2, out, part_b, cnt_b, kern.lut, sw2, ss2,
-                                        H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2, SG=sg,
-                                        WD=word_layout(bh, i // kp2 // 128, dw), PDL=pdl,
-                                        SHARED=sh is not None,
-                                        WD8=fp8_word_layout(bh, i // kp2 // 128, dw) if sh is not None else None,
-                                        num_warps=dw, launch_pdl=pdl)
+                                        **cb, num_warps=cfg["down_warps"], launch_pdl=pdl)
