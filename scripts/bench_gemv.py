@@ -283,7 +283,7 @@ def main(argv=None) -> int:
     ap.add_argument("--min-calls", type=int, default=24)
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop the sweep after this many seconds")
     ap.add_argument("--fold", action="store_true", help="time the input add + RMSNorm folded into the attention "
-                    "projections (each fold mode) against the norm kernel then the GEMV; writes bench_gemv_fold.json")
+                    "projections against the norm kernel then the GEMV; writes bench_gemv_fold.json")
     a = ap.parse_args(argv)
     if a.fold:
         return fold_main(a)

@@ -564,15 +564,24 @@ def describe_gemv_path(info: dict) -> str:
 
 def gemv_reserve(device, n: int, k: int, block=(128, 128), cfgs=None) -> None:
     """Grow the split-K scratch for weight ``[n, k]`` at M = 1..4 (``cfgs``: per-M configs, default the table's),
-    and for MMA configs the add + norm fold's slots, so that no call allocates (graph capture)."""
+    and with the add + norm fold on (:func:`norm_fold_enabled`) its slots for MMA configs, so that no call
+    allocates (graph capture)."""
+    fold = torch.device(device).type == "cuda" and norm_fold_enabled()
     for m in range(1, MAX_M + 1):
         cfg = cfgs[m] if cfgs else gemv_config(n, k, m, device, block)
-        if cfg["SPLIT"] > 1:
-            tiles = _cdiv(n, cfg["BN"])
-            gemv_scratch(device, "part", tiles * cfg["SPLIT"] * 4 * cfg["BN"])
-            gemv_scratch(device, "ticket", tiles, torch.int32)
-        if cfg.get("MMA") and torch.device(device).type == "cuda":
+        _split_scratch(device, n, cfg, None)
+        if fold and cfg.get("MMA"):
             _fold_slots(device, n, k, cfg, m)     # the add + norm fold's slots (tiles * SPLIT * M * K BF16)
+
+
+def _split_scratch(device, n: int, cfg: dict, unused):
+    """``(part, cnt)``: the split-K partials and tickets of weight rows ``n`` under ``cfg`` (``gemv_scratch``, grown
+    as needed), or ``(unused, unused)`` when ``SPLIT == 1`` (the kernels then touch neither)."""
+    if cfg["SPLIT"] <= 1:
+        return unused, unused
+    tiles = _cdiv(n, cfg["BN"])
+    return (gemv_scratch(device, "part", tiles * cfg["SPLIT"] * 4 * cfg["BN"]),
+            gemv_scratch(device, "ticket", tiles, torch.int32))
 
 
 def fp8_block_gemv(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128),
@@ -608,11 +617,7 @@ def fp8_block_gemv(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tens
         return out
     bn, split = cfg["BN"], cfg["SPLIT"]
     tiles = triton.cdiv(n, bn)
-    if split > 1:
-        part = gemv_scratch(dev, "part", tiles * split * 4 * bn)
-        cnt = gemv_scratch(dev, "ticket", tiles, torch.int32)
-    else:
-        part = cnt = out                    # unused
+    part, cnt = _split_scratch(dev, n, cfg, out)
     pdl = bool(cfg.get("PDL", True)) and pdl_enabled(dev)   # off under the interpreter, BYTEBOUND_PDL=0
     if cfg.get("MMA"):
         from bytebound.kernels.gluon_fp8_gemv import launch_mma
@@ -633,9 +638,10 @@ def fp8_block_gemv(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tens
 def norm_fold_enabled() -> bool:
     """Whether the decoder's input add + RMSNorm run inside the attention's FP8 MMA projection
     (:func:`fp8_block_gemv_add_norm`): opt-in, ``BYTEBOUND_NORM_FOLD=1``. Off by default because it measured
-    slower than the norm kernel before a PDL-launched GEMV (docs/perf/history.md). Read at bind (the manifest) and
-    at each call of the binding's ``add_norm``, so a graph captured after a change sees it (``scripts/
-    profile_decode.py --ab BYTEBOUND_NORM_FOLD=1``)."""
+    slower than the norm kernel before a PDL-launched GEMV (docs/perf/history.md). Read at bind (it must be on
+    then: ``runner.backends`` sets the layers' ``fold_input_norm`` and :func:`gemv_reserve` grows the slots) and at
+    each call of the binding's ``add_norm``, so a graph captured after turning it off runs unfolded: an A/B is a
+    run started with ``BYTEBOUND_NORM_FOLD=1`` and ``scripts/profile_decode.py --ab BYTEBOUND_NORM_FOLD=0 ""``."""
     return os.environ.get("BYTEBOUND_NORM_FOLD", "0") == "1"
 
 
@@ -685,12 +691,7 @@ def fp8_block_gemv_add_norm(delta2: torch.Tensor, h2: torch.Tensor, norm_weight:
     h2, delta2, nw = h2.contiguous(), delta2.contiguous(), norm_weight.contiguous()
     x, h_new = torch.empty_like(h2), torch.empty_like(h2)
     out = torch.empty(m, n, dtype=h2.dtype, device=dev)
-    if cfg["SPLIT"] > 1:
-        tiles = triton.cdiv(n, cfg["BN"])
-        part = gemv_scratch(dev, "part", tiles * cfg["SPLIT"] * 4 * cfg["BN"])
-        cnt = gemv_scratch(dev, "ticket", tiles, torch.int32)
-    else:
-        part = cnt = out
+    part, cnt = _split_scratch(dev, n, cfg, out)
     launch_mma(x, weight, scale_inv, out, part, cnt, cfg, bool(cfg.get("PDL", True)) and pdl_enabled(dev),
                norm=(h2, delta2, nw, h_new, float(eps), _fold_slots(dev, n, k, cfg, m)))
     return out, x, h_new
@@ -1010,8 +1011,7 @@ class TritonLinear:
                 return None
             y, x, hn = fp8_block_gemv_add_norm(delta.reshape(m, -1), h.reshape(m, -1), norm_weight, eps, weight,
                                                scale, cfgs[m])
-            return y.view(*h.shape[:-1], n_out), x.view(h.shape), hn.view(h.shape)
-        n_out = weight.shape[0]
+            return y.view(*h.shape[:-1], y.shape[-1]), x.view(h.shape), hn.view(h.shape)
         fn.add_norm = add_norm if block == (128, 128) else None
         fn.max_tokens = MAX_M       # the GEMV's width; more tokens dequantise the weight (read by bind_model)
         # which GEMV kernel each M runs and why (runner.backends puts it in the manifest's linear lever)
