@@ -237,10 +237,13 @@ STREAM_B = [dict(SG=2), dict(SG=4), dict(SG=8), dict(SG=4, BH=128, down_warps=8)
             dict(SG=2, KP2=6), dict(SG=4, KP2=6)]
 
 
-def tune_stream(layers, ms, reps, out_dir: Path, log) -> dict:
-    """Coordinate descent from each M's committed config: every :data:`STREAM_A` kernel-A tiling with the committed
-    kernel B, then every :data:`STREAM_B` kernel-B tiling with the best kernel A; a config is eligible only when it
-    matches the float32 reference (rel <= 1e-2) and repeats bit-identically. Writes ``triton_moe_configs.json``."""
+def tune_stream(layers, ms, reps, out_dir: Path, log, stream_a=None, stream_b=None) -> dict:
+    """Coordinate descent from each M's committed config: every :data:`STREAM_A` (or ``stream_a``) kernel-A tiling
+    with the committed kernel B, then every :data:`STREAM_B` (or ``stream_b``) kernel-B tiling with the best kernel
+    A; a config is eligible only when it matches the float32 reference (rel <= 1e-2) and repeats bit-identically.
+    Writes ``triton_moe_configs.json``."""
+    stream_a = STREAM_A if stream_a is None else stream_a
+    stream_b = STREAM_B if stream_b is None else stream_b
     from bytebound.kernels.moe_host import gpu_name, lookup_config, shape_key
     rows, best = [], {}
 
@@ -255,13 +258,13 @@ def tune_stream(layers, ms, reps, out_dir: Path, log) -> dict:
     for m in ms:
         base = dict(lookup_config(E, H, I, K, m))
         t_best, c_best = run(m, base), base
-        for a in STREAM_A:
+        for a in stream_a:
             c = dict(base, **a)
             t = run(m, c)
             if t < t_best:
                 t_best, c_best = t, c
         a_best = dict(c_best)
-        for b in STREAM_B:
+        for b in stream_b:
             c = dict(a_best, **b)
             t = run(m, c)
             if t < t_best:
@@ -706,6 +709,10 @@ def main() -> int:
     ap.add_argument("--tune-stream", action="store_true",
                     help="tune kernel A's pipelined chunks (KC) and kernel B's slot groups (SG) from each M's committed "
                          "config (tune_stream); the backends' table then uses the best")
+    ap.add_argument("--stream-a", default=None, metavar="JSON",
+                    help="--tune-stream: kernel-A candidates (a JSON list of config overrides) instead of STREAM_A")
+    ap.add_argument("--stream-b", default=None, metavar="JSON",
+                    help="--tune-stream: kernel-B candidates instead of STREAM_B ('[]': none)")
     ap.add_argument("--ncu-range", action="store_true",
                     help="for ncu --profile-from-start off: one eager call per layer at each M (routed + shared, the "
                          "committed configs) between cudaProfilerStart/Stop, nothing else timed (ncu_range)")
@@ -757,7 +764,9 @@ def main() -> int:
         tuned = tune(layers, ms, args.reps, out_dir, log)
         result["tune"] = tuned
     elif args.tune_stream:
-        tuned = tune_stream(layers, ms, args.reps, out_dir, log)
+        tuned = tune_stream(layers, ms, args.reps, out_dir, log,
+                            None if args.stream_a is None else json.loads(args.stream_a),
+                            None if args.stream_b is None else json.loads(args.stream_b))
         result["tune"] = tuned
 
     def save() -> None:             # after every section, so a run cut short keeps what it measured
