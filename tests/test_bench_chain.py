@@ -1,0 +1,138 @@
+"""scripts/bench_chain.py on CPU: the smoke path in Triton's interpreter (plain, pdl and read against the float64
+reference), the shape errors, the checks' power to fail, the persistent kernel's bookkeeping with a one-program
+grid (and its timeout report), and the sm_90 compile with the PTX orderings its protocols rely on."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+SCRIPT = ROOT / "scripts" / "bench_chain.py"
+SMOKE = ["--device", "cpu", "--shapes", "64x128,128x64", "--layers", "4", "--bn", "16", "--bk", "32", "--reps", "2"]
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module")
+def bc():
+    spec = importlib.util.spec_from_file_location("_bench_chain", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod            # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _interpreted():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter (conftest sets it on machines without CUDA)")
+
+
+def test_cpu_smoke_matches_float64(bc, tmp_path):
+    """The documented CPU smoke run: plain and pdl within the bounds of the float64 chain and of each op's own
+    float64 product, pdl == plain bit for bit, the read floor's XOR equal to the host's, persist skipped with its
+    reason, and the JSON written with the table's fields and the config."""
+    _interpreted()
+    lines = []
+    rec = bc.main(SMOKE + ["--out", str(tmp_path), "--name", "smoke"], log=lines.append)
+    res = rec["results"]
+    assert rec["ok"]
+    for name in ("plain", "pdl"):
+        r = res[name]
+        assert r["ok"] and r["chain_err_max_over_bound"] <= 1.0 and r["local_err_max_over_bound"] <= 1.0, (name, r)
+        assert r["local_err_max"] == 0.0        # K <= 128: float32 sums round to the float64 result's bf16
+    assert res["pdl"]["bit_equal_plain"] is True
+    assert res["read"]["ok"] and res["read"]["grid"] > 0
+    assert "interpreter" in res["persist"]["skipped"]
+    assert any(ln.startswith("persist") and "skipped" in ln for ln in lines)
+    data = json.loads((tmp_path / "smoke.json").read_text())
+    meta = data["meta"]
+    for k in ("device", "date", "commit", "weights", "shapes", "L", "weight_bytes"):
+        assert meta[k], k
+    assert meta["weights"] == "synthetic (random FP8)" and meta["L"] == 4
+    assert {"bn": 16, "bk": 32, "num_warps": 4, "programs_per_sm": 1}.items() <= meta["config"].items()
+    for name in ("plain", "pdl", "read"):
+        for k in ("us", "us_per_op", "GBps", "us_per_op_over_floor"):
+            assert data["results"][name][k] is not None, (name, k)
+
+
+def test_wrong_shapes_raise_a_clear_error(bc):
+    with pytest.raises(bc.ShapeError, match=r"op 1 \(64x64\) has K = 64 but op 0 \(64x128\) produces N = 128"):
+        bc.parse_shapes("64x128,64x64", 4)
+    with pytest.raises(bc.ShapeError, match=r"op 2 \(64x128\) has K = 64 but op 1"):   # where the pattern repeats
+        bc.parse_shapes("64x128,128x128", 3)
+    with pytest.raises(bc.ShapeError, match="not KxN"):
+        bc.parse_shapes("64-128", 2)
+    with pytest.raises(bc.ShapeError, match="multiple of --bn 16"):
+        bc.check_tiles([(64, 120)], 16, 32)
+    with pytest.raises(bc.ShapeError, match="K = 64 but op 0"):
+        bc.main(["--device", "cpu", "--shapes", "64x128,64x64", "--layers", "2"], log=lambda *a: None)
+    assert bc.parse_shapes("2560x16384,16384x2560", 5) == [(2560, 16384), (16384, 2560)] * 2 + [(2560, 16384)]
+
+
+@pytest.fixture(scope="module")
+def small(bc):
+    ops = bc.parse_shapes("64x128,128x64", 4)
+    chain = bc.make_chain(ops, torch.device("cpu"), 16, seed=3)
+    return chain, bc.Config(bn=16, bk=32, max_polls=64), bc.chain_reference(chain)
+
+
+def test_checks_can_fail(bc, small):
+    """The row block holding an op's largest value 3 % off, or one block left unwritten (NaN), fails the checks
+    that pass on the true outputs."""
+    _interpreted()
+    chain, cfg, ref = small
+    chain.poison()
+    bc.run_plain(chain, cfg, False)
+    ys = chain.outputs()
+    assert bc.check_outputs(chain, ys, ref)["ok"]
+    bad = [y.clone() for y in ys]
+    b0 = int(bad[2].float().abs().argmax()) // 16 * 16
+    bad[2][b0:b0 + 16] = (bad[2][b0:b0 + 16].float() * 1.03).to(torch.bfloat16)
+    r = bc.check_outputs(chain, bad, ref)
+    assert not r["ok"] and r["local_err_max_over_bound"] > 1.0
+    bad = [y.clone() for y in ys]
+    bad[1][:16] = float("nan")
+    assert not bc.check_outputs(chain, bad, ref)["ok"]
+
+
+def test_persist_bookkeeping_in_the_interpreter(bc, small):
+    """A one-program grid (the only one the interpreter can run: no wait ever blocks) walks the op table and
+    equals plain bit for bit, every counter = its op's row blocks. With 3 programs the first ones time out at op 1
+    (the interpreter runs them in turn): persist_check raises the clear error, and the counters still show every
+    block computed exactly once by the round robin (8 blocks over a stride of 3)."""
+    _interpreted()
+    chain, cfg, _ = small
+    chain.poison()
+    bc.run_plain(chain, cfg, False)
+    plain = chain.outputs()
+    st = bc.persist_setup(chain, cfg, programs=1)
+    chain.poison()
+    bc.run_persist(chain, cfg, st)
+    bc.persist_check(chain, st)
+    assert all(torch.equal(a, b) for a, b in zip(chain.outputs(), plain))
+    assert st.cnt.tolist() == [8, 4, 8, 4]
+    st = bc.persist_setup(chain, cfg, programs=3)
+    bc.run_persist(chain, cfg, st)
+    with pytest.raises(RuntimeError, match=r"spin wait\(s\) timed out .*last at op 1"):
+        bc.persist_check(chain, st)
+    assert st.cnt.tolist() == [8, 4, 8, 4]
+
+
+def test_kernels_compile_for_sm90_with_the_protocol_orderings():
+    """``--ptx``: every kernel compiles for sm_90 (ptxas accepts it) and the PTX has pdl's launch_dependents /
+    first tile / wait order and persist's tile-before-spin, acquire-before-x and barrier-before-release. Runs in a
+    subprocess without the interpreter (conftest puts this session's Triton in interpreter mode)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["BYTEBOUND_TRITON_COMPILE_ONLY"] = "1"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--ptx"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "PTX orderings: ok" in r.stdout
+    assert "persist    sm_90: REG:" in r.stdout
