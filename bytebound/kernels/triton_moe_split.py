@@ -242,17 +242,16 @@ mov.b32 {$2, $3}, a1;
         return _b_fragments(gl.load(src_ptr + off, mask=msk, other=0.0), NS, DB)
 
     @gluon.jit
-    def _b_index(row_stride, M: gl.constexpr, NS: gl.constexpr, NW: gl.constexpr, ok=True, NV: gl.constexpr = None):
+    def _b_index(row_stride, M: gl.constexpr, NS: gl.constexpr, NW: gl.constexpr, ok=True):
         """:func:`_load_b`'s offsets and mask, ``[NS, 8, 4, 32]`` in the load layout ``XL`` (lane ``4g + t``:
-        token ``g``'s columns ``128s + 32t ..`` as four 16-byte vectors); ``NV``: only the first NV super-blocks
-        (default all NS)."""
+        token ``g``'s columns ``128s + 32t ..`` as four 16-byte vectors)."""
         XL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 32], [1, 8, 4, 1], [1, 1, 1, NW], [3, 2, 1, 0])
         sb = gl.arange(0, NS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
         n = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
         t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, XL))))
         c = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, XL))))
         off3 = n[None, :, None] * row_stride + sb[:, None, None] * 128 + t[None, None, :] * 32
-        msk3 = (n[None, :, None] < M) & (sb[:, None, None] < (NS if NV is None else NV)) & (t[None, None, :] >= 0) & ok
+        msk3 = (n[None, :, None] < M) & (sb[:, None, None] >= 0) & (t[None, None, :] >= 0) & ok
         return off3[:, :, :, None] + c[None, None, None, :], msk3[:, :, :, None] & (c[None, None, None, :] >= 0)
 
     @gluon.jit
@@ -329,8 +328,17 @@ mov.b32 {$2, $3}, a1;
         xs = gl.allocate_shared_memory(gl.bfloat16, [XS, 8, 4, 32], SHL)
         w3, q, sb, tb = mxfp4_index(row, cb, K, WD)
         woff = w3[:, :, :, None] + q[None, None, None, :]
-        xo, xm = _b_index(K, M, XS, NW, True, KC * NS)
-        async_copy.async_copy_global_to_shared(xs, x_ptr + xo, mask=xm)
+        # x copied once per program, each 16-byte vector by one thread (XC); the B-fragment layout XL of the reads
+        # is replicated over the warps, and a copy in it would fetch the slice once per warp, past L1 (cp.async.cg)
+        XC: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [1, 8, 4, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+        sbx = gl.arange(0, XS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XC))))
+        n = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, XC))))
+        t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, XC))))
+        cx = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, XC))))
+        xo3 = n[None, :, None] * K + sbx[:, None, None] * 128 + t[None, None, :] * 32
+        xm3 = (n[None, :, None] < M) & (sbx[:, None, None] < KC * NS) & (t[None, None, :] >= 0)
+        async_copy.async_copy_global_to_shared(xs, x_ptr + (xo3[:, :, :, None] + cx[None, None, None, :]),
+                                               mask=xm3[:, :, :, None] & (cx[None, None, None, :] >= 0))
         for c in gl.static_range(ST):
             if c < KC:
                 async_copy.async_copy_global_to_shared(ws.index(c), w_ptr + woff + c * (NS * 16))
