@@ -76,24 +76,6 @@ def test_split_constexprs_follow_the_fitted_config(m, shared):
     assert (a["WD8"] is not None, b["WD8"] is not None) == (shared, shared)
 
 
-@pytest.mark.parametrize("cfg,st", [({"KP": 2, "KC": 5, "ST": 3}, 3), ({"KP": 2, "KC": 5, "ST": 9}, 5),
-                                    ({"KP": 5, "KC": 1, "ST": 3}, 0), ({"KP": 2, "KC": 5}, 0),
-                                    ({"KP": 2, "KC": 5, "ST": -1}, 0)])
-def test_split_fit_clamps_the_smem_stages(cfg, st):
-    """kernel A's shared-memory ring depth ``ST``: at most one stage per chunk (KC), none without chunks (KC 1: the
-    ring would hold the program's one chunk, which the register path loads as well), 0 by default."""
-    c = ts.fit_split_config(cfg, 2560, 768)
-    assert c["ST"] == st
-
-
-@pytest.mark.skipif(ts.gl is None, reason="needs Gluon (triton >= 3.5) for the word layouts")
-def test_split_constexprs_pass_the_stages():
-    c = ts.fit_split_config({"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "ST": 3}, 2560, 768)
-    assert ts.split_constexprs(4, 8, 2560, 768, c, True, False, True, 1)[0]["ST"] == 3
-    c = ts.fit_split_config({"BI": 64, "KP": 5, "num_warps": 8, "ST": 3}, 2560, 768)
-    assert ts.split_constexprs(1, 8, 2560, 768, c, True, False, True, 1)[0]["ST"] == 0
-
-
 def test_split_fit_picks_the_nearest_slice_count():
     assert ts.fit_split_config({"KP": 4, "KP2": 3}, 2560, 768)["KP"] == 5       # 2560/4 = 640 is not 128 x 2^n
     assert ts.fit_split_config({"KP": 10, "KP2": 3}, 2560, 768)["KP2"] == 3

@@ -49,9 +49,7 @@ Config keys (``configs/triton_moe.json``, variant ``"split"``): ``BI`` (intermed
 reads 2*BI rows), ``KP`` (H slices), ``num_warps`` (kernel A), ``BH`` (hidden rows per kernel-B program), ``KP2``
 (I slices), ``down_warps``, ``KC`` (default 1: kernel A's H slice in KC chunks through a two-deep register
 pipeline, :func:`_gateup_routed`), ``SG`` (default 1: kernel B's slots per program, summed in registers in slot
-order, :func:`_down_routed_group`), ``ST`` (default 0: with KC > 1, kernel A's routed slots stream their
-weight words through a ring of ST shared-memory stages by cp.async, and x through shared memory, instead of the
-register pipeline: the bytes in flight no longer cost registers, :func:`_smem_prologue`), ``pdl`` (default true), ``pdl_in`` (0, the default: kernel A is an ordinary
+order, :func:`_down_routed_group`), ``pdl`` (default true), ``pdl_in`` (0, the default: kernel A is an ordinary
 launch; 1: A is launched as a PDL dependent of the kernel before it, the router, so its programs start while the
 router runs and wait before touching ``ids``, x or the scratch; 2: as 1, and the shared slot loads its first weights
 before waiting). Constraints: H/(KP*KC) and I/KP2 are 128 x a power of two,
@@ -80,8 +78,6 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    import triton
     GLUON_ERR = None
 except Exception as exc:  # pragma: no cover
     gluon = gl = mma_v2 = None
@@ -238,13 +234,6 @@ mov.b32 {$2, $3}, a1;
         free (asserted). ``src`` is x or act (L2-resident); every warp loads the whole operand (the B fragments are
         the same in every warp). ``ok`` false (a scalar): all zeros, nothing loaded (a slot kernel B's slot loop
         skips)."""
-        off, msk = _b_index(row_stride, M, NS, NW, ok)
-        return _b_fragments(gl.load(src_ptr + off, mask=msk, other=0.0), NS, DB)
-
-    @gluon.jit
-    def _b_index(row_stride, M: gl.constexpr, NS: gl.constexpr, NW: gl.constexpr, ok=True):
-        """:func:`_load_b`'s offsets and mask, ``[NS, 8, 4, 32]`` in the load layout ``XL`` (lane ``4g + t``:
-        token ``g``'s columns ``128s + 32t ..`` as four 16-byte vectors)."""
         XL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 32], [1, 8, 4, 1], [1, 1, 1, NW], [3, 2, 1, 0])
         sb = gl.arange(0, NS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
         n = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
@@ -252,12 +241,8 @@ mov.b32 {$2, $3}, a1;
         c = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, XL))))
         off3 = n[None, :, None] * row_stride + sb[:, None, None] * 128 + t[None, None, :] * 32
         msk3 = (n[None, :, None] < M) & (sb[:, None, None] >= 0) & (t[None, None, :] >= 0) & ok
-        return off3[:, :, :, None] + c[None, None, None, :], msk3[:, :, :, None] & (c[None, None, None, :] >= 0)
-
-    @gluon.jit
-    def _b_fragments(x, NS: gl.constexpr, DB: gl.constexpr):
-        """``[NS, 8, 4, 32]`` loaded as :func:`_b_index` lays it out -> the B operand ``[128*NS, 8]`` in layout
-        ``DB`` and the logical k order (a free reshape, asserted)."""
+        x = gl.load(src_ptr + off3[:, :, :, None] + c[None, None, None, :],
+                    mask=msk3[:, :, :, None] & (c[None, None, None, :] >= 0), other=0.0)   # [NS, 8, 4, 32]
         x = gl.reshape(x, [NS, 8, 4, 4, 2, 2, 2])            # c = 8tau + 4p + 2h + j
         x = gl.permute(x, [0, 3, 4, 5, 2, 6, 1])             # [s, tau, p, h, t, j, n]
         return gl.convert_layout(gl.reshape(x, [NS * 128, 8]), DB, assert_trivial=True)
@@ -305,47 +290,6 @@ mov.b32 {$2, $3}, a1;
         return wv, sv
 
     @gluon.jit
-    def mxfp4_scales(s_ptr, row, cb, K: gl.constexpr, WD: gl.constexpr):
-        """The E8M0 bytes of :func:`mxfp4_tile` alone (``[R, NS, 4]``, layout ``SliceLayout(3, WD)``)."""
-        w3, q, sb, tb = mxfp4_index(row, cb, K, WD)
-        return gl.load(s_ptr + row[:, None, None] * (K // 32) + cb * 4 + sb[None, :, None] * 4 + tb[None, None, :])
-
-    @gluon.jit
-    def _smem_prologue(w_ptr, x_ptr, row, cb, K: gl.constexpr, M: gl.constexpr, WD: gl.constexpr,
-                       ST: gl.constexpr, KC: gl.constexpr):
-        """Kernel A's shared memory for ``ST > 0``: a ring of ``ST`` stages of one chunk's MXFP4 words each (``int32
-        [ST, R, NS, 4, 4]``), chunks ``0..ST-1`` of the ``KC`` from super-block ``cb`` issued as cp.async, one commit
-        group per stage (empty past ``KC``); and the program's whole x slice (``bf16 [KC*NS, 8, 4, 32]``, tokens
-        past ``M`` zero-filled) staged in chunk 0's group, so that x takes no registers ahead of its chunk.
-        Returns ``(ring, offsets, xs)``: the offsets (layout ``WD``) of chunk 0's words from ``w_ptr`` (chunk ``c``
-        is ``c * NS * 16`` words further) and the x slice."""
-        NS: gl.constexpr = WD.shape[1]
-        R: gl.constexpr = WD.shape[0]
-        NW: gl.constexpr = gl.num_warps()
-        SHL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-        ws = gl.allocate_shared_memory(gl.int32, [ST, R, NS, 4, 4], SHL)
-        XS: gl.constexpr = triton.next_power_of_2(KC * NS)     # (shapes are powers of two; the rest masked)
-        xs = gl.allocate_shared_memory(gl.bfloat16, [XS, 8, 4, 32], SHL)
-        w3, q, sb, tb = mxfp4_index(row, cb, K, WD)
-        woff = w3[:, :, :, None] + q[None, None, None, :]
-        # x copied once per program, each 16-byte vector by one thread (XC); the B-fragment layout XL of the reads
-        # is replicated over the warps, and a copy in it would fetch the slice once per warp, past L1 (cp.async.cg)
-        XC: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [1, 8, 4, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
-        sbx = gl.arange(0, XS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XC))))
-        n = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, XC))))
-        t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, XC))))
-        cx = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, XC))))
-        xo3 = n[None, :, None] * K + sbx[:, None, None] * 128 + t[None, None, :] * 32
-        xm3 = (n[None, :, None] < M) & (sbx[:, None, None] < KC * NS) & (t[None, None, :] >= 0)
-        async_copy.async_copy_global_to_shared(xs, x_ptr + (xo3[:, :, :, None] + cx[None, None, None, :]),
-                                               mask=xm3[:, :, :, None] & (cx[None, None, None, :] >= 0))
-        for c in gl.static_range(ST):
-            if c < KC:
-                async_copy.async_copy_global_to_shared(ws.index(c), w_ptr + woff + c * (NS * 16))
-            async_copy.commit_group()
-        return ws, woff, xs
-
-    @gluon.jit
     def mxfp4_tile_if(w_ptr, s_ptr, row, cb, K: gl.constexpr, WD: gl.constexpr, ok):
         """:func:`mxfp4_tile` loaded only where the scalar ``ok`` holds (zero words and scales otherwise, no bytes
         read): kernel B's slot loop skips duplicate and padding slots without a branch."""
@@ -388,8 +332,7 @@ mov.b32 {$2, $3}, a1;
                           H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
                           SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
                           WD: gl.constexpr, PDL: gl.constexpr, SHARED: gl.constexpr = False,
-                          WD8: gl.constexpr = None, PDL_IN: gl.constexpr = 0, KC: gl.constexpr = 1,
-                          ST: gl.constexpr = 0):
+                          WD8: gl.constexpr = None, PDL_IN: gl.constexpr = 0, KC: gl.constexpr = 1):
         NW: gl.constexpr = gl.num_warps()
         S: gl.constexpr = M * TOPK
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
@@ -409,11 +352,11 @@ mov.b32 {$2, $3}, a1;
             else:
                 _pdl_in(PDL_IN, PDL, NW)
                 _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
-                               s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, ST)
+                               s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC)
         else:
             _pdl_in(PDL_IN, PDL, NW)
             _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
-                           s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, ST)
+                           s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC)
 
     @gluon.jit
     def _pdl_in(PDL_IN: gl.constexpr, PDL: gl.constexpr, NW: gl.constexpr):
@@ -485,7 +428,7 @@ mov.b32 {$2, $3}, a1;
                        s, j, p, H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
                        SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
                        WD: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
-                       DB: gl.constexpr, RL: gl.constexpr, KC: gl.constexpr = 1, ST: gl.constexpr = 0):
+                       DB: gl.constexpr, RL: gl.constexpr, KC: gl.constexpr = 1):
         """Kernel A, routed slot ``s``: its expert's MXFP4 rows (unless an earlier slot owns the expert).
 
         ``KC == 1``: every weight byte of the program in one go. ``KC > 1``: the program's H slice in ``KC`` chunks
@@ -494,12 +437,7 @@ mov.b32 {$2, $3}, a1;
         wave of long programs replaces several waves of short ones, each of which paid the ids -> weights ->
         partial -> ticket chain (docs/perf/moe-kernels-h200.md, fourteenth session, where the sweep measured it
         level with KC 1: the pipeline's registers cost resident programs). The chunks accumulate into one float32
-        accumulator in the order c = 0..KC-1.
-
-        ``ST > 0`` (with ``KC > 1``): the chunks' weight words go through a ring of ``ST`` shared-memory stages
-        instead (cp.async, :func:`_smem_prologue`), so ``ST`` chunks are in flight without holding registers;
-        the E8M0 scales and x keep the two-deep register pipeline. Same sums in the same order: bit-identical to
-        ``ST = 0``."""
+        accumulator in the order c = 0..KC-1."""
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         S: gl.constexpr = M * TOPK
@@ -516,16 +454,11 @@ mov.b32 {$2, $3}, a1;
             wp = w13_ptr + e * (2 * I * (H // 8))
             sp = s13_ptr + e * (2 * I * (H // 32))
             c0 = p * (HK // 128)
-            if ST > 0:
-                ws, woff, xs = _smem_prologue(wp, x_ptr + p * HK, row, c0, H, M, WD, ST, KC)
-                sv = mxfp4_scales(sp, row, c0, H, WD)
-                sv1 = mxfp4_scales(sp, row, c0 + NS, H, WD)
-            else:
-                wv, sv = mxfp4_tile(wp, sp, row, c0, H, WD)
-                b = _load_b(x_ptr + p * HK, H, M, NS, NW, DB)
-                if KC > 1:
-                    wv1, sv1 = mxfp4_tile(wp, sp, row, c0 + NS, H, WD)
-                    b1 = _load_b(x_ptr + p * HK + CW, H, M, NS, NW, DB)
+            wv, sv = mxfp4_tile(wp, sp, row, c0, H, WD)
+            b = _load_b(x_ptr + p * HK, H, M, NS, NW, DB)
+            if KC > 1:
+                wv1, sv1 = mxfp4_tile(wp, sp, row, c0 + NS, H, WD)
+                b1 = _load_b(x_ptr + p * HK + CW, H, M, NS, NW, DB)
             t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
             tw = gl.load(tw_ptr + t, mask=t < S, other=0.0)
             mcol = gl.arange(0, NPC, layout=gl.SliceLayout(1, RL))
@@ -537,41 +470,15 @@ mov.b32 {$2, $3}, a1;
             l3 = gl.load(lut_ptr + 3)
             l4 = gl.load(lut_ptr + 4)
             acc = gl.zeros([R1, NPC], gl.float32, MMA)
-            if ST > 0:
-                XL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 32], [1, 8, 4, 1], [1, 1, 1, NW], [3, 2, 1, 0])
-                for c in gl.static_range(KC):
-                    if c + 2 < KC:
-                        sv2 = mxfp4_scales(sp, row, c0 + (c + 2) * NS, H, WD)
-                    # chunk c's group is complete once at most ST - 1 younger groups are outstanding; every
-                    # thread reads back only the words it copied itself (the copy and the load share layout WD).
-                    # x is replicated over the warps, so its copy may be done by another warp than the one that
-                    # reads: one barrier, after chunk 0's group (which holds x) is complete
-                    async_copy.wait_group(ST - 1)
-                    if c == 0:
-                        gl.thread_barrier()
-                    wv = ws.index(c % ST).load(WD)
-                    b = _b_fragments(xs.slice(c * NS, NS, 0).load(XL), NS, DB)
-                    acc = mma_v2(frag_dequant(wv, sv, l0, l1, l2, l3, l4, DA), b, acc)
-                    # refill the stage just read: issued after the mma consumed its words (no write-after-read
-                    # race within the thread); an empty group past the last chunk keeps the count uniform
-                    if c + ST < KC:
-                        async_copy.async_copy_global_to_shared(ws.index(c % ST), wp + woff + (c + ST) * (NS * 16))
-                    async_copy.commit_group()
-                    if c + 1 < KC:
-                        sv = sv1
-                    if c + 2 < KC:
-                        sv1 = sv2
-                async_copy.wait_group(0)
-            else:
-                for c in gl.static_range(KC):
-                    if c + 2 < KC:
-                        wv2, sv2 = mxfp4_tile(wp, sp, row, c0 + (c + 2) * NS, H, WD)
-                        b2 = _load_b(x_ptr + p * HK + (c + 2) * CW, H, M, NS, NW, DB)
-                    acc = mma_v2(frag_dequant(wv, sv, l0, l1, l2, l3, l4, DA), b, acc)
-                    if c + 1 < KC:
-                        wv, sv, b = wv1, sv1, b1
-                    if c + 2 < KC:
-                        wv1, sv1, b1 = wv2, sv2, b2
+            for c in gl.static_range(KC):
+                if c + 2 < KC:
+                    wv2, sv2 = mxfp4_tile(wp, sp, row, c0 + (c + 2) * NS, H, WD)
+                    b2 = _load_b(x_ptr + p * HK + (c + 2) * CW, H, M, NS, NW, DB)
+                acc = mma_v2(frag_dequant(wv, sv, l0, l1, l2, l3, l4, DA), b, acc)
+                if c + 1 < KC:
+                    wv, sv, b = wv1, sv1, b1
+                if c + 2 < KC:
+                    wv1, sv1, b1 = wv2, sv2, b2
             _gateup_epilogue(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, limit, I, M, BI, KP, HAS_LIMIT, NW)
 
     @gluon.jit
@@ -857,7 +764,6 @@ def fit_split_config(cfg: dict, h: int, i: int) -> dict:
     kc = max(d for d in range(1, min(kc_want, chunks) + 1) if chunks % d == 0)
     cfg["KP"], cfg["KC"], cfg["KP2"] = chunks // kc, kc, kp2
     cfg["SG"] = max(1, int(cfg.get("SG", 1)))
-    cfg["ST"] = max(0, min(int(cfg.get("ST", 0)), kc)) if kc > 1 else 0
     cfg["BI"] = fit_pow2(cfg["BI"], i, 8)
     cfg["BH"] = fit_pow2(cfg["BH"], h, 16)
     if not (cfg["BI"] and cfg["BH"]):
@@ -930,7 +836,7 @@ def split_constexprs(m: int, k: int, h: int, i: int, cfg: dict, shared: bool, ha
     a = dict(H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, KP=kp, HAS_LIMIT=has_limit,
              WD=word_layout(2 * bi, h // kp // kc // 128, nw), PDL=pdl, SHARED=shared,
              WD8=fp8_word_layout(2 * bi, max(1, h // kp // kc // 256), nw) if shared else None,
-             PDL_IN=pdl_in, KC=kc, ST=int(cfg.get("ST", 0)) if kc > 1 else 0)
+             PDL_IN=pdl_in, KC=kc)
     b = dict(H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2, SG=max(1, min(int(cfg.get("SG", 1)), s)),
              WD=word_layout(bh, i // kp2 // 128, dw), PDL=pdl, SHARED=shared,
              WD8=fp8_word_layout(bh, i // kp2 // 128, dw) if shared else None)

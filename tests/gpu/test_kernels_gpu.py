@@ -89,11 +89,9 @@ MOE_MODES = [("gluon", False), ("gluon", True), ("tl", False), ("tl", True), ("s
              ("split", {"BI": 32, "KP": 5, "num_warps": 4, "BH": 64, "KP2": 3, "down_warps": 4}),
              ("split", {"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "SG": 3}),
              ("split", {"BI": 32, "KP": 1, "KC": 4, "num_warps": 4, "SG": 8, "BH": 128, "down_warps": 8}),
-             ("split", {"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "SG": 4, "ST": 3}),
-             ("split", {"BI": 32, "KP": 1, "KC": 10, "num_warps": 4, "ST": 4}),
              ("split", {"KP": 1})]
 MOE_IDS = ["gluon-atomics", "gluon-partials", "tl-atomics", "tl-partials", "split", "split-kp5", "split-kc5-sg3",
-           "split-kc4-sg8", "split-kc5-st3", "split-kc10-st4", "split-kp1"]
+           "split-kc4-sg8", "split-kp1"]
 
 
 def _moe_config(variant, partials):
@@ -148,34 +146,6 @@ def test_triton_moe_ling(ling_experts, variant, m, shared, limit, partials):
             assert torch.equal(fn(x, ids, w), out), "repeated call differs: accumulation is order-dependent"
     finally:
         ex.limit = None
-
-
-@pytest.mark.parametrize("tiling", [{"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "SG": 4},
-                                    {"BI": 32, "KP": 1, "KC": 10, "num_warps": 4},
-                                    {"BI": 64, "KP": 5, "KC": 2, "num_warps": 8, "pdl_in": 2}],
-                         ids=["kc5", "kc10", "kc2-pdl2"])
-@pytest.mark.parametrize("m,shared", [(1, 0), (4, 0), (4, 5)])
-def test_split_smem_stages_equal_the_register_pipeline(ling_experts, tiling, m, shared):
-    """Kernel A's shared-memory ring (``ST`` > 0: weight words and x by cp.async) decodes the same fragments and sums
-    the chunks in the same order as the two-deep register pipeline (``ST`` 0): bit-identical outputs, routed and
-    routed + shared, for every ring depth from 2 to KC."""
-    from bytebound.kernels.moe_host import MoEKernel, fit_config
-    from bytebound.kernels.torch_ref import shared_expert_reference
-    ex = ling_experts
-    mlp = make_shared(LING["h"], LING["i"], seed=41)
-    ids, w = make_routing(m, LING["e"], LING["k"], shared=shared, seed=19 + m + shared)
-    x = torch.randn(m, LING["h"], device=DEV).to(torch.bfloat16)
-    outs = {}
-    for st in (0, 2, 3, tiling["KC"]):
-        cfg = fit_config(_moe_config("split", dict(tiling, ST=st)), LING["h"], LING["i"])
-        assert cfg["ST"] == (st if st <= cfg["KC"] else cfg["KC"]), cfg
-        fn = MoEKernel(ex, {mm: cfg for mm in range(1, 5)})
-        fn.bind_shared(mlp)
-        outs[st] = _poisoned_call(fn, x, ids, w)
-    ref = moe_ref64(ex, x, ids, w) + shared_expert_reference(mlp, x, torch.float64)
-    assert rel(outs[0], ref) <= 1e-2
-    for st, out in outs.items():
-        assert torch.equal(out, outs[0]), f"ST={st} differs from the register pipeline (tiling {tiling}, M={m})"
 
 
 @pytest.mark.parametrize("variant,partials", MOE_MODES, ids=MOE_IDS)
@@ -236,11 +206,8 @@ def make_shared(h, i, limit=None, seed=0, pow2=True):
 @pytest.mark.parametrize("tiling", [None, {"BI": 64, "KP": 5, "num_warps": 8}, {"BI": 64, "KP": 10, "num_warps": 4},
                                     {"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "SG": 3},
                                     {"BI": 64, "KP": 1, "KC": 10, "num_warps": 8, "SG": 4, "pdl_in": 2},
-                                    {"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "SG": 4, "ST": 3},
-                                    {"BI": 64, "KP": 1, "KC": 10, "num_warps": 8, "SG": 4, "ST": 4, "pdl_in": 2},
                                     {"KP": 1, "BI": 32, "KP2": 6, "BH": 128, "down_warps": 8}],
-                         ids=["default", "h200-m1", "h200-m4", "kc5-sg3", "kc10-sg4-pdl2", "kc5-st3", "kc10-st4-pdl2",
-                              "kp1"])
+                         ids=["default", "h200-m1", "h200-m4", "kc5-sg3", "kc10-sg4-pdl2", "kp1"])
 @pytest.mark.parametrize("m,dup", [(1, 0), (2, 3), (4, 0), (4, 5)])
 @pytest.mark.parametrize("limits", [(None, None), (1.0, None), (None, 0.75)], ids=["noclamp", "routed", "shared"])
 def test_split_shared_expert(ling_experts, tiling, m, dup, limits):
