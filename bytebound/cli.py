@@ -88,9 +88,10 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_compile: bool | str = False)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="N processes, one shard of the model each (heads, experts, vocabulary; gloo on CPU, NCCL on "
                         "CUDA with one GPU per rank); bytebound starts them itself, or runs as a rank under torchrun")
-    p.add_argument("--pipeline-decode", action="store_true",
+    p.add_argument("--pipeline-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="plain decoding: launch each step before the host reads the previous token, so the GPU "
-                        "need not wait for the per-token host work (same tokens; default: off, not yet measured)")
+                        "need not wait for the per-token host work (same tokens; default: on with CUDA and one "
+                        "process, off on CPU and with --tensor-parallel-size > 1)")
 
 
 def engine_config(a, mtp_steps_used: bool = False):
@@ -152,7 +153,7 @@ def engine_config(a, mtp_steps_used: bool = False):
                         fused_router=a.fused_router, fused_norm=a.fused_norm,
                         fused_shared=a.fused_shared_expert, fused_router_gemv=a.fused_router_gemv,
                         tensor_parallel_size=a.tensor_parallel_size, draft_vocab=a.speculative_draft_vocab,
-                        pipeline_decode=getattr(a, "pipeline_decode", False), **adaptive)
+                        pipeline_decode=getattr(a, "pipeline_decode", None), **adaptive)
 
 
 def print_fallbacks(engine) -> None:

@@ -238,6 +238,40 @@ def test_pipelined_plain_decoding_emits_the_same_tokens(tiny_random_ckpt, params
         assert outs[True][2] == "stop" and len(outs[True][1]) < params["max_tokens"]
 
 
+def test_pipelined_decoding_default_and_manifest(tiny_random_ckpt):
+    """``pipeline_decode=None`` (the default) resolves to the plain loop on CPU and True to the pipelined one; the
+    manifest's ``decode_loop`` lever says what was asked and what runs, and an explicit True that cannot run (tensor
+    parallelism) is a recorded fallback (ok False, with the reason), not silence."""
+    from types import SimpleNamespace
+
+    from bytebound.engine.engine import Engine
+    from bytebound.verify.manifest import _decode_loop_lever, build_manifest
+    eng = Engine(model=str(tiny_random_ckpt), device="cpu", max_model_len=64)
+    assert eng.pipelined is False
+    lv = build_manifest(eng)["levers"]["decode_loop"]
+    assert (lv["resolved"], lv["ok"]) == ("plain", True) and lv["requested"].startswith("default")
+    eng = Engine(model=str(tiny_random_ckpt), device="cpu", max_model_len=64, pipeline_decode=True)
+    assert eng.pipelined is True
+    lv = build_manifest(eng)["levers"]["decode_loop"]
+    assert (lv["requested"], lv["resolved"], lv["ok"]) == ("pipelined", "pipelined", True)
+    tp = SimpleNamespace(config=SimpleNamespace(pipeline_decode=True), pipelined=False)
+    lv = _decode_loop_lever(tp)
+    assert lv["ok"] is False and "tensor parallelism" in lv["reason"]
+    lv = _decode_loop_lever(SimpleNamespace(config=SimpleNamespace(pipeline_decode=False), pipelined=False))
+    assert (lv["requested"], lv["resolved"], lv["ok"]) == ("plain", "plain", True)
+
+
+def test_pipeline_decode_flag_is_tristate():
+    """``--pipeline-decode`` / ``--no-pipeline-decode`` / neither (None: the engine's default)."""
+    import argparse
+
+    from bytebound.cli import add_engine_args, engine_config
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    for argv, want in (([], None), (["--pipeline-decode"], True), (["--no-pipeline-decode"], False)):
+        assert engine_config(ap.parse_args(argv)).pipeline_decode is want
+
+
 # ---- decode_token and DecodeGraph.replay_token's host logic on CPU --------------------------------------------
 class _Replay:
     """A 'captured graph' on CPU: ``replay()`` runs ``fn`` (which writes its static output buffer)."""

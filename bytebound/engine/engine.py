@@ -96,8 +96,11 @@ class EngineConfig:
     # Plain decoding, pipelined: each step is launched before the host reads the token it follows (the step reads
     # that token from the device; the host reads a pinned copy), so on CUDA the GPU need not wait for the host's
     # per-token work (detokenising, stop checks, streaming). The tokens are the same; one step more runs after the
-    # last one and is discarded with the request. Off by default: not yet measured on the GPU.
-    pipeline_decode: bool = False
+    # last one and is discarded with the request. None (the default): on with CUDA and one process (measured
+    # faster on the H200, docs/perf/README.md), off on CPU, where a step runs synchronously, so launching it early
+    # gains nothing and delays the token it follows by one step. Tensor parallelism keeps the plain loop (its ranks
+    # exchange every token): an explicit True is then a recorded fallback in the manifest (``decode_loop``).
+    pipeline_decode: bool | None = None
 
 
 @dataclass
@@ -297,6 +300,9 @@ class Engine:
             self.sharding = shard_model(self.model, self.tp)
         clock.lap("load_s", dev)
         self.device = dev
+        # the plain decoding loop (EngineConfig.pipeline_decode), resolved once; the manifest's ``decode_loop``
+        self.pipelined = (dev.type == "cuda" if cfg.pipeline_decode is None else bool(cfg.pipeline_decode)) \
+            and self.tp is None
         self._build(self.plan)
         self.spec_totals = SpecStats(cfg.speculative_steps or 1)
         self.watchdog = (AcceptWatchdog(cfg.watchdog_window, cfg.watchdog_threshold, cfg.strict)
@@ -478,7 +484,7 @@ class Engine:
             return
         r = self.runner
         nxt = sample(r.logits(r.prefill(ids.to(self.device))[-1:]), p, gen)[:1]
-        if self.config.pipeline_decode and self.tp is None:
+        if self.pipelined:
             yield from self._pipelined_tokens(nxt, p, gen)
             return
         while True:

@@ -17,6 +17,8 @@ server and stored with bench results). Levers:
   and whether the head's weight tensor is merely aliased (the seed's silent failure).
 * ``cuda_graphs``: ``runner.graph`` and its captured shapes (CUDA graphs, or the compiled CPU step of
   ``--cpu-compile``), or eager.
+* ``decode_loop``: plain decoding pipelined (each step launched before the host reads the token it follows) or
+  plain, as ``EngineConfig.pipeline_decode`` asked and the engine resolved it.
 
 ``plan``: the engine's execution plan (``runner.plan.BackendPlan.to_dict``): per entry (the kernel ops and the
 switches router, norm, moe_shared, kv, round, graphs) and per regime (decode M = 1, verify M = k + 1, prefill) the
@@ -232,6 +234,18 @@ def _graph_lever(engine) -> dict:
     return {"requested": requested, "resolved": got, "ok": ok, "captured_shapes": shapes}
 
 
+def _decode_loop_lever(engine) -> dict:
+    want = getattr(engine.config, "pipeline_decode", None)
+    on = bool(getattr(engine, "pipelined", False))
+    requested = {None: "default (pipelined with CUDA and one process, else plain)", True: "pipelined",
+                 False: "plain"}.get(want, repr(want))
+    d = {"requested": requested, "resolved": "pipelined" if on else "plain", "ok": want is None or bool(want) == on,
+         "applies_to": "plain decoding (MTP rounds run their own loop)"}
+    if want and not on:
+        d["reason"] = "tensor parallelism: the ranks exchange every token, so the plain loop runs"
+    return d
+
+
 def build_levers(engine) -> dict:
     levers = {"moe": _moe_lever(engine)}
     for op in ("linear", "kda", "mla", "norm", "sampling"):
@@ -240,6 +254,7 @@ def build_levers(engine) -> dict:
     levers["mtp"] = _mtp_lever(engine)
     levers["draft_sharing"] = _sharing_lever(engine)
     levers["cuda_graphs"] = _graph_lever(engine)
+    levers["decode_loop"] = _decode_loop_lever(engine)
     return levers
 
 
