@@ -6,8 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from bytebound.engine.engine import DEFAULT_MODEL
-from bytebound.runner.plan import OP_FLAGS
+from bytebound.paths import DEFAULT_MODEL
+
+# the deprecated per-op backend flags: --moe-backend NAME = --backend moe=NAME (torch-free here, so --help and
+# --version do not import torch)
+OP_FLAGS = {"moe": "--moe-backend", "linear": "--linear-backend", "kda": "--kda-backend", "mla": "--mla-backend"}
 
 
 # MTP draft steps per round without --speculative-num-steps (the seed's 3 drafts, 4 verified positions)
@@ -36,7 +39,7 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_compile: bool | str = False)
                         "bytebound verify prints it per op and regime; the older per-op and --fused-* flags still "
                         "work, unlisted)")
     # Deprecated aliases, kept working but not listed by --help (help=SUPPRESS): the registry ops' per-op flags
-    # (--moe-backend NAME = --backend moe=NAME, runner.plan.OP_FLAGS) and, below, the switches' booleans.
+    # (--moe-backend NAME = --backend moe=NAME, OP_FLAGS) and, below, the switches' booleans.
     hidden = argparse.SUPPRESS
     for flag in OP_FLAGS.values():
         p.add_argument(flag, default=None, help=hidden)

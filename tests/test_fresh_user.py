@@ -286,3 +286,16 @@ def test_generate_model_given_as_its_config_file(ckpt, capsys, dummy):
     assert main(args) == 2
     line = one_line_error(capsys, "CheckpointError")
     assert "is a file, not a checkpoint folder" in line and str(ckpt) in line, line
+
+
+def test_help_and_version_do_not_import_torch():
+    """``bytebound --help`` / ``--version`` answer without importing torch (was ~1.2-2.5 s on a 2-core machine): the
+    parser's defaults come from torch-free modules (``bytebound.paths``, ``bytebound.verify``'s lazy exports)."""
+    import subprocess
+    import sys
+    code = ("import sys, bytebound.cli as c\n"
+            "for argv in (['--help'], ['--version'], ['generate', '--help'], ['bench', '--help']):\n"
+            "    try:\n        c.main(argv)\n    except SystemExit:\n        pass\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "False", out[-500:]

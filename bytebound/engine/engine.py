@@ -21,6 +21,7 @@ import torch
 
 from bytebound.engine.tokenizer import Tokenizer
 from bytebound.errors import BackendError, CheckpointError, ConfigError, RequestError
+from bytebound.paths import DEFAULT_MODEL
 from bytebound.runner.backends import BackendPlan, bind_model
 from bytebound.runner.plan import alias_values
 from bytebound.runner.runner import ModelRunner, pow2_buckets
@@ -29,8 +30,6 @@ from bytebound.speculative.adaptive import AdaptiveSpeculation, adaptive_tokens,
 from bytebound.speculative.mtp import MTPDrafter, SpecStats
 from bytebound.speculative.round import StaticRound, mtp_tokens
 from bytebound.verify.watchdog import AcceptWatchdog, watch_rounds
-
-DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "ling-nano"
 
 
 @dataclass

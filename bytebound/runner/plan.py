@@ -78,8 +78,6 @@ ALIASES = (
     ("enforce_eager", "--enforce-eager", "graphs", "eager", None),
 )
 # The registry ops' older flags (values are backend names, not booleans).
-OP_FLAGS = {"moe": "--moe-backend", "linear": "--linear-backend", "kda": "--kda-backend", "mla": "--mla-backend"}
-
 
 @dataclass
 class PlanEntry:

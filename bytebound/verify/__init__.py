@@ -6,9 +6,19 @@
 * ``bytebound verify`` (``cli.py``).
 """
 
-from bytebound.verify.canaries import CanaryResult, run_canaries
-from bytebound.verify.manifest import build_manifest, format_manifest, print_manifest
-from bytebound.verify.watchdog import AcceptLengthAlarm, AcceptWatchdog, watch_rounds
+from importlib import import_module
 
-__all__ = ["AcceptLengthAlarm", "AcceptWatchdog", "CanaryResult", "build_manifest", "format_manifest",
-           "print_manifest", "run_canaries", "watch_rounds"]
+# Loaded on first use (PEP 562), so that importing ``bytebound.verify.cli`` to build the command line's parser does not
+# import torch through the canaries and the manifest.
+_WHERE = {"CanaryResult": "canaries", "run_canaries": "canaries", "build_manifest": "manifest",
+          "format_manifest": "manifest", "print_manifest": "manifest", "AcceptLengthAlarm": "watchdog",
+          "AcceptWatchdog": "watchdog", "watch_rounds": "watchdog"}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
