@@ -77,7 +77,7 @@ ALIASES = (
     ("spec_static_round", "--spec-static-round", "round", "static", "eager"),
     ("enforce_eager", "--enforce-eager", "graphs", "eager", None),
 )
-# The registry ops' older flags (values are backend names, not booleans).
+
 
 @dataclass
 class PlanEntry:

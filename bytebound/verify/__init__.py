@@ -8,8 +8,8 @@
 
 from importlib import import_module
 
-# Loaded on first use (PEP 562), so that importing ``bytebound.verify.cli`` to build the command line's parser does not
-# import torch through the canaries and the manifest.
+# Loaded on first use (PEP 562), so that importing ``bytebound.verify.cli`` to build the command line's parser
+# does not import torch through the canaries and the manifest.
 _WHERE = {"CanaryResult": "canaries", "run_canaries": "canaries", "build_manifest": "manifest",
           "format_manifest": "manifest", "print_manifest": "manifest", "AcceptLengthAlarm": "watchdog",
           "AcceptWatchdog": "watchdog", "watch_rounds": "watchdog"}
