@@ -709,9 +709,9 @@ def main() -> int:
     ap.add_argument("--tune-stream", action="store_true",
                     help="tune kernel A's pipelined chunks (KC) and kernel B's slot groups (SG) from each M's committed "
                          "config (tune_stream); the backends' table then uses the best")
-    ap.add_argument("--stream-a", default=None, metavar="JSON",
+    ap.add_argument("--stream-a", default=None, type=json.loads, metavar="JSON",
                     help="--tune-stream: kernel-A candidates (a JSON list of config overrides) instead of STREAM_A")
-    ap.add_argument("--stream-b", default=None, metavar="JSON",
+    ap.add_argument("--stream-b", default=None, type=json.loads, metavar="JSON",
                     help="--tune-stream: kernel-B candidates instead of STREAM_B ('[]': none)")
     ap.add_argument("--ncu-range", action="store_true",
                     help="for ncu --profile-from-start off: one eager call per layer at each M (routed + shared, the "
@@ -764,9 +764,7 @@ def main() -> int:
         tuned = tune(layers, ms, args.reps, out_dir, log)
         result["tune"] = tuned
     elif args.tune_stream:
-        tuned = tune_stream(layers, ms, args.reps, out_dir, log,
-                            None if args.stream_a is None else json.loads(args.stream_a),
-                            None if args.stream_b is None else json.loads(args.stream_b))
+        tuned = tune_stream(layers, ms, args.reps, out_dir, log, args.stream_a, args.stream_b)
         result["tune"] = tuned
 
     def save() -> None:             # after every section, so a run cut short keeps what it measured
