@@ -169,13 +169,15 @@ def test_cli_flag_needs_nextn():
     assert cfg.speculative_adaptive and cfg.adaptive_window == 8 and cfg.adaptive_probe_every == 32
 
 
-@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("static,pipe", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("forced", [False, True])
-def test_adaptive_greedy_equals_plain(quant_ckpt, reference, static, forced):
-    """Whatever the switching (this machine's timings, or a cost model that forces fallbacks and returns),
-    greedy output equals plain greedy; the forced case must switch both ways."""
+def test_adaptive_greedy_equals_plain(quant_ckpt, reference, static, pipe, forced):
+    """Whatever the switching (this machine's timings, or a cost model that forces fallbacks and returns) and
+    whether the plain phases are pipelined, greedy output equals plain greedy; the forced case must switch both
+    ways."""
     eng = Engine(model=str(quant_ckpt), max_model_len=256, speculative_steps=STEPS, spec_static_round=static,
-                 speculative_adaptive=True, **SMALL)
+                 speculative_adaptive=True, pipeline_decode=pipe, **SMALL)
+    assert eng.pipelined is pipe
     if forced:
         eng.adaptive.cost_model = Cycling()
     for p, want in reference.items():
@@ -276,11 +278,11 @@ def test_adaptive_sampling_reproducible_and_within_vocab(quant_ckpt):
     kw = dict(model=str(quant_ckpt), max_model_len=256, speculative_steps=STEPS, speculative_adaptive=True, **SMALL)
     sp = SamplingParams(max_tokens=30, temperature=0.8, top_k=20, seed=5, ignore_eos=True)
     outs = []
-    for _ in range(2):
-        eng = Engine(**kw)
+    for pipe in (False, False, True):    # pipelined plain phases draw the same random numbers in the same order
+        eng = Engine(**kw, pipeline_decode=pipe)
         eng.adaptive.cost_model = Cycling(period=8)
         outs.append(eng.generate([5, 6, 7, 8, 9, 10, 11], sp)[0])
-    assert outs[0].token_ids == outs[1].token_ids and len(outs[0].token_ids) == 30
+    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids and len(outs[0].token_ids) == 30
     assert outs[0].spec["adaptive"]["to_plain"] >= 1 and outs[0].spec["adaptive"]["plain_steps"] > 0
 
 

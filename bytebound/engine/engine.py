@@ -476,7 +476,8 @@ class Engine:
             # the captured round of the request's kind when there is one, else an uncaptured round for it
             rnd = self.spec_round if p.greedy else self.spec_round_sampled
             if self.adaptive is not None:
-                src = adaptive_tokens(self.runner, self.drafter, ids, p, gen, stats, self.adaptive, rnd)
+                src = adaptive_tokens(self.runner, self.drafter, ids, p, gen, stats, self.adaptive, rnd,
+                                      pipelined=self.pipelined)
             else:
                 src = mtp_tokens(self.runner, self.drafter, ids, p, gen, stats, rnd)
             yield from watch_rounds(src, stats, self.watchdog)

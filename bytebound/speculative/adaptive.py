@@ -124,6 +124,11 @@ class AdaptiveSpeculation:
         a, c = self.accept_length, self.round_cost
         return a / c if a is not None and c else None
 
+    def plain_left(self) -> int:
+        """Plain steps certainly left in this calibrate / plain phase, the one being timed included (0 in the
+        mtp and probe modes): a pipelined loop launches a step ahead only while this is above 1."""
+        return self._left if self.mode in ("calibrate", "plain") else 0
+
     def wants_rounds(self) -> bool:
         """Whether the next tokens should come from MTP rounds (mode mtp or probe)."""
         return self.mode in ("mtp", "probe")
@@ -266,7 +271,7 @@ class _Pending:
 
 @torch.inference_mode()
 def adaptive_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, gen, stats,
-                    ctrl: AdaptiveSpeculation, round_: StaticRound | None = None):
+                    ctrl: AdaptiveSpeculation, round_: StaticRound | None = None, pipelined: bool = False):
     """Yield ``(token, round)`` like :func:`bytebound.speculative.round.mtp_tokens`, each token from a plain decode
     step (round 0) or an MTP round (round ids 1, 2, ... over the request), as ``ctrl`` decides between tokens.
 
@@ -276,9 +281,14 @@ def adaptive_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, ge
         ``SpecStats`` (rounds only; plain steps are counted by ``ctrl``). ctrl: the engine's controller.
         round_: the :class:`~bytebound.speculative.round.StaticRound` for the rounds (the engine's captured
             round of ``p``'s kind, set to serve ``p`` and ``gen``), else an uncaptured one for ``p`` and ``gen``.
+        pipelined: plain phases launch each step before the host reads the token it follows (the engine's
+            ``pipelined``); the tokens are the same either way.
     """
     dev, k = runner.device, drafter.steps
     clock = ctrl.clock
+    cuda = dev.type == "cuda"
+    host = torch.empty(1, dtype=torch.long, pin_memory=cuda)     # the plain steps' host reads
+    ready = torch.cuda.Event() if cuda else None
     rnd = round_.use(p, gen) if round_ is not None else StaticRound(runner, drafter, p, gen)
     hid = runner.prefill(prompt.to(dev))
     y = sample(runner.logits(hid[-1:]), p, gen).view(1)
@@ -294,8 +304,6 @@ def adaptive_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, ge
         ctrl.observe_round(j + 1, seconds)
         return not ctrl.wants_rounds()
     while True:
-        if pend.n > runner_mod.PREFILL_CHUNK:         # bound what a long plain phase (or prompt) holds
-            pend.flush(drafter, runner.state, k + 1)
         if ctrl.wants_rounds():
             pend.flush(drafter, runner.state, k + 1)   # the catch-up is no part of the first round's cost
             ids, hs, first = pend.take()
@@ -305,15 +313,40 @@ def adaptive_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, ge
             ids, hs, first, y = rnd.pending()          # the last round's committed positions feed the NEXTN later
             pend = _Pending(ids, hs, first)
             continue
+        # a plain phase: one step per token, each timed from the host read before it (or its launch) to its own
+        # host read. Pipelined (the engine's plain loop, ``EngineConfig.pipeline_decode``): the next step is
+        # launched before this step's token is read, but only while the phase surely goes on (``plain_left``),
+        # so the steps, their generator draws and the switches are those of the unpipelined loop
+        ahead = None                                   # (token [1], hidden [1, H]) of a step already launched
         t0 = clock()
-        nxt, h = runner.decode_token(y, p, gen)        # [1], [1, H]: the token graphs' static buffers on CUDA
-        tok = int(nxt)                                 # the step's host read
-        dt = clock() - t0
-        nxt = nxt.clone()
-        pend.append(nxt, h.clone())
-        ctrl.observe_plain(dt)
-        y = nxt
-        yield tok, 0
+        while not ctrl.wants_rounds():
+            if pend.n > runner_mod.PREFILL_CHUNK:     # bound what a long plain phase holds
+                pend.flush(drafter, runner.state, k + 1)
+            if ahead is None:
+                t0 = clock()
+                ahead = _plain_step(runner, y, p, gen)
+            nxt, h = ahead
+            ahead = None
+            host.copy_(nxt, non_blocking=cuda)
+            if ready is not None:
+                ready.record()
+            if pipelined and ctrl.plain_left() > 1 and runner.pos + 1 <= runner.max_len:
+                ahead = _plain_step(runner, nxt, p, gen)
+            if ready is not None:
+                ready.synchronize()
+            tok = int(host[0])                         # the step's host read
+            t1 = clock()
+            pend.append(nxt, h)
+            ctrl.observe_plain(t1 - t0)
+            t0, y = t1, nxt
+            yield tok, 0
+
+
+def _plain_step(runner, tok: torch.Tensor, p: SamplingParams, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch one plain decode step of ``tok [1]``: its token ``[1]`` and hidden ``[1, H]``, copied out of the token
+    graphs' static buffers (in stream order, before any later step rewrites them)."""
+    nxt, h = runner.decode_token(tok, p, gen)
+    return nxt.clone(), h.clone()
 
 
 def check_knobs(cfg) -> None:
