@@ -76,6 +76,72 @@ def test_split_constexprs_follow_the_fitted_config(m, shared):
     assert (a["WD8"] is not None, b["WD8"] is not None) == (shared, shared)
 
 
+def test_split_decode_key(monkeypatch):
+    """``DQ``: the shift decode (1) by default, the table (0) on request, anything else a named error; the constexprs
+    carry it to both kernels unless the launch lowers it (scales the shift decode cannot take, or the A/B switch
+    ``BYTEBOUND_MOE_DQ=0``), and the config source says which decode runs and why."""
+    kern = _host_kernel(512, 2560, 768)
+    cfg = ts.fit_split_config({}, 2560, 768)
+    assert ts.launch_dq(kern, cfg) == (1, "") and ts.launch_dq(kern, dict(cfg, DQ=0)) == (0, "")
+    kern.configs = {1: cfg}
+    assert kern.config_source(1, 8) == "split, given by the caller, shift decode"
+    monkeypatch.setenv("BYTEBOUND_MOE_DQ", "0")
+    assert ts.launch_dq(kern, cfg) == (0, "BYTEBOUND_MOE_DQ=0")
+    monkeypatch.delenv("BYTEBOUND_MOE_DQ")
+    kern.scale_max, kern.shift_decode = 130, False
+    assert ts.launch_dq(kern, cfg) == (0, "an E8M0 scale byte 130 > 128")
+    assert kern.config_source(1, 8) == "split, given by the caller, table decode (an E8M0 scale byte 130 > 128)"
+    assert ts.fit_split_config({}, 2560, 768)["DQ"] == 1
+    c = ts.fit_split_config({"DQ": 0}, 2560, 768)
+    assert c["DQ"] == 0
+    with pytest.raises(BackendError, match="DQ"):
+        ts.fit_split_config({"DQ": 2}, 2560, 768)
+    if ts.gl is not None:
+        a, b = ts.split_constexprs(1, 8, 2560, 768, ts.fit_split_config({}, 2560, 768), True, False, True, 1)
+        assert a["DQ"] == b["DQ"] == 1
+        a, b = ts.split_constexprs(1, 8, 2560, 768, ts.fit_split_config({}, 2560, 768), True, False, True, 1, dq=0)
+        assert a["DQ"] == b["DQ"] == 0
+
+
+def _shift_decode(word: torch.Tensor, e8m0: torch.Tensor) -> torch.Tensor:
+    """``triton_moe_split.ASM_DEQ8_SHIFT`` in torch (int64 for the bit maths, BF16 for the product): int32 words
+    ``[N]`` and E8M0 bytes ``[N]`` -> BF16 ``[N, 8]``, value ``i`` of register ``i // 2`` half ``i % 2`` (code
+    ``i // 2 + 4 (i % 2)`` of the word)."""
+    w = word.to(torch.int64) & 0xFFFFFFFF
+    m = 0xFFFFFFFF
+    regs = [(((w << 6) & 0x01C001C0) | ((w << 12) & 0x80008000)) & m,
+            (((w << 2) & 0x01C001C0) | ((w << 8) & 0x80008000)) & m,
+            (((w >> 2) & 0x01C001C0) | ((w << 4) & 0x80008000)) & m,
+            (((w >> 6) & 0x01C001C0) | (w & 0x80008000)) & m]
+    f = ((e8m0.to(torch.int64) + 126) << 7).to(torch.int16).view(torch.bfloat16)     # 2^(E-1), one half
+    out = []
+    for r in regs:
+        for half in (r & 0xFFFF, r >> 16):
+            v = torch.where(half >= 1 << 15, half - (1 << 16), half).to(torch.int16).view(torch.bfloat16)
+            out.append(v * f)
+    return torch.stack(out, -1)
+
+
+def test_shift_decode_maths_equals_e2m1():
+    """The shift decode's bit maths (the 2^126 factor folded into the E8M0 scale, BF16 subnormals for the 0.5
+    code) gives the float64 MXFP4 value of every code at every E8M0 byte 0..128, in the documented code order;
+    and byte 129 is where it would stop being exact (its factor 2^128 is not a finite BF16)."""
+    from bytebound.quant import dequantize_mxfp4
+    g = torch.Generator().manual_seed(0)
+    blocks = 129 * 16                                   # 32-value E8M0 blocks: 4 words each, 16 blocks per byte
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (blocks * 4,), generator=g, dtype=torch.int32)
+    words[:2] = torch.tensor([0x76543210, 0xFEDCBA98 - (1 << 32)], dtype=torch.int32)             # every code
+    e = torch.arange(129, dtype=torch.uint8).repeat_interleave(16)                               # [blocks]
+    got = _shift_decode(words, e.repeat_interleave(4)).double().view(blocks, 4, 8)               # register order
+    ref = dequantize_mxfp4(words.view(torch.uint8).view(blocks, 16), e.view(blocks, 1), torch.float64)
+    ref = ref.view(blocks, 4, 8)                                                  # [block, word, code]
+    order = [0, 4, 1, 5, 2, 6, 3, 7]                                              # register r: codes r, r + 4
+    assert torch.equal(got, ref[:, :, order])
+    assert ts.SHIFT_DECODE_MAX_E8M0 == 128
+    f129 = torch.tensor([(129 + 126) << 7], dtype=torch.int64).to(torch.int16).view(torch.bfloat16)
+    assert not torch.isfinite(f129.float()).all()
+
+
 def test_split_fit_picks_the_nearest_slice_count():
     assert ts.fit_split_config({"KP": 4, "KP2": 3}, 2560, 768)["KP"] == 5       # 2560/4 = 640 is not 128 x 2^n
     assert ts.fit_split_config({"KP": 10, "KP2": 3}, 2560, 768)["KP2"] == 3
@@ -177,6 +243,7 @@ def _host_kernel(e, h, i):
     kern = object.__new__(tm.MoEKernel)
     kern.e, kern.h, kern.i, kern.configs, kern._fitted = e, h, i, {}, {}
     kern.cnt = torch.zeros(1, dtype=torch.int32)
+    kern.scale_max, kern.shift_decode = 122, True      # E8M0 bytes of real weights' size: the shift decode
     return kern
 
 
@@ -217,7 +284,7 @@ def test_shared_expert_fusion_and_manifest_record_by_capability(monkeypatch, nam
     tuning = _moe_tuning(model)
     if fused:
         assert plan.resolutions["moe"].shared == f"fused into the routed kernels ({len(moes)} layers)"
-        assert tuning["M=1"] == tuning["M=4"] == "split, sm_90 default (tuned on NVIDIA H200)"
+        assert tuning["M=1"] == tuning["M=4"] == "split, sm_90 default (tuned on NVIDIA H200), shift decode"
     else:
         assert plan.resolutions["moe"].shared.startswith("dense; not fused: the triton MoE configs")
         assert tuning["M=1"].startswith("gluon, untuned class default (no entry for NVIDIA A100-SXM4-80GB or sm_80")

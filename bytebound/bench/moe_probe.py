@@ -40,7 +40,7 @@ if gluon is not None:
         return wv, sv
 
     @gluon.jit
-    def _frag_zero(w, s, c0, c1, c2, c3, c4, DA: gl.constexpr):
+    def _frag_zero(w, s, c0, c1, c2, c3, c4, DA: gl.constexpr, DQ: gl.constexpr = 0):
         """``load_only``'s ``frag_dequant``: a zero A operand of the decoded tile's shape."""
         R: gl.constexpr = w.shape[0]
         NS: gl.constexpr = w.shape[1]

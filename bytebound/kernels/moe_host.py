@@ -193,6 +193,10 @@ class MoEKernel:
                    False: torch.zeros(self.h, NP, dtype=torch.float32, device=dev)}
         self.cnt = torch.zeros(1, dtype=torch.int32, device=dev)
         self.lut = lut_tensor(dev)
+        # the split kernels' shift decode needs every E8M0 byte <= 128 (a scale <= 2: real weights' scales are far
+        # below); larger ones keep the table decode (config_source says which)
+        self.scale_max = int(torch.maximum(ex.w13_scale.max(), ex.w2_scale.max()))
+        self.shift_decode = self.scale_max <= triton_moe_split.SHIFT_DECODE_MAX_E8M0
         self.sm90 = torch.cuda.get_device_capability(dev)[0] >= 9     # PDL (the 'split' variant's kernel B)
         self.limit = ex.limit
         self.configs = dict(configs or {})
@@ -231,6 +235,9 @@ class MoEKernel:
         ``"given by the caller"``), prefixed with the variant: e.g. ``"split, sm_90 default (tuned on NVIDIA
         H200)"``."""
         _, cfg, source = self._config(m, k)
+        if cfg["variant"] == "split":
+            dq, why = triton_moe_split.launch_dq(self, cfg)
+            return f"split, {source}, {'shift' if dq else 'table'} decode" + (f" ({why})" if why else "")
         return f"{cfg['variant']}, {source}"
 
     def _config(self, m: int, k: int) -> tuple:

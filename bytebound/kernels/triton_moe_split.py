@@ -52,7 +52,9 @@ pipeline, :func:`_gateup_routed`), ``SG`` (default 1: kernel B's slots per progr
 order, :func:`_down_routed_group`), ``pdl`` (default true), ``pdl_in`` (0, the default: kernel A is an ordinary
 launch; 1: A is launched as a PDL dependent of the kernel before it, the router, so its programs start while the
 router runs and wait before touching ``ids``, x or the scratch; 2: as 1, and the shared slot loads its first weights
-before waiting). Constraints: H/(KP*KC) and I/KP2 are 128 x a power of two,
+before waiting), ``DQ`` (the E2M1 decode of the routed slots, :func:`frag_dequant`: 1, the default, shifts the
+codes into BF16 with 2^126 folded into the E8M0 scale; 0 decodes through PRMT tables. A binding whose E8M0 scales
+exceed :data:`SHIFT_DECODE_MAX_E8M0` runs 0 whatever the config says, ``MoEKernel.shift_decode``). Constraints: H/(KP*KC) and I/KP2 are 128 x a power of two,
 ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (an mma row tile per warp); :func:`fit_split_config` fits a
 config to a model's shape or raises BackendError.
 
@@ -67,6 +69,7 @@ builds a private copy of this module with the weight-tile loader (:func:`mxfp4_t
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -144,12 +147,56 @@ mov.b32 {$6, $7}, o3;
 }
 """)
 
+    # The shift decode (``DQ`` 1): no table. Output register r (0..3) holds codes r and r + 4 of the word, 16 bits
+    # apart as the two BF16 halves are. A code's magnitude bits (e1 e0 m) go to bits 8, 7, 6 of its half and its
+    # sign to bit 15: the BF16 exponent field is then e (0..3) and the top mantissa bit m, so a normal code (e >= 1)
+    # reads 2^(e-127) (1 + m/2) and the subnormal one (e = 0) m 2^-127: E2M1's 2^(e-1) (1 + m/2) and m/2 times
+    # 2^-126 alike. $9 is the BF16x2 factor 2^126 x the E8M0 scale = 2^(E-1) (E <= 128: a normal BF16), so the
+    # product is the LUT decode's value bit for bit (the same real product, the same rounding); BF16 multiplies
+    # keep subnormal inputs (PTX: no .ftz for bf16). ~19 instructions per word against the table's ~21 + the
+    # table registers' moves, and no table registers.
+    ASM_DEQ8_SHIFT = gl.constexpr("""
+{
+.reg .b32 a<8>;
+shl.b32  a0, $8, 6;
+and.b32  a0, a0, 0x01C001C0;
+shl.b32  a1, $8, 12;
+and.b32  a1, a1, 0x80008000;
+or.b32   a0, a0, a1;
+shl.b32  a2, $8, 2;
+and.b32  a2, a2, 0x01C001C0;
+shl.b32  a3, $8, 8;
+and.b32  a3, a3, 0x80008000;
+or.b32   a2, a2, a3;
+shr.u32  a4, $8, 2;
+and.b32  a4, a4, 0x01C001C0;
+shl.b32  a5, $8, 4;
+and.b32  a5, a5, 0x80008000;
+or.b32   a4, a4, a5;
+shr.u32  a6, $8, 6;
+and.b32  a6, a6, 0x01C001C0;
+and.b32  a7, $8, 0x80008000;
+or.b32   a6, a6, a7;
+mul.rn.bf16x2 a0, a0, $9;
+mul.rn.bf16x2 a2, a2, $9;
+mul.rn.bf16x2 a4, a4, $9;
+mul.rn.bf16x2 a6, a6, $9;
+mov.b32 {$0, $1}, a0;
+mov.b32 {$2, $3}, a2;
+mov.b32 {$4, $5}, a4;
+mov.b32 {$6, $7}, a6;
+}
+""")
+
     ASM_FENCE = gl.constexpr("fence.acq_rel.gpu; mov.u32 $0, 0;")
 else:  # pragma: no cover
-    ASM_DEQ8 = ASM_FENCE = None
+    ASM_DEQ8 = ASM_DEQ8_SHIFT = ASM_FENCE = None
+
+# The largest E8M0 byte the shift decode takes: its factor 2^(E-1) must be a finite BF16 (E - 1 <= 127).
+SHIFT_DECODE_MAX_E8M0 = 128
 
 SPLIT_DEFAULT = {"variant": "split", "BI": 32, "KP": 10, "num_warps": 4, "BH": 64, "KP2": 3, "down_warps": 4,
-                 "pdl": True}
+                 "pdl": True, "DQ": 1}
 
 if gluon is not None:
     @gluon.jit
@@ -161,7 +208,7 @@ if gluon is not None:
         gl.thread_barrier()
 
     @gluon.jit
-    def frag_dequant(w, s, c0, c1, c2, c3, c4, DA: gl.constexpr):
+    def frag_dequant(w, s, c0, c1, c2, c3, c4, DA: gl.constexpr, DQ: gl.constexpr = 0):
         """E2M1 words straight into mma A fragments, with no shared-memory round trip.
 
         ``w`` int32 ``[R, NS, 4, 4]`` in :func:`word_layout` (row, 128-column super-block, scale block t, word
@@ -170,14 +217,27 @@ if gluon is not None:
         physical column ``128s + 32t + 8tau + 4p + 2h + j``. The B operand must be permuted the same way
         (:func:`_load_b`); a dot product does not care in which order it sums. The permutation is chosen so that
         each thread's 16-byte vector of 4 words is exactly the 32 values its A fragments need over 8 k tiles, so
-        the layout conversion below is free (asserted at compile time)."""
+        the layout conversion below is free (asserted at compile time).
+
+        ``DQ`` 0: the PRMT table decode (:data:`ASM_DEQ8`, the table words ``c0..c4``); value ``(p, h, j)`` of a word
+        is its code ``4p + 2h + j``. ``DQ`` 1: the shift decode (:data:`ASM_DEQ8_SHIFT`, no table: ``c0..c4`` are
+        unused; every E8M0 byte at most :data:`SHIFT_DECODE_MAX_E8M0`); value ``(p, h, j)`` is code ``4j + 2p + h``,
+        so the physical column above reads ``128s + 32t + 8tau + 4j + 2p + h``, and :func:`_load_b` must be given
+        the same ``DQ``."""
         R: gl.constexpr = w.shape[0]
         NS: gl.constexpr = w.shape[1]
-        s16 = s.to(gl.int32) << 7
-        s2 = gl.broadcast(gl.expand_dims(s16 | (s16 << 16), 3), w)[0]
-        v = gl.inline_asm_elementwise(ASM_DEQ8, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r",
-                                      [w, s2, c0, c1, c2, c3, c4], (gl.bfloat16,) * 8, True, 1)
-        # v[i] is the value at offset i = 4p + 2h + j of the word; joins append dims j, h, p
+        if DQ == 1:
+            # (E + 126) in both halves' exponent fields: the BF16x2 factor 2^(E-1) (E <= 128 keeps it below 2^31)
+            sf = s.to(gl.int32) * 0x00800080 + 0x3F003F00
+            s2 = gl.broadcast(gl.expand_dims(sf, 3), w)[0]
+            v = gl.inline_asm_elementwise(ASM_DEQ8_SHIFT, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, s2],
+                                          (gl.bfloat16,) * 8, True, 1)
+        else:
+            s16 = s.to(gl.int32) << 7
+            s2 = gl.broadcast(gl.expand_dims(s16 | (s16 << 16), 3), w)[0]
+            v = gl.inline_asm_elementwise(ASM_DEQ8, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r",
+                                          [w, s2, c0, c1, c2, c3, c4], (gl.bfloat16,) * 8, True, 1)
+        # v[i] is value i = 4p + 2h + j of the word (its code: above); joins append dims j, h, p
         a = gl.join(gl.join(gl.join(v[0], v[1]), gl.join(v[2], v[3])),
                     gl.join(gl.join(v[4], v[5]), gl.join(v[6], v[7])))
         a = gl.permute(a, [0, 1, 3, 6, 5, 2, 4])          # [R, NS, t, tau, j, h, p] -> [R, NS, tau, p, h, t, j]
@@ -226,14 +286,15 @@ mov.b32 {$2, $3}, a1;
 
     @gluon.jit
     def _load_b(src_ptr, row_stride, M: gl.constexpr, NS: gl.constexpr, NW: gl.constexpr, DB: gl.constexpr,
-                ok=True):
+                ok=True, DQ: gl.constexpr = 0):
         """B operand ``[128*NS, 8]`` BF16 (tokens padded to 8 columns, 0 for ``n >= M``) straight into the mma
         B-fragment layout ``DB``, in the logical k order of :func:`frag_dequant`: ``B[kappa, n] = src[n *
         row_stride + phys(kappa)]``. Lane ``4g + t`` needs token ``g``'s 32 contiguous columns ``128s + 32t ..
         128s + 32t + 31`` of each super-block, so it loads them as four 16-byte vectors and the reshape to ``DB`` is
         free (asserted). ``src`` is x or act (L2-resident); every warp loads the whole operand (the B fragments are
         the same in every warp). ``ok`` false (a scalar): all zeros, nothing loaded (a slot kernel B's slot loop
-        skips)."""
+        skips). ``DQ``: the A operand's decode (:func:`frag_dequant`), whose order within a word this follows (0 also
+        for the FP8 operands, :func:`_frag_fp8`)."""
         XL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 32], [1, 8, 4, 1], [1, 1, 1, NW], [3, 2, 1, 0])
         sb = gl.arange(0, NS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
         n = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
@@ -243,8 +304,11 @@ mov.b32 {$2, $3}, a1;
         msk3 = (n[None, :, None] < M) & (sb[:, None, None] >= 0) & (t[None, None, :] >= 0) & ok
         x = gl.load(src_ptr + off3[:, :, :, None] + c[None, None, None, :],
                     mask=msk3[:, :, :, None] & (c[None, None, None, :] >= 0), other=0.0)   # [NS, 8, 4, 32]
-        x = gl.reshape(x, [NS, 8, 4, 4, 2, 2, 2])            # c = 8tau + 4p + 2h + j
-        x = gl.permute(x, [0, 3, 4, 5, 2, 6, 1])             # [s, tau, p, h, t, j, n]
+        x = gl.reshape(x, [NS, 8, 4, 4, 2, 2, 2])
+        if DQ == 1:
+            x = gl.permute(x, [0, 3, 5, 6, 2, 4, 1])         # c = 8tau + 4j + 2p + h -> [s, tau, p, h, t, j, n]
+        else:
+            x = gl.permute(x, [0, 3, 4, 5, 2, 6, 1])         # c = 8tau + 4p + 2h + j -> [s, tau, p, h, t, j, n]
         return gl.convert_layout(gl.reshape(x, [NS * 128, 8]), DB, assert_trivial=True)
 
     @gluon.jit
@@ -332,7 +396,8 @@ mov.b32 {$2, $3}, a1;
                           H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
                           SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
                           WD: gl.constexpr, PDL: gl.constexpr, SHARED: gl.constexpr = False,
-                          WD8: gl.constexpr = None, PDL_IN: gl.constexpr = 0, KC: gl.constexpr = 1):
+                          WD8: gl.constexpr = None, PDL_IN: gl.constexpr = 0, KC: gl.constexpr = 1,
+                          DQ: gl.constexpr = 0):
         NW: gl.constexpr = gl.num_warps()
         S: gl.constexpr = M * TOPK
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
@@ -352,11 +417,11 @@ mov.b32 {$2, $3}, a1;
             else:
                 _pdl_in(PDL_IN, PDL, NW)
                 _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
-                               s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC)
+                               s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, DQ)
         else:
             _pdl_in(PDL_IN, PDL, NW)
             _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
-                           s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC)
+                           s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, DQ)
 
     @gluon.jit
     def _pdl_in(PDL_IN: gl.constexpr, PDL: gl.constexpr, NW: gl.constexpr):
@@ -428,7 +493,7 @@ mov.b32 {$2, $3}, a1;
                        s, j, p, H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
                        SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
                        WD: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
-                       DB: gl.constexpr, RL: gl.constexpr, KC: gl.constexpr = 1):
+                       DB: gl.constexpr, RL: gl.constexpr, KC: gl.constexpr = 1, DQ: gl.constexpr = 0):
         """Kernel A, routed slot ``s``: its expert's MXFP4 rows (unless an earlier slot owns the expert).
 
         ``KC == 1``: every weight byte of the program in one go. ``KC > 1``: the program's H slice in ``KC`` chunks
@@ -455,10 +520,10 @@ mov.b32 {$2, $3}, a1;
             sp = s13_ptr + e * (2 * I * (H // 32))
             c0 = p * (HK // 128)
             wv, sv = mxfp4_tile(wp, sp, row, c0, H, WD)
-            b = _load_b(x_ptr + p * HK, H, M, NS, NW, DB)
+            b = _load_b(x_ptr + p * HK, H, M, NS, NW, DB, DQ=DQ)
             if KC > 1:
                 wv1, sv1 = mxfp4_tile(wp, sp, row, c0 + NS, H, WD)
-                b1 = _load_b(x_ptr + p * HK + CW, H, M, NS, NW, DB)
+                b1 = _load_b(x_ptr + p * HK + CW, H, M, NS, NW, DB, DQ=DQ)
             t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
             tw = gl.load(tw_ptr + t, mask=t < S, other=0.0)
             mcol = gl.arange(0, NPC, layout=gl.SliceLayout(1, RL))
@@ -473,8 +538,8 @@ mov.b32 {$2, $3}, a1;
             for c in gl.static_range(KC):
                 if c + 2 < KC:
                     wv2, sv2 = mxfp4_tile(wp, sp, row, c0 + (c + 2) * NS, H, WD)
-                    b2 = _load_b(x_ptr + p * HK + (c + 2) * CW, H, M, NS, NW, DB)
-                acc = mma_v2(frag_dequant(wv, sv, l0, l1, l2, l3, l4, DA), b, acc)
+                    b2 = _load_b(x_ptr + p * HK + (c + 2) * CW, H, M, NS, NW, DB, DQ=DQ)
+                acc = mma_v2(frag_dequant(wv, sv, l0, l1, l2, l3, l4, DA, DQ), b, acc)
                 if c + 1 < KC:
                     wv, sv, b = wv1, sv1, b1
                 if c + 2 < KC:
@@ -541,7 +606,8 @@ mov.b32 {$2, $3}, a1;
     def _moe_down_split(act_ptr, ids_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, cnt_ptr, lut_ptr, sw2_ptr, ss2_ptr,
                         H: gl.constexpr, I: gl.constexpr, M: gl.constexpr, S: gl.constexpr, SP: gl.constexpr,
                         BH: gl.constexpr, KP2: gl.constexpr, WD: gl.constexpr, PDL: gl.constexpr,
-                        SHARED: gl.constexpr = False, WD8: gl.constexpr = None, SG: gl.constexpr = 1):
+                        SHARED: gl.constexpr = False, WD8: gl.constexpr = None, SG: gl.constexpr = 1,
+                        DQ: gl.constexpr = 0):
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         GR: gl.constexpr = (S + SG - 1) // SG   # groups of SG routed slots (SG 1: one slot per program)
@@ -568,16 +634,16 @@ mov.b32 {$2, $3}, a1;
                              DB, OL)
             elif SG == 1:
                 _down_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, slot, omask, s, hb, kq, H, I, M, S,
-                             SP, BH, KP2, WD, PDL, MMA, DA, DB, RL, OL)
+                             SP, BH, KP2, WD, PDL, MMA, DA, DB, RL, OL, DQ)
             else:
                 _down_routed_group(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, slot, omask, s, hb, kq, H, I, M, S,
-                                   SP, BH, KP2, SG, WD, PDL, MMA, DA, DB, RL, OL)
+                                   SP, BH, KP2, SG, WD, PDL, MMA, DA, DB, RL, OL, DQ)
         elif SG == 1:
             _down_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, slot, omask, s, hb, kq, H, I, M, S,
-                         SP, BH, KP2, WD, PDL, MMA, DA, DB, RL, OL)
+                         SP, BH, KP2, WD, PDL, MMA, DA, DB, RL, OL, DQ)
         else:
             _down_routed_group(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, slot, omask, s, hb, kq, H, I, M, S,
-                               SP, BH, KP2, SG, WD, PDL, MMA, DA, DB, RL, OL)
+                               SP, BH, KP2, SG, WD, PDL, MMA, DA, DB, RL, OL, DQ)
 
         _fence_all(NW)
         ticket = gl.atomic_add(cnt_ptr + hb, 1, sem="acq_rel", scope="gpu")
@@ -623,7 +689,8 @@ mov.b32 {$2, $3}, a1;
     def _down_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, slot, omask, s, hb, kq, H: gl.constexpr,
                      I: gl.constexpr, M: gl.constexpr, S: gl.constexpr, SP: gl.constexpr, BH: gl.constexpr,
                      KP2: gl.constexpr, WD: gl.constexpr, PDL: gl.constexpr,
-                     MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, RL: gl.constexpr, OL: gl.constexpr):
+                     MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, RL: gl.constexpr, OL: gl.constexpr,
+                     DQ: gl.constexpr = 0):
         """Kernel B, routed slot ``s``: its expert's MXFP4 ``W2`` rows into the partial slot, or a zero partial
         when an earlier slot owns the expert."""
         NW: gl.constexpr = gl.num_warps()
@@ -640,10 +707,10 @@ mov.b32 {$2, $3}, a1;
             wv, sv = mxfp4_tile(w2_ptr + e * (H * (I // 8)), s2_ptr + e * (H * (I // 32)), hb * BH + h, kq * NS,
                                  I, WD)
             frag = frag_dequant(wv, sv, gl.load(lut_ptr), gl.load(lut_ptr + 1), gl.load(lut_ptr + 2),
-                                 gl.load(lut_ptr + 3), gl.load(lut_ptr + 4), DA)
+                                 gl.load(lut_ptr + 3), gl.load(lut_ptr + 4), DA, DQ)
             if PDL:
                 _gdc("griddepcontrol.wait; mov.u32 $0, 0;", NW)
-            b = _load_b(act_ptr + s * M * I + kq * IK, I, M, NS, NW, DB)
+            b = _load_b(act_ptr + s * M * I + kq * IK, I, M, NS, NW, DB, DQ=DQ)
             acc = mma_v2(frag, b, gl.zeros([BH, NPC], gl.float32, MMA))
             gl.store(slot, gl.convert_layout(acc, OL), mask=omask)
         else:       # a duplicate slot: its expert's share is in the owner's partial
@@ -656,7 +723,7 @@ if gluon is not None:
                            I: gl.constexpr, M: gl.constexpr, S: gl.constexpr, SP: gl.constexpr, BH: gl.constexpr,
                            KP2: gl.constexpr, SG: gl.constexpr, WD: gl.constexpr, PDL: gl.constexpr,
                            MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, RL: gl.constexpr,
-                           OL: gl.constexpr):
+                           OL: gl.constexpr, DQ: gl.constexpr = 0):
         """Kernel B, routed slots ``g*SG .. g*SG + SG - 1`` (``SG > 1``): their experts' ``W2`` rows of block
         ``hb``, I slice ``kq``, summed in slot order into one float32 accumulator and one partial slot, so the
         last program of the row block sums ``SG`` times fewer partials. A slot past ``S``, or whose expert an
@@ -688,7 +755,7 @@ if gluon is not None:
         l4 = gl.load(lut_ptr + 4)
         if PDL:
             _gdc("griddepcontrol.wait; mov.u32 $0, 0;", NW)
-        b = _load_b(act_ptr + s0 * M * I + kq * IK, I, M, NS, NW, DB, ok0)
+        b = _load_b(act_ptr + s0 * M * I + kq * IK, I, M, NS, NW, DB, ok0, DQ)
         acc = gl.zeros([BH, NPC], gl.float32, MMA)
         for i in gl.static_range(SG):
             if i + 2 < SG:
@@ -696,8 +763,8 @@ if gluon is not None:
                 wv2, sv2 = mxfp4_tile_if(w2_ptr + e2 * (H * (I // 8)), s2_ptr + e2 * (H * (I // 32)), rows, kq * NS,
                                          I, WD, ok2)
             if i + 1 < SG:
-                b1 = _load_b(act_ptr + (s0 + i + 1) * M * I + kq * IK, I, M, NS, NW, DB, ok1)
-            acc = mma_v2(frag_dequant(wv, sv, l0, l1, l2, l3, l4, DA), b, acc)
+                b1 = _load_b(act_ptr + (s0 + i + 1) * M * I + kq * IK, I, M, NS, NW, DB, ok1, DQ)
+            acc = mma_v2(frag_dequant(wv, sv, l0, l1, l2, l3, l4, DA, DQ), b, acc)
             if i + 1 < SG:
                 wv, sv, b = wv1, sv1, b1
             if i + 2 < SG:
@@ -764,6 +831,9 @@ def fit_split_config(cfg: dict, h: int, i: int) -> dict:
     kc = max(d for d in range(1, min(kc_want, chunks) + 1) if chunks % d == 0)
     cfg["KP"], cfg["KC"], cfg["KP2"] = chunks // kc, kc, kp2
     cfg["SG"] = max(1, int(cfg.get("SG", 1)))
+    if cfg.get("DQ") not in (0, 1):
+        raise BackendError(f"moe[triton] variant 'split': DQ (the E2M1 decode) must be 0 (table) or 1 (shift), "
+                           f"got {cfg.get('DQ')!r}")
     cfg["BI"] = fit_pow2(cfg["BI"], i, 8)
     cfg["BH"] = fit_pow2(cfg["BH"], h, 16)
     if not (cfg["BI"] and cfg["BH"]):
@@ -821,13 +891,36 @@ def shared_fp8(mlp, h: int, i: int) -> SharedFP8:
                      s2=_bf16x2_factor(d.weight_scale_inv.data, "down"), limit=mlp.limit)
 
 
+def table_decode_forced() -> bool:
+    """True when ``BYTEBOUND_MOE_DQ=0``: the ``split`` kernels decode E2M1 through the PRMT tables (``DQ`` 0) whatever
+    the config says. An A/B switch (``scripts/profile_decode.py --ab BYTEBOUND_MOE_DQ=0``), read at each launch, so
+    a graph captured after setting it runs the table decode."""
+    return os.environ.get("BYTEBOUND_MOE_DQ", "1") == "0"
+
+
+def launch_dq(kern, cfg: dict) -> tuple[int, str]:
+    """The E2M1 decode a launch of ``kern`` (a ``MoEKernel``) with the fitted ``cfg`` runs, and why: ``(1, "")``
+    when the config asks for the shift decode and the binding's scales allow it, else ``(0, reason)`` (``""`` when
+    the config asked for the table)."""
+    if int(cfg.get("DQ", 0)) != 1:
+        return 0, ""
+    if table_decode_forced():
+        return 0, "BYTEBOUND_MOE_DQ=0"
+    if not kern.shift_decode:
+        return 0, f"an E8M0 scale byte {kern.scale_max} > {SHIFT_DECODE_MAX_E8M0}"
+    return 1, ""
+
+
 def split_constexprs(m: int, k: int, h: int, i: int, cfg: dict, shared: bool, has_limit: bool, pdl: bool,
-                     pdl_in: int) -> tuple[dict, dict]:
+                     pdl_in: int, dq: int | None = None) -> tuple[dict, dict]:
     """The compile-time arguments of kernel A (``_moe_gateup_split``) and kernel B (``_moe_down_split``) for ``m``
     tokens of top ``k`` at hidden ``h`` and intermediate ``i`` under a fitted ``cfg`` (:func:`fit_split_config`):
     the one derivation :func:`launch_split` launches with and ``scripts/split_ptxas.py`` compiles offline, so the
     two cannot drift. ``shared``: the shared expert is one more slot; ``has_limit``: a SwiGLU clamp in the launch;
-    ``pdl`` / ``pdl_in``: as the config's ``pdl`` / ``pdl_in`` on an sm_90 device (0 / False elsewhere)."""
+    ``pdl`` / ``pdl_in``: as the config's ``pdl`` / ``pdl_in`` on an sm_90 device (0 / False elsewhere); ``dq``: the
+    E2M1 decode of both kernels' routed slots (:func:`frag_dequant`; default the config's ``DQ``, which
+    :func:`launch_split` lowers to 0 for scales the shift decode cannot take)."""
+    dq = int(cfg.get("DQ", 0)) if dq is None else int(dq)
     s = m * k
     sp = max(32, 1 << (s - 1).bit_length())
     bi, kp, bh, kp2 = cfg["BI"], cfg["KP"], cfg["BH"], cfg["KP2"]
@@ -836,10 +929,10 @@ def split_constexprs(m: int, k: int, h: int, i: int, cfg: dict, shared: bool, ha
     a = dict(H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, KP=kp, HAS_LIMIT=has_limit,
              WD=word_layout(2 * bi, h // kp // kc // 128, nw), PDL=pdl, SHARED=shared,
              WD8=fp8_word_layout(2 * bi, max(1, h // kp // kc // 256), nw) if shared else None,
-             PDL_IN=pdl_in, KC=kc)
+             PDL_IN=pdl_in, KC=kc, DQ=dq)
     b = dict(H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2, SG=max(1, min(int(cfg.get("SG", 1)), s)),
              WD=word_layout(bh, i // kp2 // 128, dw), PDL=pdl, SHARED=shared,
-             WD8=fp8_word_layout(bh, i // kp2 // 128, dw) if shared else None)
+             WD8=fp8_word_layout(bh, i // kp2 // 128, dw) if shared else None, DQ=dq)
     return a, b
 
 
@@ -876,7 +969,7 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
     pdl = bool(cfg.get("pdl", True)) and kern.sm90
     pdl_in = int(cfg.get("pdl_in", 0)) if kern.sm90 else 0
     sw13, ss13, sw2, ss2 = (sh.w13w, sh.s13, sh.w2w, sh.s2) if sh is not None else (kern.w13w, kern.lut) * 2
-    ca, cb = split_constexprs(m, k, h, i, cfg, sh is not None, has_limit, pdl, pdl_in)
+    ca, cb = split_constexprs(m, k, h, i, cfg, sh is not None, has_limit, pdl, pdl_in, launch_dq(kern, cfg)[0])
     _moe_gateup_split[(nj, st, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
                                     sw13, ss13, slimit, **ca, num_warps=cfg["num_warps"], launch_pdl=pdl_in > 0)
     _moe_down_split[(h // bh, gt, kp2)](act, ids, kern.w2w, kern.s2, out, part_b, cnt_b, kern.lut, sw2, ss2,

@@ -89,9 +89,10 @@ MOE_MODES = [("gluon", False), ("gluon", True), ("tl", False), ("tl", True), ("s
              ("split", {"BI": 32, "KP": 5, "num_warps": 4, "BH": 64, "KP2": 3, "down_warps": 4}),
              ("split", {"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "SG": 3}),
              ("split", {"BI": 32, "KP": 1, "KC": 4, "num_warps": 4, "SG": 8, "BH": 128, "down_warps": 8}),
+             ("split", {"DQ": 0}), ("split", {"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "SG": 3, "DQ": 0}),
              ("split", {"KP": 1})]
 MOE_IDS = ["gluon-atomics", "gluon-partials", "tl-atomics", "tl-partials", "split", "split-kp5", "split-kc5-sg3",
-           "split-kc4-sg8", "split-kp1"]
+           "split-kc4-sg8", "split-table", "split-kc5-sg3-table", "split-kp1"]
 
 
 def _moe_config(variant, partials):
@@ -343,6 +344,65 @@ def test_split_pdl_in_after_the_router(ling_experts, pdl_in, m, router):
         graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(o, out) for o in gout), "graph replay differs from eager"
+
+
+def _phys_column(k: int, dq: int) -> torch.Tensor:
+    """The physical column of each logical k of a ``k``-column tile (``triton_moe_split.frag_dequant``): logical
+    ``128s + 32tau + 16p + 8h + 2t + j`` holds column ``128s + 32t + 8tau + o``, ``o = 4p + 2h + j`` (DQ 0) or
+    ``4j + 2p + h`` (DQ 1)."""
+    kap = torch.arange(k)
+    s, r = kap // 128, kap % 128
+    tau, r = r // 32, r % 32
+    p, r = r // 16, r % 16
+    h, r = r // 8, r % 8
+    t, j = r // 2, r % 2
+    o = 4 * p + 2 * h + j if dq == 0 else 4 * j + 2 * p + h
+    return (128 * s + 32 * t + 8 * tau + o).to(DEV)
+
+
+@pytest.mark.parametrize("dq", [0, 1])
+def test_split_decode_and_operand_order(dq):
+    """The ``split`` kernels' E2M1 decode of one tile equals the float64 dequantisation exactly (every code, every
+    E8M0 byte the decode takes, the extremes included: DQ 1, the shift decode, 0..128 with its BF16 subnormal
+    codes; DQ 0, the table, 1..250), in the logical k order its docstring states; the B operand gather follows the
+    same order."""
+    import _decode_probe as probe
+    from bytebound.kernels.triton_moe_split import lut_tensor
+    from bytebound.quant import dequantize_mxfp4
+    g = torch.Generator(device=DEV).manual_seed(11 + dq)
+    r, k = probe.R, probe.K
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (r, k // 8), generator=g, device=DEV, dtype=torch.int32)
+    lo, hi = (0, 128) if dq else (1, 250)
+    scales = torch.randint(lo, hi + 1, (r, k // 32), generator=g, device=DEV, dtype=torch.uint8)
+    scales[0], scales[1] = lo, hi
+    x = torch.randn(8, k, generator=g, device=DEV).to(torch.bfloat16)
+    a, b = probe.run(words, scales, lut_tensor(DEV), x, dq)
+    ref = dequantize_mxfp4(words.view(torch.uint8), scales, torch.float64)
+    ph = _phys_column(k, dq)
+    bad = (a.double() != ref[:, ph]).nonzero()
+    assert bad.numel() == 0, (f"DQ {dq}: {bad.shape[0]} decoded values differ, first at {bad[0].tolist()}: "
+                              f"{a[tuple(bad[0])].item()} vs {ref[:, ph][tuple(bad[0])].item()}")
+    assert torch.equal(b, x.t()[ph]), f"DQ {dq}: the B operand is not in the decode's order"
+
+
+def test_split_shift_decode_refused_for_large_scales():
+    """A binding with an E8M0 byte above 128 (a scale above 2) runs the table decode whatever the config asks, says
+    so in its config source, and stays correct."""
+    from bytebound.kernels.moe_host import MoEKernel, fit_config
+    from bytebound.kernels.triton_moe_split import SPLIT_DEFAULT
+    ex = make_experts(TINY["e"], TINY["h"], TINY["i"], seed=5)
+    ex.w2_scale.data[3, 7, 1] = 131
+    fn = MoEKernel(ex)
+    fn.configs = {mm: fit_config(dict(SPLIT_DEFAULT), TINY["h"], TINY["i"]) for mm in range(1, 5)}
+    assert fn.shift_decode is False and fn.scale_max == 131
+    assert "table decode (an E8M0 scale byte 131 > 128)" in fn.config_source(1, TINY["k"])
+    ids, w = make_routing(4, TINY["e"], TINY["k"], shared=1, seed=9)
+    ids[0, 0] = 3
+    x = torch.randn(4, TINY["h"], device=DEV).to(torch.bfloat16)
+    out = _poisoned_call(fn, x, ids, w)
+    assert rel(out, moe_ref64(ex, x, ids, w)) <= 1e-2
+    ok = MoEKernel(make_experts(TINY["e"], TINY["h"], TINY["i"], seed=5), dict(fn.configs))
+    assert ok.shift_decode and ok.config_source(1, TINY["k"]).endswith("shift decode")
 
 
 def test_triton_moe_refuses_prefill(ling_experts):
