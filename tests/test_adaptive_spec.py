@@ -323,6 +323,11 @@ def test_adaptive_falls_back_at_accept_length_one(quant_ckpt, reference):
     # 2 calibration steps, 4 rounds, 16 plain, a 4-round probe, then plain again
     assert ad["to_plain"] == 2 and ad["to_mtp"] == 0 and ad["probes"] == 1 and ad["mode"] == "plain"
     assert ad["rounds"] == 8 and ad["plain_steps"] == MAX_NEW - 1 - 8
+    # NEXTN catch-ups between tokens: the prompt's after the calibration, the 16 plain tokens' at the probe
+    assert ad["catchups"] == 2 and ad["catchup_ms"] > 0
+    # each catch-up leaves the last k + 1 pending positions to the round's draft-extend; the rounds before the
+    # plain phase leave their committed one (a = 1) pending
+    assert eng.adaptive.counts["catchup_positions"] == (len(p) + 2 - (STEPS + 1)) + (1 + 16 - (STEPS + 1))
     assert ad["last_decision"]["speedup"] == pytest.approx(0.5)
     assert out.spec["accept_length"] == 1.0
     assert not eng.watchdog.alarm            # 8 rounds in a 16-round watchdog window: the fallback came first
@@ -340,6 +345,33 @@ def test_adaptive_falls_back_at_accept_length_one(quant_ckpt, reference):
     assert 'bytebound_spec_adaptive_switches_total{to="plain"} 2.0' in text
     assert f"bytebound_spec_adaptive_plain_steps_total {float(MAX_NEW - 1 - 8)}" in text
     assert "bytebound_spec_adaptive_speedup 0.5" in text
+
+
+def test_catchup_warmup_covers_every_bucket_and_is_harmless(quant_ckpt, reference):
+    """The start-up warm-up (CUDA only in the engine; the function runs anywhere): its lengths reach every tiling
+    bucket of the grouped MoE prefill and every M specialisation (M == 1, M % 16) that a catch-up of any length
+    1..PREFILL_CHUNK reaches, and the garbage it leaves in the NEXTN cache changes no token."""
+    import bytebound.runner.runner as runner_mod
+    from bytebound.kernels.triton_moe_grouped import prefill_config
+    from bytebound.speculative.adaptive import catchup_sizes, warm_catchup
+
+    def variants(ms, k, e):
+        return {(prefill_config(m, k, e)["BM"], m == 1, m % 16 == 0) for m in ms}
+    sizes = catchup_sizes(runner_mod.PREFILL_CHUNK + 1)
+    assert max(sizes) == runner_mod.PREFILL_CHUNK and sizes == sorted(set(sizes))
+    for k, e in ((8, 512), (8, 256), (2, 16)):       # Ling-3.0-flash, a half-size config, the tiny test model
+        assert variants(range(1, runner_mod.PREFILL_CHUNK + 1), k, e) <= variants(sizes, k, e), (k, e)
+    assert max(catchup_sizes(256)) == 129           # below the cache length
+    eng = Engine(model=str(quant_ckpt), max_model_len=256, speculative_steps=STEPS, speculative_adaptive=True,
+                 **SMALL)
+    assert eng.catchup_warmup is None                # CPU: nothing to compile
+    eng.adaptive.cost_model = Cycling()
+    nextn = eng.runner.state[eng.model.cfg.num_hidden_layers]
+    before = nextn.kv.clone()
+    got = warm_catchup(eng.runner, eng.drafter)
+    assert got["sizes"] == catchup_sizes(256) and not torch.equal(before, nextn.kv)
+    for p, want in reference.items():
+        assert eng.generate(list(p), G)[0].token_ids == want
 
 
 # ---- the bundled model --------------------------------------------------------------------------------------

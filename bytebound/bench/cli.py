@@ -273,6 +273,11 @@ def cmd_synthetic(a) -> int:
     print(f"[bench] synthetic: TPOT {t['mean']:.3f} ms (P50 {t['p50']:.3f}, P95 {t['p95']:.3f}), decode "
           f"{s['decode_tok_s']['aggregate']:.1f} tok/s, TTFT {s['ttft_ms']['mean']:.1f} ms"
           + (f", accept length {acc:.2f}" if acc else ""))
+    if "adaptive" in s:
+        ad = s["adaptive"]
+        print(f"[bench] adaptive speculation: {ad['plain_steps']} plain steps, {ad['rounds']} MTP rounds, "
+              f"{ad['probes']} probes, {ad['catchups']} NEXTN catch-ups ({ad['catchup_ms']:.1f} ms host), ended in "
+              f"mode {ad['final_mode']}")
     print("[bench] byte floor: " + (f"{floor['floor_ms']:.3f} ms, TPOT/floor {ratio:.2f}x ({bw_note})"
                                      if ratio else bw_note))
     _print(paths)

@@ -168,8 +168,9 @@ def summarize(outputs) -> dict:
                               "per_request": dist([sp["accept_length"] for sp in specs]), "rounds": rounds}
         ads = [sp["adaptive"] for sp in specs if sp.get("adaptive")]
         if ads:      # adaptive speculation: how the tokens were made and where it ended
-            s["adaptive"] = {k: sum(a[k] for a in ads) for k in ("plain_steps", "rounds", "to_plain", "to_mtp",
-                                                                 "probes")}
+            s["adaptive"] = {k: sum(a.get(k, 0) for a in ads) for k in ("plain_steps", "rounds", "to_plain",
+                                                                         "to_mtp", "probes", "catchups")}
+            s["adaptive"]["catchup_ms"] = round(sum(a.get("catchup_ms", 0.0) for a in ads), 3)
             s["adaptive"].update(final_mode=ads[-1]["mode"], reason=ads[-1]["reason"],
                                  last_decision=ads[-1].get("last_decision"))
     return s
@@ -220,7 +221,8 @@ def latency_table(s: dict) -> list[str]:
         ad = s["adaptive"]
         rows.append(f"Adaptive speculation: {ad['plain_steps']} plain decode steps and {ad['rounds']} MTP rounds, "
                     f"{ad['to_plain']} fallbacks to plain, {ad['to_mtp']} switches back, {ad['probes']} probes; "
-                    f"ended in mode **{ad['final_mode']}** ({ad['reason']}).")
+                    f"{ad.get('catchups', 0)} NEXTN catch-ups between tokens, {fmt(ad.get('catchup_ms', 0.0))} ms "
+                    f"of host time; ended in mode **{ad['final_mode']}** ({ad['reason']}).")
     return rows
 
 

@@ -26,7 +26,7 @@ from bytebound.runner.backends import BackendPlan, bind_model
 from bytebound.runner.plan import alias_values
 from bytebound.runner.runner import ModelRunner, pow2_buckets
 from bytebound.sampling import SamplingParams, make_generator, sample
-from bytebound.speculative.adaptive import AdaptiveSpeculation, adaptive_tokens, check_knobs
+from bytebound.speculative.adaptive import AdaptiveSpeculation, adaptive_tokens, check_knobs, warm_catchup
 from bytebound.speculative.mtp import MTPDrafter, SpecStats
 from bytebound.speculative.round import StaticRound, mtp_tokens
 from bytebound.verify.watchdog import AcceptWatchdog, watch_rounds
@@ -360,6 +360,13 @@ class Engine:
             self.spec_round = StaticRound(self.runner, self.drafter, SamplingParams(), None, capture=True)
             self.spec_round_sampled = StaticRound(self.runner, self.drafter, SamplingParams(temperature=1.0), None,
                                                   capture=True)
+        # Adaptive speculation runs the NEXTN over the positions a plain phase decoded when MTP resumes, between
+        # tokens and at lengths no prefill has had; compiled here, not inside a request's TPOT (warm_catchup).
+        # BYTEBOUND_ADAPTIVE_WARMUP=0 skips it (an A/B switch for measuring what it saves).
+        self.catchup_warmup = None
+        if (cfg.speculative_adaptive and self.drafter is not None and dev.type == "cuda"
+                and os.environ.get("BYTEBOUND_ADAPTIVE_WARMUP", "1") != "0"):
+            self.catchup_warmup = warm_catchup(self.runner, self.drafter)
 
     def _compile_cpu_step(self, auto: bool) -> None:
         """Install the compiled CPU decode step (``runner.cpu_compile``), with a one-line notice on stderr around

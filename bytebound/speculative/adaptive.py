@@ -91,7 +91,7 @@ class AdaptiveSpeculation:
         self.interval = probe_every       # the current plain phase length (backs off after failed probes)
         self.rounds_since_plain = 0
         self.counts = {"plain_steps": 0, "rounds": 0, "to_plain": 0, "to_mtp": 0, "probes": 0, "probes_failed": 0,
-                       "calibrations": 1}
+                       "calibrations": 1, "catchups": 0, "catchup_positions": 0}
         self.decision: dict | None = None    # the estimates at the last switch or probe verdict
         self.reason = "calibrating: timing plain decode steps before the first MTP round"
         self.request = self._new_request()
@@ -195,6 +195,16 @@ class AdaptiveSpeculation:
             self._set("calibrate", f"re-timing {self.calibration} plain steps after {self.rounds_since_plain} "
                                    f"rounds")
 
+    def observe_catchup(self, positions: int, seconds: float) -> None:
+        """Record one NEXTN catch-up over ``positions`` pending positions (:func:`adaptive_tokens`) that took
+        ``seconds`` of host wall time (its launches, any JIT compile, the host syncs inside its eager layer). No
+        decision depends on it: it is reported because it is spent between tokens, outside the timing of every
+        plain step and round, and lands in the request's TPOT."""
+        self.counts["catchups"] += 1
+        self.counts["catchup_positions"] += int(positions)
+        self.request["catchups"] += 1
+        self.request["catchup_ms"] += seconds * 1e3
+
     def _to_plain(self, why: str) -> None:
         self.counts["to_plain"] += 1
         self.request["to_plain"] += 1
@@ -218,7 +228,8 @@ class AdaptiveSpeculation:
     # ---- reporting -------------------------------------------------------------------------------------------
     @staticmethod
     def _new_request() -> dict:
-        return {"plain_steps": 0, "rounds": 0, "to_plain": 0, "to_mtp": 0, "probes": 0}
+        return {"plain_steps": 0, "rounds": 0, "to_plain": 0, "to_mtp": 0, "probes": 0, "catchups": 0,
+                "catchup_ms": 0.0}
 
     def begin_request(self) -> None:
         """Start the per-request counts (:meth:`request_dict`); the estimates and the mode carry over."""
@@ -226,8 +237,10 @@ class AdaptiveSpeculation:
 
     def request_dict(self) -> dict:
         """This request's adaptive facts for its speculative stats: the mode it ended in, its plain steps,
-        rounds, switches and probes, and the current estimates."""
-        return {"on": True, "mode": self.mode, **self.request, **self._estimates(), "reason": self.reason,
+        rounds, switches and probes, its NEXTN catch-ups (count, host launch time [ms]), and the current
+        estimates."""
+        return {"on": True, "mode": self.mode, **self.request, "catchup_ms": round(self.request["catchup_ms"], 3),
+                **self._estimates(), "reason": self.reason,
                 "last_decision": self.decision}
 
     def state(self) -> dict:
@@ -259,14 +272,18 @@ class _Pending:
         self.ids, self.hidden = [ids], [hid]
         return ids, hid, self.first
 
-    def flush(self, drafter, state, keep: int) -> None:
-        """Run the NEXTN over all but the last ``keep`` positions (in prefill chunks)."""
+    def flush(self, drafter, state, keep: int, ctrl: "AdaptiveSpeculation | None" = None) -> None:
+        """Run the NEXTN over all but the last ``keep`` positions (in prefill chunks); ``ctrl`` records the
+        catch-up (:meth:`AdaptiveSpeculation.observe_catchup`)."""
         if self.n <= keep:
             return
+        t0 = ctrl.clock() if ctrl is not None else 0.0
         ids, hid, first = self.take()
         m = self.n - keep
         nextn_prefix(drafter, ids[:m], hid[:m], torch.arange(first, first + m, device=ids.device), state)
         self.ids, self.hidden, self.first, self.n = [ids[m:]], [hid[m:]], first + m, keep
+        if ctrl is not None:
+            ctrl.observe_catchup(m, ctrl.clock() - t0)
 
 
 @torch.inference_mode()
@@ -305,7 +322,7 @@ def adaptive_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, ge
         return not ctrl.wants_rounds()
     while True:
         if ctrl.wants_rounds():
-            pend.flush(drafter, runner.state, k + 1)   # the catch-up is no part of the first round's cost
+            pend.flush(drafter, runner.state, k + 1, ctrl)   # the catch-up is no part of the first round's cost
             ids, hs, first = pend.take()
             rnd.seed(ids, hs, first, y)
             for tok, n in rnd.rounds(stats, n, clock, until):
@@ -321,7 +338,7 @@ def adaptive_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, ge
         t0 = clock()
         while not ctrl.wants_rounds():
             if pend.n > runner_mod.PREFILL_CHUNK:     # bound what a long plain phase holds
-                pend.flush(drafter, runner.state, k + 1)
+                pend.flush(drafter, runner.state, k + 1, ctrl)
             if ahead is None:
                 t0 = clock()
                 ahead = _plain_step(runner, y, p, gen)
@@ -340,6 +357,40 @@ def adaptive_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, ge
             ctrl.observe_plain(t1 - t0)
             t0, y = t1, nxt
             yield tok, 0
+
+
+def catchup_sizes(max_len: int) -> list[int]:
+    """The catch-up lengths :func:`warm_catchup` runs: 1, then ``2^i`` and ``2^i + 1`` for ``2 <= 2^i <=
+    PREFILL_CHUNK`` (both below ``max_len``). A kernel that picks its tiling by a power-of-two bucket of M, or that
+    Triton specialises on M's divisibility by 16 (and on M == 1), sees every variant a catch-up of any length can
+    reach (a longer catch-up runs in ``PREFILL_CHUNK`` pieces)."""
+    out = [1]
+    b = 2
+    while b <= runner_mod.PREFILL_CHUNK:
+        out += [m for m in (b, b + 1) if m < max_len]
+        b *= 2
+    return out
+
+
+@torch.inference_mode()
+def warm_catchup(runner, drafter) -> dict:
+    """Run the NEXTN layer eagerly over :func:`catchup_sizes` positions (token 0, zero target hiddens, positions
+    ``0..m-1``) so the kernels of the catch-ups that adaptive speculation runs between tokens are compiled at
+    start-up instead of inside a request: a plain phase of ``n`` tokens ends in a catch-up of about ``n``
+    positions, and the phases grow 64, 128, ..., 1024 tokens, each length a new tiling bucket of the grouped MoE
+    prefill kernel (``triton_moe_grouped.prefill_config``). The NEXTN cache rows written here hold garbage that
+    every request overwrites before a round reads them (a round reads only positions below the committed length,
+    each written by the request's own seed or catch-ups). Returns ``{"sizes": [...], "seconds": s}``."""
+    t0 = time.perf_counter()
+    dev, H = runner.device, runner.model.cfg.hidden_size
+    dtype = drafter.embedding.weight.dtype           # the activations' dtype, as the target hiddens have
+    sizes = catchup_sizes(runner.max_len)
+    for m in sizes:
+        nextn_prefix(drafter, torch.zeros(m, dtype=torch.long, device=dev), torch.zeros(m, H, dtype=dtype, device=dev),
+                     torch.arange(m, device=dev), runner.state)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return {"sizes": sizes, "seconds": round(time.perf_counter() - t0, 3)}
 
 
 def _plain_step(runner, tok: torch.Tensor, p: SamplingParams, gen) -> tuple[torch.Tensor, torch.Tensor]:

@@ -166,7 +166,8 @@ def _mtp_lever(engine) -> dict:
             # the widest verify the bound fast paths serve (None: any) and the paths that set it
             "max_verify_m": getattr(plan, "max_verify_m", None), "fast_paths": dict(getattr(plan, "fast_paths", {})),
             # adaptive speculation (speculative.adaptive): its mode, a, c, a/c, switches and why, at build time
-            "adaptive": ad.state() if (ad := getattr(engine, "adaptive", None)) is not None else {"on": False},
+            "adaptive": ({**ad.state(), "catchup_warmup": getattr(engine, "catchup_warmup", None)}
+                         if (ad := getattr(engine, "adaptive", None)) is not None else {"on": False}),
             # the hot-vocabulary draft head (None: the draft steps score the full head)
             "draft_vocab": (dr.hot.facts() if getattr(dr, "hot", None) is not None else None)}
 

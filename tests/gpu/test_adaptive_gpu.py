@@ -86,5 +86,8 @@ def test_adaptive_synthetic_weights_falls_back(tmp_path):
     assert out.token_ids == plain.generate(prompt, sp)[0].token_ids
     ad = out.spec["adaptive"]
     assert ad["to_plain"] >= 1 and ad["plain_steps"] > ad["rounds"]
+    # the catch-up kernels were compiled at start-up (warm_catchup), up to the cache length
+    assert eng.catchup_warmup is not None and max(eng.catchup_warmup["sizes"]) == 513
+    assert ad["catchups"] >= 2
     real = Engine(model=str(ckpt), device="cuda", max_model_len=1024, speculative_steps=3, speculative_adaptive=True)
     print(f"\nrandom weights, real timings: {real.generate(prompt, sp)[0].spec['adaptive']}")
