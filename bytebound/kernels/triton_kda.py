@@ -20,7 +20,9 @@ The delta rule is separable over V: column ``c`` of ``S`` needs only ``v_c`` and
 32 programs of 64 KB state each on a 132-SM part). Each program works in two phases: first the key side of all M
 tokens (q/k conv + SiLU, L2 norms, gate) as 1-D vectors, written to its own float32 scratch (every program of a
 head recomputes these 128-wide vectors: cheaper than a second sync); then, after a barrier, the value-side conv,
-the delta rule and ``S^T q`` on its state slice. In the state's register layout every K-vector is replicated over
+the delta rule and ``S^T q`` on its state slice. Both phases loop over the tokens as a software pipeline: token t+1's
+inputs are loaded before token t's arithmetic and stores, so an M-token verify pays one L2 round trip per phase, not M
+(the arithmetic, and so every rounding, is the same for M = 1 and M > 1). In the state's register layout every K-vector is replicated over
 the lanes that hold different V columns, so building the ~20 key-side vectors there makes ptxas spill; passing the
 three results (q, k, exp(g)) through the scratch keeps the state phase within the register file. With a history
 request the kernel also writes, after each token i, the conv window to ``conv_hist[i]`` and the recurrent state to
@@ -113,7 +115,7 @@ if tl is not None:
             conv_hist_ptr, rec_hist_ptr, scratch_ptr, ticket_ptr, lower_bound, eps, scale,
             B, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
             M, SAFE_GATE: tl.constexpr, HIST, VS: tl.constexpr, SCR,
-            FENCE: tl.constexpr, BETA_X: tl.constexpr = False, HID: tl.constexpr = 1, BH: tl.constexpr = 1,
+            FENCE: tl.constexpr, BETA_X: tl.constexpr = False, HID: tl.constexpr = 1, HB: tl.constexpr = 1,
             PDL: tl.constexpr = False, NTH: tl.constexpr = 128, PF: tl.constexpr = False):
         pid = tl.program_id(0)          # batch row x head
         if VS == 1:
@@ -156,26 +158,6 @@ if tl is not None:
         else:
             PO = PB
         scr = scratch_ptr + (pid * VS + vs).to(tl.int64) * SCR
-        if BETA_X:
-            # beta = sigmoid(b_proj x) for this head, token by token: the dot of the normed layer input x [M, HID]
-            # with row h of the b_proj weight [H, HID], float32 sums, rounded to x's dtype as the torch path's
-            # ``b_proj(x)`` output is before ``sigmoid(.float())`` (each of the head's VS programs computes it: 5 KB
-            # at Ling's width, cheaper than passing beta between them). One token at a time over 1-D [BH] chunks,
-            # not one [M, BH] tile: a 2-D tile's reduction tree depends on its shape, so token t's beta (and every
-            # state after it) would round differently in an M = 4 verify than in the M = 1 decode step; this way
-            # verify row t equals the decode step of the same inputs bit for bit (the weight row's re-reads per
-            # token hit L1).
-            for t in range(M):
-                acc = tl.zeros([BH], tl.float32)
-                for c0 in tl.static_range(0, HID, BH):     # unrolled: the chunks' loads all in flight at once
-                    cols = c0 + tl.arange(0, BH)
-                    mc = cols < HID
-                    wv = tl.load(wb_ptr + h * HID + cols, mask=mc, other=0.0).to(tl.float32)
-                    xv = tl.load(x_ptr + bi * s_x_b + t * s_x_t + cols, mask=mc, other=0.0).to(tl.float32)
-                    acc += xv * wv
-                bl = tl.sum(acc, axis=0).to(x_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
-                tl.store(scr + PB + t, tl.sigmoid(bl))
-
         # ---- phase 1: the key-side vectors of all M tokens (conv + SiLU, L2 norms, gate), 1-D over K ----
         # Kept apart from the [K, V] phase on purpose (module docstring): there a K-vector is replicated over the
         # lanes that hold different V columns, so building these ~20 vectors there spills registers.
@@ -204,10 +186,40 @@ if tl is not None:
         wk2 = tl.load(conv_b + chk * 3 + 2, mask=mk, other=0.0)
         rate = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
         dtb = tl.load(dtb_ptr + h * K + ck, mask=mk, other=0.0).to(tl.float32)
+        if BETA_X:
+            # beta = sigmoid(b_proj x) for this head, per token: the dot of the normed layer input x [M, HID] with
+            # row h of the b_proj weight [H, HID], float32 sums, rounded to x's dtype as the torch path's
+            # ``b_proj(x)`` output is before ``sigmoid(.float())`` (each of the head's VS programs computes it: 5 KB
+            # at Ling's width, cheaper than passing beta between them). One 1-D [HB] dot per token, never an
+            # [M, HB] tile: a 2-D tile's reduction tree depends on its shape, so token t's beta would round
+            # differently in an M = 4 verify than in the M = 1 decode step; this way verify row t equals the
+            # decode step of the same inputs bit for bit.
+            cb = tl.arange(0, HB)
+            mb = cb < HID
+            wbv = tl.load(wb_ptr + h * HID + cb, mask=mb, other=0.0)
+            xb_n = tl.load(x_ptr + bi * s_x_b + cb, mask=mb, other=0.0)
+        # Software pipeline over the tokens: token t+1's inputs are loaded at the top of iteration t, before its
+        # stores, so their L2 round trip overlaps token t's arithmetic (the loop is not unrolled and the compiler
+        # may not move a load above a store it cannot prove disjoint). The arithmetic is unchanged.
+        xrow = qkv_ptr + bi * s_qkv_b
+        xq_n = tl.load(xrow + chq, mask=mk, other=0.0)
+        xk_n = tl.load(xrow + chk, mask=mk, other=0.0)
+        fx_n = tl.load(f_ptr + bi * s_f_b + h * K + ck, mask=mk, other=0.0)
         for t in range(M):
-            xrow = qkv_ptr + bi * s_qkv_b + t * s_qkv_t
-            xq = tl.load(xrow + chq, mask=mk, other=0.0).to(tl.float32)
-            xk = tl.load(xrow + chk, mask=mk, other=0.0).to(tl.float32)
+            xq = xq_n.to(tl.float32)
+            xk = xk_n.to(tl.float32)
+            fx = fx_n.to(tl.float32) + dtb
+            more = t + 1 < M
+            xrow = qkv_ptr + bi * s_qkv_b + (t + 1) * s_qkv_t
+            xq_n = tl.load(xrow + chq, mask=mk & more, other=0.0)
+            xk_n = tl.load(xrow + chk, mask=mk & more, other=0.0)
+            fx_n = tl.load(f_ptr + bi * s_f_b + (t + 1) * s_f_t + h * K + ck, mask=mk & more, other=0.0)
+            if BETA_X:
+                xb = xb_n
+                xb_n = tl.load(x_ptr + bi * s_x_b + (t + 1) * s_x_t + cb, mask=mb & more, other=0.0)
+                bl = tl.sum(xb.to(tl.float32) * wbv.to(tl.float32), axis=0)
+                bl = bl.to(x_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+                tl.store(scr + PB + t, tl.sigmoid(bl))
             q = _conv_silu_step(xq, wq0, wq1, wq2, cq0, cq1, cq2, cq3)
             k = _conv_silu_step(xk, wk0, wk1, wk2, ck0, ck1, ck2, ck3)
             wq0, wq1, wq2 = wq1, wq2, xq
@@ -216,7 +228,6 @@ if tl is not None:
             q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
             k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
             # gate (kda_ref.kda_gate)
-            fx = tl.load(f_ptr + bi * s_f_b + t * s_f_t + h * K + ck, mask=mk, other=0.0).to(tl.float32) + dtb
             if SAFE_GATE:
                 g = lower_bound * tl.sigmoid(rate * fx)
             else:
@@ -255,26 +266,52 @@ if tl is not None:
         soff = rk[:, None] * V + cv[None, :]
         rec_bh = rec_ptr + (bi * H + h) * K * V
         s = tl.load(rec_bh + soff, mask=m2, other=0.0)
+        # the same software pipeline as phase 1: token t+1's inputs (value-side input, beta, the key-side vectors
+        # from the scratch, the gate) are loaded before token t's delta rule and stores
+        vrow = qkv_ptr + bi * s_qkv_b
+        xv_n = tl.load(vrow + chv, mask=mv, other=0.0)
+        if BETA_X:
+            beta_n = tl.load(scr + PB)
+        else:
+            beta_n = tl.load(b_ptr + bi * s_b_b + h)
+        eg_n = tl.load(scr + 2 * BK + rk, mask=rmk, other=0.0)
+        k_n = tl.load(scr + BK + rk, mask=rmk, other=0.0)
+        q_n = tl.load(scr + rk, mask=rmk, other=0.0)
+        if VS == 1:
+            gt_n = tl.load(gate_ptr + bi * s_gate_b + h * V + cv, mask=mv, other=0.0)
         for t in range(M):
-            xv = tl.load(qkv_ptr + bi * s_qkv_b + t * s_qkv_t + chv, mask=mv, other=0.0).to(tl.float32)
+            xv = xv_n.to(tl.float32)
+            eg = eg_n
+            k = k_n
+            q = q_n
+            if BETA_X:
+                beta = beta_n
+            else:
+                beta = tl.sigmoid(beta_n.to(tl.float32))
+            if VS == 1:
+                gt = gt_n.to(tl.float32)
+            more = t + 1 < M
+            tn = t + 1
+            xv_n = tl.load(vrow + tn * s_qkv_t + chv, mask=mv & more, other=0.0)
+            if BETA_X:
+                beta_n = tl.load(scr + PB + tn, mask=more, other=0.0)
+            else:
+                beta_n = tl.load(b_ptr + bi * s_b_b + tn * s_b_t + h, mask=more, other=0.0)
+            eg_n = tl.load(scr + (tn * 3 + 2) * BK + rk, mask=rmk & more, other=0.0)
+            k_n = tl.load(scr + (tn * 3 + 1) * BK + rk, mask=rmk & more, other=0.0)
+            q_n = tl.load(scr + (tn * 3 + 0) * BK + rk, mask=rmk & more, other=0.0)
+            if VS == 1:
+                gt_n = tl.load(gate_ptr + bi * s_gate_b + tn * s_gate_t + h * V + cv, mask=mv & more, other=0.0)
             v = _conv_silu_step(xv, wv0, wv1, wv2, cv0, cv1, cv2, cv3)
             wv0, wv1, wv2 = wv1, wv2, xv
-            if BETA_X:
-                beta = tl.load(scr + PB + t)
-            else:
-                beta = tl.sigmoid(tl.load(b_ptr + bi * s_b_b + t * s_b_t + h).to(tl.float32))
             # delta rule: decay each key channel, predict, rank-1 update (key-side vectors from phase 1)
-            s = s * tl.load(scr + (t * 3 + 2) * BK + rk, mask=rmk, other=0.0)[:, None]
-            k = tl.load(scr + (t * 3 + 1) * BK + rk, mask=rmk, other=0.0)
+            s = s * eg[:, None]
             pred = tl.sum(k[:, None] * s, axis=0)
             delta = (v - pred) * beta
             s = s + k[:, None] * delta[None, :]
-            q = tl.load(scr + (t * 3 + 0) * BK + rk, mask=rmk, other=0.0)
             o = tl.sum(q[:, None] * s, axis=0)
             if VS == 1:
                 # gated RMSNorm over V (RMSNormGated: float32 statistics, one rounding at the store)
-                gt = tl.load(gate_ptr + bi * s_gate_b + t * s_gate_t + h * V + cv, mask=mv,
-                             other=0.0).to(tl.float32)
                 o = tl.where(mv, o, 0.0)
                 o = o * tl.rsqrt(tl.sum(o * o, axis=0) / V + eps) * nw * tl.sigmoid(gt)
                 tl.store(o_ptr + bi * s_o_b + t * s_o_t + h * V + cv,
@@ -571,7 +608,7 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
         bsz, H=h, K=dk, V=dv, BK=bk, BV=bv, M=t, SAFE_GATE=lower_bound is not None, HIST=int(hist), VS=v_split,
         SCR=_scratch_per_program(t, bk, bv, v_split, beta_x),
         FENCE=qkv.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", BETA_X=beta_x, HID=hid,
-        BH=min(512, triton.next_power_of_2(hid)), PDL=pdl, NTH=32 * num_warps, PF=pf,
+        HB=triton.next_power_of_2(hid), PDL=pdl, NTH=32 * num_warps, PF=pf,
         num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
     return o
 
