@@ -122,6 +122,45 @@ def test_controller_refreshes_plain_timing():
     assert c.mode == "plain" and "re-timed" in c.reason
 
 
+def test_next_round_certain_only_when_no_verdict_could_stop_it():
+    """A pipelined loop launches a round ahead only if the controller continues whatever the round in flight
+    shows: checked against the controller itself, fed that round's worst observation (1 token, a huge time)."""
+    import copy
+    c = AdaptiveSpeculation(window=4, margin=0.05, probe_every=5, probe_max=20, probe_rounds=3, calibration=2,
+                            refresh_rounds=9)
+    assert not c.next_round_certain()                       # calibrating: plain steps next
+    for _ in range(2):
+        c.observe_plain(0.010)
+    assert c.mode == "mtp"
+
+    def agrees():
+        worst = copy.deepcopy(c)
+        worst.observe_round(1, 1e9)
+        return c.next_round_certain() == worst.wants_rounds()
+    seen = set()
+    for committed, seconds in [(3, 0.020)] * 3 + [(2, 0.020), (1, 0.020), (1, 0.020), (3, 0.019), (3, 0.021)]:
+        assert agrees()
+        seen.add(c.next_round_certain())
+        c.observe_round(committed, seconds)
+        if not c.wants_rounds():
+            break
+    assert seen == {True, False}                             # both answers came up on the way
+    # a probe: certain while more than one of its rounds is left
+    p = AdaptiveSpeculation(window=2, probe_every=5, probe_rounds=3, calibration=1)
+    p.observe_plain(0.01)
+    p.observe_round(1, 0.05)
+    p.observe_round(1, 0.05)
+    assert p.mode == "plain"
+    for _ in range(5):
+        p.observe_plain(0.01)
+    assert p.mode == "probe"
+    answers = []
+    while p.mode == "probe":
+        answers.append(p.next_round_certain())
+        p.observe_round(1, 0.05)
+    assert answers == [True, True, False]
+
+
 @pytest.mark.parametrize("kw", [dict(window=0), dict(probe_rounds=0), dict(margin=1.0), dict(margin=-0.1),
                                 dict(probe_every=8, probe_max=4), dict(calibration=True)])
 def test_controller_rejects_bad_knobs(kw):
@@ -180,6 +219,7 @@ def test_adaptive_greedy_equals_plain(quant_ckpt, reference, static, pipe, force
     assert eng.pipelined is pipe
     if forced:
         eng.adaptive.cost_model = Cycling()
+    ahead = 0
     for p, want in reference.items():
         out = eng.generate(list(p), G)[0]
         assert out.token_ids == want, f"prompt of {len(p)} tokens diverged (static={static}, forced={forced})"
@@ -187,6 +227,9 @@ def test_adaptive_greedy_equals_plain(quant_ckpt, reference, static, pipe, force
         # every token but the prefill's came from a plain step or a round; rounds commit their share
         assert 1 + ad["plain_steps"] + out.spec["committed"] == MAX_NEW
         assert ad["rounds"] == out.spec["rounds"]
+        ahead += out.spec["pipelined_rounds"]
+    # pipelined, rounds too are launched ahead where the next one is certain (probes, mtp phases)
+    assert (ahead > 0) == pipe, ahead
     if forced:
         assert eng.adaptive.counts["to_plain"] >= 3 and eng.adaptive.counts["to_mtp"] >= 3
         assert eng.adaptive.counts["rounds"] > 0 and eng.adaptive.counts["plain_steps"] > 0
@@ -284,6 +327,10 @@ def test_adaptive_sampling_reproducible_and_within_vocab(quant_ckpt):
         outs.append(eng.generate([5, 6, 7, 8, 9, 10, 11], sp)[0])
     assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids and len(outs[0].token_ids) == 30
     assert outs[0].spec["adaptive"]["to_plain"] >= 1 and outs[0].spec["adaptive"]["plain_steps"] > 0
+    # pipelined rounds too (launched ahead where the next round is certain): the same switches, rounds and steps
+    keys = ("rounds", "plain_steps", "to_plain", "to_mtp", "probes")
+    assert [outs[2].spec["adaptive"][k] for k in keys] == [outs[0].spec["adaptive"][k] for k in keys]
+    assert outs[2].spec["pipelined_rounds"] > 0 and outs[0].spec["pipelined_rounds"] == 0
 
 
 # ---- the watchdog and the fallback -------------------------------------------------------------------------

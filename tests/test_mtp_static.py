@@ -47,13 +47,13 @@ def test_static_rounds_commit_every_accepted_count(engines, reference, p_wrong, 
     real = spec.drafter
     vocab = spec.model.cfg.vocab_size
     seen_j = [0] * (STEPS + 1)
-    step = StaticRound.step
+    finish = StaticRound._finish        # every round's verdict passes here (step and the pipelined loop alike)
 
-    def counting_step(self):
-        out = step(self)
+    def counting_finish(self, handle):
+        out = finish(self, handle)
         seen_j[out[-1]] += 1
         return out
-    monkeypatch.setattr(StaticRound, "step", counting_step)
+    monkeypatch.setattr(StaticRound, "_finish", counting_finish)
     try:
         for n, (p, want) in enumerate(reference.items()):
             spec.drafter = OracleDrafter(spec.runner, real, list(p) + want, vocab, p_wrong, seed=n)
@@ -82,6 +82,45 @@ def test_rounds_on_the_trained_model_equal_plain_greedy():
         b = spec.generate(q, p, chat=True)[0]
         assert b.token_ids == want
         assert b.spec["accept_length"] > 1.2
+
+
+def test_pipelined_rounds_equal_plain_greedy(quant_ckpt, reference):
+    """Pipelined rounds (each launched before the host reads the one before it; the CUDA default, forced here on
+    CPU): the round advances the device's committed length itself, so the chained round must emit exactly plain
+    greedy's tokens, also when the cache ends right after the request (no round is chained without room), and
+    leave the runner with no verify pending."""
+    spec = Engine(model=str(quant_ckpt), max_model_len=256, speculative_steps=STEPS, pipeline_decode=True)
+    assert spec.pipelined
+    ahead = 0
+    for p, want in reference.items():
+        out = spec.generate(list(p), G)[0]
+        assert out.token_ids == want, f"prompt of {len(p)} tokens diverged"
+        assert out.spec["committed"] == MAX_NEW - 1
+        assert spec.runner._verify is None      # the round in flight at the end was read and committed
+        ahead += out.spec["pipelined_rounds"]
+        assert out.spec["pipelined_rounds"] <= out.spec["rounds"]
+    assert ahead > 0
+    p = list(next(k for k in reference if len(k) == 130))
+    n = spec.max_new_tokens(len(p))          # the most this cache allows: the last rounds run unchained
+    full = Engine(model=str(quant_ckpt), max_model_len=256)
+    assert spec.generate(p, SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids == \
+        full.generate(p, SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids
+
+
+@pytest.mark.skipif(not (NANO / "model.safetensors").exists(), reason="trained ling-nano weights not present")
+def test_pipelined_rounds_on_the_trained_model():
+    """On the trained model (drafts often accepted, so every round advances the committed length by a different
+    amount): pipelined rounds equal unpipelined ones token for token, greedy and seeded sampling alike."""
+    from bytebound.data.gsm8k import load_split
+    qs = [r["question"] for r in load_split("test")[:2]]
+    seq = Engine(model=str(NANO), max_model_len=512, speculative_steps=STEPS)
+    pipe = Engine(model=str(NANO), max_model_len=512, speculative_steps=STEPS, pipeline_decode=True)
+    for q in qs:
+        for p in (SamplingParams(max_tokens=48), SamplingParams(max_tokens=48, temperature=0.6, top_p=0.95,
+                                                                top_k=29, seed=11)):
+            a, b = seq.generate(q, p, chat=True)[0], pipe.generate(q, p, chat=True)[0]
+            assert b.token_ids == a.token_ids and b.spec["rounds"] == a.spec["rounds"]
+            assert b.spec["accept_length"] > 1.2 and b.spec["pipelined_rounds"] > 0
 
 
 def test_static_round_sampling_runs_eagerly(engines):
@@ -153,13 +192,13 @@ def test_sampled_rounds_equal_the_inline_rule(monkeypatch):
     got = [spec.generate(q, p, chat=True)[0] for q, p in reqs]
     assert sum(o.spec["committed"] for o in got) > 1.3 * sum(o.spec["rounds"] for o in got), "drafts accepted"
     cur = {}
-    step = StaticRound.step
+    launch = StaticRound._launch        # every round's body runs from here (step and the pipelined loop alike)
 
-    def recording_step(self):
+    def recording_launch(self, chained):
         cur["round"] = self
-        return step(self)
+        return launch(self, chained)
     with monkeypatch.context() as m:
-        m.setattr(StaticRound, "step", recording_step)
+        m.setattr(StaticRound, "_launch", recording_launch)
         m.setattr(round_mod, "chain_uniforms", lambda *a: None)            # nothing drawn ahead
         m.setattr(round_mod, "probs_device", lambda logits, sp: logits)
         m.setattr(round_mod, "accept_sampled",

@@ -160,3 +160,33 @@ def test_protocol_misuse_is_named(tiny_model):
         r.reset(17)
     r.reset(5)
     assert r.pos == 5 and all(not st.rec.any() for st in r.state if isinstance(st, KDAState))
+
+
+@torch.inference_mode()
+def test_chained_verify_begins_where_the_pending_one_commits(tiny_model):
+    """Pipelined MTP rounds: ``chain_verify(k)`` announces the next verify before the pending one's
+    ``commit_length``; that commit makes it the pending one, at the committed length. Room is checked for the
+    worst case (every pending token kept); order misuse and no room are named errors; ``reset`` ends both."""
+    r = ModelRunner(tiny_model, 24)
+    r.prefill(torch.arange(4, 14))               # pos 10
+    with pytest.raises(RuntimeError, match="exactly one pending verify"):
+        r.chain_verify(3)
+    r.begin_verify(3)                            # tokens 10..13
+    assert r.can_chain(9) and not r.can_chain(10)    # 14 + 10 <= 24 slots < 14 + 11
+    with pytest.raises(ValueError, match="may need 26 slots; the cache has 24"):
+        r.chain_verify(11)
+    with pytest.raises(ValueError, match="k >= 0"):
+        r.chain_verify(-1)
+    r.chain_verify(3)
+    with pytest.raises(RuntimeError, match="exactly one pending verify"):
+        r.chain_verify(3)
+    r.commit_length(1)                           # kept 2 tokens: the chained verify starts at 12
+    assert r.pos == 12 and r._verify == (12, 4)
+    with pytest.raises(RuntimeError, match="awaits commit"):
+        r.forward(torch.tensor([4]))
+    r.commit_length(3)
+    assert r.pos == 16 and r._verify is None
+    r.begin_verify(1)
+    r.chain_verify(1)
+    r.reset(3)
+    assert r._verify is None and r._chained is None and r.pos == 3

@@ -27,10 +27,10 @@ Rules:
   ms. ``tpot_rule="record"`` (``--tpot-rule record``) records such a rise in the row and in ``regressions``
   and goes on instead.
 * **MTP round cost.** The ``+mtp`` step measures what one speculative round costs: ``round_ms`` = the rounds'
-  own time (``SpecStats`` draft + verify + rollback: a static round's graph replay with its one host read) per
-  round, ``round_ms_wall`` = the decode window per round (adds the per-round Python loop; the request's NEXTN pass
-  over the prompt runs before its first token, in TTFT), and ``c = round_ms / plain TPOT`` with the plain TPOT of the previous step in the
-  same case (:func:`round_cost`).
+  own time (``SpecStats`` draft + verify + rollback: a static round's graph replay with its one host read; pipelined,
+  from read to read) per round, ``round_ms_wall`` = the decode window per round (adds the per-round Python loop; the
+  request's NEXTN pass over the prompt runs before its first token, in TTFT), and ``c = round_ms / plain TPOT`` with
+  the plain TPOT of the previous step in the same case (:func:`round_cost`).
 * **Synthetic weights accept nothing.** With ``load_format="dummy"`` the drafts are (almost) never accepted, so
   the ``+mtp`` step's measured TPOT is one round per token: the round's cost, not the lever's effect. Its TPOT
   change is recorded, never enforced. What MTP would give is **priced**: ``priced TPOT = round_ms / A`` for

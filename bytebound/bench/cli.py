@@ -549,7 +549,7 @@ def _mtp_markdown(res: dict, workload: dict) -> list[str]:
                   f"**{rp.fmt(r['c'], 3)}** | {r['round_ms_wall']:.3f} | {rp.fmt(r['c_wall'], 3)} | {r['rounds']} | "
                   f"{r['accept_length']:.3f} |")
     md += ["", f"Round = {rows[0]['round']['round_ms_source']} (with static rounds: the graph replay with its one "
-           "host read); wall = first-to-last-token time per round, which also holds the per-round Python loop (the "
+           "host read; pipelined rounds, the CUDA default: from the previous round's read to this one's); wall = first-to-last-token time per round, which also holds the per-round Python loop (the "
            "request's NEXTN pass over the prompt runs before its first token, in TTFT). c is against the previous "
            "step's TPOT in the same case."]
     if not res.get("synthetic_weights"):

@@ -92,10 +92,11 @@ class EngineConfig:
     adaptive_probe_rounds: int = 4    # MTP rounds per probe
     adaptive_calibration: int = 8     # plain steps timed at start (and per refresh) before MTP
     adaptive_refresh_rounds: int = 512  # MTP rounds before the plain step is timed again (cost grows with context)
-    # Plain decoding, pipelined: each step is launched before the host reads the token it follows (the step reads
+    # Decoding, pipelined: each step is launched before the host reads the token it follows (the step reads
     # that token from the device; the host reads a pinned copy), so on CUDA the GPU need not wait for the host's
     # per-token work (detokenising, stop checks, streaming). The tokens are the same; one step more runs after the
-    # last one and is discarded with the request. None (the default): on with CUDA and one process (measured
+    # last one and is discarded with the request. MTP rounds likewise: each is launched before the host reads the
+    # round before it (StaticRound.rounds), where room, span and the adaptive controller make it certain. None (the default): on with CUDA and one process (measured
     # faster on the H200, docs/perf/README.md), off on CPU, where a step runs synchronously, so launching it early
     # gains nothing and delays the token it follows by one step. Tensor parallelism keeps the plain loop (its ranks
     # exchange every token): an explicit True is then a recorded fallback in the manifest (``decode_loop``).
@@ -486,7 +487,7 @@ class Engine:
                 src = adaptive_tokens(self.runner, self.drafter, ids, p, gen, stats, self.adaptive, rnd,
                                       pipelined=self.pipelined)
             else:
-                src = mtp_tokens(self.runner, self.drafter, ids, p, gen, stats, rnd)
+                src = mtp_tokens(self.runner, self.drafter, ids, p, gen, stats, rnd, pipelined=self.pipelined)
             yield from watch_rounds(src, stats, self.watchdog)
             return
         r = self.runner

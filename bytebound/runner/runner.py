@@ -10,11 +10,14 @@ the benchmarks - goes through its state protocol:
   index into the per-token history the fused kernel writes, no replay); MLA caches are position-indexed, so the
   slots past the new ``pos = start + n + 1`` are simply rewritten later. Split for a captured MTP round into
   ``commit_state(n)`` (device, ``n`` may be a 0-d tensor) and ``commit_length(n)`` (host, after the round's read).
+* ``chain_verify(k)`` announces the next round's verify while this one awaits ``commit_length`` (pipelined MTP
+  rounds): it begins at the length that commit sets, which the round has already written into ``pos_buf``.
 * ``snapshot()`` / ``restore(snap)`` copy the committed state and ``pos`` out and back in place (graph-captured
   buffers keep their addresses).
 
 Positions are committed-length indices; ``pos_buf`` is the device copy of ``pos`` that a verify was begun at
-(written by ``begin_verify``), which a captured MTP round reads instead of a host value.
+(written by ``begin_verify``, advanced on the device by the MTP round that commits), which a captured MTP round
+reads instead of a host value.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class ModelRunner:
         self.pos = 0
         self.pos_buf = torch.zeros((), dtype=torch.long, device=self.device)   # pos at begin_verify, on device
         self._verify: tuple[int, int] | None = None     # (start, tokens) of the verify awaiting its commit
+        self._chained: int | None = None    # tokens of a verify announced behind it (chain_verify)
         # On CUDA every step attends over a static span of cache slots, masked by position: the same kernels as
         # the captured graph (bit-identical replay) and no host sync for the cache length. On CPU, slice instead.
         # The span is the smallest of ``kv_buckets`` that holds the sequence (default: one bucket, ``max_len``),
@@ -129,6 +133,7 @@ class ModelRunner:
 
     def _end_verify(self) -> None:
         self._verify = None
+        self._chained = None
         for st in self._kda:
             st.history = None
 
@@ -210,6 +215,34 @@ class ModelRunner:
             for i, st in enumerate(self._kda):
                 st.hist_buf = (st.hist_buf or []) + [(hc[i], hr[i])]
 
+    def can_chain(self, k: int) -> bool:
+        """Whether :meth:`chain_verify` ``(k)`` has room: a ``(k+1)``-token verify after the pending one keeps every
+        one of its tokens (the worst case) still fits in ``max_len``."""
+        return self._verify is not None and self._verify[0] + self._verify[1] + k + 1 <= self.max_len
+
+    def chain_verify(self, k: int) -> None:
+        """Announce the next ``(k+1)``-token verify while the pending one still awaits :meth:`commit_length`
+        (pipelined MTP rounds: the next round is launched before the host has read this one's verdict). It begins
+        at the committed length that the pending verify's ``commit_length`` sets, which the device already holds:
+        the round that runs the pending verify advances ``pos_buf`` by its own kept tokens, so nothing is written
+        here. KDA recording is the round's own business (its ``verify`` turns it on, its ``commit_state`` off).
+        After that ``commit_length``, the chained verify is the pending one.
+
+        Raises:
+            RuntimeError: no verify is pending, or one is already chained. ValueError: ``k < 0``, or no room in
+                the worst case (:meth:`can_chain`).
+        """
+        if self._verify is None or self._chained is not None:
+            raise RuntimeError("chain_verify needs exactly one pending verify (begin_verify first; one chained "
+                               "verify at a time)")
+        if k < 0:
+            raise ValueError(f"a verify needs k >= 0 drafts, got {k}")
+        if not self.can_chain(k):
+            start, width = self._verify
+            raise ValueError(f"a chained {k + 1}-token verify after the {width}-token verify at {start} may need "
+                             f"{start + width + k + 1} slots; the cache has {self.max_len}")
+        self._chained = k + 1
+
     @torch.inference_mode()
     def verify(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
                kv_len: int | None = None) -> torch.Tensor:
@@ -288,8 +321,11 @@ class ModelRunner:
         start, width = self._verify
         if not 0 <= n < width:
             raise ValueError(f"commit({n}): the verify has tokens 0..{width - 1}")
+        chained = self._chained
         self._end_verify()
         self.pos = start + n + 1
+        if chained is not None:         # the chained verify (already launched) now awaits its own commit
+            self._verify = (self.pos, chained)
 
     def commit(self, n: int) -> None:
         """Keep the verify's tokens ``0..n`` (``n`` = accepted drafts: the bonus token's input ``y`` and ``n``

@@ -32,6 +32,7 @@ of committed tokens in both modes (a round commits and rolls back before its tok
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -128,6 +129,25 @@ class AdaptiveSpeculation:
         """Plain steps certainly left in this calibrate / plain phase, the one being timed included (0 in the
         mtp and probe modes): a pipelined loop launches a step ahead only while this is above 1."""
         return self._left if self.mode in ("calibrate", "plain") else 0
+
+    def next_round_certain(self) -> bool:
+        """Whether another MTP round follows the one in flight whatever that round commits and however long it
+        takes (asked before it is observed): in a probe, more than one of its rounds left; in the mtp mode, no
+        re-timing due after it and no fall-back even if it commits 1 token in unbounded time (``a`` is a mean and
+        the round time a median, so that observation is the worst one). A pipelined loop launches a round ahead
+        only then, so its rounds, draws and switches are those of the unpipelined loop."""
+        if self.mode == "probe":
+            return self._left > 1
+        if self.mode != "mtp" or self.rounds_since_plain + 1 >= self.refresh_rounds:
+            return False
+        rounds = list(self._rounds)[-(self.window - 1):] if self.window > 1 else []
+        rounds.append((1, math.inf))
+        t = self.plain_step_s
+        if len(rounds) < self.window or not t:
+            return True
+        r = statistics.median(s for _, s in rounds)
+        a = sum(c for c, _ in rounds) / len(rounds)
+        return math.isfinite(r) and a / (r / t) >= 1.0 - self.margin
 
     def wants_rounds(self) -> bool:
         """Whether the next tokens should come from MTP rounds (mode mtp or probe)."""
@@ -325,7 +345,7 @@ def adaptive_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, ge
             pend.flush(drafter, runner.state, k + 1, ctrl)   # the catch-up is no part of the first round's cost
             ids, hs, first = pend.take()
             rnd.seed(ids, hs, first, y)
-            for tok, n in rnd.rounds(stats, n, clock, until):
+            for tok, n in rnd.rounds(stats, n, clock, until, pipelined, ctrl.next_round_certain):
                 yield tok, n
             ids, hs, first, y = rnd.pending()          # the last round's committed positions feed the NEXTN later
             pend = _Pending(ids, hs, first)

@@ -27,14 +27,15 @@ from bytebound.errors import ConfigError
 @dataclass
 class SpecStats:
     """Accept-length metrics: committed tokens / verify rounds (SGLang ``accept len``), per-position rates,
-    and ``verify_s``, the rounds' wall time (seconds; the whole round - draft, verify, rollback - which one graph
-    replay does not separate)."""
+    ``verify_s``, the rounds' wall time (seconds; the whole round - draft, verify, rollback - which one graph
+    replay does not separate), and ``pipelined``, the rounds launched before the previous one was read."""
     steps: int
     rounds: int = 0
     committed: int = 0
     accepted_at: list[int] = field(default_factory=list)   # accepted drafts per draft position
     tried_at: list[int] = field(default_factory=list)
     verify_s: float = 0.0
+    pipelined: int = 0          # rounds launched before the previous round's verdict was read
 
     def __post_init__(self):
         self.accepted_at = self.accepted_at or [0] * self.steps
@@ -63,11 +64,12 @@ class SpecStats:
         self.accepted_at = [a + b for a, b in zip(self.accepted_at, s.accepted_at)]
         self.tried_at = [a + b for a, b in zip(self.tried_at, s.tried_at)]
         self.verify_s += s.verify_s
+        self.pipelined += s.pipelined
 
     def to_dict(self) -> dict:
         return {"accept_length": round(self.accept_length, 4), "rounds": self.rounds, "committed": self.committed,
                 "per_position_accept": [round(r, 4) for r in self.position_rates()],
-                "verify_s": self.verify_s}
+                "verify_s": self.verify_s, "pipelined_rounds": self.pipelined}
 
 
 class MTPDrafter:

@@ -15,8 +15,11 @@ shape and no host read but the one that ends it:
   (an index into the recorded states: with kda=triton the fused kernel's per-token buffers) inside the body, and
   ``runner.commit_length(j)`` on the host after the read.
 * **Next inputs in place.** The round writes ``y`` (its bonus token), the extend ids and hiddens and ``j`` into
-  the buffers the next round reads. The host reads one small tensor per round, ``out = [d_1..d_k, bonus, j]``, to
-  emit tokens. That read is the round's only sync.
+  the buffers the next round reads, and advances ``runner.pos_buf`` by its ``j + 1`` kept tokens. The host reads
+  one small tensor per round, ``out = [d_1..d_k, bonus, j]``, to emit tokens. That read is the round's only sync.
+* **Pipelined rounds.** So the next round needs nothing from the host: :meth:`StaticRound.rounds` can launch it
+  (``runner.chain_verify``) before reading this one, and the GPU runs it while the host reads the verdict, emits
+  the tokens and launches the graph (a captured round's launch alone is ~150 us of host time at full scale).
 
 The first round after a prefill of ``P`` tokens: the NEXTN runs eagerly over all but the last ``min(P, k + 1)``
 prompt positions, and those are the first round's extend, as if a previous round had accepted ``j = min(P, k +
@@ -80,6 +83,7 @@ class StaticRound:
         self.out = torch.zeros(k + 2, dtype=torch.long, device=dev)
         self.ar = torch.arange(k + 1, device=dev)
         self.last: list[int] | None = None                     # the host copy of ``out`` after a step
+        self.ahead_rounds = 0            # rounds launched before the previous one's read (pipelined)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}       # attention span -> captured round
         self.captured_shapes: list[dict] = []
         if capture:
@@ -132,12 +136,14 @@ class StaticRound:
         j, bonus = verdict[-1], verdict[-2]
         # 5. KDA states after token j (MLA slots past the new committed length are rewritten before use)
         r.commit_state(j)
-        # 6. the next round's inputs: token after position pos+t is d[t] for t < j and the bonus at t = j
+        # 6. the next round's inputs: token after position pos+t is d[t] for t < j and the bonus at t = j; the
+        # committed length moves on the device too, so a pipelined next round needs nothing from the host
         self.out.copy_(verdict)
         self.ext_ids.copy_(torch.where(ar == j, bonus, torch.cat([d, bonus.view(1)])))
         self.ext_hidden.copy_(vh)
         self.y.copy_(bonus.view(1))
         self.j.copy_(j)
+        pos.add_(j + 1)
 
     def _capture(self) -> None:
         if self.r.device.type != "cuda":
@@ -147,7 +153,7 @@ class StaticRound:
                              "collective): it runs eagerly")
         r, k = self.r, self.k
         self.j.zero_()
-        bufs = [self.y, self.ext_ids, self.ext_hidden, self.j]
+        bufs = [self.y, self.ext_ids, self.ext_hidden, self.j, r.pos_buf]     # (the body advances pos_buf)
         saved = [b.clone() for b in bufs]
         snap = r.snapshot()
 
@@ -213,40 +219,116 @@ class StaticRound:
         Raises:
             ValueError: the round's verify would exceed the runner's cache.
         """
+        return self._finish(self._launch(chained=False))
+
+    def _span_ahead(self) -> int | None:
+        """The attention span of a round chained behind the pending one, if it does not depend on that round's
+        verdict (the spans for the fewest and the most kept tokens agree; else -1: do not chain). None on the
+        dynamic CPU path."""
+        if not self.r.static_kv:
+            return None
+        start, width = self.r._verify
+        lo, hi = self.r.kv_span(start + 1 + self.k + 1), self.r.kv_span(start + width + self.k + 1)
+        return lo if lo == hi else -1
+
+    def can_chain(self) -> bool:
+        """Whether the next round can be launched before this one's verdict is read: room for it whatever this
+        round keeps (``runner.can_chain``) and the same attention span whatever it keeps (so a pipelined round runs
+        exactly the kernels an unpipelined one would)."""
+        return self.r.can_chain(self.k) and self._span_ahead() != -1
+
+    def _launch(self, chained: bool):
+        """Launch one round without reading it: after :meth:`step`'s host bookkeeping (``begin_verify``), or, with
+        ``chained``, behind the round in flight (``runner.chain_verify``: the device already holds its committed
+        length). The verdict is copied to host memory in stream order before any later round rewrites ``out``.
+        Returns the handle :meth:`_finish` reads."""
         r = self.r
-        r.begin_verify(self.k)           # the verify writes k + 1 slots past the committed length
+        if chained:
+            span = self._span_ahead()
+            r.chain_verify(self.k)
+        else:
+            r.begin_verify(self.k)       # the verify writes k + 1 slots past the committed length
+            span = self.span()
         if self.sampled:                 # this round's uniforms, from the request's generator, outside any graph
             chain_uniforms(self.gen, self.u, self.u_draw)
-        span = self.span()
         g = self.graphs.get(span)
         if g is not None:
             g.replay()
         else:
             self._body(span)
-        out = self.last = self.out.tolist()
-        r.commit_length(out[-1])
+        cuda = self.out.is_cuda
+        if not cuda:
+            return self.out.clone(), None
+        if not hasattr(self, "_host"):
+            # two pinned buffers: the verdict of a round launched ahead must not land on the one being read
+            self._host = [torch.empty(self.k + 2, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            self._flip = 0
+        self._flip ^= 1
+        host = self._host[self._flip]
+        host.copy_(self.out, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return host, ev
+
+    def _finish(self, handle) -> list[int]:
+        """Wait for the round of ``handle`` (the host read), commit its length; returns ``[d_1..d_k, bonus, j]``."""
+        host, ev = handle
+        if ev is not None:
+            ev.synchronize()
+        out = self.last = host.tolist()
+        self.r.commit_length(out[-1])
         return out
 
-    def rounds(self, stats, n: int = 0, clock=time.perf_counter, until=None):
+    def rounds(self, stats, n: int = 0, clock=time.perf_counter, until=None, pipelined: bool = False, sure=None):
         """Rounds until the caller stops iterating: yields ``(token, round id)`` with ids ``n + 1, ...``, the
         round's accepted drafts then its bonus token. ``stats`` (a ``SpecStats``) gets each round (``verify_s``:
         the whole round's time - draft, verify and rollback are not separable inside one replay) before its
         tokens leave; ``until(j, seconds) -> bool``, if given, is called then too, and True ends the rounds after
-        this round's tokens (the next inputs are then :meth:`pending`)."""
-        while True:
-            n += 1
-            t0 = clock()
-            out = self.step()
-            dt = clock() - t0
-            stats.verify_s += dt
-            j = out[-1]
-            stats.add_round(j)
-            stop = until is not None and until(j, dt)
-            for tok in out[:j] + [out[-2]]:
-                stats.committed += 1
-                yield tok, n
-            if stop:
-                return
+        this round's tokens (the next inputs are then :meth:`pending`).
+
+        ``pipelined``: launch the next round before this one's verdict is read (``runner.chain_verify``), so the
+        GPU runs it while the host reads, emits and the caller handles these tokens - the MTP counterpart of the
+        engine's pipelined plain loop. Only where the next round is certain: room and span (:meth:`can_chain`),
+        and ``sure() -> bool`` (asked before the round in flight is observed; None: always, as without
+        ``until``). The rounds, their generator draws and their verdicts are those of the unpipelined loop; a
+        round's time then runs from its launch or the previous round's read, whichever is later, to its read. When
+        the caller stops with a round in flight, that round is read and committed (as the pipelined plain loop's
+        extra step, it ran past the request's end)."""
+        ahead = None                     # (handle, launch time) of a round launched before the last read
+        t_read = None
+        draining = False                 # the caller asked to stop with a round in flight: read that one, then stop
+        try:
+            while True:
+                n += 1
+                if ahead is None:
+                    t0 = clock()
+                    h = self._launch(chained=False)
+                else:
+                    h, t0 = ahead
+                    t0 = max(t0, t_read)
+                    ahead = None
+                    self.ahead_rounds += 1
+                    stats.pipelined += 1
+                if pipelined and (sure is None or sure()) and self.can_chain():
+                    ahead = (self._launch(chained=True), clock())
+                out = self._finish(h)
+                t_read = clock()
+                dt = t_read - t0
+                stats.verify_s += dt
+                j = out[-1]
+                stats.add_round(j)
+                stop = until is not None and until(j, dt)
+                for tok in out[:j] + [out[-2]]:
+                    stats.committed += 1
+                    yield tok, n
+                if stop or draining:
+                    if ahead is None:
+                        return
+                    # (sure() promised that the round in flight follows: it is still read and emitted, then stop)
+                    draining, until, pipelined = True, None, False
+        finally:
+            if ahead is not None:
+                self._finish(ahead[0])
 
     def pending(self) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
         """After a round: the NEXTN inputs its commit left pending, ``(ids [j+1], hidden [j+1, H], first
@@ -258,12 +340,13 @@ class StaticRound:
 
 @torch.inference_mode()
 def mtp_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, gen, stats,
-               round_: StaticRound | None = None):
+               round_: StaticRound | None = None, pipelined: bool = False):
     """Yield ``(token, round)`` pairs: round 0 is the prefill's token, then one round id per verify (each a
     :meth:`StaticRound.step`; a graph replay when ``round_`` was captured, else a new uncaptured round for ``p``
     and ``gen``; a given ``round_`` is set to serve them, :meth:`StaticRound.use`). The caller stops iterating at
-    EOS / stop strings / max_tokens; only what it consumed is committed (every round commits before its tokens
-    leave)."""
+    EOS / stop strings / max_tokens; every round commits before its tokens leave. ``pipelined``: each round is
+    launched before the host reads the one before it (:meth:`StaticRound.rounds`; the engine's ``pipelined``):
+    the same tokens, and one round more runs past the request's end, discarded with it."""
     rnd = round_.use(p, gen) if round_ is not None else StaticRound(runner, drafter, p, gen)
     hid = runner.prefill(prompt.to(runner.device))                            # [P, H]
     y = _from_rank0(runner, sample(runner.logits(hid[-1:]), p, gen).view(1))   # [1] on the device
@@ -271,4 +354,4 @@ def mtp_tokens(runner, drafter, prompt: torch.Tensor, p: SamplingParams, gen, st
     # speculative prefill): it runs before the first token leaves, so it is in TTFT, not in the decode time.
     rnd.start(prompt, hid, y)
     yield int(y), 0
-    yield from rnd.rounds(stats)
+    yield from rnd.rounds(stats, pipelined=pipelined)

@@ -17,8 +17,9 @@ server and stored with bench results). Levers:
   and whether the head's weight tensor is merely aliased (the seed's silent failure).
 * ``cuda_graphs``: ``runner.graph`` and its captured shapes (CUDA graphs, or the compiled CPU step of
   ``--cpu-compile``), or eager.
-* ``decode_loop``: plain decoding pipelined (each step launched before the host reads the token it follows) or
-  plain, as ``EngineConfig.pipeline_decode`` asked and the engine resolved it.
+* ``decode_loop``: decoding pipelined (each plain step launched before the host reads the token it follows, each
+  MTP round before the host reads the round before it) or plain, as ``EngineConfig.pipeline_decode`` asked and
+  the engine resolved it.
 
 ``plan``: the engine's execution plan (``runner.plan.BackendPlan.to_dict``): per entry (the kernel ops and the
 switches router, norm, moe_shared, kv, round, graphs) and per regime (decode M = 1, verify M = k + 1, prefill) the
@@ -241,7 +242,8 @@ def _decode_loop_lever(engine) -> dict:
     requested = {None: "default (pipelined with CUDA and one process, else plain)", True: "pipelined",
                  False: "plain"}.get(want, repr(want))
     d = {"requested": requested, "resolved": "pipelined" if on else "plain", "ok": want is None or bool(want) == on,
-         "applies_to": "plain decoding (MTP rounds run their own loop)"}
+         "applies_to": "plain decoding and MTP rounds (each round launched before the host reads the one "
+                       "before it, where the next round is certain)"}
     if want and not on:
         d["reason"] = "tensor parallelism: the ranks exchange every token, so the plain loop runs"
     return d

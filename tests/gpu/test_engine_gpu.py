@@ -494,3 +494,32 @@ def test_pipelined_plain_decoding_equals_plain_on_cuda(kind):
     assert (b.text, b.token_ids, b.finish_reason) == (a.text, a.token_ids, a.finish_reason)
     print(f"\nnano {kind} TPOT ms: plain {a.tpot_s * 1e3:.3f}, pipelined {b.tpot_s * 1e3:.3f} "
           f"({a.completion_tokens} tokens, {a.finish_reason})")
+
+
+@pytest.mark.skipif(not (NANO / "model.safetensors").exists(), reason="trained ling-nano weights not present")
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_pipelined_mtp_rounds_equal_unpipelined_on_cuda(kind):
+    """Captured MTP rounds, pipelined (each round launched before the host reads the one before it; the round
+    advances the device's committed length itself) and not: the same text, token ids, rounds and accept length
+    over a 5-shot GSM8K prompt, greedy and at the seed's sampling (a chained round replays the graph of the span
+    the unpipelined one would, so the kernels are the same). TPOT of both printed (information only)."""
+    from bytebound.bench.gsm8k import gsm8k_requests
+    from bytebound.data.gsm8k import FEW_SHOT_STOP
+    from bytebound.engine.engine import Engine
+    from bytebound.sampling import SamplingParams
+    prompt = gsm8k_requests(1)[0]["prompt"]
+    p = (SamplingParams(max_tokens=128, stop=FEW_SHOT_STOP) if kind == "greedy" else
+         SamplingParams(max_tokens=128, temperature=0.6, top_p=0.95, top_k=29, seed=3, stop=FEW_SHOT_STOP))
+    outs = {}
+    for pipe in (False, True):
+        eng = Engine(model=str(NANO), device="cuda", speculative_steps=3, pipeline_decode=pipe)
+        assert eng.spec_round.graphs and eng.spec_round_sampled.graphs
+        eng.generate(prompt, p)
+        outs[pipe] = eng.generate(prompt, p)[0]
+        del eng
+    a, b = outs[False], outs[True]
+    assert (b.text, b.token_ids, b.finish_reason) == (a.text, a.token_ids, a.finish_reason)
+    assert (b.spec["rounds"], b.spec["committed"]) == (a.spec["rounds"], a.spec["committed"])
+    assert a.spec["pipelined_rounds"] == 0 and b.spec["pipelined_rounds"] > 0
+    print(f"\nnano MTP {kind} TPOT ms: rounds {a.tpot_s * 1e3:.3f}, pipelined rounds {b.tpot_s * 1e3:.3f} "
+          f"({a.completion_tokens} tokens, accept length {a.spec['accept_length']:.2f})")
