@@ -639,3 +639,20 @@ def test_runner_arena_rollback_equals_per_layer(tk, device_index):
     finally:
         for layer in kda_layers:
             layer.fused_fn = None
+
+
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (5, 4, 3, 7, 11)), (torch.bfloat16, (2, 3, 4100))])
+def test_select_slot_copies_the_indexed_history_slot(tk, dtype, shape):
+    """The MTP rollback copy (``select_slot``): ``out[l] = src[l, n]`` with ``n`` a device tensor, exactly (a copy),
+    for every slot, with element counts that are not a multiple of the kernel's block; bad layouts are named
+    errors."""
+    g = torch.Generator().manual_seed(3)
+    src = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    for n in range(shape[1]):
+        out = torch.full((shape[0], *shape[2:]), float("nan"), dtype=dtype, device=DEV)
+        tk.select_slot(src, torch.tensor(n, device=DEV), out)
+        assert torch.equal(out, src[:, n])
+    with pytest.raises(BackendError, match="select_slot"):
+        tk.select_slot(src, torch.tensor(0, device=DEV), torch.empty(1, dtype=dtype, device=DEV))
+    with pytest.raises(BackendError, match="select_slot"):
+        tk.select_slot(src, torch.tensor(0.0, device=DEV), torch.empty_like(src[:, 0]))

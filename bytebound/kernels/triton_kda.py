@@ -642,6 +642,46 @@ def history_buffers(state, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cur
 
 
+if tl is not None:
+    @triton.jit
+    def _select_slot_kernel(src_ptr, idx_ptr, dst_ptr, S, T, BLOCK: tl.constexpr):
+        """``dst[l] = src[l, idx]`` for one layer ``l`` (grid axis 1) and one ``BLOCK`` of its ``S`` elements (axis
+        0): the slot index is read on the device, so the copy is capturable and needs no host read."""
+        layer = tl.program_id(1).to(tl.int64)
+        j = tl.load(idx_ptr).to(tl.int64)
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < S
+        v = tl.load(src_ptr + (layer * T + j) * S + offs, mask=m, eviction_policy="evict_first")
+        tl.store(dst_ptr + layer * S + offs, v, mask=m)
+
+
+def select_slot(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[l] = src[l, index]`` for every ``l``: the MTP rollback of every KDA layer at once, from the fused kernel's
+    per-token history (``src [L, T, *S]``, the runner's shared buffers) into the states (``out [L, *S]``, the
+    arena), with ``index`` a 0-d (or one-element) int64 device tensor in ``[0, T)``, the accepted count. One launch
+    of a plain streaming copy: ``torch.index_select`` with one index runs an indexing kernel over every element
+    (~2x the copy's time for the 73 MB of Ling's recurrent states). Same dtype and device for both, contiguous;
+    CUDA only (the caller keeps ``index_select`` elsewhere). Returns ``out``.
+
+    Raises:
+        BackendError: Triton unavailable, or shapes / dtypes / layouts that do not match."""
+    if triton is None:
+        raise BackendError(f"select_slot needs Triton: {_TRITON_ERR}")
+    if (src.dim() < 2 or tuple(out.shape) != (src.shape[0], *src.shape[2:]) or src.dtype != out.dtype
+            or not src.is_contiguous() or not out.is_contiguous() or index.numel() != 1
+            or index.dtype != torch.int64 or not (src.device == out.device == index.device)):
+        raise BackendError(f"select_slot: src {tuple(src.shape)} {src.dtype}, out {tuple(out.shape)} {out.dtype}, "
+                           f"index {tuple(index.shape)} {index.dtype}: want src [L, T, *S], out [L, *S], one int64 "
+                           "index, contiguous, one dtype and device")
+    L, T = src.shape[0], src.shape[1]
+    S = out[0].numel() if L else 0
+    if S == 0:
+        return out
+    block = 4096
+    _select_slot_kernel[(triton.cdiv(S, block), L)](src, index, out, S, T, BLOCK=block, num_warps=4)
+    return out
+
+
 class FusedKDA:
     """The fused decode/verify op bound to one ``KimiDeltaAttention`` layer (``layer.fused_fn``).
 
