@@ -153,13 +153,16 @@ class StaticRound:
                              "collective): it runs eagerly")
         r, k = self.r, self.k
         self.j.zero_()
-        bufs = [self.y, self.ext_ids, self.ext_hidden, self.j, r.pos_buf]     # (the body advances pos_buf)
+        bufs = [self.y, self.ext_ids, self.ext_hidden, self.j]
         saved = [b.clone() for b in bufs]
         snap = r.snapshot()
 
         def reset_bufs():
             for b, v in zip(bufs, saved):
                 b.copy_(v)
+            # the body advances pos_buf by its kept tokens: every warm-up and the capture run at begin_verify's
+            # position (restoring a value saved before reset(1) could put a warm-up's extend at position -1)
+            r.pos_buf.fill_(r.pos)
         # One graph per attention span (runner.kv_buckets; one span, max_len, unless buckets are on), so the
         # round attends over what the sequence needs, like the decode graphs. Each replays only its own span.
         # Warm-up and capture run at a synthetic committed length 1 (with j = 0 the extend starts at position
