@@ -353,3 +353,37 @@ def test_route_tie_rule_and_negative_scores(router):
     assert ids.tolist() == [[63, 62, 61, 60]]
     rid, rw = route(z, up, k, g, tg, True, 1.0)
     assert set(rid[0].tolist()) == set(ids[0].tolist()) and torch.allclose(w, rw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a GPU: the split routing tail's programs wait for each other, which Triton's "
+                           "interpreter (one program after another) cannot run; the interpreter takes the one-program "
+                           "tail, tested above")
+@pytest.mark.parametrize("m", [2, 3, 4])
+@pytest.mark.parametrize("fold", [False, True])
+@pytest.mark.parametrize("be,nw", [(4, 8), (2, 4), (1, 4)])
+def test_gemv_route_split_tail_equals_one_program_tail(router, m, fold, be, nw, monkeypatch):
+    """M > 1 on a GPU: the last M programs route one row each (``SPLIT_TAIL``) == the last program routing all rows
+    (``BYTEBOUND_ROUTER_SPLIT_TAIL=0``), ids and weights bit for bit, over 20 calls in a row (the ticket, counted up
+    to E/be + M, must re-arm itself every time), with and without the add + norm fold; and both equal ``route``."""
+    e, h, k = 512, 2560, 8
+    gen = torch.Generator(device="cpu").manual_seed(m * 10 + be)
+    wg = (torch.randn(e, h, generator=gen) * 0.05).cuda()
+    b = (torch.randn(e, generator=gen) * 0.5).cuda()
+    nwt = (1 + 0.1 * torch.randn(h, generator=gen)).cuda().to(torch.bfloat16)
+    for trial in range(20):
+        x = torch.randn(m, h, generator=gen).cuda().to(torch.bfloat16)
+        d = torch.randn(m, h, generator=gen).cuda().to(torch.bfloat16)
+        out = {}
+        for split in ("1", "0"):
+            monkeypatch.setenv("BYTEBOUND_ROUTER_SPLIT_TAIL", split)
+            if fold:
+                out[split] = router.gemv_route_add_norm(d, x, nwt, 1e-6, wg, b, k, 8, 4, True, 2.5, be=be,
+                                                        num_warps=nw)[:3]
+            else:
+                out[split] = router.gemv_route(x, wg, b, k, 8, 4, True, 2.5, be=be, num_warps=nw) + (x,)
+        (i1, w1, x1), (i0, w0, _) = out["1"], out["0"]
+        assert torch.equal(i1, i0) and torch.equal(w1, w0)
+        rid, rw = route(torch.nn.functional.linear(x1.float(), wg), b, k, 8, 4, True, 2.5)
+        for a, b_ in zip(as_sets(i1.cpu(), w1.cpu()), as_sets(rid.cpu(), rw.cpu())):
+            assert a.keys() == b_.keys()

@@ -33,7 +33,10 @@
   dynamic scale (``quant.quantize_fp8_token``), then ``logits[m, v] = (sum_k xq[m, k] * wq[v, k]) * sx[m] *
   w_scale[v]`` runs on FP8 tensor cores (``tl.dot`` of E4M3 x E4M3, float32 accumulate; tokens padded to 16
   columns), so the 402 MB weight streams with no per-weight conversion. Same math as the reference
-  ``torch._scaled_mm`` row-wise path up to summation order. Two launches.
+  ``torch._scaled_mm`` row-wise path up to summation order. Two launches. A greedy token needs only the argmax:
+  :func:`fp8_head_argmax` reduces it inside the head kernel (per-program best keys, the last program's
+  reduction) instead of storing the logits for a separate argmax launch; the bound head exposes it as
+  ``fn.argmax`` (``layers.lm_head.head_argmax``).
 * fp8 with M > 4: ``torch._scaled_mm`` (row-wise scales, float32 out) like the torch reference.
 * ``bf16``/``fp32`` modes delegate to the torch reference (cuBLAS).
 
@@ -276,6 +279,64 @@ if tl is not None:
         wsc = tl.load(ws_ptr + rows, mask=rmask, other=0.0)
         out = acc * wsc[:, None] * sx[None, :]
         tl.store(o_ptr + mm[None, :] * N + rows[:, None], out, mask=(mm[None, :] < M) & rmask[:, None])
+
+    @triton.jit
+    def _argmax_key(v, row, N):
+        """int64 keys of float32 logits ``v`` at vocabulary rows ``row``, ordered as torch's argmax picks: larger
+        value first, then the lower row (``N - 1 - row`` in the low word); -0.0 equals 0.0, and a NaN (either sign)
+        outranks every number, as torch's argmax propagates NaN (:func:`kernels.triton_router._key` plus the NaN
+        rule)."""
+        b = v.to(tl.int32, bitcast=True)
+        t = b >> 31
+        hi = tl.where(v != v, 0x7FFFFFFF, (b ^ (t & 0x7FFFFFFF)) - t)
+        return (hi.to(tl.int64) << 32) | (N - 1 - row).to(tl.int64)
+
+    @triton.jit
+    def _fp8_head_argmax(q_ptr, sx_ptr, w_ptr, ws_ptr, part_ptr, cnt_ptr, ids_ptr, N, P, K: tl.constexpr,
+                         M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         EVEN_N: tl.constexpr, FENCE: tl.constexpr, RB: tl.constexpr):
+        """``ids[m] = argmax_n logits[m, n]`` with the logits of :func:`_fp8_head_dot` (the same loads, dot and
+        scaling, so the same float32 values), never stored: each of the ``P`` programs keeps its ``BN`` rows' best
+        :func:`_argmax_key` per token in ``part [M, P]``, and the last to finish (an acq_rel ticket, as
+        ``triton_router.gemv_route``) reduces them in chunks of ``RB`` and writes ``ids`` int64, then re-arms the
+        ticket."""
+        pid = tl.program_id(0)
+        rows = pid * BN + tl.arange(0, BN)
+        rmask = rows < N
+        kk = tl.arange(0, BK)
+        mm = tl.arange(0, 16)
+        wp = w_ptr + rows[:, None].to(tl.int64) * K + kk[None, :]
+        qp = q_ptr + mm[:, None] * K + kk[None, :]
+        acc = tl.zeros([BN, 16], tl.float32)
+        for k0 in range(0, K, BK):
+            if EVEN_N:
+                w = tl.load(wp + k0)
+            else:
+                w = tl.load(wp + k0, mask=rmask[:, None], other=0.0)
+            q = tl.load(qp + k0, mask=mm[:, None] < M, other=0.0)
+            acc += tl.dot(w, tl.trans(q))        # (as _fp8_head_dot: a fresh dot per 128-wide K step)
+        sx = tl.load(sx_ptr + mm, mask=mm < M, other=0.0)
+        wsc = tl.load(ws_ptr + rows, mask=rmask, other=0.0)
+        out = acc * wsc[:, None] * sx[None, :]
+        key = _argmax_key(out, rows[:, None] + tl.zeros([BN, 16], tl.int32), N)
+        key = tl.where(rmask[:, None], key, -0x7FFFFFFFFFFFFFFF - 1)      # rows past N never win
+        tl.store(part_ptr + mm * P + pid, tl.max(key, axis=0), mask=mm < M)
+        if FENCE:   # (False only under TRITON_INTERPRET)
+            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [tl.arange(0, 128)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == P - 1:
+            r = tl.arange(0, MP)
+            best = tl.full([MP], -0x7FFFFFFFFFFFFFFF - 1, tl.int64)
+            for c0 in range(0, P, RB):
+                c = c0 + tl.arange(0, RB)
+                # .cg (L2, not L1): other SMs stored these partials moments ago
+                kb = tl.load(part_ptr + r[:, None] * P + c[None, :], mask=(r[:, None] < M) & (c[None, :] < P),
+                             other=-0x7FFFFFFFFFFFFFFF - 1, cache_modifier=".cg")
+                best = tl.maximum(best, tl.max(kb, axis=1))
+            tl.store(ids_ptr + r, (N - 1 - (best & 0xFFFFFFFF)).to(tl.int64), mask=r < M)
+            tl.store(cnt_ptr, 0)
 
     @triton.jit
     def _fp8_quant_groups(x_ptr, q_ptr, s_ptr, M, K, G: tl.constexpr, BM: tl.constexpr, POW2: tl.constexpr):
@@ -948,6 +1009,38 @@ def fp8_head_logits(x2: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor
     return out
 
 
+def fp8_head_argmax(x2: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, cfg: dict | None = None
+                    ) -> torch.Tensor:
+    """``x2 [M<=4, K]`` BF16 -> ``ids [M]`` int64, the argmax over the vocabulary of :func:`fp8_head_logits`' logits
+    (the same per-token quantisation and the same float32 values, torch's tie rule: the lowest id), with the
+    reduction inside the head kernel (``_fp8_head_argmax``): the logits are never written and no separate argmax
+    launch reads them back. The partial keys and the ticket are per-device scratch (``kernels.scratch``), so calls
+    on one device must not overlap (one stream, as the engine runs).
+
+    Raises:
+        BackendError: M outside 1..:data:`MAX_M`, or an x width other than the weight's."""
+    m, k = x2.shape
+    n = w_fp8.shape[0]
+    if not 0 < m <= MAX_M or w_fp8.shape[1] != k:
+        raise BackendError(f"lm_head[triton]: the fused argmax takes [1..{MAX_M}, K] x [V, K], got {tuple(x2.shape)} "
+                           f"and {tuple(w_fp8.shape)}")
+    cfg = cfg or {"BN": 128, "BK": 128, "num_warps": 4, "num_stages": 4}
+    x2 = x2.contiguous()
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x2.device)
+    sx = torch.empty(m, dtype=torch.float32, device=x2.device)
+    _fp8_quant_rows[(m,)](x2, q, sx, K=k, BK=1024, num_warps=4)
+    p = triton.cdiv(n, cfg["BN"])
+    from bytebound.kernels.scratch import scratch
+    part = scratch(x2.device, "head_argmax_keys", MAX_M * p, torch.int64)
+    cnt = scratch(x2.device, "head_argmax_ticket", 1, torch.int32)
+    ids = torch.empty(m, dtype=torch.int64, device=x2.device)
+    _fp8_head_argmax[(p,)](q, sx, w_fp8, w_scale, part, cnt, ids, n, p, K=k, M=m, MP=triton.next_power_of_2(m),
+                           BN=cfg["BN"], BK=cfg["BK"], EVEN_N=(n % cfg["BN"] == 0),
+                           FENCE=os.environ.get("TRITON_INTERPRET") != "1", RB=512,
+                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return ids
+
+
 @register("linear", "triton", available)
 class TritonLinear:
     """FP8 block GEMV for M <= 4; for prefill (M > 4) the path ``prefill`` picks; plain weights go to ``F.linear``.
@@ -1032,6 +1125,21 @@ class TritonLMHead:
                 xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
                 return fp8_head_logits(xb, head.w_fp8, head.w_scale)
             return lm_head_reference(head, x)
+        def argmax(x):
+            """``ids [M]`` int64 of :func:`fp8_head_argmax` for the FP8 head at M <= 4 on CUDA (the argmax inside
+            the head kernel); None for any other call, which then takes ``fn`` and torch's argmax."""
+            if head.mode == "fp8" and 0 < x.shape[0] <= MAX_M and x.is_cuda and argmax_fused_enabled():
+                return fp8_head_argmax(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), head.w_fp8,
+                                       head.w_scale)
+            return None
         # the FP8 head GEMV's width (bind_model reads it; the bf16/fp32 paths are cuBLAS at any M)
         fn.max_tokens = MAX_M if head.mode == "fp8" else None
+        fn.argmax = argmax
         return fn
+
+
+def argmax_fused_enabled() -> bool:
+    """False when ``BYTEBOUND_HEAD_ARGMAX=0``: the greedy token then comes from the head's logits and torch's argmax
+    (two more launches) instead of :func:`fp8_head_argmax`; the same ids. An A/B switch read at each call, so a
+    graph captured after a change sees it."""
+    return os.environ.get("BYTEBOUND_HEAD_ARGMAX", "1") != "0"

@@ -166,7 +166,7 @@ if tl is not None:
                            KP: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, M: tl.constexpr,
                            MP: tl.constexpr, BE: tl.constexpr, HP: tl.constexpr, FENCE: tl.constexpr,
                            PDL_OUT: tl.constexpr, ADD_NORM: tl.constexpr, PDL_IN: tl.constexpr = False,
-                           PF: tl.constexpr = 0, NTH: tl.constexpr = 128):
+                           PF: tl.constexpr = 0, NTH: tl.constexpr = 128, SPLIT_TAIL: tl.constexpr = False):
         """Router GEMV and routing in one launch: program ``pid`` computes ``logits[:, pid*BE:(pid+1)*BE]`` in
         float32 (``x [M, H]`` against the router weight ``[E, H]``), and the last program to finish (an acq_rel
         ticket) routes every row from the complete logits.
@@ -188,7 +188,17 @@ if tl is not None:
         forms ``h + delta`` and its RMSNorm (weight ``nw_ptr``) itself, rounded as ``kernels.triton_norm``'s
         ``add_rmsnorm`` rounds (one row's statistics are a sum over its H values, so no program needs another's),
         runs the GEMV on that normed x, and program 0 writes the new h (``hout_ptr``) and x (``xout_ptr``) for the
-        expert kernels, which start after this kernel completes (or wait for it: ``griddepcontrol.wait``)."""
+        expert kernels, which start after this kernel completes (or wait for it: ``griddepcontrol.wait``).
+
+        ``SPLIT_TAIL`` (M > 1 on a GPU, :func:`split_tail_enabled`): the last ``M`` programs to take a ticket route one
+        row each, in parallel, instead of the last one routing all ``M``: row ``r`` goes to the program with ticket
+        ``E/BE - 1 - r``, which waits (acquire loads of the ticket) until all ``E/BE`` programs have arrived. Each
+        routing program then counts itself out on the same ticket, and the last of them re-arms it. The rows'
+        arithmetic is :func:`_route_rows`' at ``MP = 1``, so ids and weights are bit-identical to the one-program
+        tail. Waiting is safe: a waiter holds its SM only while programs that already hold a ticket or are still
+        to be scheduled finish, and the PDL dependents (kernel A) can launch only after every program of this
+        grid has started (each triggers first), so they cannot crowd out a program not yet scheduled. Not under
+        TRITON_INTERPRET, which runs programs one after another (a waiter would wait forever)."""
         pid = tl.program_id(0)
         if PDL_OUT:     # (sm_90+ and not under TRITON_INTERPRET, which cannot run PTX)
             tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r",
@@ -205,7 +215,7 @@ if tl is not None:
         wt = tl.load(wg_ptr + e[:, None] * H + kk[None, :], mask=km[None, :], other=0.0).to(tl.float32)
         # the routing's bias, in every program (2 KB from L2): whichever program routes has it in registers by then,
         # its load overlapped with the weight tile's rather than waited for after the ticket
-        bias = _load_bias(bias_ptr, E, MP) if HAS_BIAS else 0.0
+        bias = _load_bias(bias_ptr, E, 1 if SPLIT_TAIL else MP) if HAS_BIAS else 0.0
         for m in tl.static_range(M):
             if ADD_NORM:
                 hs = (tl.load(x_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32) +
@@ -227,9 +237,23 @@ if tl is not None:
                                       dtype=tl.int32, is_pure=False, pack=1)
         tl.debug_barrier()
         ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-        if ticket == E // BE - 1:
-            _route_rows(logits_ptr, bias, ids_ptr, w_ptr, scale, 0, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS, NORM, MP)
-            tl.store(cnt_ptr, 0)
+        NP: tl.constexpr = E // BE
+        if SPLIT_TAIL:
+            r = NP - 1 - ticket
+            if r < M:
+                seen = ticket + 1
+                while seen < NP:        # every program's logits are stored once all NP tickets are taken
+                    seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+                _route_rows(logits_ptr, bias, ids_ptr, w_ptr, scale, r, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS, NORM,
+                            1)
+                # the last of the M routing programs re-arms the ticket (every waiter has seen NP by then)
+                if tl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu") == NP + M - 1:
+                    tl.store(cnt_ptr, 0)
+        else:
+            if ticket == NP - 1:
+                _route_rows(logits_ptr, bias, ids_ptr, w_ptr, scale, 0, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS, NORM,
+                            MP)
+                tl.store(cnt_ptr, 0)
 
 
 def _pdl_out(device: torch.device) -> bool:
@@ -335,6 +359,13 @@ def norm_fold_enabled() -> bool:
     return os.environ.get("BYTEBOUND_ROUTER_NORM_FOLD", "1") != "0"
 
 
+def split_tail_enabled() -> bool:
+    """False when ``BYTEBOUND_ROUTER_SPLIT_TAIL=0``: :func:`gemv_route` with M > 1 rows then routes them all in its
+    last program instead of one row per program (``_gemv_route_kernel``'s ``SPLIT_TAIL``; the same ids and
+    weights). An A/B switch read at each call, like :func:`norm_fold_enabled`; the interpreter never splits."""
+    return os.environ.get("BYTEBOUND_ROUTER_SPLIT_TAIL", "1") != "0"
+
+
 def _gemv_route(x, delta, norm_weight, eps, weight, bias, top_k, n_group, topk_group, norm, scale, be, num_warps):
     """:func:`gemv_route` (``delta`` None) or :func:`gemv_route_add_norm`: ``(ids, w, x_normed, h_new)``, the last
     two None without ``delta``."""
@@ -374,6 +405,7 @@ def _gemv_route(x, delta, norm_weight, eps, weight, bias, top_k, n_group, topk_g
                                    KP=triton.next_power_of_2(top_k), HAS_BIAS=bias is not None, NORM=bool(norm),
                                    M=m, MP=triton.next_power_of_2(m), BE=be, HP=triton.next_power_of_2(h),
                                    FENCE=not interp, PDL_OUT=_pdl_out(x.device), ADD_NORM=add,
-                                   PDL_IN=pdl_in, PF=pf, NTH=32 * num_warps, num_warps=num_warps,
+                                   PDL_IN=pdl_in, PF=pf, NTH=32 * num_warps,
+                                   SPLIT_TAIL=m > 1 and not interp and split_tail_enabled(), num_warps=num_warps,
                                    **({"launch_pdl": True} if pdl_in else {}))
     return ids, w, xo, ho

@@ -52,6 +52,14 @@ class LMHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return head_logits(self, x)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens ``[..]`` int64 for ``x [.., H]``: :func:`head_argmax` of this module, or, when forward hooks
+        change what the module returns (tensor parallelism all-gathers the vocabulary shards' logits), the argmax
+        of its forward."""
+        if self._forward_hooks or self._forward_pre_hooks:
+            return self(x).argmax(-1)
+        return head_argmax(self, x)
+
 
 def head_logits(head, x: torch.Tensor) -> torch.Tensor:
     """Logits ``[.., N]`` float32 of ``x [.., H]`` through ``head``'s bound backend (``head.fn``), else the torch
@@ -64,6 +72,21 @@ def head_logits(head, x: torch.Tensor) -> torch.Tensor:
         from bytebound.kernels.torch_ref import lm_head_reference
         out = lm_head_reference(head, x2)
     return out.view(*shape[:-1], out.shape[-1])
+
+
+def head_argmax(head, x: torch.Tensor) -> torch.Tensor:
+    """Token ids ``[..]`` int64: the argmax over ``head_logits(head, x)``'s last axis (torch's tie rule, the lowest
+    id). Where the bound backend reduces it inside the head kernel (``head.fn.argmax``, the FP8 head at M <= 4 on
+    CUDA: ``kernels.triton_fp8.fp8_head_argmax``) the logits are never written; it returns None for calls it does
+    not take, which then run the logits and torch's argmax. Either way the values compared are the same float32
+    logits."""
+    fused = getattr(head.fn, "argmax", None) if head.fn is not None else None
+    if fused is not None:
+        x2 = x.reshape(-1, x.shape[-1])
+        ids = fused(x2)
+        if ids is not None:
+            return ids.view(x.shape[:-1])
+    return head_logits(head, x).argmax(-1)
 
 
 def bf16_logits(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

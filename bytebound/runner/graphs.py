@@ -78,7 +78,7 @@ class DecodeGraph:
             pool = torch.cuda.graph_pool_handle()
             for span, (_, hidden) in self.graphs.items():
                 self.token_graphs[span, "greedy"] = capture_graph(
-                    lambda: model.logits(hidden).argmax(-1).view(1), warmup, pool=pool)
+                    lambda: model.lm_head.argmax(hidden).view(1), warmup, pool=pool)
                 self.token_graphs[span, "sampled"] = capture_graph(
                     lambda: inverse_cdf(probs_device(model.logits(hidden), self.sp), self.u).view(1), warmup,
                     pool=pool)

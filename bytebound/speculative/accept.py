@@ -43,6 +43,15 @@ def accept_sampled(pr: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor, u_dr
     return j, inverse_cdf(row, u_draw)
 
 
+def accept_greedy(target_ids: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy rule from the target's argmax tokens: ``target_ids [n+1]`` int64 (position i's argmax),
+    ``drafts [n]`` int64. Returns 0-d int64 ``(j, bonus)``: ``j`` = the leading run where draft == target, the
+    bonus the target token at ``j``. No host read (CUDA-graph capturable)."""
+    n = drafts.shape[0]
+    j = (drafts == target_ids[:n]).long().cumprod(0).sum()
+    return j, target_ids.index_select(0, j.view(1))[0]
+
+
 def accept_chain_device(target_logits: torch.Tensor, drafts: torch.Tensor, p: SamplingParams,
                         gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Acceptance without any host sync: ``target_logits [n+1, V]``, ``drafts [n]`` int64 on the same device.
@@ -53,9 +62,7 @@ def accept_chain_device(target_logits: torch.Tensor, drafts: torch.Tensor, p: Sa
     """
     n = drafts.shape[0]
     if p.greedy:
-        tgt = target_logits.argmax(-1)                                    # [n+1]
-        j = (drafts == tgt[:n]).long().cumprod(0).sum()
-        return j, tgt.index_select(0, j.view(1))[0]
+        return accept_greedy(target_logits.argmax(-1), drafts)
     pr = probs(target_logits, p)                                          # [n+1, V]
     u = torch.empty(n, dtype=torch.float32, device=pr.device)
     u_draw = torch.empty(1, 1, dtype=torch.float64, device=pr.device)

@@ -308,7 +308,10 @@ class HotHead:
 
     def propose(self, x: torch.Tensor) -> torch.Tensor:
         """Draft tokens ``[..]`` int64 (vocabulary ids): the argmax over the hot set, on the device, no sync."""
-        i = self.logits(x).argmax(-1)
+        if self.mode != self.head.mode:
+            self.build()
+        from bytebound.layers.lm_head import head_argmax
+        i = head_argmax(self, x)            # the hot rows' argmax, inside the head kernel where the backend can
         # index_select, not ids[i]: never a 0-d index (a host sync, which would break graph capture)
         return self.ids.index_select(0, i.reshape(-1)).view(i.shape)
 

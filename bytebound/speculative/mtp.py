@@ -123,7 +123,9 @@ class MTPDrafter:
         the hot rows' (mapped back to vocabulary ids). Stays on the device (no host sync)."""
         if self.hot is not None:
             return self.hot.propose(hidden)
-        return self.logits(hidden).argmax(-1)
+        if self.share == "weight-only":
+            return self.logits(hidden).argmax(-1)
+        return self.lm_head.argmax(hidden)      # the head module's own argmax (fused into its kernel where it can)
 
     def hidden(self, ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor, state,
                kv_len: int | None = None) -> torch.Tensor:

@@ -43,7 +43,7 @@ import torch
 
 from bytebound.runner.graphs import capture_graph
 from bytebound.sampling import SamplingBuffers, SamplingParams, probs_device, sample
-from bytebound.speculative.accept import accept_chain_device, accept_sampled, chain_uniforms
+from bytebound.speculative.accept import accept_greedy, accept_sampled, chain_uniforms
 from bytebound.speculative.mtp import _from_rank0, nextn_prefix
 
 
@@ -131,7 +131,8 @@ class StaticRound:
         if self.sampled:
             j, bonus = accept_sampled(probs_device(r.logits(vh), self.sp), d, self.u, self.u_draw)
         else:
-            j, bonus = accept_chain_device(r.logits(vh), d, self.p, None)
+            # only the target's argmax matters: the head reduces it in its kernel where it can (no logits stored)
+            j, bonus = accept_greedy(r.model.lm_head.argmax(vh), d)
         verdict = _from_rank0(r, torch.cat([d, bonus.view(1), j.view(1)]))
         j, bonus = verdict[-1], verdict[-2]
         # 5. KDA states after token j (MLA slots past the new committed length are rewritten before use)

@@ -1,0 +1,117 @@
+"""The greedy token inside the FP8 LM-head kernel (``kernels.triton_fp8.fp8_head_argmax``) against the argmax of the
+head's own logits (``fp8_head_logits``, the same float32 values) and of a float64 reference of the FP8 product;
+torch's tie rule (the lowest id); the ticket that re-arms itself; and the module-level plumbing
+(``layers.lm_head.head_argmax``: the fused path where the bound backend offers it, the logits' argmax otherwise,
+and the forward's argmax where hooks change the logits, as tensor parallelism's all-gather does). On a CPU machine
+the kernels run in Triton's interpreter; on a GPU they compile for real."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bytebound.layers.lm_head import LMHead, head_argmax
+from bytebound.quant import quantize_fp8_channel, quantize_fp8_token
+from conftest import needs_triton, triton_module_fixture
+
+fp8 = triton_module_fixture("fp8", "bytebound.kernels.triton_fp8")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _head(v: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(v, k, generator=g) * 0.05
+    q, s = quantize_fp8_channel(w)
+    return q.to(DEV), s.to(DEV)
+
+
+def _ref_argmax(fp8, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """float64 argmax of the FP8 head: per-token E4M3 activations times the E4M3 weight, both scales applied. The
+    activations are the kernel's own quantisation (``_fp8_quant_rows``): on a GPU it equals
+    ``quant.quantize_fp8_token`` bit for bit (checked here), while Triton's interpreter rounds float32 -> E4M3
+    differently from torch, which is not what this test is about."""
+    m, k = x.shape
+    xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    sx = torch.empty(m, dtype=torch.float32, device=x.device)
+    fp8._fp8_quant_rows[(m,)](x, xq, sx, K=k, BK=1024)
+    if x.is_cuda:
+        tq, ts = quantize_fp8_token(x)
+        assert torch.equal(xq.view(torch.uint8), tq.view(torch.uint8)) and torch.equal(sx, ts)
+    lg = (xq.cpu().double() @ q.cpu().double().t()) * sx.cpu().double()[:, None] * s.cpu().double()[None, :]
+    return lg.argmax(-1), lg
+
+
+@needs_triton
+@pytest.mark.parametrize("v,k", [(1000, 256), (1024, 384)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_fused_argmax_equals_argmax_of_the_head_logits(fp8, v, k, m):
+    """Ragged (1000) and even (1024) vocabularies, M = 1..4, three calls in a row (the ticket re-arms): the fused
+    ids equal torch's argmax of ``fp8_head_logits`` exactly, and the float64 reference's argmax wherever that
+    reference's top two are not within float32 rounding of each other."""
+    q, s = _head(v, k, v + k + m)
+    g = torch.Generator().manual_seed(m)
+    for trial in range(3):
+        x = (torch.randn(m, k, generator=g)).to(torch.bfloat16).to(DEV)
+        ids = fp8.fp8_head_argmax(x, q, s)
+        logits = fp8.fp8_head_logits(x, q, s)
+        assert ids.dtype == torch.int64 and ids.shape == (m,)
+        assert torch.equal(ids.cpu(), logits.argmax(-1).cpu())
+        want, lg = _ref_argmax(fp8, x, q, s)
+        top2 = lg.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-5 * top2[:, 0].abs()
+        assert torch.equal(ids.cpu()[clear], want[clear])
+
+
+@needs_triton
+def test_fused_argmax_tie_rule_is_the_lowest_id(fp8):
+    """Rows with identical weights give identical logits: the lowest id wins, as torch's argmax picks, also across
+    program boundaries (rows 5, 300 and 999 equal, 128 rows per program), and a tie inside one program."""
+    v, k = 1000, 256
+    q, s = _head(v, k, 3)
+    for r in (300, 999):
+        q[r], s[r] = q[5], s[5]
+    q[6], s[6] = q[5], s[5]
+    # make row 5's logit the largest for every token: x along row 5's direction
+    x = (q[5].float().cpu() * s[5].cpu()).repeat(3, 1)
+    x[1] *= 2.0
+    x = x.to(torch.bfloat16).to(DEV)
+    ids = fp8.fp8_head_argmax(x, q, s)
+    assert ids.cpu().tolist() == [5, 5, 5]
+    assert torch.equal(ids.cpu(), fp8.fp8_head_logits(x, q, s).argmax(-1).cpu())
+
+
+@needs_triton
+def test_fused_argmax_refuses_bad_shapes(fp8):
+    from bytebound.errors import BackendError
+    q, s = _head(256, 128, 1)
+    with pytest.raises(BackendError):
+        fp8.fp8_head_argmax(torch.zeros(5, 128, dtype=torch.bfloat16, device=DEV), q, s)
+    with pytest.raises(BackendError):
+        fp8.fp8_head_argmax(torch.zeros(1, 64, dtype=torch.bfloat16, device=DEV), q, s)
+
+
+def test_head_argmax_uses_the_backend_argmax_and_falls_back():
+    """``head_argmax``: the bound ``fn.argmax`` answers where it takes the call, the logits' argmax where it returns
+    None or does not exist; a module with a forward hook (tensor parallelism's all-gather) takes its forward."""
+    head = LMHead(50, 8, torch.float32)
+    torch.nn.init.normal_(head.weight)
+    x = torch.randn(2, 3, 8)
+    want = head(x).argmax(-1)
+    assert torch.equal(head.argmax(x), want)                      # no backend: the torch reference
+    calls = []
+
+    def fn(x2):
+        return torch.nn.functional.linear(x2, head.weight)
+    fn.argmax = lambda x2: calls.append(x2.shape) or torch.full((x2.shape[0],), 7, dtype=torch.long)
+    head.fn = fn
+    got = head_argmax(head, x)
+    assert calls == [(6, 8)] and got.shape == (2, 3) and bool((got == 7).all())
+    fn.argmax = lambda x2: None                                    # declines: the logits' argmax
+    assert torch.equal(head.argmax(x), want)
+    fn.argmax = lambda x2: torch.zeros(x2.shape[0], dtype=torch.long)
+    h = head.register_forward_hook(lambda _m, _i, out: -out)       # a hook that changes the logits
+    negated = (-fn(x.reshape(-1, 8))).argmax(-1).view(2, 3)
+    assert not torch.equal(negated, torch.zeros_like(negated))
+    assert torch.equal(head.argmax(x), negated)                    # the hooked forward, not fn.argmax
+    h.remove()
+    assert bool((head.argmax(x) == 0).all())
