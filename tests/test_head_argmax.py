@@ -115,3 +115,30 @@ def test_head_argmax_uses_the_backend_argmax_and_falls_back():
     assert torch.equal(head.argmax(x), negated)                    # the hooked forward, not fn.argmax
     h.remove()
     assert bool((head.argmax(x) == 0).all())
+
+
+@needs_triton
+@pytest.mark.parametrize("m", [1, 4])
+def test_fused_argmax_maps_rows_to_vocabulary_ids(fp8, m):
+    """``index_map``: a row subset of the head (the hot-vocabulary draft head) returns ``index_map[argmax]``, the
+    same as gathering after the plain fused argmax; a map of the wrong dtype or length is refused."""
+    from bytebound.errors import BackendError
+    q, s = _head(640, 256, 11 + m)
+    vocab_ids = (torch.randperm(100000, generator=torch.Generator().manual_seed(m))[:640]).sort().values.to(DEV)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16).to(DEV)
+    rows = fp8.fp8_head_argmax(x, q, s)
+    got = fp8.fp8_head_argmax(x, q, s, index_map=vocab_ids)
+    assert torch.equal(got.cpu(), vocab_ids.cpu()[rows.cpu()])
+    with pytest.raises(BackendError, match="index map"):
+        fp8.fp8_head_argmax(x, q, s, index_map=vocab_ids.int())
+    with pytest.raises(BackendError, match="index map"):
+        fp8.fp8_head_argmax(x, q, s, index_map=vocab_ids[:10])
+
+
+def test_head_argmax_index_map_on_the_fallback():
+    """Without a fused path, ``head_argmax(head, x, index_map)`` gathers the map at the logits' argmax."""
+    head = LMHead(40, 8, torch.float32)
+    torch.nn.init.normal_(head.weight)
+    x = torch.randn(3, 8)
+    vmap = torch.arange(40) * 7 + 1
+    assert torch.equal(head_argmax(head, x, vmap), vmap[head(x).argmax(-1)])

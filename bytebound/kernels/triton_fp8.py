@@ -292,14 +292,14 @@ if tl is not None:
         return (hi.to(tl.int64) << 32) | (N - 1 - row).to(tl.int64)
 
     @triton.jit
-    def _fp8_head_argmax(q_ptr, sx_ptr, w_ptr, ws_ptr, part_ptr, cnt_ptr, ids_ptr, N, P, K: tl.constexpr,
+    def _fp8_head_argmax(q_ptr, sx_ptr, w_ptr, ws_ptr, part_ptr, cnt_ptr, ids_ptr, map_ptr, N, P, K: tl.constexpr,
                          M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         EVEN_N: tl.constexpr, FENCE: tl.constexpr, RB: tl.constexpr):
+                         EVEN_N: tl.constexpr, FENCE: tl.constexpr, RB: tl.constexpr, HAS_MAP: tl.constexpr):
         """``ids[m] = argmax_n logits[m, n]`` with the logits of :func:`_fp8_head_dot` (the same loads, dot and
         scaling, so the same float32 values), never stored: each of the ``P`` programs keeps its ``BN`` rows' best
         :func:`_argmax_key` per token in ``part [M, P]``, and the last to finish (an acq_rel ticket, as
-        ``triton_router.gemv_route``) reduces them in chunks of ``RB`` and writes ``ids`` int64, then re-arms the
-        ticket."""
+        ``triton_router.gemv_route``) reduces them in chunks of ``RB`` and writes ``ids`` int64
+        (``HAS_MAP``: ``map[row]``, the row's vocabulary id for a row subset of the head), then re-arms the ticket."""
         pid = tl.program_id(0)
         rows = pid * BN + tl.arange(0, BN)
         rmask = rows < N
@@ -335,7 +335,10 @@ if tl is not None:
                 kb = tl.load(part_ptr + r[:, None] * P + c[None, :], mask=(r[:, None] < M) & (c[None, :] < P),
                              other=-0x7FFFFFFFFFFFFFFF - 1, cache_modifier=".cg")
                 best = tl.maximum(best, tl.max(kb, axis=1))
-            tl.store(ids_ptr + r, (N - 1 - (best & 0xFFFFFFFF)).to(tl.int64), mask=r < M)
+            row = (N - 1 - (best & 0xFFFFFFFF)).to(tl.int64)
+            if HAS_MAP:
+                row = tl.load(map_ptr + row, mask=r < M, other=0)
+            tl.store(ids_ptr + r, row, mask=r < M)
             tl.store(cnt_ptr, 0)
 
     @triton.jit
@@ -1009,18 +1012,24 @@ def fp8_head_logits(x2: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor
     return out
 
 
-def fp8_head_argmax(x2: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, cfg: dict | None = None
-                    ) -> torch.Tensor:
+def fp8_head_argmax(x2: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, cfg: dict | None = None,
+                    index_map: torch.Tensor | None = None) -> torch.Tensor:
     """``x2 [M<=4, K]`` BF16 -> ``ids [M]`` int64, the argmax over the vocabulary of :func:`fp8_head_logits`' logits
     (the same per-token quantisation and the same float32 values, torch's tie rule: the lowest id), with the
     reduction inside the head kernel (``_fp8_head_argmax``): the logits are never written and no separate argmax
-    launch reads them back. The partial keys and the ticket are per-device scratch (``kernels.scratch``), so calls
+    launch reads them back. ``index_map [V]`` int64 (optional): return ``index_map[argmax]`` instead, the
+    vocabulary id of the winning row when ``w_fp8`` is a row subset of the head (the hot-vocabulary draft head),
+    with no gather launch after it. The partial keys and the ticket are per-device scratch (``kernels.scratch``), so calls
     on one device must not overlap (one stream, as the engine runs).
 
     Raises:
-        BackendError: M outside 1..:data:`MAX_M`, or an x width other than the weight's."""
+        BackendError: M outside 1..:data:`MAX_M`, an x width other than the weight's, or an index map that is not
+            int64 of V elements."""
     m, k = x2.shape
     n = w_fp8.shape[0]
+    if index_map is not None and (index_map.dtype != torch.int64 or index_map.numel() != n):
+        raise BackendError(f"lm_head[triton]: the fused argmax's index map must be int64 [{n}], got "
+                           f"{index_map.dtype} [{index_map.numel()}]")
     if not 0 < m <= MAX_M or w_fp8.shape[1] != k:
         raise BackendError(f"lm_head[triton]: the fused argmax takes [1..{MAX_M}, K] x [V, K], got {tuple(x2.shape)} "
                            f"and {tuple(w_fp8.shape)}")
@@ -1034,9 +1043,10 @@ def fp8_head_argmax(x2: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor
     part = scratch(x2.device, "head_argmax_keys", MAX_M * p, torch.int64)
     cnt = scratch(x2.device, "head_argmax_ticket", 1, torch.int32)
     ids = torch.empty(m, dtype=torch.int64, device=x2.device)
-    _fp8_head_argmax[(p,)](q, sx, w_fp8, w_scale, part, cnt, ids, n, p, K=k, M=m, MP=triton.next_power_of_2(m),
-                           BN=cfg["BN"], BK=cfg["BK"], EVEN_N=(n % cfg["BN"] == 0),
-                           FENCE=os.environ.get("TRITON_INTERPRET") != "1", RB=512,
+    _fp8_head_argmax[(p,)](q, sx, w_fp8, w_scale, part, cnt, ids, ids if index_map is None else index_map, n, p,
+                           K=k, M=m, MP=triton.next_power_of_2(m), BN=cfg["BN"], BK=cfg["BK"],
+                           EVEN_N=(n % cfg["BN"] == 0), FENCE=os.environ.get("TRITON_INTERPRET") != "1", RB=512,
+                           HAS_MAP=index_map is not None,
                            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return ids
 
@@ -1125,12 +1135,13 @@ class TritonLMHead:
                 xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
                 return fp8_head_logits(xb, head.w_fp8, head.w_scale)
             return lm_head_reference(head, x)
-        def argmax(x):
-            """``ids [M]`` int64 of :func:`fp8_head_argmax` for the FP8 head at M <= 4 on CUDA (the argmax inside
-            the head kernel); None for any other call, which then takes ``fn`` and torch's argmax."""
+        def argmax(x, index_map=None):
+            """``ids [M]`` int64 of :func:`fp8_head_argmax` (``index_map``: its map) for the FP8 head at M <= 4 on
+            CUDA (the argmax inside the head kernel); None for any other call, which then takes ``fn`` and torch's
+            argmax."""
             if head.mode == "fp8" and 0 < x.shape[0] <= MAX_M and x.is_cuda and argmax_fused_enabled():
                 return fp8_head_argmax(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), head.w_fp8,
-                                       head.w_scale)
+                                       head.w_scale, index_map=index_map)
             return None
         # the FP8 head GEMV's width (bind_model reads it; the bf16/fp32 paths are cuBLAS at any M)
         fn.max_tokens = MAX_M if head.mode == "fp8" else None

@@ -74,19 +74,24 @@ def head_logits(head, x: torch.Tensor) -> torch.Tensor:
     return out.view(*shape[:-1], out.shape[-1])
 
 
-def head_argmax(head, x: torch.Tensor) -> torch.Tensor:
+def head_argmax(head, x: torch.Tensor, index_map: torch.Tensor | None = None) -> torch.Tensor:
     """Token ids ``[..]`` int64: the argmax over ``head_logits(head, x)``'s last axis (torch's tie rule, the lowest
     id). Where the bound backend reduces it inside the head kernel (``head.fn.argmax``, the FP8 head at M <= 4 on
     CUDA: ``kernels.triton_fp8.fp8_head_argmax``) the logits are never written; it returns None for calls it does
     not take, which then run the logits and torch's argmax. Either way the values compared are the same float32
-    logits."""
+    logits. ``index_map [N]`` int64 (optional): return ``index_map[argmax]``, e.g. the vocabulary ids of a row
+    subset of the head (gathered inside the kernel on the fused path)."""
     fused = getattr(head.fn, "argmax", None) if head.fn is not None else None
     if fused is not None:
         x2 = x.reshape(-1, x.shape[-1])
-        ids = fused(x2)
+        ids = fused(x2) if index_map is None else fused(x2, index_map)
         if ids is not None:
             return ids.view(x.shape[:-1])
-    return head_logits(head, x).argmax(-1)
+    i = head_logits(head, x).argmax(-1)
+    if index_map is None:
+        return i
+    # index_select, not index_map[i]: never a 0-d index (a host sync, which would break graph capture)
+    return index_map.index_select(0, i.reshape(-1)).view(i.shape)
 
 
 def bf16_logits(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -311,9 +311,8 @@ class HotHead:
         if self.mode != self.head.mode:
             self.build()
         from bytebound.layers.lm_head import head_argmax
-        i = head_argmax(self, x)            # the hot rows' argmax, inside the head kernel where the backend can
-        # index_select, not ids[i]: never a 0-d index (a host sync, which would break graph capture)
-        return self.ids.index_select(0, i.reshape(-1)).view(i.shape)
+        # the hot rows' argmax mapped to vocabulary ids, both inside the head kernel where the backend can
+        return head_argmax(self, x, self.ids)
 
     def facts(self) -> dict:
         """Manifest facts: size, share of V, bytes per draft step vs the full head's, provenance."""
