@@ -20,7 +20,8 @@ open, and the routed sum does not depend on it. On exact ties the lowest index w
 with float32 sigmoid scores a tie is a measure-zero event. With :func:`fused_route`
 the router GEMV (``F.linear`` in float32) stays a launch of its own. :func:`gemv_route` does both in one launch
 (``_gemv_route_kernel``): E/``be`` programs compute ``be`` experts' logits each for every row, and the last to
-finish (an acq_rel ticket) routes all rows at once; the CUDA default (plan entry ``router=gemv``;
+finish (an acq_rel ticket) routes all rows at once, or, with M > 1 on a GPU, the last M to finish route one row
+each (``SPLIT_TAIL``); the CUDA default (plan entry ``router=gemv``;
 docs/perf/moe-kernels-h200.md has its measurements). Both let the MoE kernel A launch early (PDL trigger);
 ``gemv_route`` is also a PDL dependent that L2-prefetches its weight tile before its wait when
 ``BYTEBOUND_PDL_PREFETCH`` names ``router`` (``kernels.pdl.early``; off by default). Its logits are summed in a
