@@ -93,16 +93,18 @@ def test_gemv_route_matches_linear_then_route(router, e, g, tg, k, m, h, be, nw)
 router_rne = triton_module_fixture("router_rne", "bytebound.kernels.triton_router", bf16_round_nearest=True)
 
 
-@pytest.mark.parametrize("fold", ["1", "0"])
+@pytest.mark.parametrize("fold,batch", [("1", "1"), ("0", "1"), ("1", "0")])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("wdt,be", [(torch.bfloat16, 2), (torch.float32, 4), (torch.float32, 1)])
-def test_gemv_route_add_norm_matches_add_norm_then_route(router_rne, m, wdt, be, fold, monkeypatch):
+def test_gemv_route_add_norm_matches_add_norm_then_route(router_rne, m, wdt, be, fold, batch, monkeypatch):
     """``gemv_route_add_norm(delta, h)`` == torch's ``h + delta`` (bit-equal), ``RMSNorm`` of it (the norm kernels'
     tolerance: two bf16 steps, nearly all equal) and ``route(F.linear(x.float(), W))`` of the returned x (same
     experts, weights to 1e-5); H 300 is not a power of two (masked tail). ``fold`` 0
-    (``BYTEBOUND_ROUTER_NORM_FOLD=0``): the add + norm as the norm kernel's launch, then ``gemv_route``."""
+    (``BYTEBOUND_ROUTER_NORM_FOLD=0``): the add + norm as the norm kernel's launch, then ``gemv_route``; ``batch``
+    0 (``BYTEBOUND_ROUTER_BATCH_ROWS=0``): M > 1 rows loaded and normalised one after another."""
     from bytebound.layers.norm import RMSNorm
     monkeypatch.setenv("BYTEBOUND_ROUTER_NORM_FOLD", fold)
+    monkeypatch.setenv("BYTEBOUND_ROUTER_BATCH_ROWS", batch)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     e, g, tg, k, hid = 64, 4, 2, 4, 300
     gen = torch.Generator().manual_seed(m * 3 + be)

@@ -167,7 +167,8 @@ if tl is not None:
                            KP: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, M: tl.constexpr,
                            MP: tl.constexpr, BE: tl.constexpr, HP: tl.constexpr, FENCE: tl.constexpr,
                            PDL_OUT: tl.constexpr, ADD_NORM: tl.constexpr, PDL_IN: tl.constexpr = False,
-                           PF: tl.constexpr = 0, NTH: tl.constexpr = 128, SPLIT_TAIL: tl.constexpr = False):
+                           PF: tl.constexpr = 0, NTH: tl.constexpr = 128, SPLIT_TAIL: tl.constexpr = False,
+                           BATCH_ROWS: tl.constexpr = False):
         """Router GEMV and routing in one launch: program ``pid`` computes ``logits[:, pid*BE:(pid+1)*BE]`` in
         float32 (``x [M, H]`` against the router weight ``[E, H]``), and the last program to finish (an acq_rel
         ticket) routes every row from the complete logits.
@@ -190,6 +191,11 @@ if tl is not None:
         ``add_rmsnorm`` rounds (one row's statistics are a sum over its H values, so no program needs another's),
         runs the GEMV on that normed x, and program 0 writes the new h (``hout_ptr``) and x (``xout_ptr``) for the
         expert kernels, which start after this kernel completes (or wait for it: ``griddepcontrol.wait``).
+
+        ``BATCH_ROWS`` (M > 1, :func:`batch_rows_enabled`): the M rows of x (and of h, delta) are loaded as one
+        ``[MP, HP]`` tile and normalised with one reduction over the tile, so their memory round trips overlap the
+        weight tile's instead of following the previous row's reductions; a row's norm then sums its squares in
+        another order than the one-row code (float32 rounding: x may differ by a BF16 step).
 
         ``SPLIT_TAIL`` (M > 1 on a GPU, :func:`split_tail_enabled`): the last ``M`` programs to take a ticket route one
         row each, in parallel, instead of the last one routing all ``M``: row ``r`` goes to the program with ticket
@@ -217,7 +223,31 @@ if tl is not None:
         # the routing's bias, in every program (2 KB from L2): whichever program routes has it in registers by then,
         # its load overlapped with the weight tile's rather than waited for after the ticket
         bias = _load_bias(bias_ptr, E, 1 if SPLIT_TAIL else MP) if HAS_BIAS else 0.0
-        for m in tl.static_range(M):
+        if BATCH_ROWS:
+            # all M rows in one [MP, HP] load (and one norm reduction for all of them), issued beside the weight
+            # tile's, instead of one row's loads after the previous row's reductions
+            rows = tl.arange(0, MP)
+            rk = (rows < M)[:, None] & km[None, :]
+            off2 = rows[:, None] * H + kk[None, :]
+            if ADD_NORM:
+                hs2 = (tl.load(x_ptr + off2, mask=rk, other=0.0).to(tl.float32) +
+                       tl.load(d_ptr + off2, mask=rk, other=0.0).to(tl.float32))
+                hs2 = hs2.to(hout_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+                r2 = tl.rsqrt(tl.sum(hs2 * hs2, axis=1) / H + eps)
+                nw = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
+                xv2 = nw[None, :] * (hs2 * r2[:, None]).to(xout_ptr.dtype.element_ty,
+                                                          fp_downcast_rounding="rtne").to(tl.float32)
+                xv2 = xv2.to(xout_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+                if pid == 0:
+                    tl.store(hout_ptr + off2, hs2.to(hout_ptr.dtype.element_ty), mask=rk)
+                    tl.store(xout_ptr + off2, xv2, mask=rk)
+                xs = xv2.to(tl.float32)
+            else:
+                xs = tl.load(x_ptr + off2, mask=rk, other=0.0).to(tl.float32)
+            for m in tl.static_range(M):
+                xv = tl.sum(tl.where(rows[:, None] == m, xs, 0.0), axis=0)       # row m (adds exact zeros)
+                tl.store(logits_ptr + m * E + e, tl.sum(wt * xv[None, :], axis=1))
+        for m in tl.static_range(0 if BATCH_ROWS else M):
             if ADD_NORM:
                 hs = (tl.load(x_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32) +
                       tl.load(d_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32))
@@ -367,6 +397,12 @@ def split_tail_enabled() -> bool:
     return os.environ.get("BYTEBOUND_ROUTER_SPLIT_TAIL", "1") != "0"
 
 
+def batch_rows_enabled() -> bool:
+    """False when ``BYTEBOUND_ROUTER_BATCH_ROWS=0``: :func:`gemv_route` with M > 1 rows then loads and normalises
+    one row after another (``_gemv_route_kernel``'s ``BATCH_ROWS`` off). An A/B switch read at each call."""
+    return os.environ.get("BYTEBOUND_ROUTER_BATCH_ROWS", "1") != "0"
+
+
 def _gemv_route(x, delta, norm_weight, eps, weight, bias, top_k, n_group, topk_group, norm, scale, be, num_warps):
     """:func:`gemv_route` (``delta`` None) or :func:`gemv_route_add_norm`: ``(ids, w, x_normed, h_new)``, the last
     two None without ``delta``."""
@@ -407,6 +443,7 @@ def _gemv_route(x, delta, norm_weight, eps, weight, bias, top_k, n_group, topk_g
                                    M=m, MP=triton.next_power_of_2(m), BE=be, HP=triton.next_power_of_2(h),
                                    FENCE=not interp, PDL_OUT=_pdl_out(x.device), ADD_NORM=add,
                                    PDL_IN=pdl_in, PF=pf, NTH=32 * num_warps,
-                                   SPLIT_TAIL=m > 1 and not interp and split_tail_enabled(), num_warps=num_warps,
+                                   SPLIT_TAIL=m > 1 and not interp and split_tail_enabled(),
+                                   BATCH_ROWS=m > 1 and batch_rows_enabled(), num_warps=num_warps,
                                    **({"launch_pdl": True} if pdl_in else {}))
     return ids, w, xo, ho
