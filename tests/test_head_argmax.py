@@ -142,3 +142,37 @@ def test_head_argmax_index_map_on_the_fallback():
     x = torch.randn(3, 8)
     vmap = torch.arange(40) * 7 + 1
     assert torch.equal(head_argmax(head, x, vmap), vmap[head(x).argmax(-1)])
+
+
+@pytest.mark.parametrize("has_map", [False, True])
+def test_fused_argmax_kernel_compiles_for_sm90(has_map):
+    """``_fp8_head_argmax`` at the full head's shape (V 157184, K 2560, M = 4, ragged last rows off) compiles for
+    sm_90 with its fence and ticket, and the PTX has the acq_rel ticket and the fence. Runs in a subprocess without
+    the interpreter (the CPU session's Triton may be in interpreter mode); no GPU needed."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    if os.environ.get("BYTEBOUND_TRITON_COMPILE_ONLY") != "1":
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["BYTEBOUND_TRITON_COMPILE_ONLY"] = "1"
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            f"{__file__}::test_fused_argmax_kernel_compiles_for_sm90[{has_map}]"], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+        return
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from bytebound.kernels import triton_fp8 as tf
+    fn = tf._fp8_head_argmax
+    const = dict(K=2560, M=4, MP=4, BN=128, BK=128, EVEN_N=False, FENCE=True, RB=512, HAS_MAP=has_map)
+    types = dict(q_ptr="*fp8e4nv", sx_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", part_ptr="*i64",
+                 cnt_ptr="*i32", ids_ptr="*i64", map_ptr="*i64", N="i32", P="i32")
+    sig = {n: ("constexpr" if n in const else types[n]) for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4))
+    ptx = k.asm["ptx"]
+    assert k.asm.get("cubin") and "fence.acq_rel.gpu" in ptx and ".acq_rel.add" in ptx

@@ -222,7 +222,10 @@ if tl is not None:
         wt = tl.load(wg_ptr + e[:, None] * H + kk[None, :], mask=km[None, :], other=0.0).to(tl.float32)
         # the routing's bias, in every program (2 KB from L2): whichever program routes has it in registers by then,
         # its load overlapped with the weight tile's rather than waited for after the ticket
-        bias = _load_bias(bias_ptr, E, 1 if SPLIT_TAIL else MP) if HAS_BIAS else 0.0
+        if SPLIT_TAIL:      # each routing program routes one row
+            bias = _load_bias(bias_ptr, E, 1) if HAS_BIAS else 0.0
+        else:
+            bias = _load_bias(bias_ptr, E, MP) if HAS_BIAS else 0.0
         if BATCH_ROWS:
             # all M rows in one [MP, HP] load (and one norm reduction for all of them), issued beside the weight
             # tile's, instead of one row's loads after the previous row's reductions
@@ -247,22 +250,23 @@ if tl is not None:
             for m in tl.static_range(M):
                 xv = tl.sum(tl.where(rows[:, None] == m, xs, 0.0), axis=0)       # row m (adds exact zeros)
                 tl.store(logits_ptr + m * E + e, tl.sum(wt * xv[None, :], axis=1))
-        for m in tl.static_range(0 if BATCH_ROWS else M):
-            if ADD_NORM:
-                hs = (tl.load(x_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32) +
-                      tl.load(d_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32))
-                hs = hs.to(hout_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
-                r = tl.rsqrt(tl.sum(hs * hs, axis=0) / H + eps)
-                nw = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
-                xv = nw * (hs * r).to(xout_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
-                xv = xv.to(xout_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-                if pid == 0:
-                    tl.store(hout_ptr + m * H + kk, hs.to(hout_ptr.dtype.element_ty), mask=km)
-                    tl.store(xout_ptr + m * H + kk, xv, mask=km)
-                xv = xv.to(tl.float32)
-            else:
-                xv = tl.load(x_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32)
-            tl.store(logits_ptr + m * E + e, tl.sum(wt * xv[None, :], axis=1))
+        else:
+            for m in tl.static_range(M):
+                if ADD_NORM:
+                    hs = (tl.load(x_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32) +
+                          tl.load(d_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32))
+                    hs = hs.to(hout_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+                    r = tl.rsqrt(tl.sum(hs * hs, axis=0) / H + eps)
+                    nw = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
+                    xv = nw * (hs * r).to(xout_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+                    xv = xv.to(xout_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+                    if pid == 0:
+                        tl.store(hout_ptr + m * H + kk, hs.to(hout_ptr.dtype.element_ty), mask=km)
+                        tl.store(xout_ptr + m * H + kk, xv, mask=km)
+                    xv = xv.to(tl.float32)
+                else:
+                    xv = tl.load(x_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32)
+                tl.store(logits_ptr + m * E + e, tl.sum(wt * xv[None, :], axis=1))
         if FENCE:   # (False only under TRITON_INTERPRET)
             tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [tl.arange(0, 128)],
                                       dtype=tl.int32, is_pure=False, pack=1)
