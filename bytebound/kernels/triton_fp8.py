@@ -335,7 +335,7 @@ if tl is not None:
                 kb = tl.load(part_ptr + r[:, None] * P + c[None, :], mask=(r[:, None] < M) & (c[None, :] < P),
                              other=-0x7FFFFFFFFFFFFFFF - 1, cache_modifier=".cg")
                 best = tl.maximum(best, tl.max(kb, axis=1))
-            row = (N - 1 - (best & 0xFFFFFFFF)).to(tl.int64)
+            row = (N - 1 - best.to(tl.int32)).to(tl.int64)      # the low word (N - 1 - row < 2^31)
             if HAS_MAP:
                 row = tl.load(map_ptr + row, mask=r < M, other=0)
             tl.store(ids_ptr + r, row, mask=r < M)
