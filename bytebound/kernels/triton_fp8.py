@@ -1135,11 +1135,13 @@ class TritonLMHead:
                 xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
                 return fp8_head_logits(xb, head.w_fp8, head.w_scale)
             return lm_head_reference(head, x)
+        subset = hasattr(head, "ids")      # a row subset of the head (the hot-vocabulary draft head)
+
         def argmax(x, index_map=None):
             """``ids [M]`` int64 of :func:`fp8_head_argmax` (``index_map``: its map) for the FP8 head at M <= 4 on
             CUDA (the argmax inside the head kernel); None for any other call, which then takes ``fn`` and torch's
             argmax."""
-            if head.mode == "fp8" and 0 < x.shape[0] <= MAX_M and x.is_cuda and argmax_fused_enabled():
+            if head.mode == "fp8" and 0 < x.shape[0] <= MAX_M and x.is_cuda and argmax_fused_enabled(subset):
                 return fp8_head_argmax(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), head.w_fp8,
                                        head.w_scale, index_map=index_map)
             return None
@@ -1149,8 +1151,10 @@ class TritonLMHead:
         return fn
 
 
-def argmax_fused_enabled() -> bool:
-    """False when ``BYTEBOUND_HEAD_ARGMAX=0``: the greedy token then comes from the head's logits and torch's argmax
-    (two more launches) instead of :func:`fp8_head_argmax`; the same ids. An A/B switch read at each call, so a
-    graph captured after a change sees it."""
-    return os.environ.get("BYTEBOUND_HEAD_ARGMAX", "1") != "0"
+def argmax_fused_enabled(subset: bool) -> bool:
+    """Whether :func:`fp8_head_argmax` serves a greedy token of the full head (``subset`` False) or of a row subset
+    of it (True: the hot-vocabulary draft head). ``BYTEBOUND_HEAD_ARGMAX``: ``1`` both, ``0`` neither (the head's
+    logits and torch's argmax, two more launches; the same ids), ``draft`` the row subsets only. An A/B switch read
+    at each call, so a graph captured after a change sees it."""
+    v = os.environ.get("BYTEBOUND_HEAD_ARGMAX", "1")
+    return v == "1" or (v == "draft" and subset)
