@@ -110,6 +110,8 @@ def main(argv=None) -> int:
                          "does not change the cost) or a JSON id list; default: the full head")
     ap.add_argument("--rounds", type=int, default=40, help="rounds of the step() and pipelined loops")
     ap.add_argument("--no-phases", action="store_true", help="skip the phases captured alone (an A/B run)")
+    ap.add_argument("--token-ab", action="store_true",
+                    help="also time the plain greedy step with the fused head argmax on and off, alternately")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--name", default="profile_round")
     a = ap.parse_args(argv)
@@ -179,6 +181,23 @@ def main(argv=None) -> int:
         # the engine's greedy plain step: the decode graph, then the head + argmax token graph
         greedy = SamplingParams(temperature=0.0)
         out["decode_token_us"] = median_us(lambda: r.graph.replay_token(tok, a.ctx, greedy, None), 30)
+        if a.token_ab:
+            # the plain greedy step with the head's argmax fused (BYTEBOUND_HEAD_ARGMAX=1) and not (=0), each its own
+            # captured graphs in this process, timed alternately
+            graphs, old = {}, os.environ.get("BYTEBOUND_HEAD_ARGMAX")
+            for v in ("1", "0"):
+                os.environ["BYTEBOUND_HEAD_ARGMAX"] = v
+                r.reset(a.ctx)
+                graphs[v] = capture_decode(r, tokens=True)
+            if old is None:
+                os.environ.pop("BYTEBOUND_HEAD_ARGMAX")
+            else:
+                os.environ["BYTEBOUND_HEAD_ARGMAX"] = old
+            ts = {v: [] for v in graphs}
+            for _ in range(5):
+                for v, gr in graphs.items():
+                    ts[v] += cuda_event_times(lambda gr=gr: gr.replay_token(tok, a.ctx, greedy, None), 20, 3)
+            out["token_ab_us"] = {f"BYTEBOUND_HEAD_ARGMAX={v}": statistics.median(t) * 1e6 for v, t in ts.items()}
     dec = out["decode_token_us"]
     md = [f"# MTP round phases: {out['device']}, {out['date']}, commit {out['commit']}, {out['weights']}, "
           f"ctx {a.ctx}, k = {k}, draft head: {out['draft_vocab']}", "", f"Command: `{out['command']}`", "",
@@ -198,7 +217,9 @@ def main(argv=None) -> int:
            f"| plain greedy step: decode graph + head/argmax token graph (CUDA events; the c denominator) | "
            f"{dec:.1f} | 1 |",
            f"| decode graph + eager LM head logits (the denominator before the twentieth session) | "
-           f"{out['decode_graph_plus_head_us']:.1f} | |", ""]
+           f"{out['decode_graph_plus_head_us']:.1f} | |"]
+    md += [f"| plain greedy step, {k} (same process, alternating) | {v:.1f} | |"
+           for k, v in out.get("token_ab_us", {}).items()] + [""]
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / f"{a.name}.json").write_text(json.dumps(out, indent=1))
     (Path(a.out) / f"{a.name}.md").write_text("\n".join(md))
