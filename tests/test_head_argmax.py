@@ -176,3 +176,16 @@ def test_fused_argmax_kernel_compiles_for_sm90(has_map):
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4))
     ptx = k.asm["ptx"]
     assert k.asm.get("cubin") and "fence.acq_rel.gpu" in ptx and ".acq_rel.add" in ptx
+
+
+@pytest.mark.parametrize("value,full,subset", [(None, False, True), ("draft", False, True), ("1", True, True),
+                                               ("0", False, False)])
+def test_head_argmax_switch(value, full, subset, monkeypatch):
+    """``BYTEBOUND_HEAD_ARGMAX``: the default (``draft``) fuses only the draft head's row subset; 1 every FP8 head
+    call; 0 none."""
+    from bytebound.kernels.triton_fp8 import argmax_fused_enabled
+    if value is None:
+        monkeypatch.delenv("BYTEBOUND_HEAD_ARGMAX", raising=False)
+    else:
+        monkeypatch.setenv("BYTEBOUND_HEAD_ARGMAX", value)
+    assert argmax_fused_enabled(False) is full and argmax_fused_enabled(True) is subset

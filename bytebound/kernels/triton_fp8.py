@@ -36,7 +36,8 @@
   ``torch._scaled_mm`` row-wise path up to summation order. Two launches. A greedy token needs only the argmax:
   :func:`fp8_head_argmax` reduces it inside the head kernel (per-program best keys, the last program's
   reduction) instead of storing the logits for a separate argmax launch; the bound head exposes it as
-  ``fn.argmax`` (``layers.lm_head.head_argmax``).
+  ``fn.argmax`` (``layers.lm_head.head_argmax``), by default for the hot-vocabulary draft head only
+  (:func:`argmax_fused_enabled`).
 * fp8 with M > 4: ``torch._scaled_mm`` (row-wise scales, float32 out) like the torch reference.
 * ``bf16``/``fp32`` modes delegate to the torch reference (cuBLAS).
 
@@ -1153,8 +1154,11 @@ class TritonLMHead:
 
 def argmax_fused_enabled(subset: bool) -> bool:
     """Whether :func:`fp8_head_argmax` serves a greedy token of the full head (``subset`` False) or of a row subset
-    of it (True: the hot-vocabulary draft head). ``BYTEBOUND_HEAD_ARGMAX``: ``1`` both, ``0`` neither (the head's
-    logits and torch's argmax, two more launches; the same ids), ``draft`` the row subsets only. An A/B switch read
-    at each call, so a graph captured after a change sees it."""
-    v = os.environ.get("BYTEBOUND_HEAD_ARGMAX", "1")
+    of it (True: the hot-vocabulary draft head). ``BYTEBOUND_HEAD_ARGMAX``: ``draft`` (the default) the row subsets
+    only, ``1`` both, ``0`` neither (the head's logits and torch's argmax, two more launches; the same ids). The
+    default follows the measurements (docs/perf/README.md, twentieth session): on the full head's plain greedy step
+    the fused kernel was slower than the head GEMV + torch's argmax, while the MTP round with only the draft heads
+    fused was as fast as with every head fused. An A/B switch read at each call, so a graph captured after a change
+    sees it."""
+    v = os.environ.get("BYTEBOUND_HEAD_ARGMAX", "draft")
     return v == "1" or (v == "draft" and subset)
