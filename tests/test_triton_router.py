@@ -62,12 +62,13 @@ def test_router_shape_is_checked_once_at_bind(router):
 
 
 @pytest.mark.parametrize("e,g,tg,k,m,h", [(512, 8, 4, 8, 1, 2560), (512, 8, 4, 8, 4, 2560), (64, 4, 2, 4, 3, 300),
-                                          (64, 1, 1, 6, 2, 256)])
+                                          (64, 1, 1, 6, 2, 256), (8, 1, 1, 2, 4, 256)])
 @pytest.mark.parametrize("be,nw", [(2, 4), (1, 4), (4, 8)])
 def test_gemv_route_matches_linear_then_route(router, e, g, tg, k, m, h, be, nw):
     """Router GEMV + routing in one launch (``gemv_route``) == ``route(F.linear(x.float(), W))``: same experts,
     weights to 1e-5, over repeated calls (the ticket re-arms itself) and an H that is not a multiple of the
-    kernel's 256-column chunk."""
+    kernel's 256-column chunk; E = 8 at M = 4 has fewer programs than rows at be 4 (E/be = 2: the routing tail
+    must not split there)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device="cpu").manual_seed(e + m + k + h)
     wg = (torch.randn(e, h, generator=gen) * 0.05).to(dev)
@@ -391,3 +392,15 @@ def test_gemv_route_split_tail_equals_one_program_tail(router, m, fold, be, nw, 
         rid, rw = route(torch.nn.functional.linear(x1.float(), wg), b, k, 8, 4, True, 2.5)
         for a, b_ in zip(as_sets(i1.cpu(), w1.cpu()), as_sets(rid.cpu(), rw.cpu())):
             assert a.keys() == b_.keys()
+
+
+def test_split_tail_needs_a_program_per_row(router, monkeypatch):
+    """``split_tail_for``: the split routing tail only for M > 1 with at least M programs (E/be >= M), never under
+    the interpreter, and off with ``BYTEBOUND_ROUTER_SPLIT_TAIL=0``."""
+    monkeypatch.delenv("BYTEBOUND_ROUTER_SPLIT_TAIL", raising=False)
+    assert router.split_tail_for(4, 512, 4, False) and router.split_tail_for(2, 8, 4, False)
+    assert not router.split_tail_for(1, 512, 4, False)
+    assert not router.split_tail_for(4, 8, 4, False) and not router.split_tail_for(3, 8, 4, False)
+    assert not router.split_tail_for(4, 512, 4, True)
+    monkeypatch.setenv("BYTEBOUND_ROUTER_SPLIT_TAIL", "0")
+    assert not router.split_tail_for(4, 512, 4, False)

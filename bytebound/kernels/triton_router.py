@@ -200,9 +200,9 @@ if tl is not None:
         ``SPLIT_TAIL`` (M > 1 on a GPU, :func:`split_tail_enabled`): the last ``M`` programs to take a ticket route one
         row each, in parallel, instead of the last one routing all ``M``: row ``r`` goes to the program with ticket
         ``E/BE - 1 - r``, which waits (acquire loads of the ticket) until all ``E/BE`` programs have arrived. Each
-        routing program then counts itself out on the same ticket, and the last of them re-arms it. The rows'
-        arithmetic is :func:`_route_rows`' at ``MP = 1``, so ids and weights are bit-identical to the one-program
-        tail. Waiting is safe: a waiter holds its SM only while programs that already hold a ticket or are still
+        routing program then counts itself out on the same ticket, and the last of them re-arms it. Needs ``E/BE >=
+        M`` (:func:`split_tail_for`). The rows' picks are :func:`_route_rows`' at ``MP = 1``: the same experts as the
+        one-program tail, the weights to float32 rounding (their normalising sum runs in another layout). Waiting is safe: a waiter holds its SM only while programs that already hold a ticket or are still
         to be scheduled finish, and the PDL dependents (kernel A) can launch only after every program of this
         grid has started (each triggers first), so they cannot crowd out a program not yet scheduled. Not under
         TRITON_INTERPRET, which runs programs one after another (a waiter would wait forever)."""
@@ -275,7 +275,7 @@ if tl is not None:
         NP: tl.constexpr = E // BE
         if SPLIT_TAIL:
             r = NP - 1 - ticket
-            if r < M:
+            if (r >= 0) & (r < M):
                 seen = ticket + 1
                 while seen < NP:        # every program's logits are stored once all NP tickets are taken
                     seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
@@ -401,6 +401,14 @@ def split_tail_enabled() -> bool:
     return os.environ.get("BYTEBOUND_ROUTER_SPLIT_TAIL", "1") != "0"
 
 
+def split_tail_for(m: int, e: int, be: int, interp: bool) -> bool:
+    """Whether ``gemv_route`` splits its routing tail for ``m`` rows: M > 1, at least M programs (``E/be >= M``:
+    each of the last M to finish routes one row, so fewer programs would leave rows unrouted and the ticket
+    un-armed), not under TRITON_INTERPRET (one program after another: a waiter would wait forever), and not
+    switched off (:func:`split_tail_enabled`)."""
+    return m > 1 and e // be >= m and not interp and split_tail_enabled()
+
+
 def batch_rows_enabled() -> bool:
     """False when ``BYTEBOUND_ROUTER_BATCH_ROWS=0``: :func:`gemv_route` with M > 1 rows then loads and normalises
     one row after another (``_gemv_route_kernel``'s ``BATCH_ROWS`` off). An A/B switch read at each call."""
@@ -447,7 +455,7 @@ def _gemv_route(x, delta, norm_weight, eps, weight, bias, top_k, n_group, topk_g
                                    M=m, MP=triton.next_power_of_2(m), BE=be, HP=triton.next_power_of_2(h),
                                    FENCE=not interp, PDL_OUT=_pdl_out(x.device), ADD_NORM=add,
                                    PDL_IN=pdl_in, PF=pf, NTH=32 * num_warps,
-                                   SPLIT_TAIL=m > 1 and not interp and split_tail_enabled(),
+                                   SPLIT_TAIL=split_tail_for(m, e, be, interp),
                                    BATCH_ROWS=m > 1 and batch_rows_enabled(), num_warps=num_warps,
                                    **({"launch_pdl": True} if pdl_in else {}))
     return ids, w, xo, ho

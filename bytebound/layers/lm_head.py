@@ -56,7 +56,9 @@ class LMHead(nn.Module):
         """Greedy tokens ``[..]`` int64 for ``x [.., H]``: :func:`head_argmax` of this module, or, when forward hooks
         change what the module returns (tensor parallelism all-gathers the vocabulary shards' logits), the argmax
         of its forward."""
-        if self._forward_hooks or self._forward_pre_hooks:
+        from torch.nn.modules import module as _m
+        if (self._forward_hooks or self._forward_pre_hooks or getattr(_m, "_global_forward_hooks", None)
+                or getattr(_m, "_global_forward_pre_hooks", None)):
             return self(x).argmax(-1)
         return head_argmax(self, x)
 
