@@ -181,3 +181,19 @@ def triton_module_fixture(name: str, module: str, **kw):
         with triton_kernels(module, **kw) as mod:
             yield mod
     return fixture
+
+
+def compiled_in_subprocess(test_file: str, node: str) -> bool:
+    """For tests that compile kernels offline for a GPU target (no GPU needed): in the test session, rerun the test
+    ``test_file::node`` in a pytest subprocess without Triton's interpreter (this session may be in interpreter
+    mode, which the kernels' decoration reads) and with ``BYTEBOUND_TRITON_COMPILE_ONLY=1``, assert that it passed
+    and return True (the caller returns); inside that subprocess return False (the caller compiles)."""
+    import subprocess
+    if os.environ.get("BYTEBOUND_TRITON_COMPILE_ONLY") == "1":
+        return False
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["BYTEBOUND_TRITON_COMPILE_ONLY"] = "1"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{test_file}::{node}"],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    return True

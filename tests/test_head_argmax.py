@@ -12,7 +12,7 @@ import torch
 
 from bytebound.layers.lm_head import LMHead, head_argmax
 from bytebound.quant import quantize_fp8_channel
-from conftest import needs_triton, triton_module_fixture
+from conftest import compiled_in_subprocess, needs_triton, triton_module_fixture
 
 fp8 = triton_module_fixture("fp8", "bytebound.kernels.triton_fp8")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -151,16 +151,7 @@ def test_fused_argmax_kernel_compiles_for_sm90(has_map):
     sm_90 with its fence and ticket, and the PTX has the acq_rel ticket and the fence. Runs in a subprocess without
     the interpreter (the CPU session's Triton may be in interpreter mode); no GPU needed."""
     pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-    if os.environ.get("BYTEBOUND_TRITON_COMPILE_ONLY") != "1":
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env["BYTEBOUND_TRITON_COMPILE_ONLY"] = "1"
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            f"{__file__}::test_fused_argmax_kernel_compiles_for_sm90[{has_map}]"], env=env,
-                           capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    if compiled_in_subprocess(__file__, f"test_fused_argmax_kernel_compiles_for_sm90[{has_map}]"):
         return
     import triton
     from triton.backends.compiler import GPUTarget

@@ -3,15 +3,13 @@ offline for sm_90: Triton's own ptxas, no GPU needed)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from bytebound.kernels import pdl
+from conftest import compiled_in_subprocess
 
 CUDA = torch.device("cuda", 0)
 
@@ -62,13 +60,7 @@ def test_prefetch_kernels_compile_for_sm90(kernel):
     accepts the inline PTX), with nothing but the L2 prefetches between their start and the PDL wait. Runs in a
     subprocess without the interpreter (conftest puts this session's Triton in interpreter mode)."""
     pytest.importorskip("triton")
-    if os.environ.get("BYTEBOUND_TRITON_COMPILE_ONLY") != "1":
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env["BYTEBOUND_TRITON_COMPILE_ONLY"] = "1"
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            f"{__file__}::test_prefetch_kernels_compile_for_sm90[{kernel}]"], env=env,
-                           capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    if compiled_in_subprocess(__file__, f"test_prefetch_kernels_compile_for_sm90[{kernel}]"):
         return
     import triton
     from triton.backends.compiler import GPUTarget

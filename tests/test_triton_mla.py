@@ -16,7 +16,7 @@ import torch
 from bytebound.config import tiny_config
 from bytebound.errors import BackendError
 from bytebound.layers.mla import GatedMLA
-from conftest import ROOT, needs_triton, triton_module_fixture
+from conftest import ROOT, compiled_in_subprocess, needs_triton, triton_module_fixture
 
 mla = triton_module_fixture("mla", "bytebound.kernels.triton_mla", bf16_round_nearest=True)
 fp8k = triton_module_fixture("fp8k", "bytebound.kernels.triton_fp8", bf16_round_nearest=True)
@@ -374,15 +374,7 @@ def test_kernels_compile_for_sm90(t):
     in a subprocess without the interpreter (this session's Triton is in interpreter mode: conftest)."""
     import importlib.util
     import os
-    import subprocess
-    import sys
-    if os.environ.get("BYTEBOUND_TRITON_COMPILE_ONLY") != "1":
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env["BYTEBOUND_TRITON_COMPILE_ONLY"] = "1"
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            f"{__file__}::test_kernels_compile_for_sm90[{t}]"], env=env, capture_output=True,
-                           text=True, timeout=600)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    if compiled_in_subprocess(__file__, f"test_kernels_compile_for_sm90[{t}]"):
         return
     import triton
     from triton.backends.compiler import GPUTarget

@@ -255,10 +255,11 @@ if tl is not None:
         tl.store(s_ptr + m, sc)
 
     @triton.jit
-    def _fp8_head_dot(q_ptr, sx_ptr, w_ptr, ws_ptr, o_ptr, N, K: tl.constexpr, M: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, EVEN_N: tl.constexpr):
-        """logits[m, n] = (sum_k q[m, k] * w[n, k]) * sx[m] * ws[n] on FP8 tensor cores (float32 accumulate)."""
-        pid = tl.program_id(0)
+    def _head_tile(q_ptr, sx_ptr, w_ptr, ws_ptr, pid, N, K: tl.constexpr, M: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, EVEN_N: tl.constexpr):
+        """Program ``pid``'s ``BN`` rows of the FP8 head's logits: ``(out [BN, 16] float32, rows [BN], rmask [BN],
+        mm [16])`` with ``out[r, m] = (sum_k q[m, k] * w[rows[r], k]) * sx[m] * ws[rows[r]]`` for tokens ``m < M``
+        (tokens padded to 16 mma columns), E4M3 x E4M3 on tensor cores with float32 accumulation."""
         rows = pid * BN + tl.arange(0, BN)
         rmask = rows < N
         kk = tl.arange(0, BK)
@@ -278,7 +279,13 @@ if tl is not None:
             acc += tl.dot(w, tl.trans(q))
         sx = tl.load(sx_ptr + mm, mask=mm < M, other=0.0)
         wsc = tl.load(ws_ptr + rows, mask=rmask, other=0.0)
-        out = acc * wsc[:, None] * sx[None, :]
+        return acc * wsc[:, None] * sx[None, :], rows, rmask, mm
+
+    @triton.jit
+    def _fp8_head_dot(q_ptr, sx_ptr, w_ptr, ws_ptr, o_ptr, N, K: tl.constexpr, M: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, EVEN_N: tl.constexpr):
+        """logits[m, n] = (sum_k q[m, k] * w[n, k]) * sx[m] * ws[n] on FP8 tensor cores (float32 accumulate)."""
+        out, rows, rmask, mm = _head_tile(q_ptr, sx_ptr, w_ptr, ws_ptr, tl.program_id(0), N, K, M, BN, BK, EVEN_N)
         tl.store(o_ptr + mm[None, :] * N + rows[:, None], out, mask=(mm[None, :] < M) & rmask[:, None])
 
     @triton.jit
@@ -296,29 +303,13 @@ if tl is not None:
     def _fp8_head_argmax(q_ptr, sx_ptr, w_ptr, ws_ptr, part_ptr, cnt_ptr, ids_ptr, map_ptr, N, P, K: tl.constexpr,
                          M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                          EVEN_N: tl.constexpr, FENCE: tl.constexpr, RB: tl.constexpr, HAS_MAP: tl.constexpr):
-        """``ids[m] = argmax_n logits[m, n]`` with the logits of :func:`_fp8_head_dot` (the same loads, dot and
-        scaling, so the same float32 values), never stored: each of the ``P`` programs keeps its ``BN`` rows' best
+        """``ids[m] = argmax_n logits[m, n]`` with the logits of :func:`_fp8_head_dot` (the same :func:`_head_tile`,
+        so the same float32 values), never stored: each of the ``P`` programs keeps its ``BN`` rows' best
         :func:`_argmax_key` per token in ``part [M, P]``, and the last to finish (an acq_rel ticket, as
         ``triton_router.gemv_route``) reduces them in chunks of ``RB`` and writes ``ids`` int64
         (``HAS_MAP``: ``map[row]``, the row's vocabulary id for a row subset of the head), then re-arms the ticket."""
         pid = tl.program_id(0)
-        rows = pid * BN + tl.arange(0, BN)
-        rmask = rows < N
-        kk = tl.arange(0, BK)
-        mm = tl.arange(0, 16)
-        wp = w_ptr + rows[:, None].to(tl.int64) * K + kk[None, :]
-        qp = q_ptr + mm[:, None] * K + kk[None, :]
-        acc = tl.zeros([BN, 16], tl.float32)
-        for k0 in range(0, K, BK):
-            if EVEN_N:
-                w = tl.load(wp + k0)
-            else:
-                w = tl.load(wp + k0, mask=rmask[:, None], other=0.0)
-            q = tl.load(qp + k0, mask=mm[:, None] < M, other=0.0)
-            acc += tl.dot(w, tl.trans(q))        # (as _fp8_head_dot: a fresh dot per 128-wide K step)
-        sx = tl.load(sx_ptr + mm, mask=mm < M, other=0.0)
-        wsc = tl.load(ws_ptr + rows, mask=rmask, other=0.0)
-        out = acc * wsc[:, None] * sx[None, :]
+        out, rows, rmask, mm = _head_tile(q_ptr, sx_ptr, w_ptr, ws_ptr, pid, N, K, M, BN, BK, EVEN_N)
         key = _argmax_key(out, rows[:, None] + tl.zeros([BN, 16], tl.int32), N)
         key = tl.where(rmask[:, None], key, -0x7FFFFFFFFFFFFFFF - 1)      # rows past N never win
         tl.store(part_ptr + mm * P + pid, tl.max(key, axis=0), mask=mm < M)
