@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -293,6 +293,19 @@ d = json.load(open(sys.argv[1]))
 ok = any(s.get("step") == "+mtp" and (s.get("summary") or {}).get("accept_length") for s in d.get("steps", [])) \
     if d.get("benchmark") == "ablation" else bool(d.get("greedy"))
 sys.exit(0 if ok else 1)' "$1" 2>/dev/null
+}
+
+section_ab() {           # the twentieth session's A/Bs in one call (docs/perf/round-ab-twentieth.md): the GPU tests of
+    # the fused head argmax and the router's split tail; the router under its switches (bench_router); the head's greedy
+    # token both ways (bench_head); the MTP round and the plain step with the defaults and the fused argmax on the full
+    # head too (profile_round --token-ab, AB_DRAFT_VOCAB rows of hot head, default 32768). Synthetic weights.
+    run_step tests python3 -m pytest tests/test_head_argmax.py tests/test_triton_router.py -q -p no:cacheprovider \
+        -rfE --tb=short $(pytest_timeout) -k "argmax or split_tail or gemv_route"
+    run_step router python3 scripts/bench_router.py --m 1,4 --out "$OUT"
+    run_step head python3 scripts/bench_head.py --out "$OUT"
+    local r=(python3 scripts/profile_round.py --no-phases --ctx 2048 --draft-vocab "${AB_DRAFT_VOCAB:-32768}" --out "$OUT")
+    run_step round_default "${r[@]}" --token-ab --name round-default
+    run_step round_argmax_all env BYTEBOUND_HEAD_ARGMAX=1 "${r[@]}" --name round-argmax-all
 }
 
 section_ladder() {       # issue 21: the seed's ablation ladder with today's engine (CUDA defaults), one lever at a time:
