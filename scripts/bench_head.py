@@ -10,14 +10,12 @@ kernel (e.g. its ticket) can be judged per shape. Each variant is a CUDA graph o
 distinct synthetic weights (the 402 MB full head fits once; the copies beyond the L2's 60 MB are what is read),
 replayed ``--reps`` times per round, ``--rounds`` rounds alternating; the ids of both ways are compared. Prints
 device, date and commit, the weights (synthetic) and the per-call time against a pure read of the same bytes
-measured in the same run (``analysis.bandwidth``); JSON to ``--out``.
+measured in the same run (``analysis.bandwidth.measure_read_bandwidth``, best of its reads); JSON to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -28,18 +26,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bytebound.analysis.bandwidth import cuda_event_times  # noqa: E402
-from bytebound.bench.report import git_commit  # noqa: E402
+from bytebound.analysis.bandwidth import measure_read_bandwidth  # noqa: E402
+from bytebound.bench.ab import alternating_times, run_meta, write_rows  # noqa: E402
 from bytebound.runner.graphs import capture_graph  # noqa: E402
 
 V, H = 157184, 2560
-
-
-def read_floor_us(nbytes: int, reps: int = 20) -> float:
-    """Microseconds of a pure read of ``nbytes`` (a float32 sum over a fresh buffer), median of ``reps``: the
-    bandwidth reference measured in this run."""
-    buf = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").normal_()
-    return statistics.median(cuda_event_times(lambda: buf.sum(), reps, 3)) * 1e6
 
 
 def main() -> int:
@@ -56,11 +47,7 @@ def main() -> int:
         print("bench_head: needs a CUDA GPU", file=sys.stderr)
         return 2
     from bytebound.kernels.triton_fp8 import fp8_head_argmax, fp8_head_logits
-    dev = torch.cuda.get_device_name()
-    meta = {"device": dev, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": os.environ.get("BYTEBOUND_COMMIT") or git_commit(), "weights": "synthetic (random E4M3)",
-            "command": " ".join(sys.argv), "calls": args.calls, "reps": args.reps, "rounds": args.rounds}
-    print(f"bench_head: {dev}, {meta['date']}, commit {meta['commit']}, synthetic weights")
+    meta = run_meta("bench_head", "synthetic (random E4M3)", calls=args.calls, reps=args.reps, rounds=args.rounds)
     g = torch.Generator(device="cuda").manual_seed(3)
     rows = []
     for name, n in (("full head", V), ("hot draft head", args.hot)):
@@ -69,7 +56,8 @@ def main() -> int:
         w = [(torch.randn(n, H, generator=g, device="cuda") * 0.1).to(torch.float8_e4m3fn) for _ in range(args.calls)]
         sc = [torch.rand(n, generator=g, device="cuda") * 1e-2 + 1e-3 for _ in range(args.calls)]
         vmap = (torch.randperm(V, generator=g, device="cuda")[:n].sort().values if n < V else None)
-        floor = read_floor_us(n * H + 4 * n)
+        nbytes = n * H + 4 * n
+        floor = nbytes / (measure_read_bandwidth("cuda", nbytes=nbytes) * 1e9) * 1e6     # us, a pure read
         for m in (int(t) for t in args.m.split(",")):
             x = torch.randn(m, H, generator=g, device="cuda").to(torch.bfloat16)
 
@@ -84,21 +72,15 @@ def main() -> int:
             graphs = {}
             for label, fn in (("logits + argmax", unfused), ("fused argmax", fused)):
                 graphs[label] = capture_graph(lambda fn=fn: [fn(i) for i in range(args.calls)], warmup=2)[0]
-            times = {label: [] for label in graphs}
-            for rnd in range(args.rounds):
-                for label in (list(graphs) if rnd % 2 == 0 else list(graphs)[::-1]):
-                    times[label] += [t / args.calls for t in cuda_event_times(graphs[label].replay, args.reps, 2)]
-            for label, ts in times.items():
+            times = alternating_times([gr.replay for gr in graphs.values()], args.reps, args.rounds, per=args.calls)
+            for label, ts in zip(graphs, times):
                 med = statistics.median(ts) * 1e6
                 r = {"head": name, "rows": n, "M": m, "way": label, "us_median": med, "us_min": min(ts) * 1e6,
                      "read_floor_us": floor, "ratio_to_floor": med / floor, "ids_equal": same}
                 rows.append(r)
                 print(f"{name:15s} {n:7d} rows M={m}  {label:16s} {med:8.2f} us (min {r['us_min']:7.2f})  "
                       f"read floor {floor:7.2f} us ({r['ratio_to_floor']:.2f}x)  ids equal: {same}")
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    path = Path(args.out) / f"{args.name}.json"
-    path.write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    print(f"wrote {path}")
+    write_rows(args.out, args.name, meta, rows)
     return 0
 
 

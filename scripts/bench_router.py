@@ -3,8 +3,9 @@
 router GEMV, group-limited top-8, the engine's decode/verify call) at Ling-3.0-flash shapes, M = 1..4, under
 several settings of its A/B switches in one process, alternating, so the differences are same-run differences.
 
-Each setting is a space-separated list of ``VAR=VALUE`` (``""`` = the defaults), e.g.
-``BYTEBOUND_ROUTER_SPLIT_TAIL=0`` or ``"BYTEBOUND_ROUTER_SPLIT_TAIL=0 BYTEBOUND_ROUTER_BATCH_ROWS=0"``. The switches
+Each setting is ``VAR=VALUE[;VAR=VALUE]`` (``""`` = the defaults; ``bench.ab.ab_settings``, as
+``profile_decode.py --ab``), e.g. ``BYTEBOUND_ROUTER_SPLIT_TAIL=0`` or
+``"BYTEBOUND_ROUTER_SPLIT_TAIL=0;BYTEBOUND_ROUTER_BATCH_ROWS=0"``. The switches
 are read at each call, so each setting gets its own CUDA graph of ``--layers`` calls over distinct router weights
 (5.2 MB each: the 60 MB L2 does not hold 16 of them), replayed ``--reps`` times per round, ``--rounds`` rounds with
 the settings' order rotated; per-call time = replay time / layers, median over all replays. Every setting's ids
@@ -15,8 +16,6 @@ near-tie with x one BF16 step off, reported). Synthetic weights. Prints device, 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -27,48 +26,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bytebound.analysis.bandwidth import cuda_event_times  # noqa: E402
-from bytebound.bench.report import git_commit  # noqa: E402
+from bytebound.bench.ab import ab_settings, alternating_times, env_applied, run_meta, write_rows  # noqa: E402
 from bytebound.runner.graphs import capture_graph  # noqa: E402
 
 E, H, K, G, TG, SCALE = 512, 2560, 8, 8, 4, 2.5      # Ling-3.0-flash routing
 
 
-def parse_setting(text: str) -> dict:
-    """``"A=1 B=0"`` -> ``{"A": "1", "B": "0"}``; ``""`` -> ``{}``. Raises ValueError on an item without ``=``."""
-    out = {}
-    for item in text.split():
-        if "=" not in item:
-            raise ValueError(f"setting item {item!r} is not VAR=VALUE")
-        k, v = item.split("=", 1)
-        out[k] = v
-    return out
-
-
-class env_set:
-    """Set environment variables for the duration of a ``with`` block, restoring the old values after it."""
-
-    def __init__(self, values: dict):
-        self.values, self.old = values, {}
-
-    def __enter__(self):
-        for k, v in self.values.items():
-            self.old[k] = os.environ.get(k)
-            os.environ[k] = v
-
-    def __exit__(self, *exc):
-        for k, v in self.old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ab", nargs="+", default=["", "BYTEBOUND_ROUTER_SPLIT_TAIL=0",
-                                                 "BYTEBOUND_ROUTER_SPLIT_TAIL=0 BYTEBOUND_ROUTER_BATCH_ROWS=0"],
-                    help="settings to compare (each a space-separated VAR=VALUE list; '' = defaults)")
+                                                 "BYTEBOUND_ROUTER_SPLIT_TAIL=0;BYTEBOUND_ROUTER_BATCH_ROWS=0"],
+                    help="settings to compare (each VAR=VALUE[;VAR=VALUE]; '' = defaults)")
     ap.add_argument("--m", default="1,4", help="token counts")
     ap.add_argument("--layers", type=int, default=16, help="router calls per graph (distinct weights)")
     ap.add_argument("--reps", type=int, default=20, help="timed replays per round and setting")
@@ -80,12 +48,8 @@ def main() -> int:
         print("bench_router: needs a CUDA GPU", file=sys.stderr)
         return 2
     from bytebound.kernels.triton_router import gemv_route_add_norm
-    settings = [parse_setting(s) for s in args.ab]
-    dev = torch.cuda.get_device_name()
-    meta = {"device": dev, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": os.environ.get("BYTEBOUND_COMMIT") or git_commit(), "weights": "synthetic (random)",
-            "command": " ".join(sys.argv), "layers": args.layers, "reps": args.reps, "rounds": args.rounds}
-    print(f"bench_router: {dev}, {meta['date']}, commit {meta['commit']}, synthetic weights")
+    settings = [ab_settings(s) for s in args.ab]
+    meta = run_meta("bench_router", "synthetic (random)", layers=args.layers, reps=args.reps, rounds=args.rounds)
     g = torch.Generator(device="cuda").manual_seed(7)
     wg = [torch.randn(E, H, generator=g, device="cuda") * 0.02 for _ in range(args.layers)]
     bias = [torch.randn(E, generator=g, device="cuda") * 0.01 for _ in range(args.layers)]
@@ -100,19 +64,14 @@ def main() -> int:
 
         graphs, outs = [], []
         for st in settings:
-            with env_set(st):
+            with env_applied(st):
                 outs.append([tuple(t.clone() for t in call(li)) for li in range(args.layers)])
 
                 def all_layers():
                     for li in range(args.layers):
                         call(li)
                 graphs.append(capture_graph(all_layers, warmup=2)[0])
-        times = [[] for _ in settings]
-        for rnd in range(args.rounds):
-            order = list(range(len(settings)))
-            order = order[rnd % len(order):] + order[:rnd % len(order)]
-            for i in order:
-                times[i] += [t / args.layers for t in cuda_event_times(graphs[i].replay, args.reps, 2)]
+        times = alternating_times([gr.replay for gr in graphs], args.reps, args.rounds, per=args.layers)
         base = outs[0]
         for i, st in enumerate(settings):
             same_ids = sum(torch.equal(a[0], b[0]) for a, b in zip(outs[i], base))
@@ -125,10 +84,7 @@ def main() -> int:
             rows.append(r)
             print(f"M={m}  {r['setting']:64s} {med:7.2f} us (min {r['us_min']:6.2f})  ids == first in "
                   f"{same_ids}/{args.layers} layers, w {same_w}, x {same_x}")
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    path = Path(args.out) / f"{args.name}.json"
-    path.write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    print(f"wrote {path}")
+    write_rows(args.out, args.name, meta, rows)
     return 0
 
 

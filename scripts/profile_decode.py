@@ -28,28 +28,10 @@ sys.path.insert(0, str(ROOT))
 
 from bytebound.analysis.bandwidth import cuda_event_times  # noqa: E402
 from bytebound.analysis.kernels import kernel_table  # noqa: E402
+from bytebound.bench.ab import ab_settings, env_applied  # noqa: E402
 from bytebound.config import LING3_FLASH_CONFIG  # noqa: E402
 from bytebound.engine.engine import Engine, EngineConfig  # noqa: E402
 from bytebound.runner.graphs import capture_decode  # noqa: E402
-
-
-# read once at import (kernels.pdl, Triton): setting them between captures would change nothing
-AB_IMPORT_TIME = ("BYTEBOUND_PDL", "TRITON_INTERPRET")
-
-
-def ab_settings(setting: str) -> dict[str, str]:
-    """``"VAR=VALUE[;VAR=VALUE]"`` (';' between variables: a value may hold commas, as ``BYTEBOUND_PDL_PREFETCH``
-    does) -> ``{VAR: VALUE}``; an empty setting (``""``) is the unchanged environment, a baseline. Raises
-    SystemExit for a part without ``=`` or a variable read only at import (:data:`AB_IMPORT_TIME`)."""
-    out = {}
-    for kv in filter(None, (p.strip() for p in setting.split(";"))):
-        k, eq, v = kv.partition("=")
-        if not eq or not k:
-            raise SystemExit(f"--ab {setting!r}: {kv!r} is not VAR=VALUE")
-        if k in AB_IMPORT_TIME:
-            raise SystemExit(f"--ab {setting!r}: {k} is read once at import; run a separate process for it")
-        out[k] = v
-    return out
 
 
 def ab_walls(runner, tok, ctx: int, settings: list[str], rounds: int) -> dict[str, list[float]]:
@@ -58,19 +40,13 @@ def ab_walls(runner, tok, ctx: int, settings: list[str], rounds: int) -> dict[st
     setting alike). The environment is restored afterwards; the caller re-captures the graph under it."""
     parsed = {s: ab_settings(s) for s in settings}
     walls: dict[str, list[float]] = {s: [] for s in settings}
-    saved = dict(os.environ)
-    try:
-        for _ in range(rounds):
-            for s in settings:
-                os.environ.clear()
-                os.environ.update({**saved, **parsed[s]})
+    for _ in range(rounds):
+        for s in settings:
+            with env_applied(parsed[s]):
                 capture_decode(runner, tokens=False)
                 step = lambda: runner.model.logits(runner.graph.replay(tok, ctx))      # noqa: E731
                 w = sorted(cuda_event_times(step, 30, warmup=3))
                 walls[s].append(w[len(w) // 2] * 1e3)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     return walls
 
 

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from bytebound.analysis.bandwidth import cuda_event_times  # noqa: E402
 from bytebound.analysis.kernels import kernel_table  # noqa: E402
+from bytebound.bench.ab import alternating_times, env_applied  # noqa: E402
 from bytebound.config import LING3_FLASH_CONFIG  # noqa: E402
 from bytebound.engine.engine import Engine, EngineConfig  # noqa: E402
 from bytebound.runner.graphs import capture_decode, capture_graph  # noqa: E402
@@ -184,20 +185,14 @@ def main(argv=None) -> int:
         if a.token_ab:
             # the plain greedy step with the head's argmax fused (BYTEBOUND_HEAD_ARGMAX=1) and not (=0), each its own
             # captured graphs in this process, timed alternately
-            graphs, old = {}, os.environ.get("BYTEBOUND_HEAD_ARGMAX")
+            graphs = {}
             for v in ("1", "0"):
-                os.environ["BYTEBOUND_HEAD_ARGMAX"] = v
-                r.reset(a.ctx)
-                graphs[v] = capture_decode(r, tokens=True)
-            if old is None:
-                os.environ.pop("BYTEBOUND_HEAD_ARGMAX")
-            else:
-                os.environ["BYTEBOUND_HEAD_ARGMAX"] = old
-            ts = {v: [] for v in graphs}
-            for _ in range(5):
-                for v, gr in graphs.items():
-                    ts[v] += cuda_event_times(lambda gr=gr: gr.replay_token(tok, a.ctx, greedy, None), 20, 3)
-            out["token_ab_us"] = {f"BYTEBOUND_HEAD_ARGMAX={v}": statistics.median(t) * 1e6 for v, t in ts.items()}
+                with env_applied({"BYTEBOUND_HEAD_ARGMAX": v}):
+                    r.reset(a.ctx)
+                    graphs[v] = capture_decode(r, tokens=True)
+            ts = alternating_times([lambda gr=gr: gr.replay_token(tok, a.ctx, greedy, None) for gr in graphs.values()],
+                                   20, 5, warmup=3)
+            out["token_ab_us"] = {f"BYTEBOUND_HEAD_ARGMAX={v}": statistics.median(t) * 1e6 for v, t in zip(graphs, ts)}
     dec = out["decode_token_us"]
     md = [f"# MTP round phases: {out['device']}, {out['date']}, commit {out['commit']}, {out['weights']}, "
           f"ctx {a.ctx}, k = {k}, draft head: {out['draft_vocab']}", "", f"Command: `{out['command']}`", "",

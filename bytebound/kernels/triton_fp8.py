@@ -76,6 +76,7 @@ def available(dev) -> str | None:
 
 if tl is not None:
     from bytebound.kernels.pdl import gdc as _gdc     # griddepcontrol / fence, every thread
+    from bytebound.kernels.triton_router import _key as _router_key     # float order as int64 keys
 
     # $1 a 16-byte aligned global address, $2 a byte count (a multiple of 16; 0: nothing); also used by the Gluon
     # kernels of kernels.triton_moe_persist
@@ -291,13 +292,11 @@ if tl is not None:
     @triton.jit
     def _argmax_key(v, row, N):
         """int64 keys of float32 logits ``v`` at vocabulary rows ``row``, ordered as torch's argmax picks: larger
-        value first, then the lower row (``N - 1 - row`` in the low word); -0.0 equals 0.0, and a NaN (either sign)
-        outranks every number, as torch's argmax propagates NaN (:func:`kernels.triton_router._key` plus the NaN
-        rule)."""
-        b = v.to(tl.int32, bitcast=True)
-        t = b >> 31
-        hi = tl.where(v != v, 0x7FFFFFFF, (b ^ (t & 0x7FFFFFFF)) - t)
-        return (hi.to(tl.int64) << 32) | (N - 1 - row).to(tl.int64)
+        value first, then the lower row (``N - 1 - row`` in the low word); -0.0 equals 0.0
+        (:func:`kernels.triton_router._key`), and a NaN (either sign) outranks every number, as torch's argmax
+        propagates NaN."""
+        low = (N - 1 - row).to(tl.int64)
+        return tl.where(v != v, (0x7FFFFFFF << 32) | low, _router_key(v, low))
 
     @triton.jit
     def _fp8_head_argmax(q_ptr, sx_ptr, w_ptr, ws_ptr, part_ptr, cnt_ptr, ids_ptr, map_ptr, N, P, K: tl.constexpr,
@@ -986,17 +985,28 @@ def dequantize_fp8_block_gpu(weight: torch.Tensor, scale_inv: torch.Tensor, bloc
     return out
 
 
+HEAD_CONFIG = {"BN": 128, "BK": 128, "num_warps": 4, "num_stages": 4}     # the FP8 head kernels' launch config
+
+
+def _quant_tokens(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x2 [M, K]`` -> ``(q [M, K] E4M3, sx [M] float32)``: the head's per-token quantisation, one program per
+    token (``_fp8_quant_rows``)."""
+    m, k = x2.shape
+    x2 = x2.contiguous()
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x2.device)
+    sx = torch.empty(m, dtype=torch.float32, device=x2.device)
+    _fp8_quant_rows[(m,)](x2, q, sx, K=k, BK=1024, num_warps=4)
+    return q, sx
+
+
 def fp8_head_logits(x2: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, cfg: dict | None = None
                     ) -> torch.Tensor:
     """``x2 [M<=4, K]`` -> float32 logits ``[M, V]``: per-token E4M3 quantisation (one small kernel), then the
     FP8 x FP8 product on tensor cores with float32 accumulation, scaled by ``sx[m] * w_scale[v]``."""
     m, k = x2.shape
     n = w_fp8.shape[0]
-    cfg = cfg or {"BN": 128, "BK": 128, "num_warps": 4, "num_stages": 4}
-    x2 = x2.contiguous()
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x2.device)
-    sx = torch.empty(m, dtype=torch.float32, device=x2.device)
-    _fp8_quant_rows[(m,)](x2, q, sx, K=k, BK=1024, num_warps=4)
+    cfg = cfg or HEAD_CONFIG
+    q, sx = _quant_tokens(x2)
     out = torch.empty(m, n, dtype=torch.float32, device=x2.device)
     grid = (triton.cdiv(n, cfg["BN"]),)
     _fp8_head_dot[grid](q, sx, w_fp8, w_scale, out, n, K=k, M=m, BN=cfg["BN"], BK=cfg["BK"],
@@ -1025,11 +1035,8 @@ def fp8_head_argmax(x2: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor
     if not 0 < m <= MAX_M or w_fp8.shape[1] != k:
         raise BackendError(f"lm_head[triton]: the fused argmax takes [1..{MAX_M}, K] x [V, K], got {tuple(x2.shape)} "
                            f"and {tuple(w_fp8.shape)}")
-    cfg = cfg or {"BN": 128, "BK": 128, "num_warps": 4, "num_stages": 4}
-    x2 = x2.contiguous()
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x2.device)
-    sx = torch.empty(m, dtype=torch.float32, device=x2.device)
-    _fp8_quant_rows[(m,)](x2, q, sx, K=k, BK=1024, num_warps=4)
+    cfg = cfg or HEAD_CONFIG
+    q, sx = _quant_tokens(x2)
     p = triton.cdiv(n, cfg["BN"])
     from bytebound.kernels.scratch import scratch
     part = scratch(x2.device, "head_argmax_keys", MAX_M * p, torch.int64)

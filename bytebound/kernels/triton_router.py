@@ -396,8 +396,8 @@ def norm_fold_enabled() -> bool:
 
 def split_tail_enabled() -> bool:
     """False when ``BYTEBOUND_ROUTER_SPLIT_TAIL=0``: :func:`gemv_route` with M > 1 rows then routes them all in its
-    last program instead of one row per program (``_gemv_route_kernel``'s ``SPLIT_TAIL``; the same ids and
-    weights). An A/B switch read at each call, like :func:`norm_fold_enabled`; the interpreter never splits."""
+    last program instead of one row per program (``_gemv_route_kernel``'s ``SPLIT_TAIL``; the same ids, the
+    weights to float32 rounding). An A/B switch read at each call, like :func:`norm_fold_enabled`; the interpreter never splits."""
     return os.environ.get("BYTEBOUND_ROUTER_SPLIT_TAIL", "1") != "0"
 
 
