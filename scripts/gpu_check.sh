@@ -310,8 +310,8 @@ section_ab() {           # the twentieth session's A/Bs in one call (docs/perf/r
 
 section_ladder() {       # issue 21: the seed's ablation ladder with today's engine (CUDA defaults), one lever at a time:
     #   1. full scale, synthetic weights, 2K and 32K in (one engine per step, both lengths on it): humming MoE + FP32
-    #      logits -> + triton MoE -> + FP8 head -> + MTP; the +mtp row's measured round cost priced at the committed
-    #      trained-model accept length (LADDER_ACCEPT);
+    #      logits -> + triton MoE -> + FP8 head -> + MTP (hot-vocabulary draft head, LADDER_SYNTH_DRAFT_VOCAB); the +mtp
+    #      row's measured round cost priced at the committed trained-model accept length (LADDER_ACCEPT);
     #   2. GSM8K 5-shot on the bundled ling-nano (trained), the seed's sampling (T 0.6, top-p 0.95, top-k 29);
     #   3. greedy parity spec == plain on 50 GSM8K prompts, full draft head and hot-vocabulary head;
     #   4. tests/gpu/test_adaptive_gpu.py::test_adaptive_synthetic_weights_falls_back (fixed in 700569a, not yet run);
@@ -324,12 +324,24 @@ section_ladder() {       # issue 21: the seed's ablation ladder with today's eng
     # --allow-fallback: a lever that cannot run is a row marked inactive, not the end of the ladder.
     LADDER_END=$(( SECONDS + ${LADDER_BUDGET:-400} ))
     local x=/tmp/ladder_extra full=bytebound/assets/configs/ling-3.0-flash.json
-    local accept="${LADDER_ACCEPT:-docs/perf/mtp-accept-nano-h200-graph-4e7a079.json}"
+    # The +mtp rung's draft head at full scale: LADDER_SYNTH_DRAFT_VOCAB rows of the FP8 head (default 32768, the
+    # issue's N; 0 = the full head). Synthetic weights have no token counts, so the hot set is ids 0..N-1 (the
+    # bytes and kernels are what the rung measures); its price is the trained nano's hot-head accept length.
+    local hot="${LADDER_SYNTH_DRAFT_VOCAB:-32768}" dv=() accept parity_rec
     rm -rf "$x"; mkdir -p "$x"
+    if [ "$hot" != 0 ]; then
+        python3 -c 'import json, sys; json.dump(list(range(int(sys.argv[1]))), open(sys.argv[2], "w"))' \
+            "$hot" "$x/hot-ids.json" && dv=(--speculative-draft-vocab "$x/hot-ids.json")
+        accept="${LADDER_ACCEPT:-docs/perf/mtp-accept-nano-h200-hot1024-e7bbb39.json}"
+        parity_rec="$x/mtp-accept-nano-h200-hot.json"
+    else
+        accept="${LADDER_ACCEPT:-docs/perf/mtp-accept-nano-h200-full-e7bbb39.json}"
+        parity_rec="$x/mtp-accept-nano-h200-full.json"
+    fi
     LADDER_RESERVE=190 budget_step 200 synthetic python3 -m bytebound.cli bench ablation --model "$full" \
         --load-format dummy --device cuda --baseline-moe humming --input-len "${LADDER_LENS:-2048,32768}" \
         --output-len "${LADDER_OUT_LEN:-256}" --tpot-rule record --allow-fallback --price-accept-from "$accept" \
-        --no-progress --out "$OUT" --name ablation_h200
+        "${dv[@]}" --no-progress --out "$OUT" --name ablation_h200
     local gsm=(python3 -m bytebound.cli bench ablation --workload gsm8k --device cuda --limit "${LADDER_GSM8K_LIMIT:-50}"
                --tpot-rule record --allow-fallback --no-progress --out "$OUT" --name ablation_h200_gsm8k)
     LADDER_RESERVE=90 budget_step 110 gsm8k "${gsm[@]}" --baseline-moe humming
@@ -347,13 +359,14 @@ sys.exit(0 if d.get("steps") and (d.get("stop") or {}).get("step") != "baseline"
     LADDER_RESERVE=8 budget_step 60 adaptive python3 -m pytest tests/gpu/test_adaptive_gpu.py -q -s -p no:cacheprovider \
         -rfE --tb=short $(pytest_timeout) -k test_adaptive_synthetic_weights_falls_back
     local more=() f
-    for f in "$OUT/ablation_h200_gsm8k.json" "$x/mtp-accept-nano-h200-full.json"; do
+    for f in "$OUT/ablation_h200_gsm8k.json" "$parity_rec"; do
         has_mtp_accept "$f" && more+=(--price-accept-from "$f")
     done
     if [ -s "$OUT/ablation_h200.json" ] && [ ${#more[@]} -gt 0 ]; then
         LADDER_RESERVE=0 budget_step 30 reprice python3 -m bytebound.cli bench ablation --reprice \
             "$OUT/ablation_h200.json" --price-accept-from "$accept" "${more[@]}"
     fi
+    rm -f "$x/hot-ids.json"
     tar -cf "$OUT/ladder-extra.tar" -C "$x" . 2>&1 | tee -a "$LOG"
 }
 
