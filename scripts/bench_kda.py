@@ -17,7 +17,7 @@ Rows (median device time of one graph replay, CUDA events):
 It also counts the CUDA kernels one eager layer call launches (torch.profiler), which a graph replays one for one.
 Weights are synthetic (random E4M3 at the real shapes): speed only. Writes JSON to ``--out`` when given.
 
-    python scripts/bench_kda.py [--tokens 1,4] [--reps 200] [--v-splits 1,2,4,8] [--warps 4,8,16]
+    python scripts/bench_kda.py [--tokens 1,4] [--reps 200] [--v-splits 1,2,4,8,16] [--warps 1,2,4,8,16]
                                 [--out bench-results/kda.json]
 """
 
@@ -95,9 +95,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,4", help="M values (verify rows record the per-token history)")
     ap.add_argument("--backends", default="fla,triton", help="kda backends for the layer rows")
     ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--warps", default="4,8,16", help="num_warps values to time the fused kernel at (besides "
+    ap.add_argument("--warps", default="1,2,4,8,16", help="num_warps values to time the fused kernel at (besides "
                     "each V_SPLIT's default); empty: only the defaults")
-    ap.add_argument("--v-splits", default="1,2,4,8", help="V_SPLIT values (programs per head) to time the fused "
+    ap.add_argument("--v-splits", default="1,2,4,8,16", help="V_SPLIT values (programs per head) to time the fused "
                     "kernel at; empty: only the resolved launch")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)

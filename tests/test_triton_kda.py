@@ -104,7 +104,7 @@ def test_fused_matches_float64_with_history(tk, m, lower_bound, h, dk):
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("v_split", [2, 4])
+@pytest.mark.parametrize("v_split", [2, 4, 8, 16])
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 def test_v_split_matches_float64_with_history(tk, m, v_split, lower_bound):
     """V split over 2 / 4 programs per head (the gated RMSNorm by the head's last program through the ticket): o,
@@ -190,7 +190,7 @@ def test_recurrence_matches_fla_naive(tk):
     torch.testing.assert_close(st["rec"].cpu(), ref_s, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("v_split", [1, 4])
+@pytest.mark.parametrize("v_split", [1, 4, 16])
 def test_ling_head_dim_128(tk, v_split):
     """Ling's head_dim (K = V = 128) with two heads, a 4-token verify with history, bf16 projection inputs."""
     h, dk, m = 2, 128, 4

@@ -16,7 +16,7 @@ Per head, for each of the M tokens in order (``layers.kda``; Kimi Linear, arXiv 
 The grid is ``(batch row x head, V_SPLIT)``: program ``(bh, j)`` holds columns ``j*V/V_SPLIT ..`` of that head's
 state ``[K, V]`` in registers for all M tokens, so the state is read and written once per call, not once per token.
 The delta rule is separable over V: column ``c`` of ``S`` needs only ``v_c`` and the key-side vectors, so with
-``V_SPLIT > 1`` 2-8x more SMs stream the state and the history (at Ling's shape, 32 heads x 128, ``V_SPLIT = 1`` is
+``V_SPLIT > 1`` 2-16x more SMs stream the state and the history (at Ling's shape, 32 heads x 128, ``V_SPLIT = 1`` is
 32 programs of 64 KB state each on a 132-SM part). Each program works in two phases: first the key side of all M
 tokens (q/k conv + SiLU, L2 norms, gate) as 1-D vectors, written to its own float32 scratch (every program of a
 head recomputes these 128-wide vectors: cheaper than a second sync); then, after a barrier, the value-side conv,
@@ -72,7 +72,7 @@ from bytebound.kernels import scratch as shared
 MAX_TOKENS = 8          # largest M of the fused kernel (MTP verify is k+1 = 4; 6-token chains fit)
 CONV_KERNEL = 4         # Ling's short_conv_kernel_size; the kernel keeps the 3-input window in registers
 MAX_HEAD_DIM = 256      # K, V <= 256: the [K, V] float32 state of one head lives in one program's registers
-V_SPLITS = (1, 2, 4, 8)  # programs per (batch row, head), each holding V / V_SPLIT state columns
+V_SPLITS = (1, 2, 4, 8, 16)  # programs per (batch row, head), each holding V / V_SPLIT state columns
 CONFIG_PATH = Path(__file__).resolve().parent / "configs" / "triton_kda.json"
 
 triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machines without Triton
