@@ -15,6 +15,15 @@ import torch
 _BUFFERS: dict = {}        # (device, name) -> [buffers, smallest first]; the last one is current
 
 
+def _device_key(device) -> str:
+    """``device`` with its index made explicit: ``"cuda"`` names the current CUDA device, so a caller passing
+    ``"cuda"`` and a kernel wrapper passing its tensor's ``cuda:0`` share one buffer."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return str(dev)
+
+
 def scratch(device, name: str, numel: int, dtype=torch.float32) -> torch.Tensor:
     """A zero-initialised buffer ``name`` of at least ``numel`` elements of ``dtype`` on ``device``, shared by
     every caller of that name on that device (module docstring).
@@ -23,9 +32,12 @@ def scratch(device, name: str, numel: int, dtype=torch.float32) -> torch.Tensor:
     alive, because a captured CUDA graph holds their addresses. A buffer is allocated (or grown) on the first call
     of a shape, which must therefore happen before capture.
 
+    ``device``: a torch device or its name; ``"cuda"`` is the current CUDA device (the same buffers as its
+    ``cuda:<index>``).
+
     Returns:
         a 1-D tensor of ``numel`` or more elements (the current buffer of that name, not a fresh one)."""
-    bufs = _BUFFERS.setdefault((str(torch.device(device)), name), [])
+    bufs = _BUFFERS.setdefault((_device_key(device), name), [])
     if not bufs or bufs[-1].numel() < numel:
         bufs.append(torch.zeros(numel, dtype=dtype, device=device))
     return bufs[-1]
