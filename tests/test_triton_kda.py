@@ -323,7 +323,7 @@ def test_refusals_are_named_errors(tk):
             tk.fused_kda(*(x[k].to(DEV) for k in ("qkv", "f", "gate", "b")), p["conv_weight"].to(DEV), st["conv"],
                          p["a_log"], p["dt_bias"].to(DEV), st["rec"], p["norm_weight"].to(DEV), 1e-6, -5.0,
                          torch.float32)
-    for bad in (3, 16, 0):
+    for bad in (3, 32, 0):
         with pytest.raises(BackendError, match="V_SPLIT"):
             run_kernel(tk, x, p, s, -5.0, v_split=bad)
     x8, p8, s8 = make_inputs(1, 2, 2, 4, 4, seed=0)            # V = 4: at most 4 programs per head

@@ -15,7 +15,7 @@ import torch
 _BUFFERS: dict = {}        # (device, name) -> [buffers, smallest first]; the last one is current
 
 
-def _device_key(device) -> str:
+def device_key(device) -> str:
     """``device`` with its index made explicit: ``"cuda"`` names the current CUDA device, so a caller passing
     ``"cuda"`` and a kernel wrapper passing its tensor's ``cuda:0`` share one buffer."""
     dev = torch.device(device)
@@ -37,7 +37,7 @@ def scratch(device, name: str, numel: int, dtype=torch.float32) -> torch.Tensor:
 
     Returns:
         a 1-D tensor of ``numel`` or more elements (the current buffer of that name, not a fresh one)."""
-    bufs = _BUFFERS.setdefault((_device_key(device), name), [])
+    bufs = _BUFFERS.setdefault((device_key(device), name), [])
     if not bufs or bufs[-1].numel() < numel:
         bufs.append(torch.zeros(numel, dtype=dtype, device=device))
     return bufs[-1]

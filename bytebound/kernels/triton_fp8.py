@@ -535,7 +535,6 @@ def _fit_mma(cfg: dict, n: int, k: int, sm_count: int) -> dict:
 
 
 _GEMV_DEV: dict = {}          # device -> (architecture, multiprocessor count)
-_GEMV_SCRATCH: dict = {}      # (device, name) -> grow-only buffers shared by every GEMV on the device
 
 
 def gemv_scratch(device, name: str, numel: int, dtype=torch.float32) -> torch.Tensor:
@@ -544,11 +543,10 @@ def gemv_scratch(device, name: str, numel: int, dtype=torch.float32) -> torch.Te
     between launches since each launch re-arms its own). One buffer serves every projection: the GEMVs run one
     after another on one stream, and a PDL dependent touches it only after its wait, i.e. after the previous
     launch completed. Growing keeps older buffers alive (a captured CUDA graph holds their addresses);
-    :class:`TritonLinear` grows it at bind time, so nothing is allocated during graph capture."""
-    bufs = _GEMV_SCRATCH.setdefault((str(torch.device(device)), name), [])
-    if not bufs or bufs[-1].numel() < numel:
-        bufs.append(torch.zeros(numel, dtype=dtype, device=device))
-    return bufs[-1]
+    :class:`TritonLinear` grows it at bind time, so nothing is allocated during graph capture. The buffers are
+    :func:`kernels.scratch.scratch`'s ``gemv_<name>``."""
+    from bytebound.kernels.scratch import scratch
+    return scratch(device, "gemv_" + name, numel, dtype)
 
 
 def _device_info(dev: torch.device) -> tuple[str | None, int]:

@@ -620,7 +620,7 @@ def _scratch(device: torch.device, numel: int) -> torch.Tensor:
     """The fused kernel's workspace on ``device``, shared by all layers (they run one after another on one stream):
     allocated once, grown when a call needs more; earlier buffers stay referenced, as a captured graph may still
     use them."""
-    bufs = _SCRATCH.setdefault(str(device), [])
+    bufs = _SCRATCH.setdefault(shared.device_key(device), [])
     if not bufs or bufs[-1].numel() < numel:
         bufs.append(torch.empty(numel, dtype=torch.float32, device=device))
     return bufs[-1]
