@@ -24,6 +24,12 @@ Figures (all on the checkpoint as ``bytebound.checkpoint.loader.load_model`` loa
   chat test records: KL and top-1 agreement as above. ``all_from_checkpoint`` (all three) must reproduce
   ``checkpoint``, the quantised model itself against the float model on the same N records: a check that the
   hybrids are built right.
+* ``act_quant_ablation`` (``--act-quant N``): the question a W4A8 routed-MoE kernel (E4M3 tensor-core MMA, half
+  the E2M1 decode work of W4A16) must answer first: what FP8 activations cost. The checkpoint model with every
+  routed expert's two GEMM inputs (the layer's normed x, and the SwiGLU output into the down projection) rounded
+  to E4M3 (:func:`fake_quant_e4m3`: a float32 scale per token and ``--act-quant-group`` channels, amax / 448,
+  round to nearest even) against the checkpoint model as it runs today (W4A16): KL and top-1 agreement of the
+  main and NEXTN heads on the first N chat test records, and both models' teacher-forced figures.
 * ``greedy``: ``--greedy-n`` test questions through the engine (``bytebound.engine.engine.Engine``, batch 1,
   temperature 0, stop at ``"\\n\\n"`` / ``"Question:"``), 5-shot prompt ``few_shot_prompt(question)`` (k=5,
   seed 0), answer ``extract_answer`` vs the reference; decode speed from the engine's per-token times.
@@ -107,6 +113,69 @@ def hybrid(float_path, qmodel, parts: set, device) -> BailingMoeV3ForCausalLM:
         if not n[k]:
             raise ValueError(f"hybrid: no {k} weights found in the checkpoint model")
     return h.finish_load()           # MLA's absorbed kv_b copies follow the new weights
+
+
+E4M3_MAX = 448.0
+
+
+def fake_quant_e4m3(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x [..., C]`` rounded to FP8 E4M3 with one float32 scale per row and ``group`` channels (0: the whole row),
+    scale = amax / 448 (all-zero groups stay zero), returned dequantised in x's dtype: the activations a W4A8
+    kernel would feed its E4M3 MMA (dynamic per-token(-group) quantisation, as the FP8 head quantises its input).
+    ``group`` -1: x unchanged (the harness's control).
+
+    Raises:
+        ValueError: ``group`` does not divide C."""
+    if group < 0:
+        return x
+    c = x.shape[-1]
+    g = group or c
+    if c % g:
+        raise ValueError(f"fake_quant_e4m3: group {g} does not divide {c} channels")
+    xf = x.float().reshape(*x.shape[:-1], c // g, g)
+    scale = xf.abs().amax(-1, keepdim=True) / E4M3_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (xf / scale).to(torch.float8_e4m3fn).float() * scale
+    return q.reshape(x.shape).to(x.dtype)
+
+
+def w4a8_experts(ex, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
+    """``torch_ref.moe_reference``'s routed sum with both GEMM inputs through :func:`fake_quant_e4m3`: x once per
+    token, the SwiGLU output per (token, expert) row. Weights dequantised from the checkpoint's MXFP4 (float32),
+    one expert at a time. ``x [M, H]``, ``ids [M, k]``, ``w [M, k]`` -> ``[M, H]`` in x's dtype."""
+    from bytebound.layers.moe import swiglu
+    from bytebound.quant import dequantize_mxfp4
+    deq = getattr(ex, "_w4a8_deq", None)
+    if deq is None:
+        deq = ex._w4a8_deq = tuple(
+            dequantize_mxfp4(getattr(ex, n), getattr(ex, n + "_scale")) for n in ("w13", "w2"))
+    w13, w2 = deq
+    m, k = ids.shape
+    xq = fake_quant_e4m3(x, group).float()
+    y = torch.zeros(m, x.shape[1], dtype=torch.float32, device=x.device)
+    flat = ids.reshape(-1)
+    tok = torch.arange(m * k, device=x.device) // k
+    for e in torch.unique(flat).tolist():
+        sel = flat == e
+        t = tok[sel]
+        h = xq[t] @ w13[e].t()
+        a = swiglu(h[:, :ex.inter], h[:, ex.inter:], ex.limit)
+        y.index_add_(0, t, (fake_quant_e4m3(a, group) @ w2[e].t()) * w.reshape(-1)[sel, None].float())
+    return y.to(x.dtype)
+
+
+def with_w4a8_experts(model, group: int):
+    """``model`` with every MXFP4 routed-expert module running :func:`w4a8_experts` (its ``fn``). Raises
+    ValueError if there is none."""
+    from bytebound.layers.moe import RoutedExperts
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, RoutedExperts) and mod.fmt == "mxfp4":
+            mod.fn = lambda x, ids, w, ex=mod: w4a8_experts(ex, x, ids, w, group)
+            n += 1
+    if not n:
+        raise ValueError("with_w4a8_experts: the model has no MXFP4 routed experts")
+    return model
 
 
 def docs_chat(tok, recs):
@@ -266,7 +335,14 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--quant-ablation", type=int, default=0,
                     help="with --float-weights: chat test records for the per-weight-class quantisation ablation")
+    ap.add_argument("--act-quant", type=int, default=0,
+                    help="chat test records for the W4A8 ablation (E4M3 activations into the routed experts)")
+    ap.add_argument("--act-quant-group", default="-1,128,0",
+                    help="comma-separated channels per activation scale for --act-quant (0: one scale per row; -1: no "
+                         "rounding, the control: the same expert code must reproduce the checkpoint model)")
     a = ap.parse_args(argv)
+    if a.act_quant < 0:
+        ap.error("--act-quant N needs N >= 0")
     if a.quant_ablation < 0 or (a.quant_ablation and not a.float_weights):
         ap.error("--quant-ablation N needs N >= 0 and --float-weights")
     if a.quant_ablation and a.tf_n < 0 and a.tf5_n <= 0:
@@ -283,7 +359,7 @@ def main(argv=None) -> int:
     report["checkpoint_bytes"] = {f.name: f.stat().st_size for f in sorted(ck.iterdir()) if f.is_file()}
     report["checkpoint_total_bytes"] = sum(report["checkpoint_bytes"].values())
 
-    need_tf = a.tf_n >= 0 or a.tf5_n > 0
+    need_tf = a.tf_n >= 0 or a.tf5_n > 0 or a.act_quant > 0
     if need_tf:
         t0 = time.time()
         model = load_model(a.ckpt, dev, torch.float32)
@@ -331,6 +407,24 @@ def main(argv=None) -> int:
                 print(f"[eval] quant ablation {label}: {json.dumps(abl[label])}", flush=True)
                 del hm
             report["quant_ablation"] = {"records": len(recs), **abl}
+        if a.act_quant:
+            recs = test[: a.act_quant]
+            aq = {"records": len(recs), "what": "routed experts' GEMM inputs in E4M3 (W4A8) vs the checkpoint "
+                                                "model as it runs (W4A16); KL(P_w4a16 || P_w4a8)"}
+            for group in (int(g) for g in a.act_quant_group.split(",")):
+                qm = with_w4a8_experts(load_model(a.ckpt, dev, torch.float32), group)
+                qacc = Acc()
+                teacher_forced(qm, model, docs_chat(tok, recs), dev, a.batch, "q_", qacc)
+                r = tf_report(qacc, "q_", True)
+                r["w4a8_vs_w4a16"] = r.pop("quant_vs_float")
+                label = "control" if group < 0 else f"group_{group or 'row'}"
+                aq[label] = r
+                print(f"[eval] W4A8 ablation, {label}: {json.dumps(r)}", flush=True)
+                del qm
+            bacc = Acc()
+            teacher_forced(model, None, docs_chat(tok, recs), dev, a.batch, "b_", bacc)
+            aq["w4a16_checkpoint"] = tf_report(bacc, "b_", False)
+            report["act_quant_ablation"] = aq
         del model, fmodel
         report["teacher_forced_s"] = time.time() - t0
 
