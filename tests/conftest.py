@@ -197,3 +197,13 @@ def compiled_in_subprocess(test_file: str, node: str) -> bool:
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     return True
+
+
+def load_script(name: str, module_name: str | None = None):
+    """``scripts/<name>.py`` imported as a module (scripts are not a package), registered in ``sys.modules`` under
+    ``module_name`` (default ``_<name>``) so that dataclasses and pickling can look it up while it loads."""
+    spec = importlib.util.spec_from_file_location(module_name or f"_{name}", ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod

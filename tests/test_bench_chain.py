@@ -4,7 +4,6 @@ grid (and its timeout report), and the sm_90 compile with the PTX orderings its 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, load_script
 
 SCRIPT = ROOT / "scripts" / "bench_chain.py"
 SMOKE = ["--device", "cpu", "--shapes", "64x128,128x64", "--layers", "4", "--bn", "16", "--bk", "32", "--reps", "2"]
@@ -23,11 +22,7 @@ pytest.importorskip("triton")
 
 @pytest.fixture(scope="module")
 def bc():
-    spec = importlib.util.spec_from_file_location("_bench_chain", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod            # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_chain")
 
 
 def _interpreted():

@@ -4,22 +4,17 @@ built from the format's definition, and the W4A8 expert sum reducing to the W4A1
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def ev():
-    spec = importlib.util.spec_from_file_location("eval_nano", ROOT / "scripts" / "eval_nano.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("eval_nano")
 
 
 def e4m3_grid() -> torch.Tensor:

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from conftest import ROOT
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def pd():
-    spec = importlib.util.spec_from_file_location("_profile_decode", ROOT / "scripts" / "profile_decode.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("profile_decode")
 
 
 def test_ab_settings(pd):

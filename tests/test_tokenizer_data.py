@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -224,9 +223,8 @@ def test_matches_transformers(tok, splits):
 
 @pytest.mark.slow
 def test_train_tokenizer_reproduces_checked_in_files(tmp_path):
-    spec = importlib.util.spec_from_file_location("train_tokenizer", ROOT / "scripts" / "train_tokenizer.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from conftest import load_script
+    mod = load_script("train_tokenizer", "train_tokenizer")
     mod.write(mod.build(6144), tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         assert (tmp_path / name).read_bytes() == (MODEL_DIR / name).read_bytes(), name

@@ -31,11 +31,8 @@ def test_consistency_term_logged_on_qat_steps(tmp_path):
 
 
 def _train_nano():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("train_nano", ROOT / "scripts" / "train_nano.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from conftest import load_script
+    return load_script("train_nano", "train_nano")
 
 
 def test_prox_step_moves_master_weights_toward_the_export_grid():
