@@ -12,7 +12,7 @@ import pytest
 from bytebound.bench import ablation as ab
 from bytebound.cli import main
 from bytebound.engine.engine import EngineConfig, RequestOutput
-from bytebound.errors import ConfigError
+from bytebound.errors import BackendError, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 NANO_H200 = ROOT / "docs" / "perf" / "mtp-accept-nano-h200-graph-4e7a079.json"     # committed trained-model record
@@ -260,6 +260,40 @@ def test_allow_fallback_keeps_going_past_a_failing_case(monkeypatch):
     assert k[0]["change_pct"] == pytest.approx(-50.0) and "change_pct" not in k[1]    # nothing to compare 32K with
     r = ab.run_ablation(EngineConfig(device="cuda"), lambda cfg, case: 1 / 0, allow_fallback=True, **kw)
     assert r["status"] == "stopped" and r["stop"]["reason"] == "step failed" and r["stop"]["step"] == "baseline"
+
+
+def test_allow_fallback_records_a_baseline_that_cannot_start(monkeypatch):
+    """A baseline whose backend cannot run here (humming's repack out of an 80 GB card's memory): without
+    --allow-fallback the ladder raises, as before; with it the baseline is a failed row and the later steps run,
+    each compared with the previous step that ran and none with a baseline. A ValueError (a bad configuration, not
+    a backend) still raises. The report's status line names the inactive step."""
+    from bytebound.bench.cli import ablation_markdown
+    monkeypatch.setattr(ab, "check_lever", lambda step, eng, outputs=None: (True, "fake"))
+
+    def make(cfg):
+        if cfg.backends["moe"] == "humming":
+            raise BackendError("moe[humming]: out of GPU memory repacking a layer's experts")
+        return cfg
+
+    def work(cfg, case):
+        return [_out(4.0 if cfg.lm_head == "fp32" else 3.0)], {}
+
+    kw = dict(baseline_moe="humming", cases=[2048], log=lambda *_: None, manifest=lambda eng: {})
+    with pytest.raises(BackendError, match="out of GPU memory"):
+        ab.run_ablation(EngineConfig(device="cuda"), work, make_engine=make, **kw)
+    r = ab.run_ablation(EngineConfig(device="cuda"), work, make_engine=make, allow_fallback=True, tpot_rule="record",
+                        **kw)
+    assert r["status"] == "complete" and [s["step"] for s in r["steps"]] == ["baseline", "+kernel", "+fp8-head", "+mtp"]
+    b, k, f = r["steps"][:3]
+    assert b["active"] is False and "out of GPU memory" in b["check"] and not b.get("cases")
+    assert k["active"] and k["cases"][0]["tpot_ms"] == 4.0 and "change_pct" not in k["cases"][0]
+    assert f["cases"][0]["change_pct"] == pytest.approx(-25.0)               # vs +kernel, the previous that ran
+    assert all("change_vs_baseline_pct" not in c for s in r["steps"] for c in s.get("cases", []))
+    md = "\n".join(ablation_markdown(r, {}, {"workload": "synthetic"}))
+    assert "not every lever active: `baseline`" in md
+    with pytest.raises(ValueError, match="bad"):
+        ab.run_ablation(EngineConfig(device="cuda"), work, allow_fallback=True,
+                        make_engine=lambda c: (_ for _ in ()).throw(ValueError("bad config")), **kw)
 
 
 def test_reprice_adds_rows_from_stored_rounds(monkeypatch):

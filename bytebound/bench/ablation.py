@@ -56,7 +56,7 @@ import json
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from bytebound.errors import ByteboundError, ConfigError
+from bytebound.errors import BackendError, ByteboundError, ConfigError
 
 STEPS = ("baseline", "+kernel", "+fp8-head", "+mtp")
 
@@ -280,9 +280,15 @@ def run_ablation(base, workload, baseline_moe: str = "torch", kernel_moe: str = 
     tpot_ms, change vs previous/baseline, for ``+mtp`` the measured ``round`` and the ``priced`` rows), the first
     case's figures at top level, manifest.
 
+    A step whose engine cannot start with its lever on stops the ladder, or with ``allow_fallback`` runs with the
+    lever off. The baseline has no lever to turn off: with ``allow_fallback`` a baseline whose backend cannot run
+    here (:class:`BackendError`, e.g. humming's repack out of GPU memory) is recorded as a failed row and the
+    ladder goes on; no later step then has a "vs baseline" figure.
+
     Raises:
         ValueError: ``tpot_rule`` is neither "enforce" nor "record".
-        ByteboundError: the baseline engine cannot start (nothing to compare with).
+        ByteboundError: the baseline engine cannot start (without ``allow_fallback``, or for any reason other than
+            a backend that cannot run here).
     """
     from bytebound.bench.report import engine_manifest, summarize
     if tpot_rule not in ("enforce", "record"):
@@ -306,7 +312,7 @@ def run_ablation(base, workload, baseline_moe: str = "torch", kernel_moe: str = 
         log("[ablation] CPU device: a TPOT rise is recorded, not enforced (it neither stops the ladder nor exits 3): "
             "the levers cut bytes per token, and a CPU decode of a small model is bound by per-op overhead, not "
             "memory bandwidth; --tpot-rule enforce applies on CUDA")
-    steps, regressions, prev_cfg, stop = [], [], None, None
+    steps, regressions, prev_cfg, stop, started = [], [], None, None, False
     prev_tpot: dict = {}                  # case -> TPOT of the previous step that ran
     base_tpot: dict = {}
 
@@ -341,9 +347,19 @@ def run_ablation(base, workload, baseline_moe: str = "torch", kernel_moe: str = 
         try:
             eng = make_engine(cfg)
         except (ByteboundError, ValueError) as e:
-            if name == "baseline":
+            if name == "baseline" and not (allow_fallback and isinstance(e, BackendError)):
                 raise
             err = str(e)          # leave the except block first: its traceback still holds the half-built model
+        if err is not None and not started and allow_fallback:
+            # the baseline (or a step after a baseline that could not start): no engine ran before it to fall back
+            # to, so the row is a failure; the next step turns its lever on over this step's configuration
+            log(f"[ablation] step '{name}' could not start: {err}; --allow-fallback: recorded, going on")
+            rec.update(active=False, check=err, note="could not start: no row to compare with")
+            _free()
+            done_step(rec)
+            prev_cfg = cfg
+            continue
+        started = True
         if err is not None:
             msg = f"step '{name}' could not start with its lever on: {err}"
             if not allow_fallback:
@@ -476,7 +492,8 @@ def run_ablation(base, workload, baseline_moe: str = "torch", kernel_moe: str = 
         for crec in rec["cases"]:         # the next step changes one lever of what this one ran
             if crec["tpot_ms"]:
                 prev_tpot[crec["case"]] = crec["tpot_ms"]
-                base_tpot.setdefault(crec["case"], crec["tpot_ms"])
+                if name == "baseline":    # "vs baseline" is against the baseline alone, never a later stand-in
+                    base_tpot[crec["case"]] = crec["tpot_ms"]
     if stop:
         log(f"[ablation] STOPPED: {stop['message']}")
     return result("stopped" if stop else "complete")

@@ -493,6 +493,11 @@ def ablation_markdown(res: dict, meta: dict, workload: dict) -> list[str]:
                "check column). " if skipped else "") + "Each lever that ran was checked active; TPOT changes are "
                "recorded, not enforced: the levers cut bytes per token, and a CPU decode of a small model is bound "
                "by per-op overhead, not memory bandwidth. The speed ladder is a CUDA measurement.", ""]
+    elif any(s["active"] is False and not s.get("skipped") for s in res["steps"]):
+        md += ["**Complete with --allow-fallback, not every lever active: "
+               + ", ".join(f"`{s['step']}`" for s in res["steps"] if s["active"] is False and not s.get("skipped"))
+               + " (see the check column; an inactive step is not compared, and a later step compares with the "
+               "previous step that ran).**", ""]
     elif res.get("regressions"):
         md += ["**Complete: every lever active; TPOT rules recorded, not enforced (--tpot-rule record). Steps that "
                "made TPOT worse: " + ", ".join(f"`{r['step']}`" + (f" at {r['case']}" if r["case"] else "")
@@ -528,7 +533,8 @@ def ablation_markdown(res: dict, meta: dict, workload: dict) -> list[str]:
                       + f"{c.get('note', '') if s.get('cases') else s.get('note', '')} |")
     md += _mtp_markdown(res, workload)
     if meta:
-        md += ["", "## Run (baseline engine)", ""] + rp.meta_section(meta)
+        md += ["", "## Run (the first engine that started: the baseline unless it could not)", ""]
+        md += rp.meta_section(meta)
     md += ["", f"TPOT tolerance {100 * res['tolerance']:.1f}%, rule: {res.get('tpot_rule', 'enforced')}; "
            f"--allow-fallback {res['allow_fallback']} (inactive levers are recorded and not compared instead of "
            "stopping the ladder)."]

@@ -74,6 +74,11 @@ class HummingMoE:
     """The bound callable: two transformed ``HummingLayer``s (w13, w2) plus per-M tuning configs."""
 
     def __init__(self, ex):
+        """Repack ``ex``'s MXFP4 experts into humming's layout (two ``HummingLayer``s).
+
+        Raises:
+            BackendError: experts not MXFP4 or not on a CUDA device, or the GPU out of memory for the repack
+                (named, with the layer's bytes and the free memory)."""
         if ex.fmt != "mxfp4":
             raise BackendError(f"moe[humming] needs MXFP4 experts, got fmt={ex.fmt!r}")
         if ex.w13.device.type != "cuda":
@@ -81,15 +86,26 @@ class HummingMoE:
         from humming.layer import HummingLayer
         self.e, self.h, self.i, self.limit = ex.n, ex.hidden, ex.inter, ex.limit
         dev = ex.w13.device
-        with torch.cuda.device(dev), torch.device(dev):
-            self.l13 = HummingLayer(shape_n=2 * self.i, shape_k=self.h, weight_config={"quant_method": "mxfp4"},
-                                    num_experts=self.e, torch_dtype=torch.bfloat16)
-            self.l13.load_from_tensors({"weight": ex.w13.data, "weight_scale": ex.w13_scale.data})
-            self.l13.transform()
-            self.l2 = HummingLayer(shape_n=self.h, shape_k=self.i, weight_config={"quant_method": "mxfp4"},
-                                   num_experts=self.e, torch_dtype=torch.bfloat16)
-            self.l2.load_from_tensors({"weight": ex.w2.data, "weight_scale": ex.w2_scale.data})
-            self.l2.transform()
+        oom = None
+        try:
+            with torch.cuda.device(dev), torch.device(dev):
+                self.l13 = HummingLayer(shape_n=2 * self.i, shape_k=self.h, weight_config={"quant_method": "mxfp4"},
+                                        num_experts=self.e, torch_dtype=torch.bfloat16)
+                self.l13.load_from_tensors({"weight": ex.w13.data, "weight_scale": ex.w13_scale.data})
+                self.l13.transform()
+                self.l2 = HummingLayer(shape_n=self.h, shape_k=self.i, weight_config={"quant_method": "mxfp4"},
+                                       num_experts=self.e, torch_dtype=torch.bfloat16)
+                self.l2.load_from_tensors({"weight": ex.w2.data, "weight_scale": ex.w2_scale.data})
+                self.l2.transform()
+        except torch.OutOfMemoryError as exc:
+            oom = str(exc).split(". ")[0]      # leave the except block first: its traceback holds the partial repack
+        if oom is not None:
+            self.l13 = self.l2 = None
+            need = sum(t.numel() * t.element_size() for t in (ex.w13, ex.w13_scale, ex.w2, ex.w2_scale))
+            free, total = torch.cuda.mem_get_info(dev)
+            raise BackendError(f"moe[humming]: out of GPU memory repacking a layer's experts ({oom}); humming keeps "
+                               f"its own copy beside the checkpoint layout, {need / 2**30:.2f} GiB a layer, with "
+                               f"{free / 2**30:.2f} of {total / 2**30:.2f} GiB free on {dev}")
         self.device = dev
         self._cfg: dict[tuple[int, str], dict] = {}
 
