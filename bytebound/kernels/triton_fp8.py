@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from bytebound.errors import BackendError, ConfigError
 from bytebound.kernels.limits import MAX_VERIFY_M as MAX_M     # the one verify-width limit (kernels/limits.py)
 from bytebound.kernels.pdl import enabled as pdl_enabled
+from bytebound.kernels.scratch import scratch
 from bytebound.kernels.registry import cuda_only, optional_triton, register
 
 triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machines without Triton
@@ -545,7 +546,6 @@ def gemv_scratch(device, name: str, numel: int, dtype=torch.float32) -> torch.Te
     launch completed. Growing keeps older buffers alive (a captured CUDA graph holds their addresses);
     :class:`TritonLinear` grows it at bind time, so nothing is allocated during graph capture. The buffers are
     :func:`kernels.scratch.scratch`'s ``gemv_<name>``."""
-    from bytebound.kernels.scratch import scratch
     return scratch(device, "gemv_" + name, numel, dtype)
 
 
@@ -1036,7 +1036,6 @@ def fp8_head_argmax(x2: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor
     cfg = cfg or HEAD_CONFIG
     q, sx = _quant_tokens(x2)
     p = triton.cdiv(n, cfg["BN"])
-    from bytebound.kernels.scratch import scratch
     part = scratch(x2.device, "head_argmax_keys", MAX_M * p, torch.int64)
     cnt = scratch(x2.device, "head_argmax_ticket", 1, torch.int32)
     ids = torch.empty(m, dtype=torch.int64, device=x2.device)

@@ -613,17 +613,11 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
     return o
 
 
-_SCRATCH: dict[str, list[torch.Tensor]] = {}
-
-
 def _scratch(device: torch.device, numel: int) -> torch.Tensor:
     """The fused kernel's workspace on ``device``, shared by all layers (they run one after another on one stream):
-    allocated once, grown when a call needs more; earlier buffers stay referenced, as a captured graph may still
-    use them."""
-    bufs = _SCRATCH.setdefault(shared.device_key(device), [])
-    if not bufs or bufs[-1].numel() < numel:
-        bufs.append(torch.empty(numel, dtype=torch.float32, device=device))
-    return bufs[-1]
+    :func:`kernels.scratch.scratch`'s ``kda_work``, grown when a call needs more (earlier buffers stay referenced,
+    as a captured graph may still use them)."""
+    return shared.scratch(device, "kda_work", numel)
 
 
 def history_buffers(state, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
