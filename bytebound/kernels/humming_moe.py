@@ -100,7 +100,7 @@ class HummingMoE:
         except torch.OutOfMemoryError as exc:
             oom = str(exc).split(". ")[0]      # leave the except block first: its traceback holds the partial repack
         if oom is not None:
-            self.l13 = self.l2 = None
+            self.l13 = self.l2 = None          # the half-built layers: free them before the error travels up
             need = sum(t.numel() * t.element_size() for t in (ex.w13, ex.w13_scale, ex.w2, ex.w2_scale))
             free, total = torch.cuda.mem_get_info(dev)
             raise BackendError(f"moe[humming]: out of GPU memory repacking a layer's experts ({oom}); humming keeps "
