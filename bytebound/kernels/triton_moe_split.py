@@ -55,9 +55,9 @@ router runs and wait before touching ``ids``, x or the scratch; 2: as 1, and the
 before waiting), ``DQ`` (the E2M1 decode of the routed slots, :func:`frag_dequant`: 1, the default, shifts the
 codes into BF16 with 2^126 folded into the E8M0 scale; 0 decodes through PRMT tables. A binding whose E8M0 scales
 exceed :data:`SHIFT_DECODE_MAX_E8M0` runs 0 whatever the config says, ``MoEKernel.shift_decode``), ``PA`` (default 0:
-kernel A's grid form, one program per work item; ``PA`` > 0: ``PA`` routed programs per SM, each looping over work
-items with the next item's weights in flight, :func:`_gateup_routed_loop`; the output is the grid form's bit for
-bit). Constraints: H/(KP*KC) and I/KP2 are 128 x a power of two,
+kernel A's grid form, one program per work item; ``PA`` > 0: ``PA`` kernel-A programs per SM, the shared expert's
+first, the routed ones each looping over work items with the next item's weights in flight,
+:func:`_gateup_routed_loop`, :func:`loop_grid`; the output is the grid form's bit for bit). Constraints: H/(KP*KC) and I/KP2 are 128 x a power of two,
 ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (an mma row tile per warp); :func:`fit_split_config` fits a
 config to a model's shape or raises BackendError.
 
@@ -407,19 +407,23 @@ mov.b32 {$2, $3}, a1;
         DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
-        if ITEMS > 0:       # config key PA: a 1-D grid, NPR looping routed programs, then the shared expert's
+        if ITEMS > 0:
+            # config key PA: a 1-D grid, the shared expert's programs first, then NPR looping routed programs. The
+            # shared ones come first so that they are resident from the start: were they last, they could wait for
+            # a looping program to end, while kernel B's programs (launched early by PDL, waiting for this kernel)
+            # hold the rest of the SMs
+            NSH: gl.constexpr = (I // BI) * KP if SHARED else 0
             pid = gl.program_id(0)
             if PDL and PDL_IN == 0:
                 _gdc("griddepcontrol.launch_dependents; mov.u32 $0, 0;", NW)
-            if SHARED and pid >= NPR:
-                v = pid - NPR
-                _gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, S, v // KP, v % KP, H,
-                               I, M, BI, KP, HAS_LIMIT, WD8, PDL_IN, MMA, DA, DB, RL, KC)
+            if pid < NSH:
+                _gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, S, pid // KP, pid % KP,
+                               H, I, M, BI, KP, HAS_LIMIT, WD8, PDL_IN, MMA, DA, DB, RL, KC)
             else:
                 _pdl_in(PDL_IN, PDL, NW)
                 _gateup_routed_loop(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr,
-                                    limit, pid, NPR, ITEMS, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL,
-                                    KC, DQ)
+                                    limit, pid - NSH, NPR, ITEMS, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA,
+                                    DB, RL, KC, DQ)
         else:
             j = gl.program_id(0)
             s = gl.program_id(1)
@@ -1026,15 +1030,19 @@ def launch_dq(kern, cfg: dict) -> tuple[int, str]:
     return 1, ""
 
 
-def loop_grid(m: int, k: int, i: int, cfg: dict, sms: int) -> tuple[int, int]:
-    """Kernel A's looping form (config key ``PA``, routed programs per SM; 0 = the grid form): ``(NPR, ITEMS)``,
+def loop_grid(m: int, k: int, i: int, cfg: dict, sms: int, shared: bool = False) -> tuple[int, int]:
+    """Kernel A's looping form (config key ``PA``: kernel A's programs per SM; 0 = the grid form): ``(NPR, ITEMS)``,
     the routed programs and the work items each loops over (:func:`_gateup_routed_loop`), for ``m`` tokens of top
-    ``k`` at intermediate ``i`` on a device of ``sms`` SMs; ``(0, 0)`` for the grid form."""
+    ``k`` at intermediate ``i`` on a device of ``sms`` SMs, with the shared expert's ``(i / BI) * KP`` programs
+    (``shared``) counted in the ``PA * sms``; ``(0, 0)`` for the grid form. The grid is sized so that every program
+    can be resident at once when ``PA`` programs fit an SM: a looping program that must wait for another to end
+    serialises their items."""
     pa = int(cfg.get("PA", 0))
     if pa <= 0:
         return 0, 0
+    nsh = (i // cfg["BI"]) * cfg["KP"] if shared else 0
     items = m * k * (i // cfg["BI"]) * cfg["KP"]
-    npr = min(items, pa * sms)
+    npr = max(1, min(items, pa * sms - nsh))
     return npr, -(-items // npr)
 
 
@@ -1064,7 +1072,7 @@ def split_constexprs(m: int, k: int, h: int, i: int, cfg: dict, shared: bool, ha
              WD=word_layout(2 * bi, h // kp // kc // 128, nw), PDL=pdl, SHARED=shared,
              WD8=fp8_word_layout(2 * bi, max(1, h // kp // kc // 256), nw) if shared else None,
              PDL_IN=pdl_in, KC=kc, DQ=dq)
-    a["NPR"], a["ITEMS"] = loop_grid(m, k, i, cfg, sms)
+    a["NPR"], a["ITEMS"] = loop_grid(m, k, i, cfg, sms, shared)
     b = dict(H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2, SG=max(1, min(int(cfg.get("SG", 1)), s)),
              WD=word_layout(bh, i // kp2 // 128, dw), PDL=pdl, SHARED=shared,
              WD8=fp8_word_layout(bh, i // kp2 // 128, dw) if shared else None, DQ=dq)
