@@ -418,7 +418,7 @@ mov.b32 {$2, $3}, a1;
             pid = gl.program_id(0)
             if PDL and PDL_IN == 0:
                 _gdc("griddepcontrol.launch_dependents; mov.u32 $0, 0;", NW)
-            if pid < NSH:
+            if SHARED and pid < NSH:
                 _gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, S, pid // KP, pid % KP,
                                H, I, M, BI, KP, HAS_LIMIT, WD8, PDL_IN, MMA, DA, DB, RL, KC)
             else:

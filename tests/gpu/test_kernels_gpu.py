@@ -370,18 +370,19 @@ def test_split_loop_equals_grid_bit_for_bit(ling_experts, base, m, dup, pa):
 
 @pytest.mark.parametrize("m,dup", [(1, 0), (2, 3), (4, 0), (4, 5)])
 @pytest.mark.parametrize("ring", [{"PA": 1, "ST": 5}, {"PA": 1, "ST": 2}, {"PA": 1, "ST": 5, "DQ": 0},
-                                  {"PA": 2, "ST": 10}], ids=["pa1-st5", "pa1-st2", "pa1-st5-table", "pa2-st10"])
-def test_split_ring_equals_grid_bit_for_bit(ling_experts, ring, m, dup):
+                                  {"PA": 2, "ST": 5}], ids=["pa1-st5", "pa1-st2", "pa1-st5-table", "pa2-st5"])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "routed"])
+def test_split_ring_equals_grid_bit_for_bit(ling_experts, ring, m, dup, shared):
     """Kernel A's looping form fed by the shared-memory ring (config key ``ST``: the weight words by cp.async, ``ST``
     chunks in flight across item boundaries; x staged once per program) equals the grid form of the same tiling bit
-    for bit, routed + shared; PA 2 with ST 10 asks for more shared memory than two programs of an SM have, so half
-    the programs wait for the first half to end."""
+    for bit, routed + shared; PA 2 asks for two programs per SM where the shared memory holds one, so half the
+    programs wait for the first half to end."""
     base = {"BI": 64, "KP": 1, "KC": 10, "num_warps": 8, "SG": 4, "DQ": ring.get("DQ", 1)}
-    _loop_equals_grid(ling_experts, base, dict(base, **ring), m, dup)
+    _loop_equals_grid(ling_experts, base, dict(base, **ring), m, dup, shared)
 
 
-def _loop_equals_grid(ling_experts, base, looping, m, dup):
-    """routed + shared of the ``looping`` config == the grid-form ``base`` config's, bit for bit, and on repeat."""
+def _loop_equals_grid(ling_experts, base, looping, m, dup, shared=True):
+    """routed (+ shared) of the ``looping`` config == the grid-form ``base`` config's, bit for bit, and on repeat."""
     from bytebound.kernels.moe_host import MoEKernel, fit_config
     k, e, h, i = LING["k"], LING["e"], LING["h"], LING["i"]
     mlp = make_shared(h, i, seed=40 + m + dup)
@@ -389,8 +390,9 @@ def _loop_equals_grid(ling_experts, base, looping, m, dup):
     loop = fit_config(_moe_config("split", looping), h, i)
     fa = MoEKernel(ling_experts, {mm: grid for mm in range(1, 5)})
     fb = MoEKernel(ling_experts, {mm: loop for mm in range(1, 5)})
-    fa.bind_shared(mlp)
-    fb.bind_shared(mlp)
+    if shared:
+        fa.bind_shared(mlp)
+        fb.bind_shared(mlp)
     ids, w = make_routing(m, e, k, shared=dup, seed=60 + m + dup)
     x = torch.randn(m, h, device=DEV).to(torch.bfloat16)
     want = fa(x, ids, w).clone()
