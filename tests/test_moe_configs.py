@@ -76,39 +76,6 @@ def test_split_constexprs_follow_the_fitted_config(m, shared):
     assert (a["WD8"] is not None, b["WD8"] is not None) == (shared, shared)
 
 
-def test_split_loop_grid():
-    """Config key ``PA`` (kernel A's looping form): ``PA`` kernel-A programs per SM, the shared expert's among them,
-    the routed ones never more than the work items (slots x intermediate blocks x H slices), each looping over
-    enough items to cover them all; 0 (the default) is the grid form; a negative value is a named error."""
-    c = ts.fit_split_config({"BI": 64, "KP": 2, "KC": 5}, 2560, 768)
-    assert ts.loop_grid(4, 8, 768, c, 132) == (0, 0)
-    items4 = 4 * 8 * (768 // 64) * 2                           # 768
-    assert ts.loop_grid(4, 8, 768, dict(c, PA=1), 132) == (132, -(-items4 // 132))
-    assert ts.loop_grid(4, 8, 768, dict(c, PA=2), 132) == (264, 3)
-    assert ts.loop_grid(1, 8, 768, dict(c, PA=2), 132) == (192, 1)      # fewer items (192) than 264 programs
-    # the shared expert's 12 x 2 programs come out of the PA x SMs (they run first, beside the looping ones)
-    assert ts.loop_grid(4, 8, 768, dict(c, PA=1), 132, shared=True) == (108, -(-items4 // 108))
-    for m, pa, sms, shared in [(1, 1, 132, False), (2, 3, 114, True), (4, 1, 78, True), (4, 7, 132, False)]:
-        npr, items = ts.loop_grid(m, 8, 768, dict(c, PA=pa), sms, shared)
-        n = m * 8 * 12 * 2
-        assert npr + 24 * shared <= pa * sms and npr * items >= n and npr * (items - 1) < n
-    with pytest.raises(BackendError, match="PA"):
-        ts.fit_split_config({"PA": -1}, 2560, 768)
-    # the shared-memory ring (ST) only in the looping form with one H slice, ST dividing KC
-    assert ts.fit_split_config({"KP": 1, "KC": 10, "PA": 1, "ST": 5}, 2560, 768)["ST"] == 5
-    for bad in ({"KP": 1, "KC": 10, "ST": 5}, {"KP": 2, "KC": 5, "PA": 1, "ST": 5},
-                {"KP": 1, "KC": 10, "PA": 1, "ST": 3}, {"KP": 1, "KC": 10, "PA": 1, "ST": -2}):
-        with pytest.raises(BackendError, match="ST"):
-            ts.fit_split_config(bad, 2560, 768)
-    if ts.gl is not None:
-        a, _ = ts.split_constexprs(4, 8, 2560, 768, dict(c, PA=2), False, False, True, 1, sms=132)
-        assert (a["NPR"], a["ITEMS"]) == (264, 3)
-        a, _ = ts.split_constexprs(4, 8, 2560, 768, dict(c, PA=2), True, False, True, 1, sms=132)
-        assert (a["NPR"], a["ITEMS"]) == (240, 4)
-        a, _ = ts.split_constexprs(4, 8, 2560, 768, c, True, False, True, 1)
-        assert (a["NPR"], a["ITEMS"]) == (0, 0)
-
-
 def test_split_decode_key(monkeypatch):
     """``DQ``: the shift decode (1) by default, the table (0) on request, anything else a named error; the constexprs
     carry it to both kernels unless the launch lowers it (scales the shift decode cannot take, or the A/B switch

@@ -54,10 +54,7 @@ launch; 1: A is launched as a PDL dependent of the kernel before it, the router,
 router runs and wait before touching ``ids``, x or the scratch; 2: as 1, and the shared slot loads its first weights
 before waiting), ``DQ`` (the E2M1 decode of the routed slots, :func:`frag_dequant`: 1, the default, shifts the
 codes into BF16 with 2^126 folded into the E8M0 scale; 0 decodes through PRMT tables. A binding whose E8M0 scales
-exceed :data:`SHIFT_DECODE_MAX_E8M0` runs 0 whatever the config says, ``MoEKernel.shift_decode``), ``PA`` (default 0:
-kernel A's grid form, one program per work item; ``PA`` > 0: ``PA`` kernel-A programs per SM, the shared expert's
-first, the routed ones each looping over work items with the next item's weights in flight,
-:func:`_gateup_routed_loop`, :func:`loop_grid`; the output is the grid form's bit for bit). Constraints: H/(KP*KC) and I/KP2 are 128 x a power of two,
+exceed :data:`SHIFT_DECODE_MAX_E8M0` runs 0 whatever the config says, ``MoEKernel.shift_decode``). Constraints: H/(KP*KC) and I/KP2 are 128 x a power of two,
 ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (an mma row tile per warp); :func:`fit_split_config` fits a
 config to a model's shape or raises BackendError.
 
@@ -81,13 +78,12 @@ from bytebound.errors import BackendError
 from bytebound.kernels.scratch import scratch
 
 try:
-    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
     GLUON_ERR = None
 except Exception as exc:  # pragma: no cover
-    gluon = gl = mma_v2 = async_copy = None
+    gluon = gl = mma_v2 = None
     GLUON_ERR = f"triton.experimental.gluon is not importable: {exc}"
 
 
@@ -401,55 +397,31 @@ mov.b32 {$2, $3}, a1;
                           SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
                           WD: gl.constexpr, PDL: gl.constexpr, SHARED: gl.constexpr = False,
                           WD8: gl.constexpr = None, PDL_IN: gl.constexpr = 0, KC: gl.constexpr = 1,
-                          DQ: gl.constexpr = 0, NPR: gl.constexpr = 0, ITEMS: gl.constexpr = 0,
-                          ST: gl.constexpr = 0):
+                          DQ: gl.constexpr = 0):
         NW: gl.constexpr = gl.num_warps()
         S: gl.constexpr = M * TOPK
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
-        if ITEMS > 0:
-            # config key PA: a 1-D grid, the shared expert's programs first, then NPR looping routed programs. The
-            # shared ones come first so that they are resident from the start: were they last, they could wait for
-            # a looping program to end, while kernel B's programs (launched early by PDL, waiting for this kernel)
-            # hold the rest of the SMs
-            NSH: gl.constexpr = (I // BI) * KP if SHARED else 0
-            pid = gl.program_id(0)
-            if PDL and PDL_IN == 0:
-                _gdc("griddepcontrol.launch_dependents; mov.u32 $0, 0;", NW)
-            if SHARED and pid < NSH:
-                _gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, S, pid // KP, pid % KP,
-                               H, I, M, BI, KP, HAS_LIMIT, WD8, PDL_IN, MMA, DA, DB, RL, KC)
-            else:
-                _pdl_in(PDL_IN, PDL, NW)
-                if ST > 0:
-                    _gateup_routed_ring(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr,
-                                        lut_ptr, limit, pid - NSH, NPR, ITEMS, H, I, TOPK, M, SP, BI, HAS_LIMIT, WD,
-                                        MMA, DA, DB, RL, KC, DQ, ST)
-                else:
-                    _gateup_routed_loop(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr,
-                                        lut_ptr, limit, pid - NSH, NPR, ITEMS, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT,
-                                        WD, MMA, DA, DB, RL, KC, DQ)
-        else:
-            j = gl.program_id(0)
-            s = gl.program_id(1)
-            p = gl.program_id(2)
-            if PDL and PDL_IN == 0:     # kernel B may launch now: its weight prologue does not depend on this kernel
-                _gdc("griddepcontrol.launch_dependents; mov.u32 $0, 0;", NW)
+        j = gl.program_id(0)
+        s = gl.program_id(1)
+        p = gl.program_id(2)
+        if PDL and PDL_IN == 0:     # kernel B may launch now: its weight prologue does not depend on this kernel
+            _gdc("griddepcontrol.launch_dependents; mov.u32 $0, 0;", NW)
 
-            if SHARED:
-                if s == S:
-                    _gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, s, j, p, H, I, M, BI,
-                                   KP, HAS_LIMIT, WD8, PDL_IN, MMA, DA, DB, RL, KC)
-                else:
-                    _pdl_in(PDL_IN, PDL, NW)
-                    _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
-                                   s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, DQ)
+        if SHARED:
+            if s == S:
+                _gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, s, j, p, H, I, M, BI,
+                               KP, HAS_LIMIT, WD8, PDL_IN, MMA, DA, DB, RL, KC)
             else:
                 _pdl_in(PDL_IN, PDL, NW)
                 _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
                                s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, DQ)
+        else:
+            _pdl_in(PDL_IN, PDL, NW)
+            _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
+                           s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, DQ)
 
     @gluon.jit
     def _pdl_in(PDL_IN: gl.constexpr, PDL: gl.constexpr, NW: gl.constexpr):
@@ -573,221 +545,6 @@ mov.b32 {$2, $3}, a1;
                 if c + 2 < KC:
                     wv1, sv1, b1 = wv2, sv2, b2
             _gateup_epilogue(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, limit, I, M, BI, KP, HAS_LIMIT, NW)
-
-    @gluon.jit
-    def _loop_item(u, ids, t, S: gl.constexpr, NJ: gl.constexpr, KP: gl.constexpr):
-        """Work item ``u`` of the looping kernel A (config key ``PA``): ``(e, ok, s, j, p)``, routed slot ``s``,
-        intermediate block ``j`` and H slice ``p`` (``u = (s * NJ + j) * KP + p``), the slot's expert ``e`` (0 where
-        there is none, so masked addresses stay in the buffer) and ``ok``: ``u`` is an item and no earlier slot chose
-        ``e`` (that slot does the expert's work for every token that chose it)."""
-        s = u // (NJ * KP)
-        j = (u // KP) % NJ
-        p = u % KP
-        e = gl.sum(gl.where(t == s, ids, 0), axis=0)
-        ok = (s < S) & (gl.sum(gl.where((ids == e) & (t < s), 1, 0), axis=0) == 0)
-        return gl.where(ok, e, 0), ok, s, j, p
-
-    @gluon.jit
-    def _loop_w(w13_ptr, s13_ptr, ids, t, r, u, c: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
-                S: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, KC: gl.constexpr, WD: gl.constexpr):
-        """Chunk ``c`` of work item ``u`` (:func:`_loop_item`): the MXFP4 words and E8M0 bytes of rows ``gate[j-block]
-        | up[j-block]`` of the item's expert over the chunk's columns; zeros and no bytes read when the item does no
-        work."""
-        NJ: gl.constexpr = I // BI
-        HK: gl.constexpr = H // KP
-        NS: gl.constexpr = HK // (128 * KC)
-        e, ok, s, j, p = _loop_item(u, ids, t, S, NJ, KP)
-        row = gl.where(r < BI, j * BI + r, I + j * BI + (r - BI))
-        return mxfp4_tile_if(w13_ptr + e * (2 * I * (H // 8)), s13_ptr + e * (2 * I * (H // 32)), row,
-                             p * (HK // 128) + c * NS, H, WD, ok)
-
-    @gluon.jit
-    def _loop_b(x_ptr, ids, t, u, c: gl.constexpr, H: gl.constexpr, I: gl.constexpr, M: gl.constexpr,
-                S: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, KC: gl.constexpr, DB: gl.constexpr,
-                DQ: gl.constexpr):
-        """x's B operand for chunk ``c`` of work item ``u`` (zeros when the item does no work)."""
-        NJ: gl.constexpr = I // BI
-        HK: gl.constexpr = H // KP
-        NS: gl.constexpr = HK // (128 * KC)
-        e, ok, s, j, p = _loop_item(u, ids, t, S, NJ, KP)
-        return _load_b(x_ptr + p * HK + c * (NS * 128), H, M, NS, gl.num_warps(), DB, ok, DQ)
-
-    @gluon.jit
-    def _gateup_routed_loop(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
-                            pid, NPR: gl.constexpr, ITEMS: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
-                            TOPK: gl.constexpr, M: gl.constexpr, SP: gl.constexpr, BI: gl.constexpr,
-                            KP: gl.constexpr, HAS_LIMIT: gl.constexpr, WD: gl.constexpr, MMA: gl.constexpr,
-                            DA: gl.constexpr, DB: gl.constexpr, RL: gl.constexpr, KC: gl.constexpr,
-                            DQ: gl.constexpr):
-        """Kernel A's routed work as a loop (config key ``PA``): program ``pid`` of ``NPR`` does work items ``pid,
-        pid + NPR, ...`` (``ITEMS`` of them, :func:`_loop_item`), each what one program of the grid form does (KC
-        chunks of its H slice, then :func:`_gateup_epilogue`).
-
-        Why: in the grid form every program pays its serial chain (ids, weights, mma, partial, fence, ticket) with
-        nothing else in flight, so the HBM stream idles between a wave's last loads and the next wave's first
-        (docs/perf/moe-kernels-h200.md, fourteenth session: 5 waves at M = 4, 21-41 % of DRAM peak). Here the
-        chunks of consecutive items form one stream with two chunks' weights in flight: the next item's first chunks
-        load while this item is multiplied and its partial is stored, fenced and ticketed. x (the B operand, L2
-        resident) is loaded one chunk ahead only: it costs a warp twice the weights' registers per chunk. The items'
-        sums, partials and epilogue are the grid form's, in the same order, so the output is the grid form's bit for
-        bit."""
-        NPC: gl.constexpr = 8
-        S: gl.constexpr = M * TOPK
-        R1: gl.constexpr = 2 * BI
-        NJ: gl.constexpr = I // BI
-        SD: gl.constexpr = gl.SliceLayout(3, WD)
-        t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
-        ids = gl.load(ids_ptr + t, mask=t < S, other=-1)
-        tw = gl.load(tw_ptr + t, mask=t < S, other=0.0)
-        mcol = gl.arange(0, NPC, layout=gl.SliceLayout(1, RL))
-        r = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD)))
-        l0 = gl.load(lut_ptr)
-        l1 = gl.load(lut_ptr + 1)
-        l2 = gl.load(lut_ptr + 2)
-        l3 = gl.load(lut_ptr + 3)
-        l4 = gl.load(lut_ptr + 4)
-        # the stream's first two chunks: flat chunk f = q * KC + c of this program's item q
-        wv, sv = _loop_w(w13_ptr, s13_ptr, ids, t, r, pid, 0, H, I, S, BI, KP, KC, WD)
-        wv1, sv1 = _loop_w(w13_ptr, s13_ptr, ids, t, r, pid + (1 // KC) * NPR, 1 % KC, H, I, S, BI, KP, KC, WD)
-        b = _loop_b(x_ptr, ids, t, pid, 0, H, I, M, S, BI, KP, KC, DB, DQ)
-        for q in range(ITEMS):
-            u = pid + q * NPR
-            e, ok, s, j, p = _loop_item(u, ids, t, S, NJ, KP)
-            sel = (ids[None, :] == e) & ((t // TOPK)[None, :] == mcol[:, None])
-            wtok = gl.sum(gl.where(sel, tw[None, :], 0.0), axis=1)                  # [NPC]
-            acc = gl.zeros([R1, NPC], gl.float32, MMA)
-            for c in gl.static_range(KC):
-                # weights of chunk f + 2 (item q + (c + 2) // KC, chunk (c + 2) % KC; past the last item: nothing),
-                # x of chunk f + 1
-                wv2, sv2 = _loop_w(w13_ptr, s13_ptr, ids, t, r, u + ((c + 2) // KC) * NPR, (c + 2) % KC, H, I, S,
-                                   BI, KP, KC, WD)
-                b1 = _loop_b(x_ptr, ids, t, u + ((c + 1) // KC) * NPR, (c + 1) % KC, H, I, M, S, BI, KP, KC, DB, DQ)
-                acc = mma_v2(frag_dequant(wv, sv, l0, l1, l2, l3, l4, DA, DQ), b, acc)
-                wv, sv, b = wv1, sv1, b1
-                wv1, sv1 = wv2, sv2
-            if ok:
-                _gateup_epilogue(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, limit, I, M, BI, KP, HAS_LIMIT,
-                                 gl.num_warps())
-
-    @gluon.jit
-    def _ring_issue(ws, stage: gl.constexpr, w13_ptr, ids, t, r, u, c: gl.constexpr, H: gl.constexpr,
-                    I: gl.constexpr, S: gl.constexpr, BI: gl.constexpr, KC: gl.constexpr, WD: gl.constexpr):
-        """Ring stage ``stage`` <- the MXFP4 words of chunk ``c`` of work item ``u`` (:func:`_loop_item`, KP 1) by
-        cp.async, as one commit group (an item that does no work copies nothing: zeros). Each thread copies exactly
-        the words it later reads back in layout ``WD``."""
-        NJ: gl.constexpr = I // BI
-        NS: gl.constexpr = H // (128 * KC)
-        e, ok, s, j, p = _loop_item(u, ids, t, S, NJ, 1)
-        row = gl.where(r < BI, j * BI + r, I + j * BI + (r - BI))
-        w3, q, sb, tb = mxfp4_index(row, c * NS, H, WD)
-        wo = w3[:, :, :, None] + q[None, None, None, :]
-        async_copy.async_copy_global_to_shared(ws.index(stage), w13_ptr + e * (2 * I * (H // 8)) + wo,
-                                               mask=(wo >= 0) & ok)
-        async_copy.commit_group()
-
-    @gluon.jit
-    def _ring_scales(s13_ptr, ids, t, r, u, c: gl.constexpr, H: gl.constexpr, I: gl.constexpr, S: gl.constexpr,
-                     BI: gl.constexpr, KC: gl.constexpr, WD: gl.constexpr):
-        """The E8M0 bytes of chunk ``c`` of work item ``u`` (KP 1) into registers (zeros when it does no work)."""
-        NJ: gl.constexpr = I // BI
-        NS: gl.constexpr = H // (128 * KC)
-        e, ok, s, j, p = _loop_item(u, ids, t, S, NJ, 1)
-        row = gl.where(r < BI, j * BI + r, I + j * BI + (r - BI))
-        w3, q, sb, tb = mxfp4_index(row, c * NS, H, WD)
-        so = row[:, None, None] * (H // 32) + c * NS * 4 + sb[None, :, None] * 4 + tb[None, None, :]
-        return gl.load(s13_ptr + e * (2 * I * (H // 32)) + so, mask=(so >= 0) & ok, other=0)
-
-    @gluon.jit
-    def _b_fragments(x, NS: gl.constexpr, DB: gl.constexpr, DQ: gl.constexpr):
-        """``[NS, 8, 4, 32]`` x (token, lane column group, column) as staged -> the B operand ``[128*NS, 8]`` in
-        layout ``DB`` and the logical k order of :func:`frag_dequant` (as :func:`_load_b` builds it)."""
-        x = gl.reshape(x, [NS, 8, 4, 4, 2, 2, 2])
-        if DQ == 1:
-            x = gl.permute(x, [0, 3, 5, 6, 2, 4, 1])
-        else:
-            x = gl.permute(x, [0, 3, 4, 5, 2, 6, 1])
-        return gl.convert_layout(gl.reshape(x, [NS * 128, 8]), DB, assert_trivial=True)
-
-    @gluon.jit
-    def _gateup_routed_ring(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
-                            pid, NPR: gl.constexpr, ITEMS: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
-                            TOPK: gl.constexpr, M: gl.constexpr, SP: gl.constexpr, BI: gl.constexpr,
-                            HAS_LIMIT: gl.constexpr, WD: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
-                            DB: gl.constexpr, RL: gl.constexpr, KC: gl.constexpr, DQ: gl.constexpr,
-                            ST: gl.constexpr):
-        """:func:`_gateup_routed_loop` (KP 1: an item is a whole H row block) with the weight words streamed through
-        a ring of ``ST`` shared-memory stages by cp.async (config key ``ST``), ``ST`` chunks in flight across item
-        boundaries without holding registers; x staged once per program in shared memory; the E8M0 bytes three
-        chunks ahead in registers.
-
-        Why: the register pipeline of :func:`_gateup_routed_loop` holds ~32 KB in flight per program, ~13-16 GB/s
-        per SM by Little's law (docs/perf/session22-h100-moe-loop/). With one program per SM a ring of 5 x 16 KB
-        stages keeps ~64 KB in flight. The sums and the epilogue are the grid form's, in its order (chunks 0..KC-1
-        of an item into one accumulator), so the output is the grid form's bit for bit."""
-        NW: gl.constexpr = gl.num_warps()
-        NPC: gl.constexpr = 8
-        S: gl.constexpr = M * TOPK
-        R1: gl.constexpr = 2 * BI
-        NJ: gl.constexpr = I // BI
-        NS: gl.constexpr = H // (128 * KC)
-        SD: gl.constexpr = gl.SliceLayout(3, WD)
-        SHL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-        XSB: gl.constexpr = triton.next_power_of_2(H // 128)
-        ws = gl.allocate_shared_memory(gl.int32, [ST, R1, NS, 4, 4], SHL)
-        xs = gl.allocate_shared_memory(gl.bfloat16, [XSB, 8, 4, 32], SHL)
-        t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
-        ids = gl.load(ids_ptr + t, mask=t < S, other=-1)
-        tw = gl.load(tw_ptr + t, mask=t < S, other=0.0)
-        mcol = gl.arange(0, NPC, layout=gl.SliceLayout(1, RL))
-        r = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD)))
-        # x once per program, each 16-byte vector copied by one thread: commit group 0
-        XC: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [1, 8, 4, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
-        sbx = gl.arange(0, XSB, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XC))))
-        n = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, XC))))
-        tx = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, XC))))
-        cx = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, XC))))
-        xo3 = n[None, :, None] * H + sbx[:, None, None] * 128 + tx[None, None, :] * 32
-        xm3 = (n[None, :, None] < M) & (sbx[:, None, None] < H // 128) & (tx[None, None, :] >= 0)
-        async_copy.async_copy_global_to_shared(xs, x_ptr + (xo3[:, :, :, None] + cx[None, None, None, :]),
-                                               mask=xm3[:, :, :, None] & (cx[None, None, None, :] >= 0))
-        async_copy.commit_group()
-        # the stream's first ST chunks (flat chunk f = q * KC + c of this program's item q): groups 1..ST
-        for f in gl.static_range(ST):
-            _ring_issue(ws, f, w13_ptr, ids, t, r, pid + (f // KC) * NPR, f % KC, H, I, S, BI, KC, WD)
-        sv = _ring_scales(s13_ptr, ids, t, r, pid, 0, H, I, S, BI, KC, WD)
-        sv1 = _ring_scales(s13_ptr, ids, t, r, pid + (1 // KC) * NPR, 1 % KC, H, I, S, BI, KC, WD)
-        sv2 = _ring_scales(s13_ptr, ids, t, r, pid + (2 // KC) * NPR, 2 % KC, H, I, S, BI, KC, WD)
-        l0 = gl.load(lut_ptr)
-        l1 = gl.load(lut_ptr + 1)
-        l2 = gl.load(lut_ptr + 2)
-        l3 = gl.load(lut_ptr + 3)
-        l4 = gl.load(lut_ptr + 4)
-        # x was copied by other threads than those that read it: wait for group 0, then one barrier
-        async_copy.wait_group(ST)
-        gl.thread_barrier()
-        XL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 32], [1, 8, 4, 1], [1, 1, 1, NW], [3, 2, 1, 0])
-        for q in range(ITEMS):
-            u = pid + q * NPR
-            e, ok, s, j, p = _loop_item(u, ids, t, S, NJ, 1)
-            sel = (ids[None, :] == e) & ((t // TOPK)[None, :] == mcol[:, None])
-            wtok = gl.sum(gl.where(sel, tw[None, :], 0.0), axis=1)                  # [NPC]
-            acc = gl.zeros([R1, NPC], gl.float32, MMA)
-            for c in gl.static_range(KC):
-                sv3 = _ring_scales(s13_ptr, ids, t, r, u + ((c + 3) // KC) * NPR, (c + 3) % KC, H, I, S, BI, KC,
-                                   WD)
-                # chunk f's group is complete once at most ST - 1 younger groups are outstanding; each thread
-                # reads back only the words it copied itself
-                async_copy.wait_group(ST - 1)
-                wv = ws.index(c % ST).load(WD)
-                b = _b_fragments(xs.slice(c * NS, NS, 0).load(XL), NS, DB, DQ)
-                acc = mma_v2(frag_dequant(wv, sv, l0, l1, l2, l3, l4, DA, DQ), b, acc)
-                # refill the stage just read with chunk f + ST (issued after the mma consumed its words)
-                _ring_issue(ws, c % ST, w13_ptr, ids, t, r, u + ((c + ST) // KC) * NPR, (c + ST) % KC, H, I, S,
-                            BI, KC, WD)
-                sv, sv1, sv2 = sv1, sv2, sv3
-            if ok:
-                _gateup_epilogue(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, limit, I, M, BI, 1, HAS_LIMIT, NW)
-        async_copy.wait_group(0)
 
     @gluon.jit
     def _gateup_epilogue(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, limit, I: gl.constexpr,
@@ -1074,14 +831,6 @@ def fit_split_config(cfg: dict, h: int, i: int) -> dict:
     kc = max(d for d in range(1, min(kc_want, chunks) + 1) if chunks % d == 0)
     cfg["KP"], cfg["KC"], cfg["KP2"] = chunks // kc, kc, kp2
     cfg["SG"] = max(1, int(cfg.get("SG", 1)))
-    if int(cfg.get("PA", 0)) < 0:
-        raise BackendError(f"moe[triton] variant 'split': PA (kernel A's looping programs per SM) must be >= 0, "
-                           f"got {cfg.get('PA')!r}")
-    st = int(cfg.get("ST", 0))
-    if st and not (st > 0 and int(cfg.get("PA", 0)) > 0 and cfg["KP"] == 1 and cfg["KC"] % st == 0):
-        raise BackendError(f"moe[triton] variant 'split': ST (kernel A's shared-memory ring) needs the looping form "
-                           f"(PA > 0), one H slice (KP 1) and ST dividing KC; got ST={st}, PA={cfg.get('PA', 0)}, "
-                           f"KP={cfg['KP']}, KC={cfg['KC']}")
     if cfg.get("DQ") not in (0, 1):
         raise BackendError(f"moe[triton] variant 'split': DQ (the E2M1 decode) must be 0 (table) or 1 (shift), "
                            f"got {cfg.get('DQ')!r}")
@@ -1162,38 +911,15 @@ def launch_dq(kern, cfg: dict) -> tuple[int, str]:
     return 1, ""
 
 
-def loop_grid(m: int, k: int, i: int, cfg: dict, sms: int, shared: bool = False) -> tuple[int, int]:
-    """Kernel A's looping form (config key ``PA``: kernel A's programs per SM; 0 = the grid form): ``(NPR, ITEMS)``,
-    the routed programs and the work items each loops over (:func:`_gateup_routed_loop`), for ``m`` tokens of top
-    ``k`` at intermediate ``i`` on a device of ``sms`` SMs, with the shared expert's ``(i / BI) * KP`` programs
-    (``shared``) counted in the ``PA * sms``; ``(0, 0)`` for the grid form. The grid is sized so that every program
-    can be resident at once when ``PA`` programs fit an SM: a looping program that must wait for another to end
-    serialises their items."""
-    pa = int(cfg.get("PA", 0))
-    if pa <= 0:
-        return 0, 0
-    nsh = (i // cfg["BI"]) * cfg["KP"] if shared else 0
-    items = m * k * (i // cfg["BI"]) * cfg["KP"]
-    npr = max(1, min(items, pa * sms - nsh))
-    return npr, -(-items // npr)
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(dev) -> int:
-    """Streaming multiprocessors of CUDA device ``dev`` (the looping kernel A's grid, :func:`loop_grid`)."""
-    return torch.cuda.get_device_properties(dev).multi_processor_count
-
-
 def split_constexprs(m: int, k: int, h: int, i: int, cfg: dict, shared: bool, has_limit: bool, pdl: bool,
-                     pdl_in: int, dq: int | None = None, sms: int = 132) -> tuple[dict, dict]:
+                     pdl_in: int, dq: int | None = None) -> tuple[dict, dict]:
     """The compile-time arguments of kernel A (``_moe_gateup_split``) and kernel B (``_moe_down_split``) for ``m``
     tokens of top ``k`` at hidden ``h`` and intermediate ``i`` under a fitted ``cfg`` (:func:`fit_split_config`):
     the one derivation :func:`launch_split` launches with and ``scripts/split_ptxas.py`` compiles offline, so the
     two cannot drift. ``shared``: the shared expert is one more slot; ``has_limit``: a SwiGLU clamp in the launch;
     ``pdl`` / ``pdl_in``: as the config's ``pdl`` / ``pdl_in`` on an sm_90 device (0 / False elsewhere); ``dq``: the
     E2M1 decode of both kernels' routed slots (:func:`frag_dequant`; default the config's ``DQ``, which
-    :func:`launch_split` lowers to 0 for scales the shift decode cannot take); ``sms``: the device's SM count (the
-    looping kernel A's grid, :func:`loop_grid`; an H100 / H200 has 132)."""
+    :func:`launch_split` lowers to 0 for scales the shift decode cannot take)."""
     dq = int(cfg.get("DQ", 0)) if dq is None else int(dq)
     s = m * k
     sp = max(32, 1 << (s - 1).bit_length())
@@ -1204,8 +930,6 @@ def split_constexprs(m: int, k: int, h: int, i: int, cfg: dict, shared: bool, ha
              WD=word_layout(2 * bi, h // kp // kc // 128, nw), PDL=pdl, SHARED=shared,
              WD8=fp8_word_layout(2 * bi, max(1, h // kp // kc // 256), nw) if shared else None,
              PDL_IN=pdl_in, KC=kc, DQ=dq)
-    a["NPR"], a["ITEMS"] = loop_grid(m, k, i, cfg, sms, shared)
-    a["ST"] = int(cfg.get("ST", 0)) if a["ITEMS"] else 0
     b = dict(H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2, SG=max(1, min(int(cfg.get("SG", 1)), s)),
              WD=word_layout(bh, i // kp2 // 128, dw), PDL=pdl, SHARED=shared,
              WD8=fp8_word_layout(bh, i // kp2 // 128, dw) if shared else None, DQ=dq)
@@ -1245,10 +969,8 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
     pdl = bool(cfg.get("pdl", True)) and kern.sm90
     pdl_in = int(cfg.get("pdl_in", 0)) if kern.sm90 else 0
     sw13, ss13, sw2, ss2 = (sh.w13w, sh.s13, sh.w2w, sh.s2) if sh is not None else (kern.w13w, kern.lut) * 2
-    ca, cb = split_constexprs(m, k, h, i, cfg, sh is not None, has_limit, pdl, pdl_in, launch_dq(kern, cfg)[0],
-                              sm_count(dev) if int(cfg.get("PA", 0)) > 0 else 132)
-    grid_a = (ca["NPR"] + (nj * kp if sh is not None else 0),) if ca["ITEMS"] else (nj, st, kp)
-    _moe_gateup_split[grid_a](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
+    ca, cb = split_constexprs(m, k, h, i, cfg, sh is not None, has_limit, pdl, pdl_in, launch_dq(kern, cfg)[0])
+    _moe_gateup_split[(nj, st, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
                                     sw13, ss13, slimit, **ca, num_warps=cfg["num_warps"], launch_pdl=pdl_in > 0)
     _moe_down_split[(h // bh, gt, kp2)](act, ids, kern.w2w, kern.s2, out, part_b, cnt_b, kern.lut, sw2, ss2,
                                         **cb, num_warps=cfg["down_warps"], launch_pdl=pdl)

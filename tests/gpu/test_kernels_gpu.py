@@ -207,11 +207,8 @@ def make_shared(h, i, limit=None, seed=0, pow2=True):
 @pytest.mark.parametrize("tiling", [None, {"BI": 64, "KP": 5, "num_warps": 8}, {"BI": 64, "KP": 10, "num_warps": 4},
                                     {"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "SG": 3},
                                     {"BI": 64, "KP": 1, "KC": 10, "num_warps": 8, "SG": 4, "pdl_in": 2},
-                                    {"KP": 1, "BI": 32, "KP2": 6, "BH": 128, "down_warps": 8},
-                                    {"BI": 64, "KP": 2, "KC": 10, "num_warps": 8, "SG": 4, "PA": 2},
-                                    {"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "SG": 4, "PA": 1, "pdl_in": 2}],
-                         ids=["default", "h200-m1", "h200-m4", "kc5-sg3", "kc10-sg4-pdl2", "kp1", "pa2-kc10",
-                              "pa1-kc5-pdl2"])
+                                    {"KP": 1, "BI": 32, "KP2": 6, "BH": 128, "down_warps": 8}],
+                         ids=["default", "h200-m1", "h200-m4", "kc5-sg3", "kc10-sg4-pdl2", "kp1"])
 @pytest.mark.parametrize("m,dup", [(1, 0), (2, 3), (4, 0), (4, 5)])
 @pytest.mark.parametrize("limits", [(None, None), (1.0, None), (None, 0.75)], ids=["noclamp", "routed", "shared"])
 def test_split_shared_expert(ling_experts, tiling, m, dup, limits):
@@ -300,16 +297,14 @@ def test_split_shared_expert_graph_and_layer():
     assert fn2.shared is None and not fn2.shared_for(1, TINY["k"])
 
 
-@pytest.mark.parametrize("pa", [0, 1])
 @pytest.mark.parametrize("pdl_in", [1, 2])
 @pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("router", ["gemv_route", "fused_route"])
-def test_split_pdl_in_after_the_router(ling_experts, pdl_in, m, router, pa):
+def test_split_pdl_in_after_the_router(ling_experts, pdl_in, m, router):
     """Kernel A launched as a PDL dependent of the router (config ``pdl_in``): the layer's result equals the
     float64 reference for the ids the router chose, eagerly and under CUDA-graph replay, and back-to-back calls
     (A right after the previous call's kernel B, which still uses the shared scratch: A must wait before touching
-    it) are bit-identical. ``pdl_in`` 2 also loads the shared expert's first weights before the wait. ``pa`` 1:
-    kernel A in its looping form (one routed program per SM, several work items each)."""
+    it) are bit-identical. ``pdl_in`` 2 also loads the shared expert's first weights before the wait."""
     import torch.nn.functional as F
 
     from bytebound.kernels.torch_ref import shared_expert_reference
@@ -321,8 +316,6 @@ def test_split_pdl_in_after_the_router(ling_experts, pdl_in, m, router, pa):
     bias = torch.randn(LING["e"], generator=g, device=DEV) * 0.01
     mlp = make_shared(LING["h"], LING["i"], seed=7)
     tiling = {"BI": 64, "KP": 5, "num_warps": 8} if m == 1 else {"BI": 64, "KP": 10, "num_warps": 4}
-    if pa:
-        tiling = {"BI": 64, "KP": 2, "KC": 10, "num_warps": 8, "SG": 4, "PA": pa}
     cfg = dict(fit_config(_moe_config("split", tiling), LING["h"], LING["i"]), pdl_in=pdl_in)
     fn = MoEKernel(ex, {mm: cfg for mm in range(1, 5)})
     fn.bind_shared(mlp)
@@ -351,55 +344,6 @@ def test_split_pdl_in_after_the_router(ling_experts, pdl_in, m, router, pa):
         graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(o, out) for o in gout), "graph replay differs from eager"
-
-
-@pytest.mark.parametrize("m,dup", [(1, 0), (2, 3), (4, 0), (4, 5)])
-@pytest.mark.parametrize("base", [{"BI": 64, "KP": 2, "KC": 10, "num_warps": 8, "SG": 4},
-                                  {"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "SG": 4, "DQ": 0},
-                                  {"BI": 32, "KP": 5, "KC": 2, "num_warps": 4}],
-                         ids=["kc10", "kc5-table", "bi32-kc2"])
-@pytest.mark.parametrize("pa", [1, 2, 7])
-def test_split_loop_equals_grid_bit_for_bit(ling_experts, base, m, dup, pa):
-    """Kernel A's looping form (config key ``PA``: ``PA`` routed programs per SM, each looping over work items with
-    the next item's weights in flight) does the grid form's sums in the grid form's order: routed + shared output
-    equal bit for bit to the same tiling without ``PA``, at item counts below, at and above the looping grid (PA 7
-    at M = 1: fewer items than programs, one each; PA 1 at M = 4: 6 items per program, the last round partly
-    empty), with duplicate experts across tokens (the owner slot does the work, the others none)."""
-    _loop_equals_grid(ling_experts, base, dict(base, PA=pa), m, dup)
-
-
-@pytest.mark.parametrize("m,dup", [(1, 0), (2, 3), (4, 0), (4, 5)])
-@pytest.mark.parametrize("ring", [{"PA": 1, "ST": 5}, {"PA": 1, "ST": 2}, {"PA": 1, "ST": 5, "DQ": 0},
-                                  {"PA": 2, "ST": 5}], ids=["pa1-st5", "pa1-st2", "pa1-st5-table", "pa2-st5"])
-@pytest.mark.parametrize("shared", [True, False], ids=["shared", "routed"])
-def test_split_ring_equals_grid_bit_for_bit(ling_experts, ring, m, dup, shared):
-    """Kernel A's looping form fed by the shared-memory ring (config key ``ST``: the weight words by cp.async, ``ST``
-    chunks in flight across item boundaries; x staged once per program) equals the grid form of the same tiling bit
-    for bit, routed + shared; PA 2 asks for two programs per SM where the shared memory holds one, so half the
-    programs wait for the first half to end."""
-    base = {"BI": 64, "KP": 1, "KC": 10, "num_warps": 8, "SG": 4, "DQ": ring.get("DQ", 1)}
-    _loop_equals_grid(ling_experts, base, dict(base, **ring), m, dup, shared)
-
-
-def _loop_equals_grid(ling_experts, base, looping, m, dup, shared=True):
-    """routed (+ shared) of the ``looping`` config == the grid-form ``base`` config's, bit for bit, and on repeat."""
-    from bytebound.kernels.moe_host import MoEKernel, fit_config
-    k, e, h, i = LING["k"], LING["e"], LING["h"], LING["i"]
-    mlp = make_shared(h, i, seed=40 + m + dup)
-    grid = fit_config(_moe_config("split", base), h, i)
-    loop = fit_config(_moe_config("split", looping), h, i)
-    fa = MoEKernel(ling_experts, {mm: grid for mm in range(1, 5)})
-    fb = MoEKernel(ling_experts, {mm: loop for mm in range(1, 5)})
-    if shared:
-        fa.bind_shared(mlp)
-        fb.bind_shared(mlp)
-    ids, w = make_routing(m, e, k, shared=dup, seed=60 + m + dup)
-    x = torch.randn(m, h, device=DEV).to(torch.bfloat16)
-    want = fa(x, ids, w).clone()
-    got = _poisoned_call(fb, x, ids, w)
-    assert torch.equal(got, want), (f"{looping} M={m} dup={dup}: {int((got != want).sum())} of {got.numel()} "
-                                    f"elements differ from the grid form")
-    assert torch.equal(fb(x, ids, w), want), "repeated looping call differs"
 
 
 def _phys_column(k: int, dq: int) -> torch.Tensor:
