@@ -549,6 +549,29 @@ def _up(url) -> bool:
         return False
 
 
+def test_serve_port_0_prints_the_bound_port(ckpt, tmp_path):
+    """``bytebound serve --port 0``: the banner names the port the system picked (it printed 0 before it was
+    bound), and the server answers there."""
+    import re
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "bytebound.cli", "serve", "--model", str(ckpt), "--port", "0",
+                                 "--log-level", "warning"], stdout=f, stderr=subprocess.STDOUT)
+    try:
+        found = []
+
+        def banner():
+            found[:] = re.findall(r"\[bytebound serve\] model .*http://127\.0\.0\.1:(\d+)/v1", log.read_text())
+            return bool(found) or proc.poll() is not None
+        assert _wait(banner, 60) and found, log.read_text()
+        port = int(found[0])
+        assert port != 0, log.read_text()
+        assert _up(f"http://127.0.0.1:{port}"), log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_sigterm_cancels_requests_in_flight(ckpt, tmp_path):
     """``bytebound serve`` on SIGTERM: the running stream ends with a ``cancelled`` event and [DONE], the queued
     request gets 503, the process exits at once (plain uvicorn waited for the whole generation)."""

@@ -822,12 +822,13 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
 
 
 def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, timeout_graceful_shutdown: float = 5.0,
-                **config):
+                on_started=None, **config):
     """A ``uvicorn.Server`` for ``app`` whose shutdown is prompt: when it begins, the worker refuses new work
     and cancels what is still running ``timeout_graceful_shutdown`` seconds later (plain uvicorn would wait
-    for every stream to run to its end). ``config``: more ``uvicorn.Config`` arguments; without a ``log_config``
-    the server's own lines (cancelled requests, clients leaving mid-body) go to uvicorn's handler at its
-    ``log_level``, next to its access lines (otherwise only warnings would reach stderr)."""
+    for every stream to run to its end). ``on_started(port)``, if given, is called once the socket is bound, with
+    the port it is bound to (with ``port`` 0 the system picks it). ``config``: more ``uvicorn.Config`` arguments;
+    without a ``log_config`` the server's own lines (cancelled requests, clients leaving mid-body) go to uvicorn's
+    handler at its ``log_level``, next to its access lines (otherwise only warnings would reach stderr)."""
     import copy
 
     import uvicorn
@@ -841,6 +842,11 @@ def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, timeout
         config["log_config"] = log_config
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if on_started is not None and self.started and self.servers and self.servers[0].sockets:
+                on_started(self.servers[0].sockets[0].getsockname()[1])
+
         async def shutdown(self, sockets=None):
             app.state.worker.close(timeout_graceful_shutdown)
             await super().shutdown(sockets)

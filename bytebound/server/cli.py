@@ -81,9 +81,12 @@ def cmd_serve(a) -> int:
     app = create_app(eng, a.served_model_name, a.max_queue, max_prompt_chars=a.max_prompt_chars)
     name = app.state.served_model_name
     res = ", ".join(f"{op}={r.resolved}" for op, r in eng.plan.resolutions.items())
-    print(f"[bytebound serve] model {name!r} on {eng.device} (kernels: {res}; head path {eng.model.lm_head.mode}, "
-          f"MTP steps={eng.config.speculative_steps}); http://{a.host}:{a.port}/v1", file=sys.stderr)
-    server = make_server(app, a.host, a.port, a.timeout_graceful_shutdown, log_level=a.log_level)
+
+    def banner(port: int) -> None:      # once bound: with --port 0 the port is the one the system picked
+        print(f"[bytebound serve] model {name!r} on {eng.device} (kernels: {res}; head path "
+              f"{eng.model.lm_head.mode}, MTP steps={eng.config.speculative_steps}); http://{a.host}:{port}/v1",
+              file=sys.stderr, flush=True)
+    server = make_server(app, a.host, a.port, a.timeout_graceful_shutdown, on_started=banner, log_level=a.log_level)
     try:
         server.run()
     except KeyboardInterrupt:   # uvicorn re-raises the SIGINT it has handled, as uvicorn.run expects
