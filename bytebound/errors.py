@@ -22,6 +22,10 @@ class BackendError(ByteboundError):
     """A requested kernel backend is unavailable or does not support the shape, and fallback was not allowed."""
 
 
+class ResourceError(ByteboundError):
+    """The machine lacks a resource the run needs (e.g. memory for the weights); the message gives the amounts."""
+
+
 class VerificationError(ByteboundError):
     """A start-up canary failed or a requested lever did not resolve (``--strict``)."""
 

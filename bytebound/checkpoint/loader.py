@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from bytebound.checkpoint.layout import TensorSpec, expected_tensors
+from bytebound.checkpoint.memory import ensure_fits
 from bytebound.config import LingConfig
 from bytebound.errors import CheckpointError
 from bytebound.models import model_class
@@ -109,6 +110,7 @@ def load_model(path, device="cpu", dtype: torch.dtype | None = None) -> BailingM
         path: checkpoint directory. device: where the weights end up. dtype: compute dtype of plain tensors
             (default float32 on CPU, bfloat16 on CUDA).
     Raises:
+        ResourceError: the weights exceed ``device``'s free memory (``checkpoint.memory.ensure_fits``).
         ConfigError: bad config. CheckpointError: missing / unexpected / mis-shaped / wrong-dtype / non-finite
             tensors, a tensor under two of its names, bad scale layout, unreadable or truncated shards (one
             error, all names and files listed); transformers' in-memory tensor names
@@ -132,6 +134,7 @@ def load_model(path, device="cpu", dtype: torch.dtype | None = None) -> BailingM
         cfg = cfg.replace(num_nextn_predict_layers=0)
     with torch.device("meta"):
         model = model_class(cfg)(cfg, dtype)
+    ensure_fits(model, device, f"checkpoint {path}")
     model = model.to_empty(device=device)
     params = dict(model.named_parameters())
     by_file: dict[str, list[TensorSpec]] = defaultdict(list)

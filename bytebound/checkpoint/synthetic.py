@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from bytebound.checkpoint.memory import ensure_fits
 from bytebound.config import LingConfig
 from bytebound.models import model_class
 from bytebound.models.bailing_moe_v3 import BailingMoeV3ForCausalLM
@@ -51,10 +52,15 @@ def dummy_model(cfg: LingConfig, device="cuda", dtype=torch.bfloat16, seed: int 
 
     FP8 weights are random E4M3 of roughly unit scale with power-of-two ``weight_scale_inv`` 2^-9; MXFP4
     experts are random nibbles with E8M0 scale 2^-6 (values ~0.02); plain tensors N(0, 0.02).
+
+    Raises:
+        ResourceError: the weights exceed ``device``'s free memory (``checkpoint.memory.ensure_fits``).
     """
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = model_class(cfg)(cfg, dtype)
+    ensure_fits(model, device, f"--load-format dummy ({cfg.num_hidden_layers} layers, {cfg.num_experts} experts, "
+                               f"hidden {cfg.hidden_size})")
     model = model.to_empty(device=device)
     dummy_fill_(model, device)
     model.finish_load()
