@@ -5,10 +5,9 @@ measured values); 2 the engine could not start (bad checkpoint / unusable backen
 ``--strict``), a bad flag, or the ``--watch-tokens`` generation was refused. ``--draft-share weight-only`` is a
 test-only reproduction of the seed's silent fallback (the draft shares only the LM head's weight tensor);
 verification must refuse it.
-
-Other commands (bench, serve) reuse :func:`add_verify_args` / :func:`apply_verify_args` for ``--strict`` and the
-watchdog flags.
 """
+# (This docstring is the command's --help description. Other commands, bench and serve, reuse add_verify_args /
+# apply_verify_args for --strict and the watchdog flags.)
 
 from __future__ import annotations
 
