@@ -33,9 +33,10 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_compile: bool | str = False)
     p.add_argument("--enable-fp32-lm-head", action="store_true", help="alias of --lm-head fp32")
     p.add_argument("--backend", action="append", default=[], metavar="ENTRY=NAME",
                    help="override one plan entry (repeatable, or comma-separated): a kernel op - moe=torch|triton|"
-                        "humming, linear=torch|triton, lm_head=torch|triton, kda=torch|fla|triton, mla=torch|triton, sampling=torch - "
-                        "or a switch - router=gemv|triton|torch, norm=triton|torch, moe_shared=fused|separate, "
-                        "kv=buckets|exact, round=static|eager, graphs=captured|eager (default: the device's plan; "
+                        "humming, linear=torch|triton, lm_head=torch|triton, kda=torch|fla|triton, mla=torch|triton, "
+                        "sampling=torch - or a switch - router=gemv|triton|torch, norm=triton|torch, "
+                        "moe_shared=fused|separate, kv=buckets|exact, round=static|eager, graphs=captured|eager "
+                        "(default: the device's plan; "
                         "bytebound verify prints it per op and regime; the older per-op and --fused-* flags still "
                         "work, unlisted)")
     # Deprecated aliases, kept working but not listed by --help (help=SUPPRESS): the registry ops' per-op flags

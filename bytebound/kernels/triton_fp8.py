@@ -59,8 +59,8 @@ import torch.nn.functional as F
 from bytebound.errors import BackendError, ConfigError
 from bytebound.kernels.limits import MAX_VERIFY_M as MAX_M     # the one verify-width limit (kernels/limits.py)
 from bytebound.kernels.pdl import enabled as pdl_enabled
-from bytebound.kernels.scratch import scratch
 from bytebound.kernels.registry import cuda_only, optional_triton, register
+from bytebound.kernels.scratch import scratch
 
 triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machines without Triton
 
