@@ -249,7 +249,7 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (``a8_xq``, ``a8_sx``): valid until the next call on the device. Tested against a float64 / torch reference
     (tests/gpu/test_moe_a8_gpu.py, tests/test_moe_a8.py)."""
     m, h = x.shape
-    xq = scratch(x.device, "a8_xq", m * h, torch.uint8)[: m * h].view(m, h)
+    xq = scratch(x.device, "a8_xq", m * h, torch.uint8).view(m, h)
     sx = scratch(x.device, "a8_sx", m)[:m]
     pdl = pdl_enabled(x.device)
     _quantize_x_kernel[(m,)](x, xq, sx, H=h, HP=triton.next_power_of_2(h), PDL=pdl, NT=128, num_warps=4,
