@@ -197,8 +197,6 @@ class MoEKernel:
         # below); larger ones keep the table decode (config_source says which)
         self.scale_max = int(torch.maximum(ex.w13_scale.max(), ex.w2_scale.max()))
         self.shift_decode = self.scale_max <= triton_moe_split.SHIFT_DECODE_MAX_E8M0
-        # the W4A8 gate/up (config A8) needs its E8M0 bytes in a normal float32's range (triton_moe_split.launch_a8)
-        self.s13_range = (int(ex.w13_scale.min()), int(ex.w13_scale.max()))
         self.sm90 = torch.cuda.get_device_capability(dev)[0] >= 9     # PDL (the 'split' variant's kernel B)
         self.limit = ex.limit
         self.configs = dict(configs or {})
@@ -239,9 +237,7 @@ class MoEKernel:
         _, cfg, source = self._config(m, k)
         if cfg["variant"] == "split":
             dq, why = triton_moe_split.launch_dq(self, cfg)
-            a8, why8 = triton_moe_split.launch_a8(self, cfg)
-            return (f"split, {source}, {'shift' if dq else 'table'} decode" + (f" ({why})" if why else "")
-                    + (", W4A8 gate/up" if a8 else "") + (f" (no W4A8: {why8})" if why8 else ""))
+            return f"split, {source}, {'shift' if dq else 'table'} decode" + (f" ({why})" if why else "")
         return f"{cfg['variant']}, {source}"
 
     def _config(self, m: int, k: int) -> tuple:

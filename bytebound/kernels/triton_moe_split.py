@@ -75,10 +75,7 @@ from dataclasses import dataclass
 import torch
 
 from bytebound.errors import BackendError
-from bytebound.kernels import triton_moe_a8
 from bytebound.kernels.scratch import scratch
-
-gateup_routed_a8 = getattr(triton_moe_a8, "gateup_routed_a8", None)      # device code of kernel A's A8 slots
 
 try:
     from triton.experimental import gluon
@@ -395,13 +392,12 @@ mov.b32 {$2, $3}, a1;
 
     @gluon.jit
     def _moe_gateup_split(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
-                          sw13_ptr, ss13_ptr, slimit, xq_ptr, sx_ptr,
+                          sw13_ptr, ss13_ptr, slimit,
                           H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
                           SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
                           WD: gl.constexpr, PDL: gl.constexpr, SHARED: gl.constexpr = False,
                           WD8: gl.constexpr = None, PDL_IN: gl.constexpr = 0, KC: gl.constexpr = 1,
-                          DQ: gl.constexpr = 0, A8: gl.constexpr = 0, W3: gl.constexpr = None,
-                          MMA3: gl.constexpr = None):
+                          DQ: gl.constexpr = 0):
         NW: gl.constexpr = gl.num_warps()
         S: gl.constexpr = M * TOPK
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
@@ -420,20 +416,12 @@ mov.b32 {$2, $3}, a1;
                                KP, HAS_LIMIT, WD8, PDL_IN, MMA, DA, DB, RL, KC)
             else:
                 _pdl_in(PDL_IN, PDL, NW)
-                if A8:
-                    _gateup_routed_a8(xq_ptr, sx_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr,
-                                      limit, s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, RL, KC, W3, MMA3)
-                else:
-                    _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr,
-                                   limit, s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, DQ)
-        else:
-            _pdl_in(PDL_IN, PDL, NW)
-            if A8:
-                _gateup_routed_a8(xq_ptr, sx_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr,
-                                  limit, s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, RL, KC, W3, MMA3)
-            else:
                 _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
                                s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, DQ)
+        else:
+            _pdl_in(PDL_IN, PDL, NW)
+            _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
+                           s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, DQ)
 
     @gluon.jit
     def _pdl_in(PDL_IN: gl.constexpr, PDL: gl.constexpr, NW: gl.constexpr):
@@ -556,33 +544,6 @@ mov.b32 {$2, $3}, a1;
                     wv, sv, b = wv1, sv1, b1
                 if c + 2 < KC:
                     wv1, sv1, b1 = wv2, sv2, b2
-            _gateup_epilogue(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, limit, I, M, BI, KP, HAS_LIMIT, NW)
-
-    @gluon.jit
-    def _gateup_routed_a8(xq_ptr, sx_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, limit,
-                          s, j, p, H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
-                          SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                          RL: gl.constexpr, KC: gl.constexpr, W3: gl.constexpr, MMA3: gl.constexpr):
-        """Kernel A, routed slot ``s`` in W4A8 (config ``A8``, ``kernels.triton_moe_a8``): its expert's rows
-        ``gate[j-slice] | up[j-slice]`` decoded to E4M3 times the quantised x (``xq``, ``sx``) over H slice ``p``
-        on the FP8 tensor cores, then :func:`_gateup_epilogue` as in :func:`_gateup_routed`."""
-        NW: gl.constexpr = gl.num_warps()
-        NPC: gl.constexpr = 8
-        S: gl.constexpr = M * TOPK
-        R1: gl.constexpr = 2 * BI
-        ids, e, owner = _slot_expert(ids_ptr, s, S, SP, RL)
-        if owner:
-            r = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, W3)))
-            row = gl.where(r < BI, j * BI + r, I + j * BI + (r - BI))
-            rs = gl.arange(0, R1, layout=gl.SliceLayout(1, MMA3))
-            row_s = gl.where(rs < BI, j * BI + rs, I + j * BI + (rs - BI))
-            t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
-            tw = gl.load(tw_ptr + t, mask=t < S, other=0.0)
-            mcol = gl.arange(0, NPC, layout=gl.SliceLayout(1, RL))
-            sel = (ids[None, :] == e) & ((t // TOPK)[None, :] == mcol[:, None])
-            wtok = gl.sum(gl.where(sel, tw[None, :], 0.0), axis=1)                  # [NPC]
-            acc = gateup_routed_a8(xq_ptr, sx_ptr, w13_ptr + e * (2 * I * (H // 8)), s13_ptr + e * (2 * I * (H // 32)),
-                                   row, row_s, p, H, M, H // KP, KC, W3, MMA3)
             _gateup_epilogue(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, limit, I, M, BI, KP, HAS_LIMIT, NW)
 
     @gluon.jit
@@ -873,16 +834,10 @@ def fit_split_config(cfg: dict, h: int, i: int) -> dict:
     if cfg.get("DQ") not in (0, 1):
         raise BackendError(f"moe[triton] variant 'split': DQ (the E2M1 decode) must be 0 (table) or 1 (shift), "
                            f"got {cfg.get('DQ')!r}")
-    if cfg.get("A8", 0) not in (0, 1):
-        raise BackendError(f"moe[triton] variant 'split': A8 (W4A8 gate/up) must be 0 or 1, got {cfg.get('A8')!r}")
-    cfg["BI"] = fit_pow2(max(cfg["BI"], 32), i, 32) if cfg.get("A8") else fit_pow2(cfg["BI"], i, 8)
+    cfg["BI"] = fit_pow2(cfg["BI"], i, 8)
     cfg["BH"] = fit_pow2(cfg["BH"], h, 16)
     if not (cfg["BI"] and cfg["BH"]):
         raise BackendError(f"moe[triton]: no 'split' tiling of H={h}, I={i} for config {cfg}")
-    if cfg.get("A8"):
-        # one wgmma m64 tile per warpgroup: kernel A's 2*BI rows are 16 per warp, the warps whole warpgroups
-        cfg["BI"] = min(cfg["BI"], 128)
-        cfg["num_warps"] = 2 * cfg["BI"] // 16
     cfg["num_warps"] = fit_pow2(min(cfg["num_warps"], 2 * cfg["BI"] // 16), 1 << 10, 1)
     cfg["down_warps"] = fit_pow2(min(cfg["down_warps"], cfg["BH"] // 16), 1 << 10, 1)
     return cfg
@@ -956,36 +911,16 @@ def launch_dq(kern, cfg: dict) -> tuple[int, str]:
     return 1, ""
 
 
-def launch_a8(kern, cfg: dict) -> tuple[int, str]:
-    """Whether a launch of ``kern`` (a ``MoEKernel``) with the fitted ``cfg`` runs kernel A's routed slots in W4A8
-    (``kernels.triton_moe_a8``), and why not: ``(1, "")`` when the config asks for it (``A8`` 1) on an sm_90 device
-    (``wgmma``) and every gate/up E8M0 byte is within ``triton_moe_a8.A8_MIN_E8M0 .. A8_MAX_E8M0``, else ``(0,
-    reason)`` (``""`` when the config did not ask)."""
-    if not int(cfg.get("A8", 0)):
-        return 0, ""
-    if not kern.sm90:
-        return 0, "W4A8 needs sm_90 (wgmma)"
-    if gateup_routed_a8 is None:
-        return 0, f"W4A8: {GLUON_ERR}"
-    lo, hi = kern.s13_range
-    if not triton_moe_a8.A8_MIN_E8M0 <= lo <= hi <= triton_moe_a8.A8_MAX_E8M0:
-        return 0, (f"W4A8 needs gate/up E8M0 bytes in {triton_moe_a8.A8_MIN_E8M0}..{triton_moe_a8.A8_MAX_E8M0}, "
-                   f"got {lo}..{hi}")
-    return 1, ""
-
-
 def split_constexprs(m: int, k: int, h: int, i: int, cfg: dict, shared: bool, has_limit: bool, pdl: bool,
-                     pdl_in: int, dq: int | None = None, a8: int | None = None) -> tuple[dict, dict]:
+                     pdl_in: int, dq: int | None = None) -> tuple[dict, dict]:
     """The compile-time arguments of kernel A (``_moe_gateup_split``) and kernel B (``_moe_down_split``) for ``m``
     tokens of top ``k`` at hidden ``h`` and intermediate ``i`` under a fitted ``cfg`` (:func:`fit_split_config`):
     the one derivation :func:`launch_split` launches with and ``scripts/split_ptxas.py`` compiles offline, so the
     two cannot drift. ``shared``: the shared expert is one more slot; ``has_limit``: a SwiGLU clamp in the launch;
     ``pdl`` / ``pdl_in``: as the config's ``pdl`` / ``pdl_in`` on an sm_90 device (0 / False elsewhere); ``dq``: the
     E2M1 decode of both kernels' routed slots (:func:`frag_dequant`; default the config's ``DQ``, which
-    :func:`launch_split` lowers to 0 for scales the shift decode cannot take); ``a8``: kernel A's routed slots in
-    W4A8 (default the config's ``A8``; :func:`launch_a8`)."""
+    :func:`launch_split` lowers to 0 for scales the shift decode cannot take)."""
     dq = int(cfg.get("DQ", 0)) if dq is None else int(dq)
-    a8 = int(cfg.get("A8", 0)) if a8 is None else int(a8)
     s = m * k
     sp = max(32, 1 << (s - 1).bit_length())
     bi, kp, bh, kp2 = cfg["BI"], cfg["KP"], cfg["BH"], cfg["KP2"]
@@ -994,9 +929,7 @@ def split_constexprs(m: int, k: int, h: int, i: int, cfg: dict, shared: bool, ha
     a = dict(H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, KP=kp, HAS_LIMIT=has_limit,
              WD=word_layout(2 * bi, h // kp // kc // 128, nw), PDL=pdl, SHARED=shared,
              WD8=fp8_word_layout(2 * bi, max(1, h // kp // kc // 256), nw) if shared else None,
-             PDL_IN=pdl_in, KC=kc, DQ=dq, A8=a8,
-             W3=triton_moe_a8.a8_word_layout(2 * bi, nw) if a8 else None,
-             MMA3=triton_moe_a8.a8_mma_layout(nw) if a8 else None)
+             PDL_IN=pdl_in, KC=kc, DQ=dq)
     b = dict(H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2, SG=max(1, min(int(cfg.get("SG", 1)), s)),
              WD=word_layout(bh, i // kp2 // 128, dw), PDL=pdl, SHARED=shared,
              WD8=fp8_word_layout(bh, i // kp2 // 128, dw) if shared else None, DQ=dq)
@@ -1036,11 +969,8 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
     pdl = bool(cfg.get("pdl", True)) and kern.sm90
     pdl_in = int(cfg.get("pdl_in", 0)) if kern.sm90 else 0
     sw13, ss13, sw2, ss2 = (sh.w13w, sh.s13, sh.w2w, sh.s2) if sh is not None else (kern.w13w, kern.lut) * 2
-    a8 = launch_a8(kern, cfg)[0]
-    ca, cb = split_constexprs(m, k, h, i, cfg, sh is not None, has_limit, pdl, pdl_in, launch_dq(kern, cfg)[0], a8)
-    xq, sx = triton_moe_a8.quantize_x(x) if a8 else (x, w)      # (unused pointers without A8)
+    ca, cb = split_constexprs(m, k, h, i, cfg, sh is not None, has_limit, pdl, pdl_in, launch_dq(kern, cfg)[0])
     _moe_gateup_split[(nj, st, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
-                                    sw13, ss13, slimit, xq, sx, **ca, num_warps=cfg["num_warps"],
-                                    launch_pdl=pdl_in > 0)
+                                    sw13, ss13, slimit, **ca, num_warps=cfg["num_warps"], launch_pdl=pdl_in > 0)
     _moe_down_split[(h // bh, gt, kp2)](act, ids, kern.w2w, kern.s2, out, part_b, cnt_b, kern.lut, sw2, ss2,
                                         **cb, num_warps=cfg["down_warps"], launch_pdl=pdl)
