@@ -15,13 +15,15 @@ from bytebound.bench import moe_probe  # noqa: E402
 
 @pytest.mark.parametrize("kind", moe_probe.PROBES)
 def test_probe_copy_swaps_one_piece_and_leaves_production_alone(kind):
-    prod = (split.mxfp4_tile, split.frag_dequant, split._moe_gateup_split, split._moe_down_split)
+    names = ("mxfp4_tile", "frag_dequant", "_moe_gateup_split", "_moe_down_split", "_gateup_epilogue")
+    prod = tuple(getattr(split, n) for n in names)
     mod = moe_probe.probe_module(kind)
     assert mod is not split and mod is moe_probe.probe_module(kind)          # built once
-    assert (split.mxfp4_tile, split.frag_dequant, split._moe_gateup_split, split._moe_down_split) == prod
+    assert tuple(getattr(split, n) for n in names) == prod
     swapped = {"gateup_only": ["_moe_down_split"], "down_only": ["_moe_gateup_split"],
-               "load_only": ["mxfp4_tile", "frag_dequant"], "compute_only": ["mxfp4_tile"]}[kind]
-    for name in ("mxfp4_tile", "frag_dequant", "_moe_gateup_split", "_moe_down_split"):
+               "load_only": ["mxfp4_tile", "frag_dequant"], "compute_only": ["mxfp4_tile"],
+               "gateup_no_ticket": ["_moe_down_split", "_gateup_epilogue"]}[kind]
+    for name in names:
         ours = getattr(mod, name)
         if name in swapped:
             assert ours is not getattr(split, name) and ours.__module__ != mod.__name__, name

@@ -11,7 +11,9 @@ a kernel's callees through its module's globals at compile time, so the swap rea
   coincidence, and its target is the tile's own scale bytes: a probe's output is wrong anyway) and the decode
   (``frag_dequant``) returns zeros, so the mma still reads the B operand (memory + overheads);
 * ``compute_only``: the weight and scale loads are replaced by register values that differ per element, so no
-  decode is merged with another (decode + everything else).
+  decode is merged with another (decode + everything else);
+* ``gateup_no_ticket``: only kernel A, and with ``KP > 1`` each program stores its partial and ends: no fence, no
+  ticket, no last program summing the partials and applying SwiGLU (the cost of that serial tail).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from bytebound.kernels.limits import MAX_VERIFY_M
 from bytebound.kernels.moe_host import MoEKernel
 from bytebound.kernels.triton_moe_split import gl, gluon, mxfp4_index, mxfp4_tile
 
-PROBES = ("gateup_only", "down_only", "load_only", "compute_only")
+PROBES = ("gateup_only", "down_only", "load_only", "compute_only", "gateup_no_ticket")
 
 if gluon is not None:
     @gluon.jit
@@ -55,6 +57,24 @@ if gluon is not None:
         wv = (w3[:, :, :, None] * 4 + q[None, None, None, :] + e) * 668265263
         sv = ((w3 >> 2) & 3).to(gl.uint8) + 120
         return wv, sv
+
+
+    @gluon.jit
+    def _epilogue_partial_only(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, limit, I: gl.constexpr,
+                               M: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                               NW: gl.constexpr):
+        """``gateup_no_ticket``'s ``_gateup_epilogue``: the partial's store alone (``KP > 1``), as the production
+        epilogue writes it, then nothing: no fence, no ticket, no sum of the partials."""
+        NPC: gl.constexpr = 8
+        R1: gl.constexpr = 2 * BI
+        NJ: gl.constexpr = I // BI
+        MV: gl.constexpr = 1 if M == 1 else 4
+        EL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
+        gc = gl.arange(0, NPC, layout=gl.SliceLayout(0, EL))
+        base = part_ptr + (s * NJ + j) * (KP * R1 * MV)
+        pr = gl.arange(0, R1, layout=gl.SliceLayout(1, EL))
+        pm = (gl.zeros([R1, NPC], gl.int32, EL) + gc[None, :]) < MV
+        gl.store(base + p * (R1 * MV) + pr[:, None] * MV + gc[None, :], gl.convert_layout(acc, EL), mask=pm)
 
 
 class _NotLaunched:
@@ -85,6 +105,9 @@ def probe_module(kind: str):
             mod._moe_down_split = _NotLaunched()
         elif kind == "down_only":
             mod._moe_gateup_split = _NotLaunched()
+        elif kind == "gateup_no_ticket":
+            mod._moe_down_split = _NotLaunched()
+            mod._gateup_epilogue = _epilogue_partial_only
         elif kind == "load_only":
             mod.mxfp4_tile, mod.frag_dequant = _tile_kept_alive, _frag_zero
         else:
