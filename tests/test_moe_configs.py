@@ -76,6 +76,20 @@ def test_split_constexprs_follow_the_fitted_config(m, shared):
     assert (a["WD8"] is not None, b["WD8"] is not None) == (shared, shared)
 
 
+@pytest.mark.skipif(ts.gl is None, reason="needs Gluon (triton >= 3.5) for the word layouts")
+def test_split_reduce_kernel_key():
+    """``RK``: kernel A's partials summed by a launch of their own; 0 by default, on only where there are partials
+    (KP > 1), anything but 0/1 a named error."""
+    c = ts.fit_split_config({"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "RK": 1}, 2560, 768)
+    assert ts.split_constexprs(4, 8, 2560, 768, c, True, False, True, 1)[0]["RK"] == 1
+    c0 = ts.fit_split_config({"BI": 64, "KP": 2, "KC": 5, "num_warps": 8}, 2560, 768)
+    assert ts.split_constexprs(4, 8, 2560, 768, c0, True, False, True, 1)[0]["RK"] == 0
+    one = ts.fit_split_config({"KP": 1, "KC": 2, "RK": 1}, 256, 128)       # one H slice: nothing to sum
+    assert one["KP"] == 1 and ts.split_constexprs(1, 4, 256, 128, one, False, False, True, 0)[0]["RK"] == 0
+    with pytest.raises(BackendError, match="RK"):
+        ts.fit_split_config({"RK": 2}, 2560, 768)
+
+
 def test_split_decode_key(monkeypatch):
     """``DQ``: the shift decode (1) by default, the table (0) on request, anything else a named error; the constexprs
     carry it to both kernels unless the launch lowers it (scales the shift decode cannot take, or the A/B switch

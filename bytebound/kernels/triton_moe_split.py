@@ -397,7 +397,7 @@ mov.b32 {$2, $3}, a1;
                           SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
                           WD: gl.constexpr, PDL: gl.constexpr, SHARED: gl.constexpr = False,
                           WD8: gl.constexpr = None, PDL_IN: gl.constexpr = 0, KC: gl.constexpr = 1,
-                          DQ: gl.constexpr = 0):
+                          DQ: gl.constexpr = 0, RK: gl.constexpr = 0):
         NW: gl.constexpr = gl.num_warps()
         S: gl.constexpr = M * TOPK
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
@@ -413,15 +413,15 @@ mov.b32 {$2, $3}, a1;
         if SHARED:
             if s == S:
                 _gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, s, j, p, H, I, M, BI,
-                               KP, HAS_LIMIT, WD8, PDL_IN, MMA, DA, DB, RL, KC)
+                               KP, HAS_LIMIT, WD8, PDL_IN, MMA, DA, DB, RL, KC, RK)
             else:
                 _pdl_in(PDL_IN, PDL, NW)
                 _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
-                               s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, DQ)
+                               s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, DQ, RK)
         else:
             _pdl_in(PDL_IN, PDL, NW)
             _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
-                           s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, DQ)
+                           s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, DQ, RK)
 
     @gluon.jit
     def _pdl_in(PDL_IN: gl.constexpr, PDL: gl.constexpr, NW: gl.constexpr):
@@ -438,7 +438,8 @@ mov.b32 {$2, $3}, a1;
     def _gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, s, j, p, H: gl.constexpr,
                        I: gl.constexpr, M: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr,
                        HAS_LIMIT: gl.constexpr, WD8: gl.constexpr, PDL_IN: gl.constexpr, MMA: gl.constexpr,
-                       DA: gl.constexpr, DB: gl.constexpr, RL: gl.constexpr, KC: gl.constexpr = 1):
+                       DA: gl.constexpr, DB: gl.constexpr, RL: gl.constexpr, KC: gl.constexpr = 1,
+                       RK: gl.constexpr = 0):
         """Kernel A, the shared expert's slot: FP8 E4M3 rows ``gate[j-slice] | up[j-slice]`` (128x128 block
         scales, ``ss13`` as BF16x2 factors) times x over H slice ``p``; routing weight 1 for every token. With
         ``PDL_IN`` the first chunk's weights (read-only, known before routing) are loaded *before* the PDL wait,
@@ -486,14 +487,15 @@ mov.b32 {$2, $3}, a1;
                     wv1, sv1, b1 = wv2, sv2, b2
         mcol = gl.arange(0, NPC, layout=gl.SliceLayout(1, RL))
         wtok = gl.where(mcol < M, 1.0, 0.0)
-        _gateup_epilogue(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, slimit, I, M, BI, KP, HAS_LIMIT, NW)
+        _gateup_epilogue(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, slimit, I, M, BI, KP, HAS_LIMIT, NW, RK)
 
     @gluon.jit
     def _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
                        s, j, p, H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, M: gl.constexpr,
                        SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
                        WD: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
-                       DB: gl.constexpr, RL: gl.constexpr, KC: gl.constexpr = 1, DQ: gl.constexpr = 0):
+                       DB: gl.constexpr, RL: gl.constexpr, KC: gl.constexpr = 1, DQ: gl.constexpr = 0,
+                       RK: gl.constexpr = 0):
         """Kernel A, routed slot ``s``: its expert's MXFP4 rows (unless an earlier slot owns the expert).
 
         ``KC == 1``: every weight byte of the program in one go. ``KC > 1``: the program's H slice in ``KC`` chunks
@@ -544,15 +546,17 @@ mov.b32 {$2, $3}, a1;
                     wv, sv, b = wv1, sv1, b1
                 if c + 2 < KC:
                     wv1, sv1, b1 = wv2, sv2, b2
-            _gateup_epilogue(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, limit, I, M, BI, KP, HAS_LIMIT, NW)
+            _gateup_epilogue(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, limit, I, M, BI, KP, HAS_LIMIT, NW, RK)
 
     @gluon.jit
     def _gateup_epilogue(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, limit, I: gl.constexpr,
                          M: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                         NW: gl.constexpr):
+                         NW: gl.constexpr, RK: gl.constexpr = 0):
         """Kernel A's end for slot ``s``: with ``KP == 1`` SwiGLU and the store of ``act[s]``; else the partial
         ``acc`` (float32 ``[2*BI, 8]``, gate rows then up rows) into its own slot, and the last of the ``KP``
-        programs (acq_rel ticket) sums the partials in the order ``p = 0..KP-1`` and applies SwiGLU."""
+        programs (acq_rel ticket) sums the partials in the order ``p = 0..KP-1`` and applies SwiGLU. With ``RK``
+        (config key) the program ends after its partial's store: :func:`_moe_reduce_swiglu`, launched between the two
+        kernels, sums them and applies SwiGLU (no fence, ticket or last-program tail in kernel A)."""
         NPC: gl.constexpr = 8
         R1: gl.constexpr = 2 * BI
         NJ: gl.constexpr = I // BI
@@ -572,19 +576,20 @@ mov.b32 {$2, $3}, a1;
             pr = gl.arange(0, R1, layout=gl.SliceLayout(1, EL))
             pm = (gl.zeros([R1, NPC], gl.int32, EL) + gc[None, :]) < MV
             gl.store(base + p * (R1 * MV) + pr[:, None] * MV + gc[None, :], gl.convert_layout(acc, EL), mask=pm)
-            _fence_all(NW)
-            ticket = gl.atomic_add(cnt_ptr + s * NJ + j, 1, sem="acq_rel", scope="gpu")
-            if ticket == KP - 1:
-                gm = (gl.zeros([BI, NPC], gl.int32, EL) + gc[None, :]) < MV
-                g = gl.zeros([BI, NPC], gl.float32, EL)
-                u = gl.zeros([BI, NPC], gl.float32, EL)
-                for pp in gl.static_range(KP):
-                    g += gl.load(base + pp * (R1 * MV) + gr[:, None] * MV + gc[None, :], mask=gm, other=0.0,
-                                 cache_modifier=".cg")
-                    u += gl.load(base + pp * (R1 * MV) + (BI + gr[:, None]) * MV + gc[None, :], mask=gm,
-                                 other=0.0, cache_modifier=".cg")
-                _swiglu_store(g, u, wtok, act_ptr, s, j, limit, I, M, BI, HAS_LIMIT, EL)
-                gl.store(cnt_ptr + s * NJ + j, 0)
+            if RK == 0:
+                _fence_all(NW)
+                ticket = gl.atomic_add(cnt_ptr + s * NJ + j, 1, sem="acq_rel", scope="gpu")
+                if ticket == KP - 1:
+                    gm = (gl.zeros([BI, NPC], gl.int32, EL) + gc[None, :]) < MV
+                    g = gl.zeros([BI, NPC], gl.float32, EL)
+                    u = gl.zeros([BI, NPC], gl.float32, EL)
+                    for pp in gl.static_range(KP):
+                        g += gl.load(base + pp * (R1 * MV) + gr[:, None] * MV + gc[None, :], mask=gm, other=0.0,
+                                     cache_modifier=".cg")
+                        u += gl.load(base + pp * (R1 * MV) + (BI + gr[:, None]) * MV + gc[None, :], mask=gm,
+                                     other=0.0, cache_modifier=".cg")
+                    _swiglu_store(g, u, wtok, act_ptr, s, j, limit, I, M, BI, HAS_LIMIT, EL)
+                    gl.store(cnt_ptr + s * NJ + j, 0)
 
     @gluon.jit
     def _swiglu_store(g, u, wtok, act_ptr, s, j, limit, I: gl.constexpr, M: gl.constexpr, BI: gl.constexpr,
@@ -601,6 +606,55 @@ mov.b32 {$2, $3}, a1;
         gc = gl.arange(0, 8, layout=gl.SliceLayout(0, EL))
         gl.store(act_ptr + (s * M + gc[None, :]) * I + j * BI + gr[:, None], v,
                  mask=(gl.zeros([BI, 8], gl.int32, EL) + gc[None, :]) < M)
+
+    @gluon.jit
+    def _moe_reduce_swiglu(ids_ptr, tw_ptr, act_ptr, part_ptr, limit, slimit, I: gl.constexpr, TOPK: gl.constexpr,
+                           M: gl.constexpr, SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr,
+                           HAS_LIMIT: gl.constexpr, SHARED: gl.constexpr, PDL: gl.constexpr):
+        """Config ``RK``: program ``(j, s)`` sums kernel A's ``KP`` partials of slot ``s``, row block ``j`` in the order
+        ``p = 0..KP-1`` (the same sums, in the same order, as kernel A's last program would) and stores
+        ``act[s, :, j*BI:(j+1)*BI]`` with SwiGLU and the token's routing weight (1 for the shared slot ``s == M*TOPK``);
+        a slot whose expert an earlier slot owns has no partials and is skipped (kernel B skips it too). A PDL
+        dependent of kernel A: it lets kernel B launch, then waits for A."""
+        NW: gl.constexpr = gl.num_warps()
+        NPC: gl.constexpr = 8
+        S: gl.constexpr = M * TOPK
+        R1: gl.constexpr = 2 * BI
+        NJ: gl.constexpr = I // BI
+        MV: gl.constexpr = 1 if M == 1 else 4
+        EL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
+        RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
+        j = gl.program_id(0)
+        s = gl.program_id(1)
+        if PDL:
+            _gdc("griddepcontrol.launch_dependents; mov.u32 $0, 0;", NW)
+            _gdc("griddepcontrol.wait; mov.u32 $0, 0;", NW)
+        mcol = gl.arange(0, NPC, layout=gl.SliceLayout(1, RL))
+        if SHARED and s == S:
+            owner = s == S
+            wtok = gl.where(mcol < M, 1.0, 0.0)
+            lim = slimit
+        else:
+            ids, e, owner = _slot_expert(ids_ptr, s, S, SP, RL)
+            t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
+            tw = gl.load(tw_ptr + t, mask=t < S, other=0.0)
+            sel = (ids[None, :] == e) & ((t // TOPK)[None, :] == mcol[:, None])
+            wtok = gl.sum(gl.where(sel, tw[None, :], 0.0), axis=1)
+            lim = limit
+        if owner:
+            gr = gl.arange(0, BI, layout=gl.SliceLayout(1, EL))
+            gc = gl.arange(0, NPC, layout=gl.SliceLayout(0, EL))
+            gm = (gl.zeros([BI, NPC], gl.int32, EL) + gc[None, :]) < MV
+            base = part_ptr + (s * NJ + j) * (KP * R1 * MV)
+            g = gl.zeros([BI, NPC], gl.float32, EL)
+            u = gl.zeros([BI, NPC], gl.float32, EL)
+            for pp in gl.static_range(KP):
+                # .cg: the partials come from L2, never from a line this SM's L1 kept from an earlier layer's call
+                g += gl.load(base + pp * (R1 * MV) + gr[:, None] * MV + gc[None, :], mask=gm, other=0.0,
+                             cache_modifier=".cg")
+                u += gl.load(base + pp * (R1 * MV) + (BI + gr[:, None]) * MV + gc[None, :], mask=gm, other=0.0,
+                             cache_modifier=".cg")
+            _swiglu_store(g, u, wtok, act_ptr, s, j, lim, I, M, BI, HAS_LIMIT, EL)
 
     @gluon.jit
     def _moe_down_split(act_ptr, ids_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, cnt_ptr, lut_ptr, sw2_ptr, ss2_ptr,
@@ -831,6 +885,9 @@ def fit_split_config(cfg: dict, h: int, i: int) -> dict:
     kc = max(d for d in range(1, min(kc_want, chunks) + 1) if chunks % d == 0)
     cfg["KP"], cfg["KC"], cfg["KP2"] = chunks // kc, kc, kp2
     cfg["SG"] = max(1, int(cfg.get("SG", 1)))
+    if cfg.get("RK", 0) not in (0, 1):
+        raise BackendError(f"moe[triton] variant 'split': RK (kernel A's partials summed by a launch of their own) "
+                           f"must be 0 or 1, got {cfg.get('RK')!r}")
     if cfg.get("DQ") not in (0, 1):
         raise BackendError(f"moe[triton] variant 'split': DQ (the E2M1 decode) must be 0 (table) or 1 (shift), "
                            f"got {cfg.get('DQ')!r}")
@@ -929,7 +986,7 @@ def split_constexprs(m: int, k: int, h: int, i: int, cfg: dict, shared: bool, ha
     a = dict(H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, KP=kp, HAS_LIMIT=has_limit,
              WD=word_layout(2 * bi, h // kp // kc // 128, nw), PDL=pdl, SHARED=shared,
              WD8=fp8_word_layout(2 * bi, max(1, h // kp // kc // 256), nw) if shared else None,
-             PDL_IN=pdl_in, KC=kc, DQ=dq)
+             PDL_IN=pdl_in, KC=kc, DQ=dq, RK=int(cfg.get("RK", 0)) if kp > 1 else 0)
     b = dict(H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2, SG=max(1, min(int(cfg.get("SG", 1)), s)),
              WD=word_layout(bh, i // kp2 // 128, dw), PDL=pdl, SHARED=shared,
              WD8=fp8_word_layout(bh, i // kp2 // 128, dw) if shared else None, DQ=dq)
@@ -972,5 +1029,9 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
     ca, cb = split_constexprs(m, k, h, i, cfg, sh is not None, has_limit, pdl, pdl_in, launch_dq(kern, cfg)[0])
     _moe_gateup_split[(nj, st, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
                                     sw13, ss13, slimit, **ca, num_warps=cfg["num_warps"], launch_pdl=pdl_in > 0)
+    if ca["RK"]:
+        _moe_reduce_swiglu[(nj, st)](ids, w, act, part_a, limit, slimit, I=i, TOPK=k, M=m, SP=ca["SP"], BI=bi, KP=kp,
+                                     HAS_LIMIT=has_limit, SHARED=sh is not None, PDL=pdl,
+                                     num_warps=max(1, min(4, bi // 32)), launch_pdl=pdl)
     _moe_down_split[(h // bh, gt, kp2)](act, ids, kern.w2w, kern.s2, out, part_b, cnt_b, kern.lut, sw2, ss2,
                                         **cb, num_warps=cfg["down_warps"], launch_pdl=pdl)
