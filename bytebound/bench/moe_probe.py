@@ -62,7 +62,7 @@ if gluon is not None:
     @gluon.jit
     def _epilogue_partial_only(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, limit, I: gl.constexpr,
                                M: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                               NW: gl.constexpr):
+                               NW: gl.constexpr, RK: gl.constexpr = 0):
         """``gateup_no_ticket``'s ``_gateup_epilogue``: the partial's store alone (``KP > 1``), as the production
         epilogue writes it, then nothing: no fence, no ticket, no sum of the partials."""
         NPC: gl.constexpr = 8
