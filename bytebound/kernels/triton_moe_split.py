@@ -54,7 +54,10 @@ launch; 1: A is launched as a PDL dependent of the kernel before it, the router,
 router runs and wait before touching ``ids``, x or the scratch; 2: as 1, and the shared slot loads its first weights
 before waiting), ``DQ`` (the E2M1 decode of the routed slots, :func:`frag_dequant`: 1, the default, shifts the
 codes into BF16 with 2^126 folded into the E8M0 scale; 0 decodes through PRMT tables. A binding whose E8M0 scales
-exceed :data:`SHIFT_DECODE_MAX_E8M0` runs 0 whatever the config says, ``MoEKernel.shift_decode``). Constraints: H/(KP*KC) and I/KP2 are 128 x a power of two,
+exceed :data:`SHIFT_DECODE_MAX_E8M0` runs 0 whatever the config says, ``MoEKernel.shift_decode``), ``RK`` (default 0;
+1 with ``KP > 1``: kernel A's programs store their partials and end, and :func:`_moe_reduce_swiglu`, a third launch
+between the two kernels, sums them and applies SwiGLU: the same sums in the same order, so the same bits, without the
+fence, ticket and last-program tail in kernel A). Constraints: H/(KP*KC) and I/KP2 are 128 x a power of two,
 ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (an mma row tile per warp); :func:`fit_split_config` fits a
 config to a model's shape or raises BackendError.
 
