@@ -120,8 +120,9 @@ def make_weights(n: int, k: int, copies: int, dev, seed: int = 0):
     return [(w.clone(), s.clone()) for _ in range(copies)]
 
 
-def graph_time(calls, reps: int = 15) -> float:
-    """Median microseconds per call of ``calls`` (a list of thunks) captured in one CUDA graph, replayed."""
+def graph_time(calls, reps: int = 15, graph_out: list | None = None) -> float:
+    """Median microseconds per call of ``calls`` (a list of thunks) captured in one CUDA graph, replayed; the graph is
+    appended to ``graph_out`` when one is given (for a profiler pass over the same replays)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -144,6 +145,8 @@ def graph_time(calls, reps: int = 15) -> float:
         b.record()
         b.synchronize()
         ts.append(a.elapsed_time(b) * 1e3 / len(calls))
+    if graph_out is not None:
+        graph_out.append(g)
     return statistics.median(ts)
 
 

@@ -23,13 +23,14 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gemv import graph_time  # noqa: E402  (scripts/bench_gemv.py: one CUDA graph, replayed, timed)
 
 
 def main(argv=None) -> int:
@@ -91,28 +92,9 @@ def main(argv=None) -> int:
                     fp8_block_gemv(x, w, s)
 
                 calls = [lambda i=i: seq(i) for i in range(a.copies)]
-                s_ = torch.cuda.Stream()
-                s_.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s_):
-                    for f in calls:
-                        f()
-                torch.cuda.current_stream().wait_stream(s_)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for f in calls:
-                        f()
-                for _ in range(3):
-                    graph.replay()
-                torch.cuda.synchronize()
-                ts = []
-                for _ in range(a.reps):
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    graph.replay()
-                    e1.record()
-                    e1.synchronize()
-                    ts.append(e0.elapsed_time(e1) * 1e3 / a.copies)
+                held: list = []
+                seq_us = graph_time(calls, a.reps, held)
+                graph = held[0]
                 from torch.profiler import ProfilerActivity, profile
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(5):
@@ -123,7 +105,7 @@ def main(argv=None) -> int:
                 gemv = [v for kname, v in mean.items() if "gemv" in kname.lower()]
                 strm = [v for kname, v in mean.items() if "_stream" in kname]
                 row = dict(stream_MB=smb, prefetch_MB=nb * 512 / 1e6, evict_first=evict,
-                           seq_us=statistics.median(ts), gemv_us=gemv[0] if gemv else float("nan"),
+                           seq_us=seq_us, gemv_us=gemv[0] if gemv else float("nan"),
                            stream_us=strm[0] if strm else float("nan"))
                 res.append(row)
                 print(f"stream {smb:5.0f} MB  prefetch {row['prefetch_MB']:5.1f} MB  evict_first {int(evict)}  "

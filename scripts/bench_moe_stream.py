@@ -24,13 +24,14 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gemv import graph_time  # noqa: E402  (scripts/bench_gemv.py: one CUDA graph, replayed, timed)
 
 E, H, I, SLOTS = 512, 2560, 768, 32          # Ling's experts; M = 4 tokens x top-8 distinct experts
 BR, BC = 64, 256                              # tile: 64 rows x 256 bytes (one TMA box)
@@ -132,29 +133,7 @@ def main(argv=None) -> int:
     out = torch.empty(max(NITEMS, 4 * sms), dtype=torch.int32, device=dev)
 
     def timed(calls) -> float:
-        st = torch.cuda.Stream()
-        st.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(st):
-            for f in calls:
-                f()
-        torch.cuda.current_stream().wait_stream(st)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for f in calls:
-                f()
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(a.reps):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            graph.replay()
-            e1.record()
-            e1.synchronize()
-            ts.append(e0.elapsed_time(e1) * 1e3 / len(calls))
-        return statistics.median(ts)
+        return graph_time(calls, a.reps)
 
     rows = []
 

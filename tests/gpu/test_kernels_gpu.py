@@ -165,24 +165,30 @@ def test_triton_moe_tiny(variant, m, partials):
 
 @pytest.mark.parametrize("variant,partials", [("gluon", False), ("gluon", True), ("split", False)],
                          ids=["atomics", "partials", "split"])
+def _graph_replay_out(fn, *args, replays: int = 3) -> torch.Tensor:
+    """``fn(*args)`` captured in a CUDA graph (after a warm-up call on a side stream) and replayed ``replays`` times:
+    the output tensor the graph writes."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn(*args)
+    for _ in range(replays):
+        g.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 def test_triton_moe_graph_replay(ling_experts, variant, partials):
     ex = ling_experts
     fn = _bind("triton", ex, variant, partials)
     ids, w = make_routing(4, LING["e"], LING["k"], shared=3, seed=11)
     x = torch.randn(4, LING["h"], device=DEV).to(torch.bfloat16)
     eager = fn(x, ids, w)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(x, ids, w)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn(x, ids, w)
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager), "graph replay differs from eager"
+    assert torch.equal(_graph_replay_out(fn, x, ids, w), eager), "graph replay differs from eager"
     ids2, w2 = make_routing(4, LING["e"], LING["k"], seed=12)      # new routing through the same graph
     ids.copy_(ids2)
     w.copy_(w2)
@@ -273,17 +279,8 @@ def test_split_reduce_kernel_equals_the_ticket_tail(ling_experts, tiling, m, dup
             fn.bind_shared(mlp)
             outs[rk, True] = _poisoned_call(fn, x, ids, w)
             if rk:
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    fn(x, ids, w)
-                torch.cuda.current_stream().wait_stream(s)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    gout = fn(x, ids, w)
-                graph.replay()
-                torch.cuda.synchronize()
-                assert torch.equal(gout, outs[1, True]), "graph replay differs from eager"
+                assert torch.equal(_graph_replay_out(fn, x, ids, w, replays=1), outs[1, True]), \
+                    "graph replay differs from eager"
         for sh in (False, True):
             assert torch.isfinite(outs[1, sh].float()).all()
             assert torch.equal(outs[1, sh], outs[0, sh]), f"RK differs from the ticket tail (shared={sh})"
