@@ -163,8 +163,6 @@ def test_triton_moe_tiny(variant, m, partials):
     assert rel(out, moe_ref64(ex, x, ids, w)) <= 1e-2
 
 
-@pytest.mark.parametrize("variant,partials", [("gluon", False), ("gluon", True), ("split", False)],
-                         ids=["atomics", "partials", "split"])
 def _graph_replay_out(fn, *args, replays: int = 3) -> torch.Tensor:
     """``fn(*args)`` captured in a CUDA graph (after a warm-up call on a side stream) and replayed ``replays`` times:
     the output tensor the graph writes."""
@@ -182,6 +180,8 @@ def _graph_replay_out(fn, *args, replays: int = 3) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("variant,partials", [("gluon", False), ("gluon", True), ("split", False)],
+                         ids=["atomics", "partials", "split"])
 def test_triton_moe_graph_replay(ling_experts, variant, partials):
     ex = ling_experts
     fn = _bind("triton", ex, variant, partials)
