@@ -15,14 +15,14 @@ from bytebound.bench import moe_probe  # noqa: E402
 
 @pytest.mark.parametrize("kind", moe_probe.PROBES)
 def test_probe_copy_swaps_one_piece_and_leaves_production_alone(kind):
-    names = ("mxfp4_tile", "frag_dequant", "_moe_gateup_split", "_moe_down_split", "_gateup_epilogue")
+    names = ("mxfp4_tile", "frag_dequant", "_moe_gateup_split", "_moe_down_split", "_moe_reduce_swiglu")
     prod = tuple(getattr(split, n) for n in names)
     mod = moe_probe.probe_module(kind)
     assert mod is not split and mod is moe_probe.probe_module(kind)          # built once
     assert tuple(getattr(split, n) for n in names) == prod
     swapped = {"gateup_only": ["_moe_down_split"], "down_only": ["_moe_gateup_split"],
                "load_only": ["mxfp4_tile", "frag_dequant"], "compute_only": ["mxfp4_tile"],
-               "gateup_no_ticket": ["_moe_down_split", "_gateup_epilogue"]}[kind]
+               "gateup_no_ticket": ["_moe_down_split", "_moe_reduce_swiglu"]}[kind]
     for name in names:
         ours = getattr(mod, name)
         if name in swapped:

@@ -12,8 +12,9 @@ a kernel's callees through its module's globals at compile time, so the swap rea
   (``frag_dequant``) returns zeros, so the mma still reads the B operand (memory + overheads);
 * ``compute_only``: the weight and scale loads are replaced by register values that differ per element, so no
   decode is merged with another (decode + everything else);
-* ``gateup_no_ticket``: only kernel A, and with ``KP > 1`` each program stores its partial and ends: no fence, no
-  ticket, no last program summing the partials and applying SwiGLU (the cost of that serial tail).
+* ``gateup_no_ticket``: only kernel A, run with the config key ``RK`` (each program stores its partial and ends: no
+  fence, no ticket, no last program summing the partials and applying SwiGLU) and neither the reduce launch nor
+  kernel B: the cost of that serial tail.
 """
 
 from __future__ import annotations
@@ -59,24 +60,6 @@ if gluon is not None:
         return wv, sv
 
 
-    @gluon.jit
-    def _epilogue_partial_only(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, limit, I: gl.constexpr,
-                               M: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                               NW: gl.constexpr, RK: gl.constexpr = 0):
-        """``gateup_no_ticket``'s ``_gateup_epilogue``: the partial's store alone (``KP > 1``), as the production
-        epilogue writes it, then nothing: no fence, no ticket, no sum of the partials."""
-        NPC: gl.constexpr = 8
-        R1: gl.constexpr = 2 * BI
-        NJ: gl.constexpr = I // BI
-        MV: gl.constexpr = 1 if M == 1 else 4
-        EL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
-        gc = gl.arange(0, NPC, layout=gl.SliceLayout(0, EL))
-        base = part_ptr + (s * NJ + j) * (KP * R1 * MV)
-        pr = gl.arange(0, R1, layout=gl.SliceLayout(1, EL))
-        pm = (gl.zeros([R1, NPC], gl.int32, EL) + gc[None, :]) < MV
-        gl.store(base + p * (R1 * MV) + pr[:, None] * MV + gc[None, :], gl.convert_layout(acc, EL), mask=pm)
-
-
 class _NotLaunched:
     """Stands in for a kernel the probe leaves out: ``kernel[grid](...)`` does nothing."""
 
@@ -105,9 +88,8 @@ def probe_module(kind: str):
             mod._moe_down_split = _NotLaunched()
         elif kind == "down_only":
             mod._moe_gateup_split = _NotLaunched()
-        elif kind == "gateup_no_ticket":
-            mod._moe_down_split = _NotLaunched()
-            mod._gateup_epilogue = _epilogue_partial_only
+        elif kind == "gateup_no_ticket":       # kernel A with RK (probe_kernel), nothing after it
+            mod._moe_down_split = mod._moe_reduce_swiglu = _NotLaunched()
         elif kind == "load_only":
             mod.mxfp4_tile, mod.frag_dequant = _tile_kept_alive, _frag_zero
         else:
@@ -127,6 +109,8 @@ def probe_kernel(ex, cfg: dict, kind: str):
     if cfg.get("variant") != "split":
         raise BackendError(f"moe probe {kind!r} instruments the 'split' variant, got config {cfg}")
     mod = probe_module(kind)
+    if kind == "gateup_no_ticket":
+        cfg = dict(cfg, RK=1)
     kern = MoEKernel(ex, {m: cfg for m in range(1, MAX_VERIFY_M + 1)})
 
     def fn(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
