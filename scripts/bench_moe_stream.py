@@ -47,7 +47,10 @@ except Exception:  # pragma: no cover
 
 if gluon is not None:
     @gluon.jit
-    def _tma_stream(desc, ids_ptr, out_ptr, S: gl.constexpr, NW: gl.constexpr):
+    def _tma_stream(desc, ids_ptr, out_ptr, NIT: gl.constexpr, PER_E: gl.constexpr, NCc: gl.constexpr,
+                    ROWS: gl.constexpr, S: gl.constexpr, NW: gl.constexpr):
+        """Tiles ``pid, pid + G, ..`` of ``NIT`` (``PER_E`` per expert, ``NCc`` column chunks, ``ROWS`` rows an
+        expert) through a ring of ``S`` shared-memory stages, one TMA box and one mbarrier each."""
         BRc: gl.constexpr = desc.block_type.shape[0]
         BCc: gl.constexpr = desc.block_type.shape[1]
         pid = gl.program_id(0)
@@ -56,14 +59,14 @@ if gluon is not None:
         bars = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(S):
             mbarrier.init(bars.index(i), count=1)
-        n_my = (3840 - pid + G - 1) // G
+        n_my = (NIT - pid + G - 1) // G
         for i in gl.static_range(S):
             it = pid + i * G
-            s = it // 120
-            rem = it % 120
+            s = it // PER_E
+            rem = it % PER_E
             e = gl.load(ids_ptr + s, mask=i < n_my, other=0)
             mbarrier.expect(bars.index(i), BRc * BCc, pred=i < n_my)
-            tma.async_copy_global_to_shared(desc, [e * 1536 + (rem // 5) * BRc, (rem % 5) * BCc], bars.index(i),
+            tma.async_copy_global_to_shared(desc, [e * ROWS + (rem // NCc) * BRc, (rem % NCc) * BCc], bars.index(i),
                                             smem.index(i), pred=i < n_my)
         L: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [NW, 1], [1, 0])
         acc = gl.zeros([BRc, BCc], gl.uint8, L)
@@ -75,12 +78,12 @@ if gluon is not None:
             gl.thread_barrier()             # every thread has read the stage before it is refilled
             nk = k + S
             it = pid + nk * G
-            s = it // 120
-            rem = it % 120
+            s = it // PER_E
+            rem = it % PER_E
             more = nk < n_my
             e = gl.load(ids_ptr + s, mask=more, other=0)
             mbarrier.expect(bars.index(st), BRc * BCc, pred=more)
-            tma.async_copy_global_to_shared(desc, [e * 1536 + (rem // 5) * BRc, (rem % 5) * BCc], bars.index(st),
+            tma.async_copy_global_to_shared(desc, [e * ROWS + (rem // NCc) * BRc, (rem % NCc) * BCc], bars.index(st),
                                             smem.index(st), pred=more)
         gl.store(out_ptr + pid, gl.xor_sum(gl.xor_sum(acc, axis=1), axis=0).to(gl.int32))
 
@@ -98,15 +101,16 @@ def main(argv=None) -> int:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     @triton.jit
-    def _ldg_tile(w_ptr, ids_ptr, out_ptr, BRc: tl.constexpr, BCc: tl.constexpr):
+    def _ldg_tile(w_ptr, ids_ptr, out_ptr, BRc: tl.constexpr, BCc: tl.constexpr, PER_E: tl.constexpr,
+                  NCc: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr):
         it = tl.program_id(0)
-        s = it // 120
-        rem = it % 120
+        s = it // PER_E
+        rem = it % PER_E
         e = tl.load(ids_ptr + s).to(tl.int64)
         r = tl.arange(0, BRc)
         c = tl.arange(0, BCc // 4)
-        rows = e * 1536 + (rem // 5) * BRc + r
-        v = tl.load(w_ptr + rows[:, None] * (1280 // 4) + (rem % 5) * (BCc // 4) + c[None, :])
+        rows = e * ROWS + (rem // NCc) * BRc + r
+        v = tl.load(w_ptr + rows[:, None] * WORDS + (rem % NCc) * (BCc // 4) + c[None, :])
         tl.store(out_ptr + it, tl.xor_sum(tl.xor_sum(v, axis=1), axis=0))
 
     @triton.jit
@@ -151,30 +155,32 @@ def main(argv=None) -> int:
                           for b in bufs]))
     del bufs
     w32 = w.view(torch.int32)
+    lgeo = dict(PER_E=NJ * NC, NCc=NC, ROWS=2 * I, WORDS=H // 8)     # the tiles' geometry (module constants)
     for nw in (4, 8):
-        report("ldg", timed([lambda i=i: _ldg_tile[(NITEMS,)](w32, i, out, BRc=BR, BCc=BC, num_warps=nw)
+        report("ldg", timed([lambda i=i: _ldg_tile[(NITEMS,)](w32, i, out, BRc=BR, BCc=BC, num_warps=nw, **lgeo)
                              for i in ids]), warps=nw)
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+    geo = dict(NIT=NITEMS, PER_E=NJ * NC, NCc=NC, ROWS=2 * I)
     desc = TensorDescriptor.from_tensor(w, [BR, BC], layout)
     for s in (int(v) for v in a.stages.split(",")):
         for pps in (int(v) for v in a.programs_per_sm.split(",")):
             for nw in (4,):
                 try:
-                    us = timed([lambda i=i: _tma_stream[(pps * sms,)](desc, i, out, S=s, NW=nw, num_warps=nw)
+                    us = timed([lambda i=i: _tma_stream[(pps * sms,)](desc, i, out, S=s, NW=nw, num_warps=nw, **geo)
                                 for i in ids])
                     report("tma", us, stages=s, programs_per_sm=pps, warps=nw)
                 except Exception as exc:        # a tiling that does not fit (shared memory) is a row, not the end
                     print(f"tma stages {s} programs/SM {pps}: {type(exc).__name__}: {exc}"[:300], flush=True)
     # the TMA kernel's checksum against the plain loads' (same tiles): the probe reads what it claims to
     chk = torch.zeros(NITEMS, dtype=torch.int32, device=dev)
-    _ldg_tile[(NITEMS,)](w32, ids[0], chk, BRc=BR, BCc=BC, num_warps=4)
+    _ldg_tile[(NITEMS,)](w32, ids[0], chk, BRc=BR, BCc=BC, num_warps=4, **lgeo)
     x = 0
     for v in chk.tolist():
         x ^= v & 0xFFFFFFFF
     want = (x ^ (x >> 8) ^ (x >> 16) ^ (x >> 24)) & 0xFF          # XOR of every byte of the tiles
     for s in (2,):
         got_t = torch.zeros(4 * sms, dtype=torch.int32, device=dev)
-        _tma_stream[(sms,)](desc, ids[0], got_t, S=s, NW=4, num_warps=4)
+        _tma_stream[(sms,)](desc, ids[0], got_t, S=s, NW=4, num_warps=4, **geo)
         got = 0
         for v in got_t[:sms].tolist():
             got ^= v & 0xFF
