@@ -322,8 +322,12 @@ for gpu, entries in t.items():
             if e.get("variant") == "split":
                 e["RK"] = 1
 json.dump(t, open(sys.argv[1], "w"), indent=1)' "$tab"
-    run_step tests python3 -m pytest tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider -rfE --tb=short \
-        $(pytest_timeout) -k "rk or reduce_kernel"
+    # node ids, not -k "rk": -k also matches the checkout's directory names (a root under /root/work matches "rk")
+    local ids
+    mapfile -t ids < <(python3 -m pytest tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider --collect-only 2>/dev/null \
+        | grep -E '^tests/.*(rk\]|reduce_kernel|graph_replay)')
+    echo "rk: ${#ids[@]} tests selected" | tee -a "$LOG"
+    run_step tests python3 -m pytest "${ids[@]}" -q -p no:cacheprovider -rfE --tb=short $(pytest_timeout)
     local b=(python3 scripts/bench_moe.py --backends '' --router --m 1,4 --layers 4 --reps 20)
     local r=(python3 scripts/profile_round.py --no-phases --ctx 2048 --draft-vocab "${AB_DRAFT_VOCAB:-32768}" --out "$OUT")
     for i in 1 2; do

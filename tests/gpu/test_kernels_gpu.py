@@ -163,9 +163,9 @@ def test_triton_moe_tiny(variant, m, partials):
     assert rel(out, moe_ref64(ex, x, ids, w)) <= 1e-2
 
 
-def _graph_replay_out(fn, *args, replays: int = 3) -> torch.Tensor:
+def _graph_replay(fn, *args, replays: int = 3) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """``fn(*args)`` captured in a CUDA graph (after a warm-up call on a side stream) and replayed ``replays`` times:
-    the output tensor the graph writes."""
+    ``(graph, the output tensor the graph writes)``, so a test can change the captured inputs in place and replay."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -177,7 +177,12 @@ def _graph_replay_out(fn, *args, replays: int = 3) -> torch.Tensor:
     for _ in range(replays):
         g.replay()
     torch.cuda.synchronize()
-    return out
+    return g, out
+
+
+def _graph_replay_out(fn, *args, replays: int = 3) -> torch.Tensor:
+    """:func:`_graph_replay`'s output tensor."""
+    return _graph_replay(fn, *args, replays=replays)[1]
 
 
 @pytest.mark.parametrize("variant,partials", [("gluon", False), ("gluon", True), ("split", False)],
@@ -188,7 +193,8 @@ def test_triton_moe_graph_replay(ling_experts, variant, partials):
     ids, w = make_routing(4, LING["e"], LING["k"], shared=3, seed=11)
     x = torch.randn(4, LING["h"], device=DEV).to(torch.bfloat16)
     eager = fn(x, ids, w)
-    assert torch.equal(_graph_replay_out(fn, x, ids, w), eager), "graph replay differs from eager"
+    g, out = _graph_replay(fn, x, ids, w)
+    assert torch.equal(out, eager), "graph replay differs from eager"
     ids2, w2 = make_routing(4, LING["e"], LING["k"], seed=12)      # new routing through the same graph
     ids.copy_(ids2)
     w.copy_(w2)
