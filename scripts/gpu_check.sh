@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk pf)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -308,36 +308,55 @@ section_ab() {           # the twentieth session's A/Bs in one call (docs/perf/r
     run_step round_argmax_all env BYTEBOUND_HEAD_ARGMAX=1 "${r[@]}" --name round-argmax-all
 }
 
-section_rk() {           # the twenty-third session's opt-in MoE config key RK (kernel A's partials summed and SwiGLU
-    # applied by a launch of their own; docs/perf/session23-h100-w4a8/, section 4): every GPU test of it (the float64
-    # tilings too, which that session could not run), then the whole MoE layer (bench_moe --router) and the MTP round
-    # with the plain step (profile_round, AB_DRAFT_VOCAB rows of hot head, default 32768) with and without it, in
-    # alternating processes (the config table is read when a layer binds: one process per arm). Synthetic weights.
-    local tab="$OUT/rk-table.json" i
+# moe_key_ab KEY PARTS: an opt-in MoE config key against the committed table. KEY=1 is added to every "split" entry of
+# a copy of the table; its GPU tests run (by node id, not -k: -k also matches the checkout's directory names, and a
+# root under /root/work matches "rk"); then the parts named in PARTS (default "layer round"): the whole MoE layer
+# (bench_moe --router, M = 1 and 4) and the MTP round with the plain step (profile_round, AB_DRAFT_VOCAB rows of hot
+# head, default 32768), each with and without the key in alternating processes (the table is read when a layer
+# binds: one process per arm), AB_PAIRS pairs (default 2). Synthetic weights.
+moe_key_ab() {
+    local key="$1" parts="${2:-layer round}" lk tab i ids
+    lk=$(echo "$key" | tr '[:upper:]' '[:lower:]')
+    tab="$OUT/$lk-table.json"
     python3 -c 'import json, sys
 t = json.load(open("bytebound/kernels/configs/triton_moe.json"))
 for gpu, entries in t.items():
     if not gpu.startswith("_"):
         for e in entries.values():
             if e.get("variant") == "split":
-                e["RK"] = 1
-json.dump(t, open(sys.argv[1], "w"), indent=1)' "$tab"
-    # node ids, not -k "rk": -k also matches the checkout's directory names (a root under /root/work matches "rk")
-    local ids
-    mapfile -t ids < <(python3 -m pytest tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider --collect-only 2>/dev/null \
-        | grep -E '^tests/.*(rk\]|reduce_kernel|graph_replay)')
-    echo "rk: ${#ids[@]} tests selected" | tee -a "$LOG"
-    run_step tests python3 -m pytest "${ids[@]}" -q -p no:cacheprovider -rfE --tb=short $(pytest_timeout)
+                e[sys.argv[2]] = 1
+json.dump(t, open(sys.argv[1], "w"), indent=1)' "$tab" "$key"
+    if [[ " $parts " == *" tests "* ]]; then
+        mapfile -t ids < <(python3 -m pytest tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider --collect-only \
+            2>/dev/null | grep -E "^tests/.*(-$lk\]|keeps_the_bits.*\[$key-|graph_replay)")
+        echo "$lk: ${#ids[@]} tests selected" | tee -a "$LOG"
+        run_step tests python3 -m pytest "${ids[@]}" -q -p no:cacheprovider -rfE --tb=short $(pytest_timeout)
+    fi
     local b=(python3 scripts/bench_moe.py --backends '' --router --m 1,4 --layers 4 --reps 20)
     local r=(python3 scripts/profile_round.py --no-phases --ctx 2048 --draft-vocab "${AB_DRAFT_VOCAB:-32768}" --out "$OUT")
-    for i in 1 2; do
-        run_step "layer_base_$i" "${b[@]}" --out "$OUT/layer-base-$i"
-        run_step "layer_rk_$i" env BYTEBOUND_MOE_CONFIG="$tab" "${b[@]}" --out "$OUT/layer-rk-$i"
+    for i in $(seq 1 "${AB_PAIRS:-2}"); do
+        if [[ " $parts " == *" layer "* ]]; then
+            run_step "layer_base_$i" "${b[@]}" --out "$OUT/layer-base-$i"
+            run_step "layer_${lk}_$i" env BYTEBOUND_MOE_CONFIG="$tab" "${b[@]}" --out "$OUT/layer-$lk-$i"
+        fi
     done
-    for i in 1 2; do
-        run_step "round_base_$i" "${r[@]}" --name "round-base-$i"
-        run_step "round_rk_$i" env BYTEBOUND_MOE_CONFIG="$tab" "${r[@]}" --name "round-rk-$i"
+    for i in $(seq 1 "${AB_PAIRS:-2}"); do
+        if [[ " $parts " == *" round "* ]]; then
+            run_step "round_base_$i" "${r[@]}" --name "round-base-$i"
+            run_step "round_${lk}_$i" env BYTEBOUND_MOE_CONFIG="$tab" "${r[@]}" --name "round-$lk-$i"
+        fi
     done
+}
+
+section_rk() {           # the twenty-third session's opt-in MoE config key RK (kernel A's partials summed and SwiGLU
+    # applied by a launch of their own; docs/perf/session23-h100-w4a8/, section 4): moe_key_ab (AB_PARTS, default
+    # "tests layer round")
+    moe_key_ab RK "${AB_PARTS:-tests layer round}"
+}
+
+section_pf() {           # the twenty-fourth session's opt-in MoE config key PF (each program's weight tile prefetched
+    # into L2 first; docs/perf/session24-pf/): moe_key_ab (AB_PARTS, default "tests layer round")
+    moe_key_ab PF "${AB_PARTS:-tests layer round}"
 }
 
 section_ladder() {       # issue 21: the seed's ablation ladder with today's engine (CUDA defaults), one lever at a time:
