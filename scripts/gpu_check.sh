@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk pf)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -352,11 +352,6 @@ section_rk() {           # the twenty-third session's opt-in MoE config key RK (
     # applied by a launch of their own; docs/perf/session23-h100-w4a8/, section 4): moe_key_ab (AB_PARTS, default
     # "tests layer round")
     moe_key_ab RK "${AB_PARTS:-tests layer round}"
-}
-
-section_pf() {           # the twenty-fourth session's opt-in MoE config key PF (each program's weight tile prefetched
-    # into L2 first; docs/perf/session24-pf/): moe_key_ab (AB_PARTS, default "tests layer round")
-    moe_key_ab PF "${AB_PARTS:-tests layer round}"
 }
 
 section_ladder() {       # issue 21: the seed's ablation ladder with today's engine (CUDA defaults), one lever at a time:

@@ -4,14 +4,22 @@ runs on a CPU machine, for a tiling before it goes to the device.
 
 Pointers are declared 16-divisible, as Triton specialises them at a real launch on the engine's tensors.
 
-    python scripts/split_ptxas.py [--m 1,4] [--config '{"BI": 64, "KP": 2, "KC": 5, "SG": 4}'] [--shared 1]
+    python scripts/split_ptxas.py [--m 1,4] [--config '{"BI": 64, "KP": 2, "KC": 5, "SG": 4}'] [--shared 1] [--sched]
+
+``--sched`` also prints the order in which ptxas issues each kernel's 16-byte global loads and its mma instructions
+(:func:`issue_order`): how many weight loads a warp has in flight when its first mma issues. The source pipelines
+kernel A's chunks two ahead (``KC``); the SASS does not keep that (docs/perf/session24-h100-rk/).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -39,18 +47,44 @@ def compile_split(m: int, cfg: dict, shared: bool = True, arch: int = 90, h: int
     return c, a, b
 
 
+def issue_order(kernel) -> str:
+    """The SASS issue order of a compiled kernel's 16-byte global loads and mma instructions as a string: ``L`` an
+    unpredicated ``LDG.E.128`` (the weight tiles), ``b`` a predicated one (the masked B operand), ``M`` an ``HMMA``;
+    read with nvdisasm from the Triton wheel (no GPU)."""
+    import triton
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    try:
+        sass = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    ops = [ln for ln in sass.splitlines() if re.search(r"LDG\.E\.128 |HMMA", ln)]
+    return "".join("M" if "HMMA" in ln else ("b" if re.search(r"@!?U?P\d", ln) else "L") for ln in ops)
+
+
+def _sched_line(name: str, kernel) -> str:
+    seq = issue_order(kernel)
+    first = seq.find("M")
+    return (f"  {name} issue order (L weight load, b B-operand load, M mma): {seq.count('L')} L, {seq.count('M')} M, "
+            f"{seq[:first].count('L') if first >= 0 else seq.count('L')} L before the first M\n    {seq[:120]}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--m", default="1,4")
     ap.add_argument("--config", action="append", default=[], help="JSON overrides of SPLIT_DEFAULT (repeatable)")
     ap.add_argument("--shared", type=int, default=1)
+    ap.add_argument("--sched", action="store_true", help="also print each kernel's load / mma issue order")
     a = ap.parse_args(argv)
     for m in (int(v) for v in a.m.split(",")):
         for cj in a.config or ["{}"]:
             c, ka, kb = compile_split(m, json.loads(cj), bool(a.shared), a.arch)
             print(f"M={m} {json.dumps(c, sort_keys=True)}\n  A: {ptxas_util.resource_usage(ka)}\n"
                   f"  B: {ptxas_util.resource_usage(kb)}", flush=True)
+            if a.sched:
+                print(_sched_line("A", ka) + "\n" + _sched_line("B", kb), flush=True)
     return 0
 
 

@@ -90,21 +90,6 @@ def test_split_reduce_kernel_key():
         ts.fit_split_config({"RK": 2}, 2560, 768)
 
 
-@pytest.mark.skipif(ts.gl is None, reason="needs Gluon (triton >= 3.5) for the word layouts")
-def test_split_prefetch_key():
-    """``PF``: each program's tile prefetched into L2 first; 0 by default, carried to both kernels on sm_90+, 0 on
-    an older device (no bulk prefetch), anything but 0/1 a named error."""
-    c = ts.fit_split_config({"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "SG": 4, "PF": 1}, 2560, 768)
-    a, b = ts.split_constexprs(4, 8, 2560, 768, c, True, False, True, 1)
-    assert (a["PF"], b["PF"]) == (1, 1)
-    a, b = ts.split_constexprs(4, 8, 2560, 768, c, True, False, True, 1, sm90=False)
-    assert (a["PF"], b["PF"]) == (0, 0)
-    c0 = ts.fit_split_config({"BI": 64, "KP": 2, "KC": 5, "num_warps": 8}, 2560, 768)
-    assert ts.split_constexprs(4, 8, 2560, 768, c0, True, False, True, 1)[0]["PF"] == 0
-    with pytest.raises(BackendError, match="PF"):
-        ts.fit_split_config({"PF": 2}, 2560, 768)
-
-
 def test_split_decode_key(monkeypatch):
     """``DQ``: the shift decode (1) by default, the table (0) on request, anything else a named error; the constexprs
     carry it to both kernels unless the launch lowers it (scales the shift decode cannot take, or the A/B switch

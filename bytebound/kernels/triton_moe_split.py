@@ -57,10 +57,8 @@ codes into BF16 with 2^126 folded into the E8M0 scale; 0 decodes through PRMT ta
 exceed :data:`SHIFT_DECODE_MAX_E8M0` runs 0 whatever the config says, ``MoEKernel.shift_decode``), ``RK`` (default 0;
 1 with ``KP > 1``: kernel A's programs store their partials and end, and :func:`_moe_reduce_swiglu`, a third launch
 between the two kernels, sums them and applies SwiGLU: the same sums in the same order, so the same bits, without the
-fence, ticket and last-program tail in kernel A), ``PF`` (default 0; 1 on sm_90+: each program first asks for its whole
-weight tile with bulk L2 prefetches, kernel A's routed and shared slots and kernel B's slots from the third on, so the
-tile streams from DRAM while the register loads, which ptxas schedules about a chunk ahead, hit L2; values
-unchanged). Constraints: H/(KP*KC) and I/KP2 are 128 x a power of two,
+fence, ticket and last-program tail in kernel A; the committed M = 4 entry sets it: one more launch a layer, so the
+M = 1 decode entry, whose step stays at one launch fewer per MoE layer, does not). Constraints: H/(KP*KC) and I/KP2 are 128 x a power of two,
 ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (an mma row tile per warp); :func:`fit_split_config` fits a
 config to a model's shape or raises BackendError.
 
@@ -195,19 +193,8 @@ mov.b32 {$6, $7}, a6;
 """)
 
     ASM_FENCE = gl.constexpr("fence.acq_rel.gpu; mov.u32 $0, 0;")
-
-    # Config ``PF``: one bulk L2 prefetch (sm_90+) of $2 bytes at $1 (16-byte aligned, $2 a multiple of 16) where
-    # $3 != 0. It only warms L2: no register, no completion to wait for, values unchanged.
-    ASM_PF = gl.constexpr("""
-{
-.reg .pred p;
-setp.ne.u32 p, $3, 0;
-@p cp.async.bulk.prefetch.L2.global [$1], $2;
-mov.u32 $0, 0;
-}
-""")
 else:  # pragma: no cover
-    ASM_DEQ8 = ASM_DEQ8_SHIFT = ASM_FENCE = ASM_PF = None
+    ASM_DEQ8 = ASM_DEQ8_SHIFT = ASM_FENCE = None
 
 # The largest E8M0 byte the shift decode takes: its factor 2^(E-1) must be a finite BF16 (E - 1 <= 127).
 SHIFT_DECODE_MAX_E8M0 = 128
@@ -223,38 +210,6 @@ if gluon is not None:
         fz = gl.arange(0, 32 * NW, layout=FL)
         gl.inline_asm_elementwise(ASM_FENCE, "=r,r", [fz], gl.int32, False, 1)
         gl.thread_barrier()
-
-    @gluon.jit
-    def _l2_prefetch(ptr, nbytes, ok):
-        """:data:`ASM_PF` elementwise: thread-local bulk L2 prefetches of ``nbytes`` (int32) at ``ptr`` where ``ok``."""
-        gl.inline_asm_elementwise(ASM_PF, "=r,l,r,r", [ptr, nbytes, ok.to(gl.int32)], gl.int32, False, 1)
-
-    @gluon.jit
-    def _prefetch_rows(base, row0, row1, half: gl.constexpr, row_words: gl.constexpr, off_words, nbytes: gl.constexpr,
-                       NW: gl.constexpr, ok=True):
-        """Config ``PF``: bulk L2 prefetches of ``nbytes`` from word ``off_words`` of rows ``row0 + r`` (``r < half``)
-        and ``row1 + r - half`` (``half <= r < 2*half``) of an int32 matrix with ``row_words`` words a row, spread over
-        the CTA's threads (each row cut into as many pieces as there are threads per row, each a multiple of 16
-        bytes); nothing where the scalar ``ok`` is false."""
-        R: gl.constexpr = 2 * half
-        NH: gl.constexpr = (32 * NW) // R if 32 * NW > R else 1
-        PB: gl.constexpr = nbytes // NH
-        gl.static_assert(PB % 16 == 0, "PF: a prefetch piece must be a multiple of 16 bytes")
-        QL: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-        q = gl.arange(0, R * NH, layout=QL)
-        r = q // NH
-        row = gl.where(r < half, row0 + r, row1 + (r - half))
-        ptr = base + row * row_words + off_words + (q % NH) * (PB // 4)
-        _l2_prefetch(ptr, gl.full([R * NH], PB, gl.int32, QL), (q >= 0) & ok)
-
-    @gluon.jit
-    def _prefetch_block(base, nbytes: gl.constexpr, NW: gl.constexpr, ok=True):
-        """Config ``PF``: one bulk L2 prefetch of ``nbytes`` contiguous bytes at ``base`` (16-byte aligned), issued by
-        one thread, where the scalar ``ok`` holds."""
-        gl.static_assert(nbytes % 16 == 0, "PF: a bulk prefetch must be a multiple of 16 bytes")
-        QL: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-        q = gl.arange(0, 32 * NW, layout=QL)
-        _l2_prefetch(base + q * 0, gl.full([32 * NW], nbytes, gl.int32, QL), (q == 0) & ok)
 
     @gluon.jit
     def frag_dequant(w, s, c0, c1, c2, c3, c4, DA: gl.constexpr, DQ: gl.constexpr = 0):
@@ -446,7 +401,7 @@ mov.b32 {$2, $3}, a1;
                           SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
                           WD: gl.constexpr, PDL: gl.constexpr, SHARED: gl.constexpr = False,
                           WD8: gl.constexpr = None, PDL_IN: gl.constexpr = 0, KC: gl.constexpr = 1,
-                          DQ: gl.constexpr = 0, RK: gl.constexpr = 0, PF: gl.constexpr = 0):
+                          DQ: gl.constexpr = 0, RK: gl.constexpr = 0):
         NW: gl.constexpr = gl.num_warps()
         S: gl.constexpr = M * TOPK
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
@@ -462,15 +417,15 @@ mov.b32 {$2, $3}, a1;
         if SHARED:
             if s == S:
                 _gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, s, j, p, H, I, M, BI,
-                               KP, HAS_LIMIT, WD8, PDL_IN, MMA, DA, DB, RL, KC, RK, PF)
+                               KP, HAS_LIMIT, WD8, PDL_IN, MMA, DA, DB, RL, KC, RK)
             else:
                 _pdl_in(PDL_IN, PDL, NW)
                 _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
-                               s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, DQ, RK, PF)
+                               s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, DQ, RK)
         else:
             _pdl_in(PDL_IN, PDL, NW)
             _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
-                           s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, DQ, RK, PF)
+                           s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, DQ, RK)
 
     @gluon.jit
     def _pdl_in(PDL_IN: gl.constexpr, PDL: gl.constexpr, NW: gl.constexpr):
@@ -488,14 +443,13 @@ mov.b32 {$2, $3}, a1;
                        I: gl.constexpr, M: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr,
                        HAS_LIMIT: gl.constexpr, WD8: gl.constexpr, PDL_IN: gl.constexpr, MMA: gl.constexpr,
                        DA: gl.constexpr, DB: gl.constexpr, RL: gl.constexpr, KC: gl.constexpr = 1,
-                       RK: gl.constexpr = 0, PF: gl.constexpr = 0):
+                       RK: gl.constexpr = 0):
         """Kernel A, the shared expert's slot: FP8 E4M3 rows ``gate[j-slice] | up[j-slice]`` (128x128 block
         scales, ``ss13`` as BF16x2 factors) times x over H slice ``p``; routing weight 1 for every token. With
         ``PDL_IN`` the first chunk's weights (read-only, known before routing) are loaded *before* the PDL wait,
         so they stream while the router still runs (``PDL_IN == 2``; 1 waits first); x and the scratch are touched
         only after the wait. With ``KC > 1`` (a wider H slice in several chunks) the chunks go through a two-deep
-        register pipeline, as in :func:`_gateup_routed`. ``PF``: the slot's whole tile is prefetched into L2 first
-        (read-only, so before the PDL wait)."""
+        register pipeline, as in :func:`_gateup_routed`."""
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         R1: gl.constexpr = 2 * BI
@@ -509,8 +463,6 @@ mov.b32 {$2, $3}, a1;
         row8 = gl.where(r8 < BI, j * BI + r8, I + j * BI + (r8 - BI))               # row of [gate; up]
         NCH: gl.constexpr = NS // NC
         acc = gl.zeros([R1, NPC], gl.float32, MMA)
-        if PF:
-            _prefetch_rows(sw13_ptr, j * BI, I + j * BI, BI, H // 4, p * (HK // 4), HK, NW)
         if PDL_IN == 2:     # read-only weights: may precede the wait
             wv, sv = _fp8_tile(sw13_ptr, ss13_ptr, row8, p * NS, H, WD8)
         _pdl_in(PDL_IN, True, NW)       # (a launch_dependents trigger with no PDL dependent does nothing)
@@ -547,7 +499,7 @@ mov.b32 {$2, $3}, a1;
                        SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
                        WD: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
                        DB: gl.constexpr, RL: gl.constexpr, KC: gl.constexpr = 1, DQ: gl.constexpr = 0,
-                       RK: gl.constexpr = 0, PF: gl.constexpr = 0):
+                       RK: gl.constexpr = 0):
         """Kernel A, routed slot ``s``: its expert's MXFP4 rows (unless an earlier slot owns the expert).
 
         ``KC == 1``: every weight byte of the program in one go. ``KC > 1``: the program's H slice in ``KC`` chunks
@@ -556,12 +508,7 @@ mov.b32 {$2, $3}, a1;
         wave of long programs replaces several waves of short ones, each of which paid the ids -> weights ->
         partial -> ticket chain (docs/perf/moe-kernels-h200.md, fourteenth session, where the sweep measured it
         level with KC 1: the pipeline's registers cost resident programs). The chunks accumulate into one float32
-        accumulator in the order c = 0..KC-1.
-
-        ``PF`` (config key): before its first load the program asks for its whole tile (the ``2*BI`` rows' H slice and
-        their E8M0 rows) with bulk L2 prefetches. ptxas sinks each chunk's register loads next to their use (the
-        pipeline above survives in the PTX, not in the SASS: about one chunk in flight a warp), so without it the
-        DRAM sees a chunk at a time; with it the tile streams while the chunks are decoded, and their loads hit L2."""
+        accumulator in the order c = 0..KC-1."""
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         S: gl.constexpr = M * TOPK
@@ -577,10 +524,6 @@ mov.b32 {$2, $3}, a1;
             row = gl.where(r < BI, j * BI + r, I + j * BI + (r - BI))
             wp = w13_ptr + e * (2 * I * (H // 8))
             sp = s13_ptr + e * (2 * I * (H // 32))
-            if PF:
-                _prefetch_rows(wp, j * BI, I + j * BI, BI, H // 8, p * (HK // 8), HK // 2, NW)
-                _prefetch_block(sp + j * BI * (H // 32), BI * (H // 32), NW)
-                _prefetch_block(sp + (I + j * BI) * (H // 32), BI * (H // 32), NW)
             c0 = p * (HK // 128)
             wv, sv = mxfp4_tile(wp, sp, row, c0, H, WD)
             b = _load_b(x_ptr + p * HK, H, M, NS, NW, DB, DQ=DQ)
@@ -722,7 +665,7 @@ mov.b32 {$2, $3}, a1;
                         H: gl.constexpr, I: gl.constexpr, M: gl.constexpr, S: gl.constexpr, SP: gl.constexpr,
                         BH: gl.constexpr, KP2: gl.constexpr, WD: gl.constexpr, PDL: gl.constexpr,
                         SHARED: gl.constexpr = False, WD8: gl.constexpr = None, SG: gl.constexpr = 1,
-                        DQ: gl.constexpr = 0, PF: gl.constexpr = 0):
+                        DQ: gl.constexpr = 0):
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         GR: gl.constexpr = (S + SG - 1) // SG   # groups of SG routed slots (SG 1: one slot per program)
@@ -752,13 +695,13 @@ mov.b32 {$2, $3}, a1;
                              SP, BH, KP2, WD, PDL, MMA, DA, DB, RL, OL, DQ)
             else:
                 _down_routed_group(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, slot, omask, s, hb, kq, H, I, M, S,
-                                   SP, BH, KP2, SG, WD, PDL, MMA, DA, DB, RL, OL, DQ, PF)
+                                   SP, BH, KP2, SG, WD, PDL, MMA, DA, DB, RL, OL, DQ)
         elif SG == 1:
             _down_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, slot, omask, s, hb, kq, H, I, M, S,
                          SP, BH, KP2, WD, PDL, MMA, DA, DB, RL, OL, DQ)
         else:
             _down_routed_group(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, slot, omask, s, hb, kq, H, I, M, S,
-                               SP, BH, KP2, SG, WD, PDL, MMA, DA, DB, RL, OL, DQ, PF)
+                               SP, BH, KP2, SG, WD, PDL, MMA, DA, DB, RL, OL, DQ)
 
         _fence_all(NW)
         ticket = gl.atomic_add(cnt_ptr + hb, 1, sem="acq_rel", scope="gpu")
@@ -838,15 +781,13 @@ if gluon is not None:
                            I: gl.constexpr, M: gl.constexpr, S: gl.constexpr, SP: gl.constexpr, BH: gl.constexpr,
                            KP2: gl.constexpr, SG: gl.constexpr, WD: gl.constexpr, PDL: gl.constexpr,
                            MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, RL: gl.constexpr,
-                           OL: gl.constexpr, DQ: gl.constexpr = 0, PF: gl.constexpr = 0):
+                           OL: gl.constexpr, DQ: gl.constexpr = 0):
         """Kernel B, routed slots ``g*SG .. g*SG + SG - 1`` (``SG > 1``): their experts' ``W2`` rows of block
         ``hb``, I slice ``kq``, summed in slot order into one float32 accumulator and one partial slot, so the
         last program of the row block sums ``SG`` times fewer partials. A slot past ``S``, or whose expert an
         earlier slot owns, loads nothing (masked loads give zero weights and a zero B operand: no branch in the
         pipeline). Slots ``i + 1`` and ``i + 2`` are in flight while slot ``i`` is multiplied; the first two
-        slots' weights are loaded before the PDL wait (they do not depend on kernel A), the activations after. ``PF``:
-        the tiles of slots 2.. are prefetched into L2 first (bulk prefetches; as in kernel A, ptxas keeps about one
-        slot's loads in flight)."""
+        slots' weights are loaded before the PDL wait (they do not depend on kernel A), the activations after."""
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         IK: gl.constexpr = I // KP2
@@ -859,12 +800,6 @@ if gluon is not None:
         h = gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD)))
         rows = hb * BH + h
         s0 = g * SG
-        if PF:
-            for i in gl.static_range(2, SG):
-                ep, okp = _group_slot(ids, t, s0 + i, S)
-                _prefetch_rows(w2_ptr + ep * (H * (I // 8)), hb * BH, hb * BH + BH // 2, BH // 2, I // 8,
-                               kq * (IK // 8), IK // 2, NW, okp)
-                _prefetch_block(s2_ptr + ep * (H * (I // 32)) + hb * BH * (I // 32), BH * (I // 32), NW, okp)
         e0, ok0 = _group_slot(ids, t, s0, S)
         wv, sv = mxfp4_tile_if(w2_ptr + e0 * (H * (I // 8)), s2_ptr + e0 * (H * (I // 32)), rows, kq * NS, I, WD,
                                ok0)
@@ -957,9 +892,6 @@ def fit_split_config(cfg: dict, h: int, i: int) -> dict:
     if cfg.get("RK", 0) not in (0, 1):
         raise BackendError(f"moe[triton] variant 'split': RK (kernel A's partials summed by a launch of their own) "
                            f"must be 0 or 1, got {cfg.get('RK')!r}")
-    if cfg.get("PF", 0) not in (0, 1):
-        raise BackendError(f"moe[triton] variant 'split': PF (bulk L2 prefetch of each program's tile) must be 0 or 1, "
-                           f"got {cfg.get('PF')!r}")
     if cfg.get("DQ") not in (0, 1):
         raise BackendError(f"moe[triton] variant 'split': DQ (the E2M1 decode) must be 0 (table) or 1 (shift), "
                            f"got {cfg.get('DQ')!r}")
@@ -1041,17 +973,15 @@ def launch_dq(kern, cfg: dict) -> tuple[int, str]:
 
 
 def split_constexprs(m: int, k: int, h: int, i: int, cfg: dict, shared: bool, has_limit: bool, pdl: bool,
-                     pdl_in: int, dq: int | None = None, sm90: bool = True) -> tuple[dict, dict]:
+                     pdl_in: int, dq: int | None = None) -> tuple[dict, dict]:
     """The compile-time arguments of kernel A (``_moe_gateup_split``) and kernel B (``_moe_down_split``) for ``m``
     tokens of top ``k`` at hidden ``h`` and intermediate ``i`` under a fitted ``cfg`` (:func:`fit_split_config`):
     the one derivation :func:`launch_split` launches with and ``scripts/split_ptxas.py`` compiles offline, so the
     two cannot drift. ``shared``: the shared expert is one more slot; ``has_limit``: a SwiGLU clamp in the launch;
     ``pdl`` / ``pdl_in``: as the config's ``pdl`` / ``pdl_in`` on an sm_90 device (0 / False elsewhere); ``dq``: the
     E2M1 decode of both kernels' routed slots (:func:`frag_dequant`; default the config's ``DQ``, which
-    :func:`launch_split` lowers to 0 for scales the shift decode cannot take); ``sm90``: the device has the bulk L2
-    prefetch the config's ``PF`` asks for (0 elsewhere)."""
+    :func:`launch_split` lowers to 0 for scales the shift decode cannot take)."""
     dq = int(cfg.get("DQ", 0)) if dq is None else int(dq)
-    pf = int(cfg.get("PF", 0)) if sm90 else 0
     s = m * k
     sp = max(32, 1 << (s - 1).bit_length())
     bi, kp, bh, kp2 = cfg["BI"], cfg["KP"], cfg["BH"], cfg["KP2"]
@@ -1060,10 +990,10 @@ def split_constexprs(m: int, k: int, h: int, i: int, cfg: dict, shared: bool, ha
     a = dict(H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, KP=kp, HAS_LIMIT=has_limit,
              WD=word_layout(2 * bi, h // kp // kc // 128, nw), PDL=pdl, SHARED=shared,
              WD8=fp8_word_layout(2 * bi, max(1, h // kp // kc // 256), nw) if shared else None,
-             PDL_IN=pdl_in, KC=kc, DQ=dq, RK=int(cfg.get("RK", 0)) if kp > 1 else 0, PF=pf)
+             PDL_IN=pdl_in, KC=kc, DQ=dq, RK=int(cfg.get("RK", 0)) if kp > 1 else 0)
     b = dict(H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2, SG=max(1, min(int(cfg.get("SG", 1)), s)),
              WD=word_layout(bh, i // kp2 // 128, dw), PDL=pdl, SHARED=shared,
-             WD8=fp8_word_layout(bh, i // kp2 // 128, dw) if shared else None, DQ=dq, PF=pf)
+             WD8=fp8_word_layout(bh, i // kp2 // 128, dw) if shared else None, DQ=dq)
     return a, b
 
 
@@ -1100,8 +1030,7 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
     pdl = bool(cfg.get("pdl", True)) and kern.sm90
     pdl_in = int(cfg.get("pdl_in", 0)) if kern.sm90 else 0
     sw13, ss13, sw2, ss2 = (sh.w13w, sh.s13, sh.w2w, sh.s2) if sh is not None else (kern.w13w, kern.lut) * 2
-    ca, cb = split_constexprs(m, k, h, i, cfg, sh is not None, has_limit, pdl, pdl_in, launch_dq(kern, cfg)[0],
-                              kern.sm90)
+    ca, cb = split_constexprs(m, k, h, i, cfg, sh is not None, has_limit, pdl, pdl_in, launch_dq(kern, cfg)[0])
     _moe_gateup_split[(nj, st, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
                                     sw13, ss13, slimit, **ca, num_warps=cfg["num_warps"], launch_pdl=pdl_in > 0)
     if ca["RK"]:
