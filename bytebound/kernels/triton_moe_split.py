@@ -57,10 +57,10 @@ codes into BF16 with 2^126 folded into the E8M0 scale; 0 decodes through PRMT ta
 exceed :data:`SHIFT_DECODE_MAX_E8M0` runs 0 whatever the config says, ``MoEKernel.shift_decode``), ``RK`` (default 0;
 1 with ``KP > 1``: kernel A's programs store their partials and end, and :func:`_moe_reduce_swiglu`, a third launch
 between the two kernels, sums them and applies SwiGLU: the same sums in the same order, so the same bits, without the
-fence, ticket and last-program tail in kernel A; the committed M = 4 entry sets it: one more launch a layer, so the
-M = 1 decode entry, whose step stays at one launch fewer per MoE layer, does not). Constraints: H/(KP*KC) and I/KP2 are 128 x a power of two,
-``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (an mma row tile per warp); :func:`fit_split_config` fits a
-config to a model's shape or raises BackendError.
+fence, ticket and last-program tail in kernel A; the committed M = 4 entry sets it, the M = 1 decode entry does not:
+one more launch per MoE layer there would take the step past its kernel budget). Constraints: H/(KP*KC) and I/KP2 are
+128 x a power of two, ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (an mma row tile per warp);
+:func:`fit_split_config` fits a config to a model's shape or raises BackendError.
 
 This module also owns the device code the fused variants share (``kernels.triton_moe_variants``): the Gluon import
 (:data:`gluon`, :data:`gl`, :data:`GLUON_ERR`), the E2M1 decode (:data:`ASM_DEQ8` with its PRMT tables
