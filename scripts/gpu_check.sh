@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -348,10 +348,35 @@ json.dump(t, open(sys.argv[1], "w"), indent=1)' "$tab" "$key"
     done
 }
 
-section_rk() {           # the twenty-third session's opt-in MoE config key RK (kernel A's partials summed and SwiGLU
-    # applied by a launch of their own; docs/perf/session23-h100-w4a8/, section 4): moe_key_ab (AB_PARTS, default
-    # "tests layer round")
+section_rk() {           # the twenty-third session's MoE config key RK (kernel A's partials summed and SwiGLU applied by a
+    # launch of their own; docs/perf/session23-h100-w4a8/, section 4): moe_key_ab (AB_PARTS, default "tests layer
+    # round"). The committed M = 4 entry has RK since the twenty-fourth session, so the A/B arms now differ in the M = 1
+    # entry only (docs/perf/session24-h100-rk/)
     moe_key_ab RK "${AB_PARTS:-tests layer round}"
+}
+
+section_retune() {       # the M = 4 (verify) entry's tiling re-tuned now that it has RK (no ticket tail in kernel A, so
+    # more H slices may pay; the twenty-fourth session's next step): bench_moe --tune-stream at M = 4 over RETUNE_A
+    # (kernel-A candidates, a JSON list of overrides of the committed entry; default below), then the MTP round with
+    # the plain step (profile_round) with the committed table and with the sweep's best M = 4 entry, alternating,
+    # AB_PAIRS pairs (default 2). Synthetic weights, random routing in the sweep.
+    local cand='[{"KP": 5, "KC": 2}, {"KP": 5, "KC": 1}, {"KP": 10, "KC": 1}, {"BI": 32, "num_warps": 4, "KP": 10, "KC": 1},
+        {"BI": 32, "num_warps": 4, "KP": 5, "KC": 2}, {"KP": 1, "KC": 10}]' i
+    [ -n "${RETUNE_A:-}" ] && cand="$RETUNE_A"
+    run_step tune python3 scripts/bench_moe.py --backends '' --m 4 --layers 4 --reps 20 --tune-stream \
+        --out "$OUT/retune" --stream-a "$cand" --stream-b '[]'
+    python3 -c 'import json, sys
+t = json.load(open("bytebound/kernels/configs/triton_moe.json"))
+best = next(iter(json.load(open(sys.argv[1])).values()))["E512_H2560_I768_k8_M4"]
+t["NVIDIA H200"]["E512_H2560_I768_k8_M4"] = best
+print("retune: best M = 4 entry", json.dumps(best))
+json.dump(t, open(sys.argv[2], "w"), indent=1)' "$OUT/retune/triton_moe_configs.json" "$OUT/retune-table.json" \
+        | tee -a "$LOG" || { FAILED+=("retune/table"); return 0; }
+    local r=(python3 scripts/profile_round.py --no-phases --ctx 2048 --draft-vocab "${AB_DRAFT_VOCAB:-32768}" --out "$OUT")
+    for i in $(seq 1 "${AB_PAIRS:-2}"); do
+        run_step "round_base_$i" "${r[@]}" --name "round-base-$i"
+        run_step "round_retune_$i" env BYTEBOUND_MOE_CONFIG="$OUT/retune-table.json" "${r[@]}" --name "round-retune-$i"
+    done
 }
 
 section_ladder() {       # issue 21: the seed's ablation ladder with today's engine (CUDA defaults), one lever at a time:
