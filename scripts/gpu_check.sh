@@ -308,41 +308,54 @@ section_ab() {           # the twentieth session's A/Bs in one call (docs/perf/r
     run_step round_argmax_all env BYTEBOUND_HEAD_ARGMAX=1 "${r[@]}" --name round-argmax-all
 }
 
-# moe_key_ab KEY PARTS: an opt-in MoE config key against the committed table. KEY=1 is added to every "split" entry of
-# a copy of the table; its GPU tests run (by node id, not -k: -k also matches the checkout's directory names, and a
-# root under /root/work matches "rk"); then the parts named in PARTS (default "layer round"): the whole MoE layer
+# moe_key_ab KEY PARTS: an MoE config key on against off. Two copies of the committed table set KEY 1 and KEY 0 in
+# every "split" entry. With "tests" in PARTS its GPU tests run, selected by node id (not -k: -k also matches the
+# checkout's directory names, and a root under /root/work matches "rk"), with the graph-replay tests; none collected
+# is a failure, not a run of every test. Then the parts named in PARTS (default "layer round"): the whole MoE layer
 # (bench_moe --router, M = 1 and 4) and the MTP round with the plain step (profile_round, AB_DRAFT_VOCAB rows of hot
-# head, default 32768), each with and without the key in alternating processes (the table is read when a layer
-# binds: one process per arm), AB_PAIRS pairs (default 2). Synthetic weights.
+# head, default 32768), each with the key off and on in alternating processes (the table is read when a layer binds:
+# one process per arm), AB_PAIRS pairs (default 2). Synthetic weights.
 moe_key_ab() {
-    local key="$1" parts="${2:-layer round}" lk tab i ids
+    local key="$1" parts="${2:-layer round}" lk tab base i ids
     lk=$(echo "$key" | tr '[:upper:]' '[:lower:]')
     tab="$OUT/$lk-table.json"
+    base="$OUT/$lk-off-table.json"
+    # two copies of the committed table: KEY 1 in every "split" entry, and KEY 0 in every one (the base arm is off
+    # everywhere, even where the committed entry sets the key)
     python3 -c 'import json, sys
-t = json.load(open("bytebound/kernels/configs/triton_moe.json"))
-for gpu, entries in t.items():
-    if not gpu.startswith("_"):
-        for e in entries.values():
-            if e.get("variant") == "split":
-                e[sys.argv[2]] = 1
-json.dump(t, open(sys.argv[1], "w"), indent=1)' "$tab" "$key"
+for path, val in ((sys.argv[1], 1), (sys.argv[2], 0)):
+    t = json.load(open("bytebound/kernels/configs/triton_moe.json"))
+    for gpu, entries in t.items():
+        if not gpu.startswith("_"):
+            for e in entries.values():
+                if e.get("variant") == "split":
+                    e[sys.argv[3]] = val
+    json.dump(t, open(path, "w"), indent=1)' "$tab" "$base" "$key"
     if [[ " $parts " == *" tests "* ]]; then
         mapfile -t ids < <(python3 -m pytest tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider --collect-only \
-            2>/dev/null | grep -E "^tests/.*(-$lk\]|keeps_the_bits.*\[$key-|graph_replay)")
-        echo "$lk: ${#ids[@]} tests selected" | tee -a "$LOG"
-        run_step tests python3 -m pytest "${ids[@]}" -q -p no:cacheprovider -rfE --tb=short $(pytest_timeout)
+            2>>"$LOG" | grep -E "^tests/.*(-$lk\]|keeps_the_bits.*\[$key-)")
+        echo "$lk: ${#ids[@]} tests of the key selected (+ the graph-replay tests)" | tee -a "$LOG"
+        if [ "${#ids[@]}" -eq 0 ]; then
+            # an unknown key, or a collection error (in the log): never fall back to pytest's whole test path
+            echo "$lk: no test of the key collected" | tee -a "$LOG"
+            FAILED+=("$CURRENT/tests(no $key tests collected)")
+        else
+            mapfile -t -O "${#ids[@]}" ids < <(python3 -m pytest tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider \
+                --collect-only 2>>"$LOG" | grep -E '^tests/.*graph_replay')
+            run_step tests python3 -m pytest "${ids[@]}" -q -p no:cacheprovider -rfE --tb=short $(pytest_timeout)
+        fi
     fi
     local b=(python3 scripts/bench_moe.py --backends '' --router --m 1,4 --layers 4 --reps 20)
     local r=(python3 scripts/profile_round.py --no-phases --ctx 2048 --draft-vocab "${AB_DRAFT_VOCAB:-32768}" --out "$OUT")
     for i in $(seq 1 "${AB_PAIRS:-2}"); do
         if [[ " $parts " == *" layer "* ]]; then
-            run_step "layer_base_$i" "${b[@]}" --out "$OUT/layer-base-$i"
+            run_step "layer_base_$i" env BYTEBOUND_MOE_CONFIG="$base" "${b[@]}" --out "$OUT/layer-base-$i"
             run_step "layer_${lk}_$i" env BYTEBOUND_MOE_CONFIG="$tab" "${b[@]}" --out "$OUT/layer-$lk-$i"
         fi
     done
     for i in $(seq 1 "${AB_PAIRS:-2}"); do
         if [[ " $parts " == *" round "* ]]; then
-            run_step "round_base_$i" "${r[@]}" --name "round-base-$i"
+            run_step "round_base_$i" env BYTEBOUND_MOE_CONFIG="$base" "${r[@]}" --name "round-base-$i"
             run_step "round_${lk}_$i" env BYTEBOUND_MOE_CONFIG="$tab" "${r[@]}" --name "round-$lk-$i"
         fi
     done
@@ -350,8 +363,8 @@ json.dump(t, open(sys.argv[1], "w"), indent=1)' "$tab" "$key"
 
 section_rk() {           # the twenty-third session's MoE config key RK (kernel A's partials summed and SwiGLU applied by a
     # launch of their own; docs/perf/session23-h100-w4a8/, section 4): moe_key_ab (AB_PARTS, default "tests layer
-    # round"). The committed M = 4 entry has RK since the twenty-fourth session, so the A/B arms now differ in the M = 1
-    # entry only (docs/perf/session24-h100-rk/)
+    # round"): RK off everywhere against on everywhere. The committed table has it in the M = 4 entry only since the
+    # twenty-fourth session (docs/perf/session24-h100-rk/), so neither arm is the committed table
     moe_key_ab RK "${AB_PARTS:-tests layer round}"
 }
 

@@ -8,7 +8,9 @@ Pointers are declared 16-divisible, as Triton specialises them at a real launch 
 
 ``--sched`` also prints the order in which ptxas issues each kernel's 16-byte global loads and its mma instructions
 (:func:`issue_order`): how many weight loads a warp has in flight when its first mma issues. The source pipelines
-kernel A's chunks two ahead (``KC``); the SASS does not keep that (docs/perf/session24-h100-rk/).
+kernel A's chunks two ahead (``KC``); the SASS does not keep that (docs/perf/session24-h100-rk/). Without
+``--config`` it compiles ``SPLIT_DEFAULT``, not the committed table's entries; ``--shared 0`` leaves the shared slot's
+path out of kernel A's order.
 """
 
 from __future__ import annotations
@@ -49,8 +51,10 @@ def compile_split(m: int, cfg: dict, shared: bool = True, arch: int = 90, h: int
 
 def issue_order(kernel) -> str:
     """The SASS issue order of a compiled kernel's 16-byte global loads and mma instructions as a string: ``L`` an
-    unpredicated ``LDG.E.128`` (the weight tiles), ``b`` a predicated one (the masked B operand), ``M`` an ``HMMA``;
-    read with nvdisasm from the Triton wheel (no GPU)."""
+    unpredicated ``LDG.E.128`` (any suffix, e.g. ``.STRONG.GPU``), ``b`` a predicated one, ``M`` an ``HMMA``; read
+    with nvdisasm from the Triton wheel (no GPU). In kernel A's routed path the unpredicated loads are the weight
+    tiles and the predicated ones the masked B operand (x); in kernel B's slot loop (``SG > 1``) the weight loads are
+    predicated too (a slot may be skipped), so there the two letters say only predicated or not."""
     import triton
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
@@ -59,14 +63,15 @@ def issue_order(kernel) -> str:
         sass = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
-    ops = [ln for ln in sass.splitlines() if re.search(r"LDG\.E\.128 |HMMA", ln)]
+    ops = [ln for ln in sass.splitlines() if re.search(r"LDG\.E\.128(\.\S+)*\s|HMMA", ln)]
     return "".join("M" if "HMMA" in ln else ("b" if re.search(r"@!?U?P\d", ln) else "L") for ln in ops)
 
 
 def _sched_line(name: str, kernel) -> str:
     seq = issue_order(kernel)
     first = seq.find("M")
-    return (f"  {name} issue order (L weight load, b B-operand load, M mma): {seq.count('L')} L, {seq.count('M')} M, "
+    return (f"  {name} issue order (L unpredicated 16-byte load, b predicated, M mma): {seq.count('L')} L, "
+            f"{seq.count('M')} M, "
             f"{seq[:first].count('L') if first >= 0 else seq.count('L')} L before the first M\n    {seq[:120]}")
 
 

@@ -93,8 +93,7 @@ MOE_MODES = [("gluon", False), ("gluon", True), ("tl", False), ("tl", True), ("s
              ("split", {"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "SG": 4, "RK": 1}),
              ("split", {"KP": 1})]
 MOE_IDS = ["gluon-atomics", "gluon-partials", "tl-atomics", "tl-partials", "split", "split-kp5", "split-kc5-sg3",
-           "split-kc4-sg8", "split-table", "split-kc5-sg3-table", "split-kc5-sg4-rk",
-           "split-kp1"]
+           "split-kc4-sg8", "split-table", "split-kc5-sg3-table", "split-kc5-sg4-rk", "split-kp1"]
 
 
 def _moe_config(variant, partials):
@@ -282,13 +281,13 @@ def test_split_key_keeps_the_bits(ling_experts, key, tiling, m, dup, limits):
         ids, w = make_routing(m, LING["e"], LING["k"], shared=dup, seed=m + dup)
         x = torch.randn(m, LING["h"], device=DEV).to(torch.bfloat16)
         outs = {}
-        for rk in (0, 1):
-            cfg = fit_config(_moe_config("split", dict(tiling, **{key: rk})), LING["h"], LING["i"])
+        for on in (0, 1):
+            cfg = fit_config(_moe_config("split", dict(tiling, **{key: on})), LING["h"], LING["i"])
             fn = MoEKernel(ex, {mm: cfg for mm in range(1, 5)})
-            outs[rk, False] = _poisoned_call(fn, x, ids, w)
+            outs[on, False] = _poisoned_call(fn, x, ids, w)
             fn.bind_shared(mlp)
-            outs[rk, True] = _poisoned_call(fn, x, ids, w)
-            if rk:
+            outs[on, True] = _poisoned_call(fn, x, ids, w)
+            if on:
                 assert torch.equal(_graph_replay_out(fn, x, ids, w, replays=1), outs[1, True]), \
                     "graph replay differs from eager"
         for sh in (False, True):
