@@ -331,6 +331,17 @@ mov.b32 {$2, $3}, a1;
         return ids, e, gl.sum(gl.where((ids == e) & (t < s), 1, 0), axis=0) == 0
 
     @gluon.jit
+    def _token_weights(ids, e, tw_ptr, S: gl.constexpr, SP: gl.constexpr, TOPK: gl.constexpr, RL: gl.constexpr):
+        """float32 ``[8]`` (layout ``SliceLayout(1, RL)``): the routing weight each token ``m`` gave expert ``e`` (0 if
+        it did not pick it, and for the padding tokens ``m >= M``), from the slots' ``ids`` (``[SP]``, -1 past ``S``)
+        and their weights ``tw [S]``."""
+        t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
+        tw = gl.load(tw_ptr + t, mask=t < S, other=0.0)
+        mcol = gl.arange(0, 8, layout=gl.SliceLayout(1, RL))
+        sel = (ids[None, :] == e) & ((t // TOPK)[None, :] == mcol[:, None])
+        return gl.sum(gl.where(sel, tw[None, :], 0.0), axis=1)
+
+    @gluon.jit
     def mxfp4_index(row, cb, K: gl.constexpr, WD: gl.constexpr):
         """The index maths of :func:`mxfp4_tile` (also the benchmark probe's, ``bench.moe_probe``, which replaces
         the loads): for rows ``row`` (``[R]``, layout ``SliceLayout(1, SliceLayout(2, SliceLayout(3, WD)))``) and
@@ -530,11 +541,7 @@ mov.b32 {$2, $3}, a1;
             if KC > 1:
                 wv1, sv1 = mxfp4_tile(wp, sp, row, c0 + NS, H, WD)
                 b1 = _load_b(x_ptr + p * HK + CW, H, M, NS, NW, DB, DQ=DQ)
-            t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
-            tw = gl.load(tw_ptr + t, mask=t < S, other=0.0)
-            mcol = gl.arange(0, NPC, layout=gl.SliceLayout(1, RL))
-            sel = (ids[None, :] == e) & ((t // TOPK)[None, :] == mcol[:, None])
-            wtok = gl.sum(gl.where(sel, tw[None, :], 0.0), axis=1)                  # [NPC]
+            wtok = _token_weights(ids, e, tw_ptr, S, SP, TOPK, RL)
             l0 = gl.load(lut_ptr)
             l1 = gl.load(lut_ptr + 1)
             l2 = gl.load(lut_ptr + 2)
@@ -567,7 +574,6 @@ mov.b32 {$2, $3}, a1;
         MV: gl.constexpr = 1 if M == 1 else 4
         EL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
         HSL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        gr = gl.arange(0, BI, layout=gl.SliceLayout(1, EL))
         gc = gl.arange(0, NPC, layout=gl.SliceLayout(0, EL))
         if KP == 1:
             h_s = gl.allocate_shared_memory(gl.float32, [R1, NPC], HSL)
@@ -584,16 +590,31 @@ mov.b32 {$2, $3}, a1;
                 _fence_all(NW)
                 ticket = gl.atomic_add(cnt_ptr + s * NJ + j, 1, sem="acq_rel", scope="gpu")
                 if ticket == KP - 1:
-                    gm = (gl.zeros([BI, NPC], gl.int32, EL) + gc[None, :]) < MV
-                    g = gl.zeros([BI, NPC], gl.float32, EL)
-                    u = gl.zeros([BI, NPC], gl.float32, EL)
-                    for pp in gl.static_range(KP):
-                        g += gl.load(base + pp * (R1 * MV) + gr[:, None] * MV + gc[None, :], mask=gm, other=0.0,
-                                     cache_modifier=".cg")
-                        u += gl.load(base + pp * (R1 * MV) + (BI + gr[:, None]) * MV + gc[None, :], mask=gm,
-                                     other=0.0, cache_modifier=".cg")
-                    _swiglu_store(g, u, wtok, act_ptr, s, j, limit, I, M, BI, HAS_LIMIT, EL)
+                    _sum_partials_swiglu(base, wtok, act_ptr, s, j, limit, I, M, BI, KP, HAS_LIMIT, EL)
                     gl.store(cnt_ptr + s * NJ + j, 0)
+
+    @gluon.jit
+    def _sum_partials_swiglu(base, wtok, act_ptr, s, j, limit, I: gl.constexpr, M: gl.constexpr, BI: gl.constexpr,
+                             KP: gl.constexpr, HAS_LIMIT: gl.constexpr, EL: gl.constexpr):
+        """Kernel A's ``KP`` partials of slot ``s``, row block ``j`` (float32 ``[KP, 2*BI, MV]`` from ``base``, gate rows
+        then up rows) summed in the order ``p = 0..KP-1``, then SwiGLU and the store of ``act`` (:func:`_swiglu_store`).
+        The one code for kernel A's last program and for :func:`_moe_reduce_swiglu` (config ``RK``): the same sums in
+        the same order, so the same bits."""
+        NPC: gl.constexpr = 8
+        R1: gl.constexpr = 2 * BI
+        MV: gl.constexpr = 1 if M == 1 else 4
+        gr = gl.arange(0, BI, layout=gl.SliceLayout(1, EL))
+        gc = gl.arange(0, NPC, layout=gl.SliceLayout(0, EL))
+        gm = (gl.zeros([BI, NPC], gl.int32, EL) + gc[None, :]) < MV
+        g = gl.zeros([BI, NPC], gl.float32, EL)
+        u = gl.zeros([BI, NPC], gl.float32, EL)
+        for pp in gl.static_range(KP):
+            # .cg: the partials come from L2, never from a line this SM's L1 kept from an earlier layer's call
+            g += gl.load(base + pp * (R1 * MV) + gr[:, None] * MV + gc[None, :], mask=gm, other=0.0,
+                         cache_modifier=".cg")
+            u += gl.load(base + pp * (R1 * MV) + (BI + gr[:, None]) * MV + gc[None, :], mask=gm, other=0.0,
+                         cache_modifier=".cg")
+        _swiglu_store(g, u, wtok, act_ptr, s, j, limit, I, M, BI, HAS_LIMIT, EL)
 
     @gluon.jit
     def _swiglu_store(g, u, wtok, act_ptr, s, j, limit, I: gl.constexpr, M: gl.constexpr, BI: gl.constexpr,
@@ -640,25 +661,11 @@ mov.b32 {$2, $3}, a1;
             lim = slimit
         else:
             ids, e, owner = _slot_expert(ids_ptr, s, S, SP, RL)
-            t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
-            tw = gl.load(tw_ptr + t, mask=t < S, other=0.0)
-            sel = (ids[None, :] == e) & ((t // TOPK)[None, :] == mcol[:, None])
-            wtok = gl.sum(gl.where(sel, tw[None, :], 0.0), axis=1)
+            wtok = _token_weights(ids, e, tw_ptr, S, SP, TOPK, RL)
             lim = limit
         if owner:
-            gr = gl.arange(0, BI, layout=gl.SliceLayout(1, EL))
-            gc = gl.arange(0, NPC, layout=gl.SliceLayout(0, EL))
-            gm = (gl.zeros([BI, NPC], gl.int32, EL) + gc[None, :]) < MV
-            base = part_ptr + (s * NJ + j) * (KP * R1 * MV)
-            g = gl.zeros([BI, NPC], gl.float32, EL)
-            u = gl.zeros([BI, NPC], gl.float32, EL)
-            for pp in gl.static_range(KP):
-                # .cg: the partials come from L2, never from a line this SM's L1 kept from an earlier layer's call
-                g += gl.load(base + pp * (R1 * MV) + gr[:, None] * MV + gc[None, :], mask=gm, other=0.0,
-                             cache_modifier=".cg")
-                u += gl.load(base + pp * (R1 * MV) + (BI + gr[:, None]) * MV + gc[None, :], mask=gm, other=0.0,
-                             cache_modifier=".cg")
-            _swiglu_store(g, u, wtok, act_ptr, s, j, lim, I, M, BI, HAS_LIMIT, EL)
+            _sum_partials_swiglu(part_ptr + (s * NJ + j) * (KP * R1 * MV), wtok, act_ptr, s, j, lim, I, M, BI, KP,
+                                 HAS_LIMIT, EL)
 
     @gluon.jit
     def _moe_down_split(act_ptr, ids_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, cnt_ptr, lut_ptr, sw2_ptr, ss2_ptr,
