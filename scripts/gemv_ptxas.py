@@ -16,9 +16,7 @@ import collections
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -52,16 +50,9 @@ def compile_one(n: int, k: int, m: int, cfg: dict, arch: int = 90, norm: bool = 
     kern = ptxas_util.compile_kernel(fn, const, types, arch,
                                      dict(num_warps=c["num_warps"], num_stages=c["num_stages"]),
                                      gluon=bool(c.get("MMA")), default=lambda a: "i32")
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kern.asm["cubin"])
-    res = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
-                         text=True).stdout
-    sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
+    sass = ptxas_util.sass(kern)
     ops = collections.Counter(m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))
-    line = next((ln.strip() for ln in res.splitlines() if "REG:" in ln), res.strip()[-200:])
-    return c, line, ops, sass
+    return c, ptxas_util.resource_usage(kern), ops, sass
 
 
 def main(argv=None) -> int:

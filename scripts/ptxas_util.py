@@ -1,7 +1,7 @@
 """The offline-compile scripts' shared steps (``kda_ptxas.py``, ``persist_ptxas.py``, ``split_ptxas.py``,
-``gemv_ptxas.py``): the compile of one kernel specialisation for a GPU target (:func:`compile_kernel`) and ptxas'
-resource line of the compiled kernel, read from its cubin with the ``cuobjdump`` that Triton bundles (no GPU
-needed)."""
+``gemv_ptxas.py``): the compile of one kernel specialisation for a GPU target (:func:`compile_kernel`), ptxas'
+resource line of the compiled kernel (:func:`resource_usage`) and its SASS (:func:`sass`), read from its cubin with
+the ``cuobjdump`` / ``nvdisasm`` that Triton bundles (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -10,18 +10,33 @@ import subprocess
 import tempfile
 
 
-def resource_usage(kernel) -> str:
-    """``REG:.. STACK:.. SHARED:.. LOCAL:..`` of a compiled Triton kernel (``kernel.asm["cubin"]``), or the tail of
-    cuobjdump's output when it has no such line."""
+def _cubin_tool(kernel, tool: str, *args: str, check: bool = False) -> str:
+    """The standard output of Triton's bundled ``tool`` (``cuobjdump``, ``nvdisasm``) run with ``args`` on a compiled
+    Triton kernel's cubin (``kernel.asm["cubin"]``, written to a temporary file); ``check``: a failing tool raises
+    ``subprocess.CalledProcessError``."""
     import triton
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
     try:
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([path, *args, f.name], capture_output=True, text=True, check=check).stdout
     finally:
         os.unlink(f.name)
+
+
+def resource_usage(kernel) -> str:
+    """``REG:.. STACK:.. SHARED:.. LOCAL:..`` of a compiled Triton kernel (``kernel.asm["cubin"]``), or the tail of
+    cuobjdump's output when it has no such line."""
+    out = _cubin_tool(kernel, "cuobjdump", "--dump-resource-usage")
     return next((ln.strip() for ln in out.splitlines() if "REG:" in ln), out.strip()[-200:])
+
+
+def sass(kernel) -> str:
+    """The SASS of a compiled Triton kernel, as ``nvdisasm -c`` prints it.
+
+    Raises:
+        subprocess.CalledProcessError: nvdisasm failed (no SASS to read, rather than an empty listing)."""
+    return _cubin_tool(kernel, "nvdisasm", "-c", check=True)
 
 
 def compile_kernel(fn, const: dict, types: dict, arch: int, options: dict, gluon: bool = False, default=None,

@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -52,18 +49,10 @@ def compile_split(m: int, cfg: dict, shared: bool = True, arch: int = 90, h: int
 def issue_order(kernel) -> str:
     """The SASS issue order of a compiled kernel's 16-byte global loads and mma instructions as a string: ``L`` an
     unpredicated ``LDG.E.128`` (any suffix, e.g. ``.STRONG.GPU``), ``b`` a predicated one, ``M`` an ``HMMA``; read
-    with nvdisasm from the Triton wheel (no GPU). In kernel A's routed path the unpredicated loads are the weight
+    with :func:`ptxas_util.sass` (no GPU). In kernel A's routed path the unpredicated loads are the weight
     tiles and the predicated ones the masked B operand (x); in kernel B's slot loop (``SG > 1``) the weight loads are
     predicated too (a slot may be skipped), so there the two letters say only predicated or not."""
-    import triton
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    try:
-        sass = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-    ops = [ln for ln in sass.splitlines() if re.search(r"LDG\.E\.128(\.\S+)*\s|HMMA", ln)]
+    ops = [ln for ln in ptxas_util.sass(kernel).splitlines() if re.search(r"LDG\.E\.128(\.\S+)*\s|HMMA", ln)]
     return "".join("M" if "HMMA" in ln else ("b" if re.search(r"@!?U?P\d", ln) else "L") for ln in ops)
 
 
