@@ -316,7 +316,7 @@ section_ab() {           # the twentieth session's A/Bs in one call (docs/perf/r
 # head, default 32768), each with the key off and on in alternating processes (the table is read when a layer binds:
 # one process per arm), AB_PAIRS pairs (default 2). Synthetic weights.
 moe_key_ab() {
-    local key="$1" parts="${2:-layer round}" lk tab base i ids
+    local key="$1" parts="${2:-layer round}" lk tab base i ids all
     lk=$(echo "$key" | tr '[:upper:]' '[:lower:]')
     tab="$OUT/$lk-table.json"
     base="$OUT/$lk-off-table.json"
@@ -332,16 +332,15 @@ for path, val in ((sys.argv[1], 1), (sys.argv[2], 0)):
                     e[sys.argv[3]] = val
     json.dump(t, open(path, "w"), indent=1)' "$tab" "$base" "$key"
     if [[ " $parts " == *" tests "* ]]; then
-        mapfile -t ids < <(python3 -m pytest tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider --collect-only \
-            2>>"$LOG" | grep -E "^tests/.*(-$lk\]|keeps_the_bits.*\[$key-)")
+        all=$(python3 -m pytest tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider --collect-only 2>>"$LOG")
+        mapfile -t ids < <(grep -E "^tests/.*(-$lk\]|keeps_the_bits.*\[$key-)" <<< "$all")
         echo "$lk: ${#ids[@]} tests of the key selected (+ the graph-replay tests)" | tee -a "$LOG"
         if [ "${#ids[@]}" -eq 0 ]; then
             # an unknown key, or a collection error (in the log): never fall back to pytest's whole test path
             echo "$lk: no test of the key collected" | tee -a "$LOG"
             FAILED+=("$CURRENT/tests(no $key tests collected)")
         else
-            mapfile -t -O "${#ids[@]}" ids < <(python3 -m pytest tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider \
-                --collect-only 2>>"$LOG" | grep -E '^tests/.*graph_replay')
+            mapfile -t -O "${#ids[@]}" ids < <(grep -E '^tests/.*graph_replay' <<< "$all")
             run_step tests python3 -m pytest "${ids[@]}" -q -p no:cacheprovider -rfE --tb=short $(pytest_timeout)
         fi
     fi
