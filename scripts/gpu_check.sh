@@ -369,14 +369,15 @@ section_rk() {           # the twenty-third session's MoE config key RK (kernel 
 
 section_retune() {       # the M = 4 (verify) entry's tiling re-tuned now that it has RK (no ticket tail in kernel A, so
     # more H slices may pay; the twenty-fourth session's next step): bench_moe --tune-stream at M = 4 over RETUNE_A
-    # (kernel-A candidates, a JSON list of overrides of the committed entry; default below), then the MTP round with
+    # (kernel-A candidates, a JSON list of overrides of the committed entry; default below; RETUNE_B the kernel-B ones), then the MTP round with
     # the plain step (profile_round) with the committed table and with the sweep's best M = 4 entry, alternating,
     # AB_PAIRS pairs (default 2). Synthetic weights, random routing in the sweep.
     local cand='[{"KP": 5, "KC": 2}, {"KP": 5, "KC": 1}, {"KP": 10, "KC": 1}, {"BI": 32, "num_warps": 4, "KP": 10, "KC": 1},
         {"BI": 32, "num_warps": 4, "KP": 5, "KC": 2}, {"KP": 1, "KC": 10}]' i
     [ -n "${RETUNE_A:-}" ] && cand="$RETUNE_A"
+    # RETUNE_B: kernel-B candidates tried with the best kernel A (default none)
     run_step tune python3 scripts/bench_moe.py --backends '' --m 4 --layers 4 --reps 20 --tune-stream \
-        --out "$OUT/retune" --stream-a "$cand" --stream-b '[]'
+        --out "$OUT/retune" --stream-a "$cand" --stream-b "${RETUNE_B:-[]}"
     python3 -c 'import json, sys
 t = json.load(open("bytebound/kernels/configs/triton_moe.json"))
 best = next(iter(json.load(open(sys.argv[1])).values()))["E512_H2560_I768_k8_M4"]
