@@ -316,6 +316,34 @@ mov.b32 {$2, $3}, a1;
         return gl.convert_layout(gl.reshape(x, [NS * 128, 8]), DB, assert_trivial=True)
 
     @gluon.jit
+    def _stage_b(src_ptr, row_stride, M: gl.constexpr, NS: gl.constexpr, NW: gl.constexpr, DQ: gl.constexpr):
+        """The B operand of :func:`_load_b` (``[128*NS, 8]`` BF16, logical k order, tokens padded to 8 with zeros)
+        staged once in shared memory (config key ``XS``): every thread loads a distinct part of x (no per-warp
+        copies, no B registers held across the weight loads), and each chunk's fragments are read from shared
+        memory (:func:`_gateup_routed`) after the barrier this ends with. Returns the shared-memory descriptor."""
+        W3: gl.constexpr = 4 if NW >= 4 else NW
+        XL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [1, 8, 4, 1], [NW // W3, 1, 1, W3], [3, 2, 1, 0])
+        sb = gl.arange(0, NS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
+        n = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
+        t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, XL))))
+        c = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, XL))))
+        off3 = n[None, :, None] * row_stride + sb[:, None, None] * 128 + t[None, None, :] * 32
+        msk3 = (n[None, :, None] < M) & (sb[:, None, None] >= 0) & (t[None, None, :] >= 0)
+        x = gl.load(src_ptr + off3[:, :, :, None] + c[None, None, None, :],
+                    mask=msk3[:, :, :, None] & (c[None, None, None, :] >= 0), other=0.0)   # [NS, 8, 4, 32]
+        x = gl.reshape(x, [NS, 8, 4, 4, 2, 2, 2])
+        if DQ == 1:
+            x = gl.permute(x, [0, 3, 5, 6, 2, 4, 1])
+        else:
+            x = gl.permute(x, [0, 3, 4, 5, 2, 6, 1])
+        x = gl.reshape(x, [NS * 128, 8])
+        XSL: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])
+        x_s = gl.allocate_shared_memory(gl.bfloat16, [NS * 128, 8], XSL)
+        x_s.store(x)
+        gl.thread_barrier()
+        return x_s
+
+    @gluon.jit
     def _gdc(ASM: gl.constexpr, NW: gl.constexpr):
         """``griddepcontrol.wait`` / ``.launch_dependents`` (PDL, sm_90+), issued by every thread."""
         FL: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
@@ -412,7 +440,7 @@ mov.b32 {$2, $3}, a1;
                           SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
                           WD: gl.constexpr, PDL: gl.constexpr, SHARED: gl.constexpr = False,
                           WD8: gl.constexpr = None, PDL_IN: gl.constexpr = 0, KC: gl.constexpr = 1,
-                          DQ: gl.constexpr = 0, RK: gl.constexpr = 0):
+                          DQ: gl.constexpr = 0, RK: gl.constexpr = 0, XS: gl.constexpr = 0):
         NW: gl.constexpr = gl.num_warps()
         S: gl.constexpr = M * TOPK
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
@@ -428,15 +456,15 @@ mov.b32 {$2, $3}, a1;
         if SHARED:
             if s == S:
                 _gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, s, j, p, H, I, M, BI,
-                               KP, HAS_LIMIT, WD8, PDL_IN, MMA, DA, DB, RL, KC, RK)
+                               KP, HAS_LIMIT, WD8, PDL_IN, MMA, DA, DB, RL, KC, RK, XS)
             else:
                 _pdl_in(PDL_IN, PDL, NW)
                 _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
-                               s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, DQ, RK)
+                               s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, DQ, RK, XS)
         else:
             _pdl_in(PDL_IN, PDL, NW)
             _gateup_routed(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, cnt_ptr, lut_ptr, limit,
-                           s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, DQ, RK)
+                           s, j, p, H, I, TOPK, M, SP, BI, KP, HAS_LIMIT, WD, MMA, DA, DB, RL, KC, DQ, RK, XS)
 
     @gluon.jit
     def _pdl_in(PDL_IN: gl.constexpr, PDL: gl.constexpr, NW: gl.constexpr):
@@ -454,7 +482,7 @@ mov.b32 {$2, $3}, a1;
                        I: gl.constexpr, M: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr,
                        HAS_LIMIT: gl.constexpr, WD8: gl.constexpr, PDL_IN: gl.constexpr, MMA: gl.constexpr,
                        DA: gl.constexpr, DB: gl.constexpr, RL: gl.constexpr, KC: gl.constexpr = 1,
-                       RK: gl.constexpr = 0):
+                       RK: gl.constexpr = 0, XS: gl.constexpr = 0):
         """Kernel A, the shared expert's slot: FP8 E4M3 rows ``gate[j-slice] | up[j-slice]`` (128x128 block
         scales, ``ss13`` as BF16x2 factors) times x over H slice ``p``; routing weight 1 for every token. With
         ``PDL_IN`` the first chunk's weights (read-only, known before routing) are loaded *before* the PDL wait,
@@ -478,10 +506,17 @@ mov.b32 {$2, $3}, a1;
             wv, sv = _fp8_tile(sw13_ptr, ss13_ptr, row8, p * NS, H, WD8)
         _pdl_in(PDL_IN, True, NW)       # (a launch_dependents trigger with no PDL dependent does nothing)
         if KC == 1:
+            if XS:
+                if PDL_IN != 2:
+                    wv, sv = _fp8_tile(sw13_ptr, ss13_ptr, row8, p * NS, H, WD8)
+                x_s = _stage_b(x_ptr + p * HK, H, M, NS, NW, 0)
             for c in gl.static_range(NCH):
-                if PDL_IN != 2 or c > 0:
+                if (PDL_IN != 2 and not XS) or c > 0:
                     wv, sv = _fp8_tile(sw13_ptr, ss13_ptr, row8, p * NS + c * NC, H, WD8)
-                b = _load_b(x_ptr + p * HK + c * (NC * 128), H, M, NC, NW, DB)
+                if XS:
+                    b = x_s.slice(c * (NC * 128), NC * 128, 0).load(DB)
+                else:
+                    b = _load_b(x_ptr + p * HK + c * (NC * 128), H, M, NC, NW, DB)
                 acc = mma_v2(_frag_fp8(wv, sv, DA), b, acc)
         else:
             # two chunks in flight while one is multiplied
@@ -510,7 +545,7 @@ mov.b32 {$2, $3}, a1;
                        SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr, HAS_LIMIT: gl.constexpr,
                        WD: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
                        DB: gl.constexpr, RL: gl.constexpr, KC: gl.constexpr = 1, DQ: gl.constexpr = 0,
-                       RK: gl.constexpr = 0):
+                       RK: gl.constexpr = 0, XS: gl.constexpr = 0):
         """Kernel A, routed slot ``s``: its expert's MXFP4 rows (unless an earlier slot owns the expert).
 
         ``KC == 1``: every weight byte of the program in one go. ``KC > 1``: the program's H slice in ``KC`` chunks
@@ -537,10 +572,14 @@ mov.b32 {$2, $3}, a1;
             sp = s13_ptr + e * (2 * I * (H // 32))
             c0 = p * (HK // 128)
             wv, sv = mxfp4_tile(wp, sp, row, c0, H, WD)
-            b = _load_b(x_ptr + p * HK, H, M, NS, NW, DB, DQ=DQ)
+            if XS:
+                x_s = _stage_b(x_ptr + p * HK, H, M, HK // 128, NW, DQ)
+            else:
+                b = _load_b(x_ptr + p * HK, H, M, NS, NW, DB, DQ=DQ)
             if KC > 1:
                 wv1, sv1 = mxfp4_tile(wp, sp, row, c0 + NS, H, WD)
-                b1 = _load_b(x_ptr + p * HK + CW, H, M, NS, NW, DB, DQ=DQ)
+                if not XS:
+                    b1 = _load_b(x_ptr + p * HK + CW, H, M, NS, NW, DB, DQ=DQ)
             wtok = _token_weights(ids, e, tw_ptr, S, SP, TOPK, RL)
             l0 = gl.load(lut_ptr)
             l1 = gl.load(lut_ptr + 1)
@@ -551,12 +590,19 @@ mov.b32 {$2, $3}, a1;
             for c in gl.static_range(KC):
                 if c + 2 < KC:
                     wv2, sv2 = mxfp4_tile(wp, sp, row, c0 + (c + 2) * NS, H, WD)
-                    b2 = _load_b(x_ptr + p * HK + (c + 2) * CW, H, M, NS, NW, DB, DQ=DQ)
+                    if not XS:
+                        b2 = _load_b(x_ptr + p * HK + (c + 2) * CW, H, M, NS, NW, DB, DQ=DQ)
+                if XS:
+                    b = x_s.slice(c * CW, CW, 0).load(DB)
                 acc = mma_v2(frag_dequant(wv, sv, l0, l1, l2, l3, l4, DA, DQ), b, acc)
                 if c + 1 < KC:
-                    wv, sv, b = wv1, sv1, b1
+                    wv, sv = wv1, sv1
+                    if not XS:
+                        b = b1
                 if c + 2 < KC:
-                    wv1, sv1, b1 = wv2, sv2, b2
+                    wv1, sv1 = wv2, sv2
+                    if not XS:
+                        b1 = b2
             _gateup_epilogue(acc, wtok, act_ptr, part_ptr, cnt_ptr, s, j, p, limit, I, M, BI, KP, HAS_LIMIT, NW, RK)
 
     @gluon.jit
@@ -902,6 +948,12 @@ def fit_split_config(cfg: dict, h: int, i: int) -> dict:
     if cfg.get("DQ") not in (0, 1):
         raise BackendError(f"moe[triton] variant 'split': DQ (the E2M1 decode) must be 0 (table) or 1 (shift), "
                            f"got {cfg.get('DQ')!r}")
+    if cfg.get("XS", 0) not in (0, 1):
+        raise BackendError(f"moe[triton] variant 'split': XS (kernel A's x staged in shared memory) must be 0 or 1, "
+                           f"got {cfg.get('XS')!r}")
+    ns = h // cfg["KP"] // 128          # x is staged for the program's whole H slice: a power-of-two tensor
+    if cfg.get("XS", 0) and ns & (ns - 1):
+        cfg["XS"] = 0
     cfg["BI"] = fit_pow2(cfg["BI"], i, 8)
     cfg["BH"] = fit_pow2(cfg["BH"], h, 16)
     if not (cfg["BI"] and cfg["BH"]):
@@ -997,7 +1049,7 @@ def split_constexprs(m: int, k: int, h: int, i: int, cfg: dict, shared: bool, ha
     a = dict(H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, KP=kp, HAS_LIMIT=has_limit,
              WD=word_layout(2 * bi, h // kp // kc // 128, nw), PDL=pdl, SHARED=shared,
              WD8=fp8_word_layout(2 * bi, max(1, h // kp // kc // 256), nw) if shared else None,
-             PDL_IN=pdl_in, KC=kc, DQ=dq, RK=int(cfg.get("RK", 0)) if kp > 1 else 0)
+             PDL_IN=pdl_in, KC=kc, DQ=dq, RK=int(cfg.get("RK", 0)) if kp > 1 else 0, XS=int(cfg.get("XS", 0)))
     b = dict(H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2, SG=max(1, min(int(cfg.get("SG", 1)), s)),
              WD=word_layout(bh, i // kp2 // 128, dw), PDL=pdl, SHARED=shared,
              WD8=fp8_word_layout(bh, i // kp2 // 128, dw) if shared else None, DQ=dq)
