@@ -263,15 +263,18 @@ def test_split_shared_expert(ling_experts, tiling, m, dup, limits):
 
 @pytest.mark.parametrize("tiling", [{"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "SG": 4, "pdl_in": 1, "DQ": 1},
                                     {"BI": 64, "KP": 5, "num_warps": 8, "pdl_in": 1, "DQ": 0},
-                                    {"BI": 32, "KP": 10, "num_warps": 4}], ids=["h200-m4", "h200-m1", "kp10"])
+                                    {"BI": 32, "KP": 10, "num_warps": 4},
+                                    {"BI": 64, "KP": 10, "num_warps": 8, "DQ": 1, "RK": 1}],
+                         ids=["h200-m4", "h200-m1", "kp10", "kp10-w8"])
 @pytest.mark.parametrize("m,dup", [(1, 0), (2, 3), (4, 0), (4, 5)])
 @pytest.mark.parametrize("limits", [(None, None), (1.0, 0.75)], ids=["noclamp", "clamps"])
-@pytest.mark.parametrize("key", ["RK"])
+@pytest.mark.parametrize("key", ["RK", "XS"])
 def test_split_key_keeps_the_bits(ling_experts, key, tiling, m, dup, limits):
     """Config keys that change how, not what, the kernels compute: the output with the key on equals the output
     with it off bit for bit, with and without the shared expert, and in a CUDA graph. ``RK`` (kernel A's partials
     summed and SwiGLU applied by a launch between the two kernels) computes the same sums in the same order as
-    kernel A's last program. (The twenty-fourth session's ``PF``, an L2 prefetch of each program's tile, passed
+    kernel A's last program; ``XS`` (x staged in shared memory) reads the same B values into the same mma
+    order. (The twenty-fourth session's ``PF``, an L2 prefetch of each program's tile, passed
     here too before it was reverted as slower.)"""
     from bytebound.kernels.moe_host import MoEKernel, fit_config
     ex = ling_experts
