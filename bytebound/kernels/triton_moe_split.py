@@ -199,6 +199,10 @@ else:  # pragma: no cover
 # The largest E8M0 byte the shift decode takes: its factor 2^(E-1) must be a finite BF16 (E - 1 <= 127).
 SHIFT_DECODE_MAX_E8M0 = 128
 
+# The shared-memory layout of a staged B operand (``[128*NS, 8]`` BF16, k contiguous per token column, an XOR
+# swizzle over 16-byte groups so that the 8 token columns of a fragment load fall in different banks).
+XS_LAYOUT = gl.SwizzledSharedLayout(8, 1, 8, [0, 1]) if gl is not None else None
+
 SPLIT_DEFAULT = {"variant": "split", "BI": 32, "KP": 10, "num_warps": 4, "BH": 64, "KP2": 3, "down_warps": 4,
                  "pdl": True, "DQ": 1}
 
@@ -321,6 +325,15 @@ mov.b32 {$2, $3}, a1;
         staged once in shared memory (config key ``XS``): every thread loads a distinct part of x (no per-warp
         copies, no B registers held across the weight loads), and each chunk's fragments are read from shared
         memory (:func:`_gateup_routed`) after the barrier this ends with. Returns the shared-memory descriptor."""
+        x_s = gl.allocate_shared_memory(gl.bfloat16, [NS * 128, 8], XS_LAYOUT)
+        x_s.store(_b_spread(src_ptr, row_stride, M, NS, NW, DQ))
+        gl.thread_barrier()
+        return x_s
+
+    @gluon.jit
+    def _b_spread(src_ptr, row_stride, M: gl.constexpr, NS: gl.constexpr, NW: gl.constexpr, DQ: gl.constexpr):
+        """:func:`_load_b`'s operand (``[128*NS, 8]`` BF16, logical k order) loaded once per program, spread over
+        all of its threads (no per-warp copies): the value to store into shared memory (:data:`XS_LAYOUT`)."""
         W3: gl.constexpr = 4 if NW >= 4 else NW
         XL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [1, 8, 4, 1], [NW // W3, 1, 1, W3], [3, 2, 1, 0])
         sb = gl.arange(0, NS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
@@ -336,12 +349,7 @@ mov.b32 {$2, $3}, a1;
             x = gl.permute(x, [0, 3, 5, 6, 2, 4, 1])
         else:
             x = gl.permute(x, [0, 3, 4, 5, 2, 6, 1])
-        x = gl.reshape(x, [NS * 128, 8])
-        XSL: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])
-        x_s = gl.allocate_shared_memory(gl.bfloat16, [NS * 128, 8], XSL)
-        x_s.store(x)
-        gl.thread_barrier()
-        return x_s
+        return gl.reshape(x, [NS * 128, 8])
 
     @gluon.jit
     def _gdc(ASM: gl.constexpr, NW: gl.constexpr):
@@ -948,6 +956,16 @@ def fit_split_config(cfg: dict, h: int, i: int) -> dict:
     if cfg.get("DQ") not in (0, 1):
         raise BackendError(f"moe[triton] variant 'split': DQ (the E2M1 decode) must be 0 (table) or 1 (shift), "
                            f"got {cfg.get('DQ')!r}")
+    if cfg.get("TR", 0) not in (0, 1):
+        raise BackendError(f"moe[triton] variant 'split': TR (kernel A as a TMA ring) must be 0 or 1, got "
+                           f"{cfg.get('TR')!r}")
+    if cfg.get("TR", 0):
+        # the ring's items are TR_NS super-blocks wide: kernel A's partition is KP = H / (128 TR_NS) slices of one
+        # chunk each, summed by the RK launch (kernels.triton_moe_ring)
+        cw = 128 * int(cfg.get("TR_NS", 2))
+        if h % cw:
+            raise BackendError(f"moe[triton] variant 'split': TR needs H a multiple of {cw}, got H={h}")
+        cfg["KP"], cfg["KC"], cfg["RK"] = h // cw, 1, 1
     if cfg.get("XS", 0) not in (0, 1):
         raise BackendError(f"moe[triton] variant 'split': XS (kernel A's x staged in shared memory) must be 0 or 1, "
                            f"got {cfg.get('XS')!r}")
@@ -1090,8 +1108,12 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
     pdl_in = int(cfg.get("pdl_in", 0)) if kern.sm90 else 0
     sw13, ss13, sw2, ss2 = (sh.w13w, sh.s13, sh.w2w, sh.s2) if sh is not None else (kern.w13w, kern.lut) * 2
     ca, cb = split_constexprs(m, k, h, i, cfg, sh is not None, has_limit, pdl, pdl_in, launch_dq(kern, cfg)[0])
-    _moe_gateup_split[(nj, st, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
-                                    sw13, ss13, slimit, **ca, num_warps=cfg["num_warps"], launch_pdl=pdl_in > 0)
+    if cfg.get("TR", 0) and sh is None and kern.sm90:
+        from bytebound.kernels import triton_moe_ring
+        triton_moe_ring.launch_ring_gateup(kern, x, ids, part_a, cfg, ca["DQ"], pdl, pdl_in)
+    else:
+        _moe_gateup_split[(nj, st, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
+                                        sw13, ss13, slimit, **ca, num_warps=cfg["num_warps"], launch_pdl=pdl_in > 0)
     if ca["RK"]:
         _moe_reduce_swiglu[(nj, st)](ids, w, act, part_a, limit, slimit, I=i, TOPK=k, M=m, SP=ca["SP"], BI=bi, KP=kp,
                                      HAS_LIMIT=has_limit, SHARED=sh is not None, PDL=pdl,

@@ -300,6 +300,40 @@ def test_split_key_keeps_the_bits(ling_experts, key, tiling, m, dup, limits):
         ex.limit = None
 
 
+@pytest.mark.parametrize("tiling", [{"BI": 64, "num_warps": 8, "DQ": 1},
+                                    {"BI": 32, "num_warps": 4, "DQ": 0, "TR_ST": 2}], ids=["w8-st4", "w4-st2"])
+@pytest.mark.parametrize("m,dup", [(1, 0), (2, 3), (4, 0), (4, 5)])
+@pytest.mark.parametrize("limits", [None, 1.0], ids=["noclamp", "clamp"])
+def test_ring_kernel_a_keeps_the_bits(ling_experts, tiling, m, dup, limits):
+    """``TR`` (kernel A as a persistent TMA ring, kernels.triton_moe_ring) at Ling's shape: the routed MoE equals the
+    ``split`` kernels at the ring's partition (KP = H / 256, KC 1, RK 1) bit for bit, with duplicate experts (their
+    items arrive on the ring without a copy), with and without the clamp; repeated calls and a CUDA graph replay
+    give the same bits; and the output is within 1e-2 of the float64 routed sum."""
+    from bytebound.kernels.moe_host import MoEKernel, fit_config
+    ex = ling_experts
+    ex.limit = limits
+    try:
+        ids, w = make_routing(m, LING["e"], LING["k"], shared=dup, seed=31 + m + dup)
+        x = torch.randn(m, LING["h"], device=DEV).to(torch.bfloat16)
+        on = fit_config(_moe_config("split", dict(tiling, TR=1)), LING["h"], LING["i"])
+        assert (on["KP"], on["KC"], on["RK"]) == (LING["h"] // 256, 1, 1), on
+        off = dict(on, TR=0)
+        outs = {}
+        for key, cfg in (("on", on), ("off", off)):
+            fn = MoEKernel(ex, {mm: cfg for mm in range(1, 5)})
+            outs[key] = _poisoned_call(fn, x, ids, w)
+        assert torch.isfinite(outs["on"].float()).all(), "unwritten or non-finite output"
+        assert torch.equal(outs["on"], outs["off"]), "TR 1 differs from the split kernels at its partition"
+        fn = MoEKernel(ex, {mm: on for mm in range(1, 5)})
+        for _ in range(3):
+            assert torch.equal(fn(x, ids, w), outs["on"]), "repeated call differs"
+        assert torch.equal(_graph_replay_out(fn, x, ids, w, replays=2), outs["on"]), "graph replay differs from eager"
+        ref = moe_ref64(ex, x, ids, w)
+        assert rel(outs["on"], ref) <= 1e-2, f"rel {rel(outs['on'], ref):.3e} against float64"
+    finally:
+        ex.limit = None
+
+
 def test_split_shared_expert_graph_and_layer():
     """Through a whole MoE layer (router + experts + shared) at a small shape: the fused path equals the unfused
     layer (dense shared expert added by the layer) to rounding, so the layer does not add the shared expert twice

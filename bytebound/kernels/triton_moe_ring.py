@@ -1,0 +1,210 @@
+"""Kernel A of the ``split`` MoE as a persistent TMA ring (config key ``TR``, experimental): the routed gate/up
+weights stream into shared memory while earlier tiles are decoded and multiplied.
+
+Why: kernel A of ``triton_moe_split`` runs a thousand-odd short programs, each of which loads its expert id, then
+its weight tile into registers, then decodes, multiplies and stores a partial. On the H100 it reads the M = 4
+verify's 67 MB at about half of the rate at which the same tiles stream when nothing is computed
+(docs/perf/session23-h100-w4a8/: 45 us against 23 us), with 40 % of the SM's issue slots used: every program
+pays the id -> weights -> partial chain, and ptxas keeps only 1-2 of a thread's weight loads in flight ahead of
+the first mma (docs/perf/session24-h100-rk/). Here one program per SM walks the work items ``pid, pid + G, ...``
+(item = slot s, row block j, H chunk p of ``CW = 128*NS`` columns) and keeps ``ST`` items' tiles in flight: a ring
+of ``ST`` shared-memory stages, each filled by two TMA copies (the ``BI`` gate rows and the ``BI`` up rows of
+expert ``ids[s]``) and tracked by one mbarrier; a stage is refilled with item ``k + ST`` as soon as item ``k`` has
+been read out of it.
+
+Per item the maths is kernel A's with ``KP = H / CW``, ``KC = 1``, ``RK = 1`` exactly: the same words decoded by
+the same :func:`~bytebound.kernels.triton_moe_split.frag_dequant` into the same mma order against the same B
+operand (x, staged once per program in shared memory in the logical k order), and the same float32 partial stored
+in the ``RK`` layout. So :func:`~bytebound.kernels.triton_moe_split._moe_reduce_swiglu` and kernel B run after it
+unchanged, and the output is the ``split`` kernels' at that tiling bit for bit (tested on the GPU).
+
+A slot whose expert an earlier slot chose does no work (``split``'s dedup): its items arrive on their stage's
+mbarrier without a copy, so the ring's phases stay in step. The E8M0 scales (8 bytes a row and item, below TMA's
+16-byte minimum box) are loaded into registers one item ahead. Routed slots only: the fused shared expert is not
+handled here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from bytebound.errors import BackendError
+from bytebound.kernels import triton_moe_split as ts
+
+gluon, gl = ts.gluon, ts.gl
+mma_v2 = ts.mma_v2
+if gluon is not None:
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+
+@functools.lru_cache(maxsize=None)
+def word_layout_2d(rows: int, ns: int, num_warps: int):
+    """:func:`~bytebound.kernels.triton_moe_split.word_layout` (E2M1, 4 words) for the flat tile ``[rows, 16*ns]``
+    int32 as TMA writes it (word ``16*sb + 4*t + q``): the same registers, so that the reshape to ``[rows, ns, 4,
+    4]`` is that layout with no data movement."""
+    reg = [[0, 1], [0, 2], [8, 0]] + [[0, 16 << b] for b in range(ns.bit_length() - 1)]
+    r = 16 * num_warps
+    while r < rows:
+        reg.append([r, 0])
+        r *= 2
+    lane = [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]]
+    warp = [[16 << b, 0] for b in range(num_warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, 16 * ns])
+
+
+if gluon is not None:
+    @gluon.jit
+    def _item(ids, t, it, NJ: gl.constexpr, KP: gl.constexpr):
+        """Work item ``it`` -> ``(s, j, p, e, owner)``: slot, row block, H chunk, expert, and whether this slot does
+        the expert's work (no earlier slot chose it)."""
+        s = it // (NJ * KP)
+        rem = it % (NJ * KP)
+        e = gl.sum(gl.where(t == s, ids, 0), axis=0).to(gl.int32)
+        owner = gl.sum(gl.where((ids == e) & (t < s), 1, 0), axis=0) == 0
+        return s, rem // KP, rem % KP, e, owner
+
+    @gluon.jit
+    def _issue(desc, ring, bars, ids, t, it, st, valid, I: gl.constexpr, BI: gl.constexpr, NJ: gl.constexpr,
+               KP: gl.constexpr, NWORD: gl.constexpr):
+        """Fill stage ``st`` with item ``it`` (when ``valid``): the gate rows and the up rows of its expert, H chunk
+        ``p``, by TMA; a non-owner item only arrives on the stage's barrier."""
+        s, j, p, e, owner = _item(ids, t, it, NJ, KP)
+        go = valid & owner
+        bar = bars.index(st)
+        buf = ring.index(st)
+        mbarrier.expect(bar, 2 * BI * NWORD * 4, pred=go)
+        tma.async_copy_global_to_shared(desc, [e * (2 * I) + j * BI, p * NWORD], bar, buf.slice(0, BI, 0), pred=go)
+        tma.async_copy_global_to_shared(desc, [e * (2 * I) + I + j * BI, p * NWORD], bar, buf.slice(BI, BI, 0),
+                                        pred=go)
+        mbarrier.arrive(bar, pred=valid & (owner == 0))
+
+    @gluon.jit
+    def _scales(s13_ptr, ids, t, it, valid, r, H: gl.constexpr, I: gl.constexpr, BI: gl.constexpr,
+                NJ: gl.constexpr, KP: gl.constexpr, NS: gl.constexpr, WD: gl.constexpr):
+        """Item ``it``'s E8M0 bytes ``[2*BI, NS, 4]`` (layout ``SliceLayout(3, WD)``), zeros when not ``valid`` or
+        not the owner."""
+        s, j, p, e, owner = _item(ids, t, it, NJ, KP)
+        SD: gl.constexpr = gl.SliceLayout(3, WD)
+        sb = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD)))
+        tb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SD)))
+        row = gl.where(r < BI, j * BI + r, I + j * BI + (r - BI))
+        off = (e * (2 * I) + row)[:, None, None] * (H // 32) + p * (NS * 4) + sb[None, :, None] * 4 \
+            + tb[None, None, :]
+        return gl.load(s13_ptr + off, mask=(off >= 0) & valid & owner, other=0)
+
+    @gluon.jit
+    def _moe_gateup_ring(desc, s13_ptr, x_ptr, ids_ptr, part_ptr, lut_ptr, H: gl.constexpr, I: gl.constexpr,
+                         TOPK: gl.constexpr, M: gl.constexpr, SP: gl.constexpr, BI: gl.constexpr, NS: gl.constexpr,
+                         KPP: gl.constexpr, ST: gl.constexpr, WD: gl.constexpr, WD2: gl.constexpr,
+                         DQ: gl.constexpr, PDL_IN: gl.constexpr, PDL: gl.constexpr):
+        NW: gl.constexpr = gl.num_warps()
+        NPC: gl.constexpr = 8
+        S: gl.constexpr = M * TOPK
+        R1: gl.constexpr = 2 * BI
+        NJ: gl.constexpr = I // BI
+        CW: gl.constexpr = NS * 128
+        NWORD: gl.constexpr = NS * 16
+        KP: gl.constexpr = H // CW
+        NIT: gl.constexpr = S * NJ * KP
+        MV: gl.constexpr = 1 if M == 1 else 4
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
+        EL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
+        SD: gl.constexpr = gl.SliceLayout(3, WD)
+        pid = gl.program_id(0)
+        G = gl.num_programs(0)
+        ring = gl.allocate_shared_memory(gl.int32, [ST, R1, NWORD], desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(ST):
+            mbarrier.init(bars.index(i), count=1)
+        ts._pdl_in(PDL_IN, PDL, NW)         # the router's ids and x are complete past this point
+        t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
+        ids = gl.load(ids_ptr + t, mask=t < S, other=-1).to(gl.int32)
+        n_my = (NIT - pid + G - 1) // G
+        for i in gl.static_range(ST):
+            _issue(desc, ring, bars, ids, t, pid + i * G, i, i < n_my, I, BI, NJ, KP, NWORD)
+        x_s = gl.allocate_shared_memory(gl.bfloat16, [KPP, CW, 8], ts.XS_LAYOUT)
+        for pc in gl.static_range(KP):
+            x_s.index(pc).store(ts._b_spread(x_ptr + pc * CW, H, M, NS, NW, DQ))
+        gl.thread_barrier()
+        l0 = gl.load(lut_ptr)
+        l1 = gl.load(lut_ptr + 1)
+        l2 = gl.load(lut_ptr + 2)
+        l3 = gl.load(lut_ptr + 3)
+        l4 = gl.load(lut_ptr + 4)
+        r = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD)))
+        pr = gl.arange(0, R1, layout=gl.SliceLayout(1, EL))
+        gc = gl.arange(0, NPC, layout=gl.SliceLayout(0, EL))
+        pm = (gl.zeros([R1, NPC], gl.int32, EL) + gc[None, :]) < MV
+        sv_next = _scales(s13_ptr, ids, t, pid, 0 < n_my, r, H, I, BI, NJ, KP, NS, WD)
+        for k in range(n_my):
+            st = k % ST
+            it = pid + k * G
+            s, j, p, e, owner = _item(ids, t, it, NJ, KP)
+            sv = sv_next
+            sv_next = _scales(s13_ptr, ids, t, it + G, k + 1 < n_my, r, H, I, BI, NJ, KP, NS, WD)
+            mbarrier.wait(bars.index(st), (k // ST) & 1)
+            if owner:
+                w2 = ring.index(st).load(WD2)
+                wv = gl.convert_layout(gl.reshape(w2, [R1, NS, 4, 4]), WD, assert_trivial=True)
+                b = x_s.index(p).load(DB)
+                acc = mma_v2(ts.frag_dequant(wv, sv, l0, l1, l2, l3, l4, DA, DQ), b,
+                             gl.zeros([R1, NPC], gl.float32, MMA))
+                base = part_ptr + (s * NJ + j) * (KP * R1 * MV) + p * (R1 * MV)
+                gl.store(base + pr[:, None] * MV + gc[None, :], gl.convert_layout(acc, EL), mask=pm)
+            gl.thread_barrier()             # every warp has read stage st before it is refilled
+            _issue(desc, ring, bars, ids, t, it + ST * G, st, k + ST < n_my, I, BI, NJ, KP, NWORD)
+
+
+def ring_constexprs(m: int, k: int, h: int, i: int, cfg: dict, pdl: bool, pdl_in: int, dq: int) -> dict:
+    """Compile-time arguments of :func:`_moe_gateup_ring` for ``m`` tokens under a fitted ``split`` config with
+    ``TR`` (``BI``, ``num_warps``, ``TR_NS`` super-blocks per item (default 2: 256 columns, one 128-byte TMA row),
+    ``TR_ST`` ring stages (default 4)).
+
+    Raises:
+        BackendError: H is not a multiple of the item width."""
+    ns = int(cfg.get("TR_NS", 2))
+    cw = 128 * ns
+    if h % cw:
+        raise BackendError(f"moe[triton] TR: H={h} is not a multiple of {cw} columns")
+    kp = h // cw
+    s = m * k
+    return dict(H=h, I=i, TOPK=k, M=m, SP=max(32, 1 << (s - 1).bit_length()), BI=cfg["BI"], NS=ns,
+                KPP=1 << (kp - 1).bit_length(), ST=int(cfg.get("TR_ST", 4)),
+                WD=ts.word_layout(2 * cfg["BI"], ns, cfg["num_warps"]),
+                WD2=word_layout_2d(2 * cfg["BI"], ns, cfg["num_warps"]), DQ=dq, PDL_IN=pdl_in, PDL=pdl)
+
+
+_DESC: dict = {}
+
+
+def weight_desc(kern, bi: int, ns: int):
+    """The TMA descriptor of ``kern``'s gate/up words ``[E*2I, H/8]`` int32, box ``[BI, 16*NS]`` (128-byte swizzle
+    for 32-word rows: conflict-free 16-byte shared loads), cached per binding."""
+    key = (id(kern), bi, ns)
+    d = _DESC.get(key)
+    if d is None:
+        w = kern.w13w.reshape(kern.e * 2 * kern.i, kern.h // 8)
+        lay = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 64 * ns), element_bitwidth=32, rank=2)
+        d = _DESC[key] = (TensorDescriptor.from_tensor(w, [bi, 16 * ns], lay), w)
+    return d[0]
+
+
+def launch_ring_gateup(kern, x: torch.Tensor, ids: torch.Tensor, part: torch.Tensor, cfg: dict, dq: int,
+                       pdl: bool, pdl_in: int, programs: int | None = None) -> int:
+    """Kernel A as the TMA ring for one call: ``x bf16 [M, H]``, ``ids int32 [M, k]`` -> ``part`` float32 in the
+    ``RK`` layout with ``KP = H / (128 * TR_NS)``. Returns that KP (the reduce launch's). ``programs``: the grid
+    (default ``TR_G`` x SMs, ``TR_G`` default 1)."""
+    m, k = ids.shape
+    c = ring_constexprs(m, k, kern.h, kern.i, cfg, pdl, pdl_in, dq)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    g = programs or int(cfg.get("TR_G", 1)) * sms
+    nit = m * k * (kern.i // cfg["BI"]) * (kern.h // (128 * c["NS"]))
+    _moe_gateup_ring[(min(g, nit),)](weight_desc(kern, cfg["BI"], c["NS"]), kern.s13, x, ids, part, kern.lut, **c,
+                                     num_warps=cfg["num_warps"], launch_pdl=pdl_in > 0)
+    return kern.h // (128 * c["NS"])
