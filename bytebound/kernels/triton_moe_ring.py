@@ -114,7 +114,6 @@ if gluon is not None:
         DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
-        EL: gl.constexpr = gl.BlockedLayout([1, NPC], [32, 1], [NW, 1], [1, 0])
         SD: gl.constexpr = gl.SliceLayout(3, WD)
         pid = gl.program_id(0)
         G = gl.num_programs(0)
@@ -138,9 +137,10 @@ if gluon is not None:
         l3 = gl.load(lut_ptr + 3)
         l4 = gl.load(lut_ptr + 4)
         r = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD)))
-        pr = gl.arange(0, R1, layout=gl.SliceLayout(1, EL))
-        gc = gl.arange(0, NPC, layout=gl.SliceLayout(0, EL))
-        pm = (gl.zeros([R1, NPC], gl.int32, EL) + gc[None, :]) < MV
+        # the partial is stored straight from the mma accumulator's layout (no shared-memory conversion, no barrier)
+        pr = gl.arange(0, R1, layout=gl.SliceLayout(1, MMA))
+        gc = gl.arange(0, NPC, layout=gl.SliceLayout(0, MMA))
+        pm = (gl.zeros([R1, NPC], gl.int32, MMA) + gc[None, :]) < MV
         sv_next = _scales(s13_ptr, ids, t, pid, 0 < n_my, r, H, I, BI, NJ, KP, NS, WD)
         for k in range(n_my):
             st = k % ST
@@ -156,7 +156,7 @@ if gluon is not None:
                 acc = mma_v2(ts.frag_dequant(wv, sv, l0, l1, l2, l3, l4, DA, DQ), b,
                              gl.zeros([R1, NPC], gl.float32, MMA))
                 base = part_ptr + (s * NJ + j) * (KP * R1 * MV) + p * (R1 * MV)
-                gl.store(base + pr[:, None] * MV + gc[None, :], gl.convert_layout(acc, EL), mask=pm)
+                gl.store(base + pr[:, None] * MV + gc[None, :], acc, mask=pm)
             gl.thread_barrier()             # every warp has read stage st before it is refilled
             _issue(desc, ring, bars, ids, t, it + ST * G, st, k + ST < n_my, I, BI, NJ, KP, NWORD)
 
