@@ -29,10 +29,12 @@ def compile_ring(m: int, cfg: dict, arch: int = 90, dq: int = 1):
     lay = tr.gl.NVMMASharedLayout(swizzle_byte_width=min(128, 64 * ns), element_bitwidth=32, rank=2)
     t = torch.empty(0, dtype=torch.int32).new_empty((512 * 2 * LING["i"], LING["h"] // 8), device="meta")
     d = TensorDescriptor(t, list(t.shape), list(t.stride()), [cfg["BI"], 16 * ns], lay)
-    return ptxas_util.compile_kernel(tr._moe_gateup_ring, c,
+    ws = int(cfg.get("TR", 1)) == 2
+    opts = dict(num_warps=cfg["num_warps"], **(dict(maxnreg=int(cfg.get("TR_REGS", 128))) if ws else {}))
+    return ptxas_util.compile_kernel(tr._moe_gateup_ring_ws if ws else tr._moe_gateup_ring, c,
                                      dict(desc=mangle_type(d), s13_ptr="*u8", x_ptr="*bf16", ids_ptr="*i32",
                                           part_ptr="*fp32", lut_ptr="*i32"), arch,
-                                     dict(num_warps=cfg["num_warps"]), gluon=True,
+                                     opts, gluon=True,
                                      aligned=lambda name, ty: ty.startswith("*"))
 
 

@@ -36,7 +36,7 @@ from bytebound.kernels import triton_moe_split as ts
 gluon, gl = ts.gluon, ts.gl
 mma_v2 = ts.mma_v2
 if gluon is not None:
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 
@@ -161,6 +161,106 @@ if gluon is not None:
             _issue(desc, ring, bars, ids, t, it + ST * G, st, k + ST < n_my, I, BI, NJ, KP, NWORD)
 
 
+if gluon is not None:
+    @gluon.jit
+    def _ws_load(desc, ids_ptr, ring, ready, empty, n_my, pid, G, I: gl.constexpr, BI: gl.constexpr,
+                 NJ: gl.constexpr, KP: gl.constexpr, NWORD: gl.constexpr, S: gl.constexpr, SP: gl.constexpr,
+                 ST: gl.constexpr):
+        """``TR 2``, the producer warp: for each of this program's items, wait until its stage is free (the
+        consumers arrived on ``empty``), then fill it by TMA (or arrive without a copy for a non-owner item)."""
+        RL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        t = gl.arange(0, SP, layout=RL)
+        ids = gl.load(ids_ptr + t, mask=t < S, other=-1).to(gl.int32)
+        for k in range(n_my):
+            st = k % ST
+            mbarrier.wait(empty.index(st), ((k // ST) & 1) ^ 1)
+            _issue(desc, ring, ready, ids, t, pid + k * G, st, True, I, BI, NJ, KP, NWORD)
+
+    @gluon.jit
+    def _ws_compute(s13_ptr, ids_ptr, part_ptr, lut_ptr, ring, ready, empty, x_s, n_my, pid, G, H: gl.constexpr,
+                    I: gl.constexpr, M: gl.constexpr, S: gl.constexpr, SP: gl.constexpr, BI: gl.constexpr,
+                    NS: gl.constexpr, ST: gl.constexpr, WD: gl.constexpr, WD2: gl.constexpr, DQ: gl.constexpr,
+                    NW: gl.constexpr):
+        """``TR 2``, the consumers (the default partition): per item, wait for its stage, read the weight words out
+        of it, release it (``empty``), then decode, multiply and store the partial while the producer refills."""
+        NPC: gl.constexpr = 8
+        R1: gl.constexpr = 2 * BI
+        NJ: gl.constexpr = I // BI
+        CW: gl.constexpr = NS * 128
+        KP: gl.constexpr = H // CW
+        MV: gl.constexpr = 1 if M == 1 else 4
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
+        SD: gl.constexpr = gl.SliceLayout(3, WD)
+        t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
+        ids = gl.load(ids_ptr + t, mask=t < S, other=-1).to(gl.int32)
+        l0 = gl.load(lut_ptr)
+        l1 = gl.load(lut_ptr + 1)
+        l2 = gl.load(lut_ptr + 2)
+        l3 = gl.load(lut_ptr + 3)
+        l4 = gl.load(lut_ptr + 4)
+        r = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD)))
+        pr = gl.arange(0, R1, layout=gl.SliceLayout(1, MMA))
+        gc = gl.arange(0, NPC, layout=gl.SliceLayout(0, MMA))
+        pm = (gl.zeros([R1, NPC], gl.int32, MMA) + gc[None, :]) < MV
+        sv_next = _scales(s13_ptr, ids, t, pid, 0 < n_my, r, H, I, BI, NJ, KP, NS, WD)
+        for k in range(n_my):
+            st = k % ST
+            it = pid + k * G
+            s, j, p, e, owner = _item(ids, t, it, NJ, KP)
+            sv = sv_next
+            sv_next = _scales(s13_ptr, ids, t, it + G, k + 1 < n_my, r, H, I, BI, NJ, KP, NS, WD)
+            mbarrier.wait(ready.index(st), (k // ST) & 1)
+            w2 = ring.index(st).load(WD2)
+            fence_async_shared()
+            mbarrier.arrive(empty.index(st), count=1)
+            if owner:
+                wv = gl.convert_layout(gl.reshape(w2, [R1, NS, 4, 4]), WD, assert_trivial=True)
+                b = x_s.index(p).load(DB)
+                acc = mma_v2(ts.frag_dequant(wv, sv, l0, l1, l2, l3, l4, DA, DQ), b,
+                             gl.zeros([R1, NPC], gl.float32, MMA))
+                base = part_ptr + (s * NJ + j) * (KP * R1 * MV) + p * (R1 * MV)
+                gl.store(base + pr[:, None] * MV + gc[None, :], acc, mask=pm)
+
+    @gluon.jit
+    def _moe_gateup_ring_ws(desc, s13_ptr, x_ptr, ids_ptr, part_ptr, lut_ptr, H: gl.constexpr, I: gl.constexpr,
+                            TOPK: gl.constexpr, M: gl.constexpr, SP: gl.constexpr, BI: gl.constexpr,
+                            NS: gl.constexpr, KPP: gl.constexpr, ST: gl.constexpr, WD: gl.constexpr,
+                            WD2: gl.constexpr, DQ: gl.constexpr, PDL_IN: gl.constexpr, PDL: gl.constexpr):
+        """``TR 2``: :func:`_moe_gateup_ring` with the TMA issue in a producer warp of its own (warp
+        specialisation) and a ``ready`` / ``empty`` mbarrier pair per stage, so the consumer warps never stop at a
+        CTA-wide barrier inside the loop. Same items, same maths, same bits."""
+        NW: gl.constexpr = gl.num_warps()
+        S: gl.constexpr = M * TOPK
+        R1: gl.constexpr = 2 * BI
+        NJ: gl.constexpr = I // BI
+        CW: gl.constexpr = NS * 128
+        NWORD: gl.constexpr = NS * 16
+        KP: gl.constexpr = H // CW
+        NIT: gl.constexpr = S * NJ * KP
+        pid = gl.program_id(0)
+        G = gl.num_programs(0)
+        ring = gl.allocate_shared_memory(gl.int32, [ST, R1, NWORD], desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(ST):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        ts._pdl_in(PDL_IN, PDL, NW)         # the router's ids and x are complete past this point
+        x_s = gl.allocate_shared_memory(gl.bfloat16, [KPP, CW, 8], ts.XS_LAYOUT)
+        for pc in gl.static_range(KP):
+            x_s.index(pc).store(ts._b_spread(x_ptr + pc * CW, H, M, NS, NW, DQ))
+        gl.thread_barrier()
+        n_my = (NIT - pid + G - 1) // G
+        gl.warp_specialize([
+            (_ws_compute, (s13_ptr, ids_ptr, part_ptr, lut_ptr, ring, ready, empty, x_s, n_my, pid, G, H, I, M, S,
+                           SP, BI, NS, ST, WD, WD2, DQ, NW)),
+            (_ws_load, (desc, ids_ptr, ring, ready, empty, n_my, pid, G, I, BI, NJ, KP, NWORD, S, SP, ST)),
+        ], [1], [40])
+
+
 def ring_constexprs(m: int, k: int, h: int, i: int, cfg: dict, pdl: bool, pdl_in: int, dq: int) -> dict:
     """Compile-time arguments of :func:`_moe_gateup_ring` for ``m`` tokens under a fitted ``split`` config with
     ``TR`` (``BI``, ``num_warps``, ``TR_NS`` super-blocks per item (default 2: 256 columns, one 128-byte TMA row),
@@ -205,6 +305,8 @@ def launch_ring_gateup(kern, x: torch.Tensor, ids: torch.Tensor, part: torch.Ten
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     g = programs or int(cfg.get("TR_G", 1)) * sms
     nit = m * k * (kern.i // cfg["BI"]) * (kern.h // (128 * c["NS"]))
-    _moe_gateup_ring[(min(g, nit),)](weight_desc(kern, cfg["BI"], c["NS"]), kern.s13, x, ids, part, kern.lut, **c,
-                                     num_warps=cfg["num_warps"], launch_pdl=pdl_in > 0)
+    kernel = _moe_gateup_ring_ws if int(cfg.get("TR", 1)) == 2 else _moe_gateup_ring
+    extra = dict(maxnreg=int(cfg.get("TR_REGS", 128))) if kernel is _moe_gateup_ring_ws else {}
+    kernel[(min(g, nit),)](weight_desc(kern, cfg["BI"], c["NS"]), kern.s13, x, ids, part, kern.lut, **c,
+                           num_warps=cfg["num_warps"], launch_pdl=pdl_in > 0, **extra)
     return kern.h // (128 * c["NS"])

@@ -956,8 +956,9 @@ def fit_split_config(cfg: dict, h: int, i: int) -> dict:
     if cfg.get("DQ") not in (0, 1):
         raise BackendError(f"moe[triton] variant 'split': DQ (the E2M1 decode) must be 0 (table) or 1 (shift), "
                            f"got {cfg.get('DQ')!r}")
-    if cfg.get("TR", 0) not in (0, 1):
-        raise BackendError(f"moe[triton] variant 'split': TR (kernel A as a TMA ring) must be 0 or 1, got "
+    if cfg.get("TR", 0) not in (0, 1, 2):
+        raise BackendError(f"moe[triton] variant 'split': TR (kernel A as a TMA ring; 2: warp-specialised) must be "
+                           f"0, 1 or 2, got "
                            f"{cfg.get('TR')!r}")
     if cfg.get("TR", 0):
         # the ring's items are TR_NS super-blocks wide: kernel A's partition is KP = H / (128 TR_NS) slices of one

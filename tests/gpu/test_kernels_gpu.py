@@ -301,11 +301,13 @@ def test_split_key_keeps_the_bits(ling_experts, key, tiling, m, dup, limits):
 
 
 @pytest.mark.parametrize("tiling", [{"BI": 64, "num_warps": 8, "DQ": 1},
-                                    {"BI": 32, "num_warps": 4, "DQ": 0, "TR_ST": 2}], ids=["w8-st4", "w4-st2"])
+                                    {"BI": 32, "num_warps": 4, "DQ": 0, "TR_ST": 2},
+                                    {"BI": 64, "num_warps": 8, "DQ": 1, "TR": 2}], ids=["w8-st4", "w4-st2", "ws-w8"])
 @pytest.mark.parametrize("m,dup", [(1, 0), (2, 3), (4, 0), (4, 5)])
 @pytest.mark.parametrize("limits", [None, 1.0], ids=["noclamp", "clamp"])
 def test_ring_kernel_a_keeps_the_bits(ling_experts, tiling, m, dup, limits):
-    """``TR`` (kernel A as a persistent TMA ring, kernels.triton_moe_ring) at Ling's shape: the routed MoE equals the
+    """``TR`` (kernel A as a persistent TMA ring, kernels.triton_moe_ring; ``TR 2`` warp-specialised) at Ling's
+    shape: the routed MoE equals the
     ``split`` kernels at the ring's partition (KP = H / 256, KC 1, RK 1) bit for bit, with duplicate experts (their
     items arrive on the ring without a copy), with and without the clamp; repeated calls and a CUDA graph replay
     give the same bits; and the output is within 1e-2 of the float64 routed sum."""
@@ -315,7 +317,7 @@ def test_ring_kernel_a_keeps_the_bits(ling_experts, tiling, m, dup, limits):
     try:
         ids, w = make_routing(m, LING["e"], LING["k"], shared=dup, seed=31 + m + dup)
         x = torch.randn(m, LING["h"], device=DEV).to(torch.bfloat16)
-        on = fit_config(_moe_config("split", dict(tiling, TR=1)), LING["h"], LING["i"])
+        on = fit_config(_moe_config("split", dict({"TR": 1}, **tiling)), LING["h"], LING["i"])
         assert (on["KP"], on["KC"], on["RK"]) == (LING["h"] // 256, 1, 1), on
         off = dict(on, TR=0)
         outs = {}
