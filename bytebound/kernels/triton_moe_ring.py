@@ -57,21 +57,24 @@ def word_layout_2d(rows: int, ns: int, num_warps: int):
 
 if gluon is not None:
     @gluon.jit
-    def _item(ids, t, it, NJ: gl.constexpr, KP: gl.constexpr):
-        """Work item ``it`` -> ``(s, j, p, e, owner)``: slot, row block, H chunk, expert, and whether this slot does
-        the expert's work (no earlier slot chose it)."""
-        s = it // (NJ * KP)
-        rem = it % (NJ * KP)
+    def _item(ids, t, it, S: gl.constexpr, NJ: gl.constexpr, KP: gl.constexpr, NSH: gl.constexpr):
+        """Work item ``it`` -> ``(sh, s, j, p, e, owner)``: whether it is the shared expert's (items ``0 .. NSH-1``,
+        slot ``S``: first, so that their plain loads start each program), slot, row block, H chunk, expert, and
+        whether this routed slot does the expert's work (no earlier slot chose it; false for shared items)."""
+        sh = it < NSH
+        ri = gl.maximum(it - NSH, 0)
+        s = gl.where(sh, S, ri // (NJ * KP))
+        rem = gl.where(sh, it, ri % (NJ * KP))
         e = gl.sum(gl.where(t == s, ids, 0), axis=0).to(gl.int32)
-        owner = gl.sum(gl.where((ids == e) & (t < s), 1, 0), axis=0) == 0
-        return s, rem // KP, rem % KP, e, owner
+        owner = (gl.sum(gl.where((ids == e) & (t < s), 1, 0), axis=0) == 0) & (sh == 0)
+        return sh, s, rem // KP, rem % KP, e, owner
 
     @gluon.jit
-    def _issue(desc, ring, bars, ids, t, it, st, valid, I: gl.constexpr, BI: gl.constexpr, NJ: gl.constexpr,
-               KP: gl.constexpr, NWORD: gl.constexpr):
+    def _issue(desc, ring, bars, ids, t, it, st, valid, S: gl.constexpr, I: gl.constexpr, BI: gl.constexpr,
+               NJ: gl.constexpr, KP: gl.constexpr, NSH: gl.constexpr, NWORD: gl.constexpr):
         """Fill stage ``st`` with item ``it`` (when ``valid``): the gate rows and the up rows of its expert, H chunk
-        ``p``, by TMA; a non-owner item only arrives on the stage's barrier."""
-        s, j, p, e, owner = _item(ids, t, it, NJ, KP)
+        ``p``, by TMA; a non-owner or shared item only arrives on the stage's barrier."""
+        sh, s, j, p, e, owner = _item(ids, t, it, S, NJ, KP, NSH)
         go = valid & owner
         bar = bars.index(st)
         buf = ring.index(st)
@@ -82,11 +85,12 @@ if gluon is not None:
         mbarrier.arrive(bar, pred=valid & (owner == 0))
 
     @gluon.jit
-    def _scales(s13_ptr, ids, t, it, valid, r, H: gl.constexpr, I: gl.constexpr, BI: gl.constexpr,
-                NJ: gl.constexpr, KP: gl.constexpr, NS: gl.constexpr, WD: gl.constexpr):
+    def _scales(s13_ptr, ids, t, it, valid, r, S: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
+                BI: gl.constexpr, NJ: gl.constexpr, KP: gl.constexpr, NSH: gl.constexpr, NS: gl.constexpr,
+                WD: gl.constexpr):
         """Item ``it``'s E8M0 bytes ``[2*BI, NS, 4]`` (layout ``SliceLayout(3, WD)``), zeros when not ``valid`` or
-        not the owner."""
-        s, j, p, e, owner = _item(ids, t, it, NJ, KP)
+        not a routed owner."""
+        sh, s, j, p, e, owner = _item(ids, t, it, S, NJ, KP, NSH)
         SD: gl.constexpr = gl.SliceLayout(3, WD)
         sb = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD)))
         tb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SD)))
@@ -96,10 +100,12 @@ if gluon is not None:
         return gl.load(s13_ptr + off, mask=(off >= 0) & valid & owner, other=0)
 
     @gluon.jit
-    def _moe_gateup_ring(desc, s13_ptr, x_ptr, ids_ptr, part_ptr, lut_ptr, H: gl.constexpr, I: gl.constexpr,
+    def _moe_gateup_ring(desc, s13_ptr, x_ptr, ids_ptr, part_ptr, lut_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr,
+                         slimit, H: gl.constexpr, I: gl.constexpr,
                          TOPK: gl.constexpr, M: gl.constexpr, SP: gl.constexpr, BI: gl.constexpr, NS: gl.constexpr,
                          KPP: gl.constexpr, ST: gl.constexpr, WD: gl.constexpr, WD2: gl.constexpr,
-                         DQ: gl.constexpr, PDL_IN: gl.constexpr, PDL: gl.constexpr):
+                         DQ: gl.constexpr, PDL_IN: gl.constexpr, PDL: gl.constexpr, SHARED: gl.constexpr,
+                         HAS_LIMIT: gl.constexpr, WD8: gl.constexpr):
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         S: gl.constexpr = M * TOPK
@@ -108,7 +114,8 @@ if gluon is not None:
         CW: gl.constexpr = NS * 128
         NWORD: gl.constexpr = NS * 16
         KP: gl.constexpr = H // CW
-        NIT: gl.constexpr = S * NJ * KP
+        NSH: gl.constexpr = NJ * KP if SHARED else 0
+        NIT: gl.constexpr = S * NJ * KP + NSH
         MV: gl.constexpr = 1 if M == 1 else 4
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -126,7 +133,7 @@ if gluon is not None:
         ids = gl.load(ids_ptr + t, mask=t < S, other=-1).to(gl.int32)
         n_my = (NIT - pid + G - 1) // G
         for i in gl.static_range(ST):
-            _issue(desc, ring, bars, ids, t, pid + i * G, i, i < n_my, I, BI, NJ, KP, NWORD)
+            _issue(desc, ring, bars, ids, t, pid + i * G, i, i < n_my, S, I, BI, NJ, KP, NSH, NWORD)
         x_s = gl.allocate_shared_memory(gl.bfloat16, [KPP, CW, 8], ts.XS_LAYOUT)
         for pc in gl.static_range(KP):
             x_s.index(pc).store(ts._b_spread(x_ptr + pc * CW, H, M, NS, NW, DQ))
@@ -141,14 +148,18 @@ if gluon is not None:
         pr = gl.arange(0, R1, layout=gl.SliceLayout(1, MMA))
         gc = gl.arange(0, NPC, layout=gl.SliceLayout(0, MMA))
         pm = (gl.zeros([R1, NPC], gl.int32, MMA) + gc[None, :]) < MV
-        sv_next = _scales(s13_ptr, ids, t, pid, 0 < n_my, r, H, I, BI, NJ, KP, NS, WD)
+        sv_next = _scales(s13_ptr, ids, t, pid, 0 < n_my, r, S, H, I, BI, NJ, KP, NSH, NS, WD)
         for k in range(n_my):
             st = k % ST
             it = pid + k * G
-            s, j, p, e, owner = _item(ids, t, it, NJ, KP)
+            sh, s, j, p, e, owner = _item(ids, t, it, S, NJ, KP, NSH)
             sv = sv_next
-            sv_next = _scales(s13_ptr, ids, t, it + G, k + 1 < n_my, r, H, I, BI, NJ, KP, NS, WD)
+            sv_next = _scales(s13_ptr, ids, t, it + G, k + 1 < n_my, r, S, H, I, BI, NJ, KP, NSH, NS, WD)
             mbarrier.wait(bars.index(st), (k // ST) & 1)
+            if NSH > 0:
+                if sh:
+                    ts._gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, S, j, p, H, I,
+                                      M, BI, KP, HAS_LIMIT, WD8, 0, MMA, DA, DB, RL, 1, 1, 0)
             if owner:
                 w2 = ring.index(st).load(WD2)
                 wv = gl.convert_layout(gl.reshape(w2, [R1, NS, 4, 4]), WD, assert_trivial=True)
@@ -158,14 +169,14 @@ if gluon is not None:
                 base = part_ptr + (s * NJ + j) * (KP * R1 * MV) + p * (R1 * MV)
                 gl.store(base + pr[:, None] * MV + gc[None, :], acc, mask=pm)
             gl.thread_barrier()             # every warp has read stage st before it is refilled
-            _issue(desc, ring, bars, ids, t, it + ST * G, st, k + ST < n_my, I, BI, NJ, KP, NWORD)
+            _issue(desc, ring, bars, ids, t, it + ST * G, st, k + ST < n_my, S, I, BI, NJ, KP, NSH, NWORD)
 
 
 if gluon is not None:
     @gluon.jit
     def _ws_load(desc, ids_ptr, ring, ready, empty, n_my, pid, G, I: gl.constexpr, BI: gl.constexpr,
                  NJ: gl.constexpr, KP: gl.constexpr, NWORD: gl.constexpr, S: gl.constexpr, SP: gl.constexpr,
-                 ST: gl.constexpr):
+                 ST: gl.constexpr, NSH: gl.constexpr):
         """``TR 2``, the producer warp: for each of this program's items, wait until its stage is free (the
         consumers arrived on ``empty``), then fill it by TMA (or arrive without a copy for a non-owner item)."""
         RL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -174,13 +185,14 @@ if gluon is not None:
         for k in range(n_my):
             st = k % ST
             mbarrier.wait(empty.index(st), ((k // ST) & 1) ^ 1)
-            _issue(desc, ring, ready, ids, t, pid + k * G, st, True, I, BI, NJ, KP, NWORD)
+            _issue(desc, ring, ready, ids, t, pid + k * G, st, True, S, I, BI, NJ, KP, NSH, NWORD)
 
     @gluon.jit
-    def _ws_compute(s13_ptr, ids_ptr, part_ptr, lut_ptr, ring, ready, empty, x_s, n_my, pid, G, H: gl.constexpr,
-                    I: gl.constexpr, M: gl.constexpr, S: gl.constexpr, SP: gl.constexpr, BI: gl.constexpr,
-                    NS: gl.constexpr, ST: gl.constexpr, WD: gl.constexpr, WD2: gl.constexpr, DQ: gl.constexpr,
-                    NW: gl.constexpr):
+    def _ws_compute(s13_ptr, ids_ptr, part_ptr, lut_ptr, x_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr, slimit, ring,
+                    ready, empty, x_s, n_my, pid, G, H: gl.constexpr, I: gl.constexpr, M: gl.constexpr,
+                    S: gl.constexpr, SP: gl.constexpr, BI: gl.constexpr, NS: gl.constexpr, ST: gl.constexpr,
+                    WD: gl.constexpr, WD2: gl.constexpr, DQ: gl.constexpr, NW: gl.constexpr, NSH: gl.constexpr,
+                    HAS_LIMIT: gl.constexpr, WD8: gl.constexpr):
         """``TR 2``, the consumers (the default partition): per item, wait for its stage, read the weight words out
         of it, release it (``empty``), then decode, multiply and store the partial while the producer refills."""
         NPC: gl.constexpr = 8
@@ -205,17 +217,21 @@ if gluon is not None:
         pr = gl.arange(0, R1, layout=gl.SliceLayout(1, MMA))
         gc = gl.arange(0, NPC, layout=gl.SliceLayout(0, MMA))
         pm = (gl.zeros([R1, NPC], gl.int32, MMA) + gc[None, :]) < MV
-        sv_next = _scales(s13_ptr, ids, t, pid, 0 < n_my, r, H, I, BI, NJ, KP, NS, WD)
+        sv_next = _scales(s13_ptr, ids, t, pid, 0 < n_my, r, S, H, I, BI, NJ, KP, NSH, NS, WD)
         for k in range(n_my):
             st = k % ST
             it = pid + k * G
-            s, j, p, e, owner = _item(ids, t, it, NJ, KP)
+            sh, s, j, p, e, owner = _item(ids, t, it, S, NJ, KP, NSH)
             sv = sv_next
-            sv_next = _scales(s13_ptr, ids, t, it + G, k + 1 < n_my, r, H, I, BI, NJ, KP, NS, WD)
+            sv_next = _scales(s13_ptr, ids, t, it + G, k + 1 < n_my, r, S, H, I, BI, NJ, KP, NSH, NS, WD)
             mbarrier.wait(ready.index(st), (k // ST) & 1)
             w2 = ring.index(st).load(WD2)
             fence_async_shared()
             mbarrier.arrive(empty.index(st), count=1)
+            if NSH > 0:
+                if sh:
+                    ts._gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, S, j, p, H, I,
+                                      M, BI, KP, HAS_LIMIT, WD8, 0, MMA, DA, DB, RL, 1, 1, 0)
             if owner:
                 wv = gl.convert_layout(gl.reshape(w2, [R1, NS, 4, 4]), WD, assert_trivial=True)
                 b = x_s.index(p).load(DB)
@@ -225,10 +241,12 @@ if gluon is not None:
                 gl.store(base + pr[:, None] * MV + gc[None, :], acc, mask=pm)
 
     @gluon.jit
-    def _moe_gateup_ring_ws(desc, s13_ptr, x_ptr, ids_ptr, part_ptr, lut_ptr, H: gl.constexpr, I: gl.constexpr,
+    def _moe_gateup_ring_ws(desc, s13_ptr, x_ptr, ids_ptr, part_ptr, lut_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr,
+                            slimit, H: gl.constexpr, I: gl.constexpr,
                             TOPK: gl.constexpr, M: gl.constexpr, SP: gl.constexpr, BI: gl.constexpr,
                             NS: gl.constexpr, KPP: gl.constexpr, ST: gl.constexpr, WD: gl.constexpr,
-                            WD2: gl.constexpr, DQ: gl.constexpr, PDL_IN: gl.constexpr, PDL: gl.constexpr):
+                            WD2: gl.constexpr, DQ: gl.constexpr, PDL_IN: gl.constexpr, PDL: gl.constexpr,
+                            SHARED: gl.constexpr, HAS_LIMIT: gl.constexpr, WD8: gl.constexpr):
         """``TR 2``: :func:`_moe_gateup_ring` with the TMA issue in a producer warp of its own (warp
         specialisation) and a ``ready`` / ``empty`` mbarrier pair per stage, so the consumer warps never stop at a
         CTA-wide barrier inside the loop. Same items, same maths, same bits."""
@@ -239,7 +257,8 @@ if gluon is not None:
         CW: gl.constexpr = NS * 128
         NWORD: gl.constexpr = NS * 16
         KP: gl.constexpr = H // CW
-        NIT: gl.constexpr = S * NJ * KP
+        NSH: gl.constexpr = NJ * KP if SHARED else 0
+        NIT: gl.constexpr = S * NJ * KP + NSH
         pid = gl.program_id(0)
         G = gl.num_programs(0)
         ring = gl.allocate_shared_memory(gl.int32, [ST, R1, NWORD], desc.layout)
@@ -255,13 +274,15 @@ if gluon is not None:
         gl.thread_barrier()
         n_my = (NIT - pid + G - 1) // G
         gl.warp_specialize([
-            (_ws_compute, (s13_ptr, ids_ptr, part_ptr, lut_ptr, ring, ready, empty, x_s, n_my, pid, G, H, I, M, S,
-                           SP, BI, NS, ST, WD, WD2, DQ, NW)),
-            (_ws_load, (desc, ids_ptr, ring, ready, empty, n_my, pid, G, I, BI, NJ, KP, NWORD, S, SP, ST)),
+            (_ws_compute, (s13_ptr, ids_ptr, part_ptr, lut_ptr, x_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr, slimit,
+                           ring, ready, empty, x_s, n_my, pid, G, H, I, M, S, SP, BI, NS, ST, WD, WD2, DQ, NW, NSH,
+                           HAS_LIMIT, WD8)),
+            (_ws_load, (desc, ids_ptr, ring, ready, empty, n_my, pid, G, I, BI, NJ, KP, NWORD, S, SP, ST, NSH)),
         ], [1], [40])
 
 
-def ring_constexprs(m: int, k: int, h: int, i: int, cfg: dict, pdl: bool, pdl_in: int, dq: int) -> dict:
+def ring_constexprs(m: int, k: int, h: int, i: int, cfg: dict, pdl: bool, pdl_in: int, dq: int,
+                    shared: bool = False, has_limit: bool = False) -> dict:
     """Compile-time arguments of :func:`_moe_gateup_ring` for ``m`` tokens under a fitted ``split`` config with
     ``TR`` (``BI``, ``num_warps``, ``TR_NS`` super-blocks per item (default 2: 256 columns, one 128-byte TMA row),
     ``TR_ST`` ring stages (default 4)).
@@ -277,7 +298,9 @@ def ring_constexprs(m: int, k: int, h: int, i: int, cfg: dict, pdl: bool, pdl_in
     return dict(H=h, I=i, TOPK=k, M=m, SP=max(32, 1 << (s - 1).bit_length()), BI=cfg["BI"], NS=ns,
                 KPP=1 << (kp - 1).bit_length(), ST=int(cfg.get("TR_ST", 4)),
                 WD=ts.word_layout(2 * cfg["BI"], ns, cfg["num_warps"]),
-                WD2=word_layout_2d(2 * cfg["BI"], ns, cfg["num_warps"]), DQ=dq, PDL_IN=pdl_in, PDL=pdl)
+                WD2=word_layout_2d(2 * cfg["BI"], ns, cfg["num_warps"]), DQ=dq, PDL_IN=pdl_in, PDL=pdl,
+                SHARED=shared, HAS_LIMIT=has_limit,
+                WD8=ts.fp8_word_layout(2 * cfg["BI"], max(1, cw // 256), cfg["num_warps"]) if shared else None)
 
 
 _DESC: dict = {}
@@ -296,17 +319,24 @@ def weight_desc(kern, bi: int, ns: int):
 
 
 def launch_ring_gateup(kern, x: torch.Tensor, ids: torch.Tensor, part: torch.Tensor, cfg: dict, dq: int,
-                       pdl: bool, pdl_in: int, programs: int | None = None) -> int:
-    """Kernel A as the TMA ring for one call: ``x bf16 [M, H]``, ``ids int32 [M, k]`` -> ``part`` float32 in the
-    ``RK`` layout with ``KP = H / (128 * TR_NS)``. Returns that KP (the reduce launch's). ``programs``: the grid
-    (default ``TR_G`` x SMs, ``TR_G`` default 1)."""
+                       pdl: bool, pdl_in: int, sh=None, act=None, cnt=None, slimit: float = float("inf"),
+                       has_limit: bool = False, programs: int | None = None) -> int:
+    """Kernel A as the TMA ring for one call: ``x bf16 [M, H]``, ``ids int [M, k]`` -> ``part`` float32 in the
+    ``RK`` layout with ``KP = H / (128 * TR_NS)``; with a shared expert ``sh``
+    (:class:`~bytebound.kernels.triton_moe_split.SharedFP8`) its partials too (slot ``M*k``, through the ``split``
+    kernel's shared-slot code, plain loads), ``act`` / ``cnt`` the launch's scratch, ``slimit`` its clamp.
+    Returns that KP (the reduce launch's). ``programs``: the grid (default ``TR_G`` x SMs, ``TR_G`` default 1)."""
     m, k = ids.shape
-    c = ring_constexprs(m, k, kern.h, kern.i, cfg, pdl, pdl_in, dq)
+    c = ring_constexprs(m, k, kern.h, kern.i, cfg, pdl, pdl_in, dq, sh is not None, has_limit)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     g = programs or int(cfg.get("TR_G", 1)) * sms
-    nit = m * k * (kern.i // cfg["BI"]) * (kern.h // (128 * c["NS"]))
+    nit = (m * k + (sh is not None)) * (kern.i // cfg["BI"]) * (kern.h // (128 * c["NS"]))
     kernel = _moe_gateup_ring_ws if int(cfg.get("TR", 1)) == 2 else _moe_gateup_ring
     extra = dict(maxnreg=int(cfg.get("TR_REGS", 128))) if kernel is _moe_gateup_ring_ws else {}
-    kernel[(min(g, nit),)](weight_desc(kern, cfg["BI"], c["NS"]), kern.s13, x, ids, part, kern.lut, **c,
+    sw13, ss13 = (sh.w13w, sh.s13) if sh is not None else (kern.w13w, kern.lut)
+    act = part if act is None else act
+    cnt = kern.lut if cnt is None else cnt
+    kernel[(min(g, nit),)](weight_desc(kern, cfg["BI"], c["NS"]), kern.s13, x, ids, part, kern.lut, sw13, ss13, act,
+                           cnt, slimit, **c,
                            num_warps=cfg["num_warps"], launch_pdl=pdl_in > 0, **extra)
     return kern.h // (128 * c["NS"])

@@ -1109,9 +1109,10 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
     pdl_in = int(cfg.get("pdl_in", 0)) if kern.sm90 else 0
     sw13, ss13, sw2, ss2 = (sh.w13w, sh.s13, sh.w2w, sh.s2) if sh is not None else (kern.w13w, kern.lut) * 2
     ca, cb = split_constexprs(m, k, h, i, cfg, sh is not None, has_limit, pdl, pdl_in, launch_dq(kern, cfg)[0])
-    if cfg.get("TR", 0) and sh is None and kern.sm90:
+    if cfg.get("TR", 0) and kern.sm90:
         from bytebound.kernels import triton_moe_ring
-        triton_moe_ring.launch_ring_gateup(kern, x, ids, part_a, cfg, ca["DQ"], pdl, pdl_in)
+        triton_moe_ring.launch_ring_gateup(kern, x, ids, part_a, cfg, ca["DQ"], pdl, pdl_in, sh, act, cnt_a, slimit,
+                                           has_limit)
     else:
         _moe_gateup_split[(nj, st, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
                                         sw13, ss13, slimit, **ca, num_warps=cfg["num_warps"], launch_pdl=pdl_in > 0)

@@ -309,7 +309,8 @@ def test_ring_kernel_a_keeps_the_bits(ling_experts, tiling, m, dup, limits):
     """``TR`` (kernel A as a persistent TMA ring, kernels.triton_moe_ring; ``TR 2`` warp-specialised) at Ling's
     shape: the routed MoE equals the
     ``split`` kernels at the ring's partition (KP = H / 256, KC 1, RK 1) bit for bit, with duplicate experts (their
-    items arrive on the ring without a copy), with and without the clamp; repeated calls and a CUDA graph replay
+    items arrive on the ring without a copy), with and without the clamp, routed only and with the fused shared
+    expert; repeated calls and a CUDA graph replay
     give the same bits; and the output is within 1e-2 of the float64 routed sum."""
     from bytebound.kernels.moe_host import MoEKernel, fit_config
     ex = ling_experts
@@ -321,11 +322,15 @@ def test_ring_kernel_a_keeps_the_bits(ling_experts, tiling, m, dup, limits):
         assert (on["KP"], on["KC"], on["RK"]) == (LING["h"] // 256, 1, 1), on
         off = dict(on, TR=0)
         outs = {}
+        mlp = make_shared(LING["h"], LING["i"], limit=limits, seed=7 + m)
         for key, cfg in (("on", on), ("off", off)):
             fn = MoEKernel(ex, {mm: cfg for mm in range(1, 5)})
             outs[key] = _poisoned_call(fn, x, ids, w)
+            fn.bind_shared(mlp)         # the shared expert's items: first in the ring's list, plain loads
+            outs[key, "shared"] = _poisoned_call(fn, x, ids, w)
         assert torch.isfinite(outs["on"].float()).all(), "unwritten or non-finite output"
-        assert torch.equal(outs["on"], outs["off"]), "TR 1 differs from the split kernels at its partition"
+        assert torch.equal(outs["on"], outs["off"]), "TR differs from the split kernels at its partition"
+        assert torch.equal(outs["on", "shared"], outs["off", "shared"]), "TR with the shared expert differs"
         fn = MoEKernel(ex, {mm: on for mm in range(1, 5)})
         for _ in range(3):
             assert torch.equal(fn(x, ids, w), outs["on"]), "repeated call differs"
