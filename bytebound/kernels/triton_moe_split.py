@@ -58,7 +58,12 @@ exceed :data:`SHIFT_DECODE_MAX_E8M0` runs 0 whatever the config says, ``MoEKerne
 1 with ``KP > 1``: kernel A's programs store their partials and end, and :func:`_moe_reduce_swiglu`, a third launch
 between the two kernels, sums them and applies SwiGLU: the same sums in the same order, so the same bits, without the
 fence, ticket and last-program tail in kernel A; the committed M = 4 entry sets it, the M = 1 decode entry does not:
-one more launch per MoE layer there would take the step past its kernel budget). Constraints: H/(KP*KC) and I/KP2 are
+one more launch per MoE layer there would take the step past its kernel budget), ``XS`` (default 0; experimental: kernel
+A stages x for its whole H slice in shared memory once, :func:`_stage_b`, instead of every warp loading its own copy
+into registers; the same bits; only where that slice is 128 x 2^n columns, else fitted to 0), ``TR`` (default 0;
+experimental: kernel A as a persistent TMA ring, ``kernels.triton_moe_ring``, 2 = warp-specialised; fits KP to H/256,
+KC 1, RK 1, whose bits it reproduces; ``TR_ST`` stages, ``TR_G`` programs per SM, ``TR_NS``, ``TR_REGS``; sm_90
+only). Constraints: H/(KP*KC) and I/KP2 are
 128 x a power of two, ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (an mma row tile per warp);
 :func:`fit_split_config` fits a config to a model's shape or raises BackendError.
 
