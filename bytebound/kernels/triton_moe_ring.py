@@ -100,28 +100,35 @@ if gluon is not None:
         return gl.load(s13_ptr + off, mask=(off >= 0) & valid & owner, other=0)
 
     @gluon.jit
+    def _stage_x(x_ptr, H: gl.constexpr, M: gl.constexpr, NS: gl.constexpr, KPP: gl.constexpr, NW: gl.constexpr,
+                 DQ: gl.constexpr):
+        """x ``[M, H]`` as the B operand of every H chunk, staged once per program: shared ``[KPP, 128*NS, 8]``
+        BF16, chunk ``p`` in the logical k order of the routed decode ``DQ`` (``triton_moe_split._b_spread``)."""
+        CW: gl.constexpr = NS * 128
+        x_s = gl.allocate_shared_memory(gl.bfloat16, [KPP, CW, 8], ts.XS_LAYOUT)
+        for pc in gl.static_range(H // CW):
+            x_s.index(pc).store(ts._b_spread(x_ptr + pc * CW, H, M, NS, NW, DQ))
+        gl.thread_barrier()
+        return x_s
+
+    @gluon.jit
     def _moe_gateup_ring(desc, s13_ptr, x_ptr, ids_ptr, part_ptr, lut_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr,
                          slimit, H: gl.constexpr, I: gl.constexpr,
                          TOPK: gl.constexpr, M: gl.constexpr, SP: gl.constexpr, BI: gl.constexpr, NS: gl.constexpr,
                          KPP: gl.constexpr, ST: gl.constexpr, WD: gl.constexpr, WD2: gl.constexpr,
                          DQ: gl.constexpr, PDL_IN: gl.constexpr, PDL: gl.constexpr, SHARED: gl.constexpr,
                          HAS_LIMIT: gl.constexpr, WD8: gl.constexpr):
+        """``TR 1``: one program per SM (module docstring); the program issues the TMA copies itself, refilling a
+        stage after a CTA barrier once every warp has read it (:func:`_consume_items`)."""
         NW: gl.constexpr = gl.num_warps()
-        NPC: gl.constexpr = 8
         S: gl.constexpr = M * TOPK
         R1: gl.constexpr = 2 * BI
         NJ: gl.constexpr = I // BI
-        CW: gl.constexpr = NS * 128
         NWORD: gl.constexpr = NS * 16
-        KP: gl.constexpr = H // CW
+        KP: gl.constexpr = H // (NS * 128)
         NSH: gl.constexpr = NJ * KP if SHARED else 0
         NIT: gl.constexpr = S * NJ * KP + NSH
-        MV: gl.constexpr = 1 if M == 1 else 4
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
-        SD: gl.constexpr = gl.SliceLayout(3, WD)
         pid = gl.program_id(0)
         G = gl.num_programs(0)
         ring = gl.allocate_shared_memory(gl.int32, [ST, R1, NWORD], desc.layout)
@@ -134,43 +141,10 @@ if gluon is not None:
         n_my = (NIT - pid + G - 1) // G
         for i in gl.static_range(ST):
             _issue(desc, ring, bars, ids, t, pid + i * G, i, i < n_my, S, I, BI, NJ, KP, NSH, NWORD)
-        x_s = gl.allocate_shared_memory(gl.bfloat16, [KPP, CW, 8], ts.XS_LAYOUT)
-        for pc in gl.static_range(KP):
-            x_s.index(pc).store(ts._b_spread(x_ptr + pc * CW, H, M, NS, NW, DQ))
-        gl.thread_barrier()
-        l0 = gl.load(lut_ptr)
-        l1 = gl.load(lut_ptr + 1)
-        l2 = gl.load(lut_ptr + 2)
-        l3 = gl.load(lut_ptr + 3)
-        l4 = gl.load(lut_ptr + 4)
-        r = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD)))
-        # the partial is stored straight from the mma accumulator's layout (no shared-memory conversion, no barrier)
-        pr = gl.arange(0, R1, layout=gl.SliceLayout(1, MMA))
-        gc = gl.arange(0, NPC, layout=gl.SliceLayout(0, MMA))
-        pm = (gl.zeros([R1, NPC], gl.int32, MMA) + gc[None, :]) < MV
-        sv_next = _scales(s13_ptr, ids, t, pid, 0 < n_my, r, S, H, I, BI, NJ, KP, NSH, NS, WD)
-        for k in range(n_my):
-            st = k % ST
-            it = pid + k * G
-            sh, s, j, p, e, owner = _item(ids, t, it, S, NJ, KP, NSH)
-            sv = sv_next
-            sv_next = _scales(s13_ptr, ids, t, it + G, k + 1 < n_my, r, S, H, I, BI, NJ, KP, NSH, NS, WD)
-            mbarrier.wait(bars.index(st), (k // ST) & 1)
-            if NSH > 0:
-                if sh:
-                    ts._gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, S, j, p, H, I,
-                                      M, BI, KP, HAS_LIMIT, WD8, 0, MMA, DA, DB, RL, 1, 1, 0)
-            if owner:
-                w2 = ring.index(st).load(WD2)
-                wv = gl.convert_layout(gl.reshape(w2, [R1, NS, 4, 4]), WD, assert_trivial=True)
-                b = x_s.index(p).load(DB)
-                acc = mma_v2(ts.frag_dequant(wv, sv, l0, l1, l2, l3, l4, DA, DQ), b,
-                             gl.zeros([R1, NPC], gl.float32, MMA))
-                base = part_ptr + (s * NJ + j) * (KP * R1 * MV) + p * (R1 * MV)
-                gl.store(base + pr[:, None] * MV + gc[None, :], acc, mask=pm)
-            gl.thread_barrier()             # every warp has read stage st before it is refilled
-            _issue(desc, ring, bars, ids, t, it + ST * G, st, k + ST < n_my, S, I, BI, NJ, KP, NSH, NWORD)
-
+        x_s = _stage_x(x_ptr, H, M, NS, KPP, NW, DQ)
+        _consume_items(desc, s13_ptr, ids_ptr, part_ptr, lut_ptr, x_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr, slimit,
+                       ring, bars, bars, x_s, n_my, pid, G, H, I, M, S, SP, BI, NS, ST, WD, WD2, DQ, NW, NSH, HAS_LIMIT,
+                       WD8, 0)
 
 if gluon is not None:
     @gluon.jit
@@ -188,17 +162,21 @@ if gluon is not None:
             _issue(desc, ring, ready, ids, t, pid + k * G, st, True, S, I, BI, NJ, KP, NSH, NWORD)
 
     @gluon.jit
-    def _ws_compute(s13_ptr, ids_ptr, part_ptr, lut_ptr, x_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr, slimit, ring,
-                    ready, empty, x_s, n_my, pid, G, H: gl.constexpr, I: gl.constexpr, M: gl.constexpr,
-                    S: gl.constexpr, SP: gl.constexpr, BI: gl.constexpr, NS: gl.constexpr, ST: gl.constexpr,
-                    WD: gl.constexpr, WD2: gl.constexpr, DQ: gl.constexpr, NW: gl.constexpr, NSH: gl.constexpr,
-                    HAS_LIMIT: gl.constexpr, WD8: gl.constexpr):
-        """``TR 2``, the consumers (the default partition): per item, wait for its stage, read the weight words out
-        of it, release it (``empty``), then decode, multiply and store the partial while the producer refills."""
+    def _consume_items(desc, s13_ptr, ids_ptr, part_ptr, lut_ptr, x_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr, slimit,
+                       ring, ready, empty, x_s, n_my, pid, G, H: gl.constexpr, I: gl.constexpr, M: gl.constexpr,
+                       S: gl.constexpr, SP: gl.constexpr, BI: gl.constexpr, NS: gl.constexpr, ST: gl.constexpr,
+                       WD: gl.constexpr, WD2: gl.constexpr, DQ: gl.constexpr, NW: gl.constexpr, NSH: gl.constexpr,
+                       HAS_LIMIT: gl.constexpr, WD8: gl.constexpr, WS: gl.constexpr):
+        """The consumers' loop over this program's items: wait for the item's stage (``ready``), read its weight
+        words out, decode, multiply and store the partial (routed owners) or run the shared-slot code (shared
+        items). ``WS`` 1 (``TR 2``, the default partition): release the stage on ``empty`` right after reading it,
+        for the producer warp to refill. ``WS`` 0 (``TR 1``): a CTA barrier, then this program refills the stage
+        with the item ``ST`` ahead itself."""
         NPC: gl.constexpr = 8
         R1: gl.constexpr = 2 * BI
         NJ: gl.constexpr = I // BI
         CW: gl.constexpr = NS * 128
+        NWORD: gl.constexpr = NS * 16
         KP: gl.constexpr = H // CW
         MV: gl.constexpr = 1 if M == 1 else 4
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
@@ -214,6 +192,7 @@ if gluon is not None:
         l3 = gl.load(lut_ptr + 3)
         l4 = gl.load(lut_ptr + 4)
         r = gl.arange(0, R1, layout=gl.SliceLayout(1, gl.SliceLayout(2, SD)))
+        # the partial is stored straight from the mma accumulator's layout (no shared-memory conversion, no barrier)
         pr = gl.arange(0, R1, layout=gl.SliceLayout(1, MMA))
         gc = gl.arange(0, NPC, layout=gl.SliceLayout(0, MMA))
         pm = (gl.zeros([R1, NPC], gl.int32, MMA) + gc[None, :]) < MV
@@ -226,8 +205,9 @@ if gluon is not None:
             sv_next = _scales(s13_ptr, ids, t, it + G, k + 1 < n_my, r, S, H, I, BI, NJ, KP, NSH, NS, WD)
             mbarrier.wait(ready.index(st), (k // ST) & 1)
             w2 = ring.index(st).load(WD2)
-            fence_async_shared()
-            mbarrier.arrive(empty.index(st), count=1)
+            if WS:
+                fence_async_shared()
+                mbarrier.arrive(empty.index(st), count=1)
             if NSH > 0:
                 if sh:
                     ts._gateup_shared(x_ptr, sw13_ptr, ss13_ptr, act_ptr, part_ptr, cnt_ptr, slimit, S, j, p, H, I,
@@ -239,6 +219,9 @@ if gluon is not None:
                              gl.zeros([R1, NPC], gl.float32, MMA))
                 base = part_ptr + (s * NJ + j) * (KP * R1 * MV) + p * (R1 * MV)
                 gl.store(base + pr[:, None] * MV + gc[None, :], acc, mask=pm)
+            if not WS:
+                gl.thread_barrier()             # every warp has read stage st before it is refilled
+                _issue(desc, ring, ready, ids, t, it + ST * G, st, k + ST < n_my, S, I, BI, NJ, KP, NSH, NWORD)
 
     @gluon.jit
     def _moe_gateup_ring_ws(desc, s13_ptr, x_ptr, ids_ptr, part_ptr, lut_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr,
@@ -268,15 +251,12 @@ if gluon is not None:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         ts._pdl_in(PDL_IN, PDL, NW)         # the router's ids and x are complete past this point
-        x_s = gl.allocate_shared_memory(gl.bfloat16, [KPP, CW, 8], ts.XS_LAYOUT)
-        for pc in gl.static_range(KP):
-            x_s.index(pc).store(ts._b_spread(x_ptr + pc * CW, H, M, NS, NW, DQ))
-        gl.thread_barrier()
+        x_s = _stage_x(x_ptr, H, M, NS, KPP, NW, DQ)
         n_my = (NIT - pid + G - 1) // G
         gl.warp_specialize([
-            (_ws_compute, (s13_ptr, ids_ptr, part_ptr, lut_ptr, x_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr, slimit,
-                           ring, ready, empty, x_s, n_my, pid, G, H, I, M, S, SP, BI, NS, ST, WD, WD2, DQ, NW, NSH,
-                           HAS_LIMIT, WD8)),
+            (_consume_items, (desc, s13_ptr, ids_ptr, part_ptr, lut_ptr, x_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr,
+                              slimit, ring, ready, empty, x_s, n_my, pid, G, H, I, M, S, SP, BI, NS, ST, WD, WD2, DQ,
+                              NW, NSH, HAS_LIMIT, WD8, 1)),
             (_ws_load, (desc, ids_ptr, ring, ready, empty, n_my, pid, G, I, BI, NJ, KP, NWORD, S, SP, ST, NSH)),
         ], [1], [40])
 
