@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -390,6 +390,20 @@ json.dump(t, open(sys.argv[2], "w"), indent=1)' "$OUT/retune/triton_moe_configs.
         run_step "round_base_$i" "${r[@]}" --name "round-base-$i"
         run_step "round_retune_$i" env BYTEBOUND_MOE_CONFIG="$OUT/retune-table.json" "${r[@]}" --name "round-retune-$i"
     done
+}
+
+section_ring() {         # the twenty-fifth session's TR (kernel A as a persistent TMA ring, kernels/triton_moe_ring.py;
+    # docs/perf/session25-h100-ring/): its GPU tests (TR == the split kernels at its partition, bit for bit), then
+    # section retune over the TR candidates (M = 4 tune-stream + the MTP round with the best entry against the
+    # committed one), then the same candidates at M = 1 (tune-stream only: the decode entry)
+    local cand='[{"TR": 1}, {"TR": 1, "TR_ST": 6}, {"TR": 2}, {"TR": 2, "TR_ST": 6},
+        {"TR": 1, "BI": 32, "num_warps": 4, "TR_ST": 4, "TR_G": 2}]'
+    [ -n "${RING_A:-}" ] && cand="$RING_A"
+    run_step tests python3 -m pytest tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider -rfE --tb=short \
+        -k ring_kernel_a $(pytest_timeout)
+    RETUNE_A="$cand" section_retune
+    run_step tune_m1 python3 scripts/bench_moe.py --backends '' --m 1 --layers 4 --reps 20 --tune-stream \
+        --out "$OUT/ring-m1" --stream-a "$cand" --stream-b '[]'
 }
 
 section_ladder() {       # issue 21: the seed's ablation ladder with today's engine (CUDA defaults), one lever at a time:
