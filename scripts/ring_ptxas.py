@@ -26,7 +26,7 @@ def compile_ring(m: int, cfg: dict, arch: int = 90, dq: int = 1, shared: bool = 
     import torch
     c = tr.ring_constexprs(m, LING["k"], LING["h"], LING["i"], cfg, True, 1, dq, shared, True)
     ns = c["NS"]
-    lay = tr.gl.NVMMASharedLayout(swizzle_byte_width=min(128, 64 * ns), element_bitwidth=32, rank=2)
+    lay = tr.weight_layout(ns)
     t = torch.empty(0, dtype=torch.int32).new_empty((512 * 2 * LING["i"], LING["h"] // 8), device="meta")
     d = TensorDescriptor(t, list(t.shape), list(t.stride()), [cfg["BI"], 16 * ns], lay)
     ws = int(cfg.get("TR", 1)) == 2

@@ -59,6 +59,27 @@ def test_split_fit_chunks():
     assert ts.fit_split_config({}, 2560, 768)["KC"] == 1 and ts.fit_split_config({}, 2560, 768)["SG"] == 1
 
 
+def test_split_fit_ring_and_staging_keys():
+    """``TR`` (kernel A as a TMA ring) fits kernel A's partition to its items (KP = H / (128 TR_NS), KC 1, and RK 1,
+    whose launch sums the partials), leaves a model whose H is one item without the ring (no RK launch there to sum
+    them: the partials would land in the activations), and refuses a TR_NS that is not a power of two; ``XS`` is
+    fitted to 0 where the program's H slice is not 128 x 2^n columns; both refuse values other than their own."""
+    c = ts.fit_split_config({"KP": 2, "KC": 5, "RK": 0, "TR": 1}, 2560, 768)
+    assert (c["TR"], c["KP"], c["KC"], c["RK"]) == (1, 10, 1, 1)
+    c = ts.fit_split_config({"KP": 2, "KC": 5, "TR": 2, "TR_NS": 4}, 2560, 768)
+    assert (c["TR"], c["KP"], c["KC"], c["RK"]) == (2, 5, 1, 1)
+    c = ts.fit_split_config({"KP": 1, "TR": 1}, 256, 128)
+    assert c["TR"] == 0 and c["KP"] == 1
+    with pytest.raises(BackendError, match="TR_NS"):
+        ts.fit_split_config({"TR": 1, "TR_NS": 3}, 2560, 768)
+    with pytest.raises(BackendError, match="TR"):
+        ts.fit_split_config({"TR": 3}, 2560, 768)
+    assert ts.fit_split_config({"KP": 2, "KC": 5, "XS": 1}, 2560, 768)["XS"] == 0       # 1,280 columns
+    assert ts.fit_split_config({"KP": 10, "KC": 1, "XS": 1}, 2560, 768)["XS"] == 1      # 256
+    with pytest.raises(BackendError, match="XS"):
+        ts.fit_split_config({"XS": 2}, 2560, 768)
+
+
 @pytest.mark.skipif(ts.gl is None, reason="needs Gluon (triton >= 3.5) for the word layouts")
 @pytest.mark.parametrize("m,shared", [(1, True), (4, True), (4, False)])
 def test_split_constexprs_follow_the_fitted_config(m, shared):

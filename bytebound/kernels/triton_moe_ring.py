@@ -16,12 +16,15 @@ Per item the maths is kernel A's with ``KP = H / CW``, ``KC = 1``, ``RK = 1`` ex
 the same :func:`~bytebound.kernels.triton_moe_split.frag_dequant` into the same mma order against the same B
 operand (x, staged once per program in shared memory in the logical k order), and the same float32 partial stored
 in the ``RK`` layout. So :func:`~bytebound.kernels.triton_moe_split._moe_reduce_swiglu` and kernel B run after it
-unchanged, and the output is the ``split`` kernels' at that tiling bit for bit (tested on the GPU).
+unchanged, and the output should be the ``split`` kernels' at that tiling bit for bit
+(``tests/gpu/test_kernels_gpu.py::test_ring_kernel_a_keeps_the_bits``; not yet run on a GPU: docs/perf/
+session25-h100-ring/).
 
 A slot whose expert an earlier slot chose does no work (``split``'s dedup): its items arrive on their stage's
 mbarrier without a copy, so the ring's phases stay in step. The E8M0 scales (8 bytes a row and item, below TMA's
-16-byte minimum box) are loaded into registers one item ahead. Routed slots only: the fused shared expert is not
-handled here.
+16-byte minimum box) are loaded into registers one item ahead. The fused shared expert's items (FP8) come first in
+each program's list and run the ``split`` kernel's shared-slot code with plain loads; their stages only arrive.
+Needs sm_90 (TMA, mbarriers, ~110 KB of shared memory per program).
 """
 
 from __future__ import annotations
@@ -103,7 +106,8 @@ if gluon is not None:
     def _stage_x(x_ptr, H: gl.constexpr, M: gl.constexpr, NS: gl.constexpr, KPP: gl.constexpr, NW: gl.constexpr,
                  DQ: gl.constexpr):
         """x ``[M, H]`` as the B operand of every H chunk, staged once per program: shared ``[KPP, 128*NS, 8]``
-        BF16, chunk ``p`` in the logical k order of the routed decode ``DQ`` (``triton_moe_split._b_spread``)."""
+        BF16 (``KPP`` = H / (128 NS)), chunk ``p`` in the logical k order of the routed decode ``DQ``
+        (``triton_moe_split._b_spread``)."""
         CW: gl.constexpr = NS * 128
         x_s = gl.allocate_shared_memory(gl.bfloat16, [KPP, CW, 8], ts.XS_LAYOUT)
         for pc in gl.static_range(H // CW):
@@ -276,26 +280,28 @@ def ring_constexprs(m: int, k: int, h: int, i: int, cfg: dict, pdl: bool, pdl_in
     kp = h // cw
     s = m * k
     return dict(H=h, I=i, TOPK=k, M=m, SP=max(32, 1 << (s - 1).bit_length()), BI=cfg["BI"], NS=ns,
-                KPP=1 << (kp - 1).bit_length(), ST=int(cfg.get("TR_ST", 4)),
+                KPP=kp, ST=int(cfg.get("TR_ST", 4)),
                 WD=ts.word_layout(2 * cfg["BI"], ns, cfg["num_warps"]),
                 WD2=word_layout_2d(2 * cfg["BI"], ns, cfg["num_warps"]), DQ=dq, PDL_IN=pdl_in, PDL=pdl,
                 SHARED=shared, HAS_LIMIT=has_limit,
                 WD8=ts.fp8_word_layout(2 * cfg["BI"], max(1, cw // 256), cfg["num_warps"]) if shared else None)
 
 
-_DESC: dict = {}
+def weight_layout(ns: int):
+    """The shared layout of a ring stage's ``[rows, 16*NS]`` int32 words: a 128-byte swizzle for 32-word rows
+    (conflict-free 16-byte shared loads)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=min(128, 64 * ns), element_bitwidth=32, rank=2)
 
 
 def weight_desc(kern, bi: int, ns: int):
-    """The TMA descriptor of ``kern``'s gate/up words ``[E*2I, H/8]`` int32, box ``[BI, 16*NS]`` (128-byte swizzle
-    for 32-word rows: conflict-free 16-byte shared loads), cached per binding."""
-    key = (id(kern), bi, ns)
-    d = _DESC.get(key)
+    """The TMA descriptor of ``kern``'s gate/up words ``[E*2I, H/8]`` int32, box ``[BI, 16*NS]``, cached on the
+    binding itself (so it lives and dies with the weights it points at)."""
+    cache = kern.__dict__.setdefault("_ring_desc", {})
+    d = cache.get((bi, ns))
     if d is None:
         w = kern.w13w.reshape(kern.e * 2 * kern.i, kern.h // 8)
-        lay = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 64 * ns), element_bitwidth=32, rank=2)
-        d = _DESC[key] = (TensorDescriptor.from_tensor(w, [bi, 16 * ns], lay), w)
-    return d[0]
+        d = cache[(bi, ns)] = TensorDescriptor.from_tensor(w, [bi, 16 * ns], weight_layout(ns))
+    return d
 
 
 def launch_ring_gateup(kern, x: torch.Tensor, ids: torch.Tensor, part: torch.Tensor, cfg: dict, dq: int,

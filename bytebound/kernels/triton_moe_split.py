@@ -967,11 +967,18 @@ def fit_split_config(cfg: dict, h: int, i: int) -> dict:
                            f"{cfg.get('TR')!r}")
     if cfg.get("TR", 0):
         # the ring's items are TR_NS super-blocks wide: kernel A's partition is KP = H / (128 TR_NS) slices of one
-        # chunk each, summed by the RK launch (kernels.triton_moe_ring)
-        cw = 128 * int(cfg.get("TR_NS", 2))
+        # chunk each, summed by the RK launch (kernels.triton_moe_ring); an H of one item (KP 1) has no RK launch
+        # to sum them, so such a model runs without the ring
+        ns = int(cfg.get("TR_NS", 2))
+        if ns < 1 or ns & (ns - 1):
+            raise BackendError(f"moe[triton] variant 'split': TR_NS must be a power of two, got {ns}")
+        cw = 128 * ns
         if h % cw:
             raise BackendError(f"moe[triton] variant 'split': TR needs H a multiple of {cw}, got H={h}")
-        cfg["KP"], cfg["KC"], cfg["RK"] = h // cw, 1, 1
+        if h // cw < 2:
+            cfg["TR"] = 0
+        else:
+            cfg["KP"], cfg["KC"], cfg["RK"] = h // cw, 1, 1
     if cfg.get("XS", 0) not in (0, 1):
         raise BackendError(f"moe[triton] variant 'split': XS (kernel A's x staged in shared memory) must be 0 or 1, "
                            f"got {cfg.get('XS')!r}")
