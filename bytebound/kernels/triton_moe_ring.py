@@ -311,7 +311,10 @@ def launch_ring_gateup(kern, x: torch.Tensor, ids: torch.Tensor, part: torch.Ten
     ``RK`` layout with ``KP = H / (128 * TR_NS)``; with a shared expert ``sh``
     (:class:`~bytebound.kernels.triton_moe_split.SharedFP8`) its partials too (slot ``M*k``, through the ``split``
     kernel's shared-slot code, plain loads), ``act`` / ``cnt`` the launch's scratch, ``slimit`` its clamp.
-    Returns that KP (the reduce launch's). ``programs``: the grid (default ``TR_G`` x SMs, ``TR_G`` default 1)."""
+    Returns that KP (the reduce launch's). ``programs``: the grid (default ``TR_G`` x SMs, ``TR_G`` default 1).
+
+    Raises:
+        BackendError: H is not a multiple of the item width (:func:`ring_constexprs`)."""
     m, k = ids.shape
     c = ring_constexprs(m, k, kern.h, kern.i, cfg, pdl, pdl_in, dq, sh is not None, has_limit)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
