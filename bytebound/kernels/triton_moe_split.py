@@ -309,6 +309,14 @@ mov.b32 {$2, $3}, a1;
         skips). ``DQ``: the A operand's decode (:func:`frag_dequant`), whose order within a word this follows (0 also
         for the FP8 operands, :func:`_frag_fp8`)."""
         XL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 32], [1, 8, 4, 1], [1, 1, 1, NW], [3, 2, 1, 0])
+        return gl.convert_layout(_b_logical(src_ptr, row_stride, M, NS, XL, ok, DQ), DB, assert_trivial=True)
+
+    @gluon.jit
+    def _b_logical(src_ptr, row_stride, M: gl.constexpr, NS: gl.constexpr, XL: gl.constexpr, ok, DQ: gl.constexpr):
+        """The B operand ``[128*NS, 8]`` BF16 in the logical k order of :func:`frag_dequant` (``DQ``), loaded as
+        ``[NS, 8, 4, 32]`` (super-block, token, lane column group, column) in layout ``XL`` and reshaped without data
+        movement: the one gather of :func:`_load_b` (every warp a whole copy) and :func:`_b_spread` (one copy spread
+        over the program). Tokens ``n >= M``, and everything when the scalar ``ok`` is false, are 0 (not loaded)."""
         sb = gl.arange(0, NS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
         n = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
         t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, XL))))
@@ -322,7 +330,7 @@ mov.b32 {$2, $3}, a1;
             x = gl.permute(x, [0, 3, 5, 6, 2, 4, 1])         # c = 8tau + 4j + 2p + h -> [s, tau, p, h, t, j, n]
         else:
             x = gl.permute(x, [0, 3, 4, 5, 2, 6, 1])         # c = 8tau + 4p + 2h + j -> [s, tau, p, h, t, j, n]
-        return gl.convert_layout(gl.reshape(x, [NS * 128, 8]), DB, assert_trivial=True)
+        return gl.reshape(x, [NS * 128, 8])
 
     @gluon.jit
     def _stage_b(src_ptr, row_stride, M: gl.constexpr, NS: gl.constexpr, NW: gl.constexpr, DQ: gl.constexpr):
@@ -341,20 +349,7 @@ mov.b32 {$2, $3}, a1;
         all of its threads (no per-warp copies): the value to store into shared memory (:data:`XS_LAYOUT`)."""
         W3: gl.constexpr = 4 if NW >= 4 else NW
         XL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [1, 8, 4, 1], [NW // W3, 1, 1, W3], [3, 2, 1, 0])
-        sb = gl.arange(0, NS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
-        n = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
-        t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, XL))))
-        c = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, XL))))
-        off3 = n[None, :, None] * row_stride + sb[:, None, None] * 128 + t[None, None, :] * 32
-        msk3 = (n[None, :, None] < M) & (sb[:, None, None] >= 0) & (t[None, None, :] >= 0)
-        x = gl.load(src_ptr + off3[:, :, :, None] + c[None, None, None, :],
-                    mask=msk3[:, :, :, None] & (c[None, None, None, :] >= 0), other=0.0)   # [NS, 8, 4, 32]
-        x = gl.reshape(x, [NS, 8, 4, 4, 2, 2, 2])
-        if DQ == 1:
-            x = gl.permute(x, [0, 3, 5, 6, 2, 4, 1])
-        else:
-            x = gl.permute(x, [0, 3, 4, 5, 2, 6, 1])
-        return gl.reshape(x, [NS * 128, 8])
+        return _b_logical(src_ptr, row_stride, M, NS, XL, True, DQ)
 
     @gluon.jit
     def _gdc(ASM: gl.constexpr, NW: gl.constexpr):
