@@ -306,12 +306,13 @@ def weight_desc(kern, bi: int, ns: int):
 
 def launch_ring_gateup(kern, x: torch.Tensor, ids: torch.Tensor, part: torch.Tensor, cfg: dict, dq: int,
                        pdl: bool, pdl_in: int, sh=None, act=None, cnt=None, slimit: float = float("inf"),
-                       has_limit: bool = False, programs: int | None = None) -> int:
+                       has_limit: bool = False, programs: int | None = None) -> None:
     """Kernel A as the TMA ring for one call: ``x bf16 [M, H]``, ``ids int [M, k]`` -> ``part`` float32 in the
     ``RK`` layout with ``KP = H / (128 * TR_NS)``; with a shared expert ``sh``
     (:class:`~bytebound.kernels.triton_moe_split.SharedFP8`) its partials too (slot ``M*k``, through the ``split``
-    kernel's shared-slot code, plain loads), ``act`` / ``cnt`` the launch's scratch, ``slimit`` its clamp.
-    Returns that KP (the reduce launch's). ``programs``: the grid (default ``TR_G`` x SMs, ``TR_G`` default 1).
+    kernel's shared-slot code, plain loads), ``act`` / ``cnt`` the launch's scratch, ``slimit`` its clamp (the
+    reduce launch uses the same KP, which ``fit_split_config`` put into ``cfg``). ``programs``: the grid (default
+    ``TR_G`` x SMs, ``TR_G`` default 1).
 
     Raises:
         BackendError: H is not a multiple of the item width (:func:`ring_constexprs`)."""
@@ -328,4 +329,3 @@ def launch_ring_gateup(kern, x: torch.Tensor, ids: torch.Tensor, part: torch.Ten
     kernel[(min(g, nit),)](weight_desc(kern, cfg["BI"], c["NS"]), kern.s13, x, ids, part, kern.lut, sw13, ss13, act,
                            cnt, slimit, **c,
                            num_warps=cfg["num_warps"], launch_pdl=pdl_in > 0, **extra)
-    return kern.h // (128 * c["NS"])

@@ -958,8 +958,7 @@ def fit_split_config(cfg: dict, h: int, i: int) -> dict:
                            f"got {cfg.get('DQ')!r}")
     if cfg.get("TR", 0) not in (0, 1, 2):
         raise BackendError(f"moe[triton] variant 'split': TR (kernel A as a TMA ring; 2: warp-specialised) must be "
-                           f"0, 1 or 2, got "
-                           f"{cfg.get('TR')!r}")
+                           f"0, 1 or 2, got {cfg.get('TR')!r}")
     if cfg.get("TR", 0):
         # the ring's items are TR_NS super-blocks wide: kernel A's partition is KP = H / (128 TR_NS) slices of one
         # chunk each, summed by the RK launch (kernels.triton_moe_ring); an H of one item (KP 1) has no RK launch

@@ -307,11 +307,10 @@ def test_split_key_keeps_the_bits(ling_experts, key, tiling, m, dup, limits):
 @pytest.mark.parametrize("limits", [None, 1.0], ids=["noclamp", "clamp"])
 def test_ring_kernel_a_keeps_the_bits(ling_experts, tiling, m, dup, limits):
     """``TR`` (kernel A as a persistent TMA ring, kernels.triton_moe_ring; ``TR 2`` warp-specialised) at Ling's
-    shape: the routed MoE equals the
-    ``split`` kernels at the ring's partition (KP = H / 256, KC 1, RK 1) bit for bit, with duplicate experts (their
-    items arrive on the ring without a copy), with and without the clamp, routed only and with the fused shared
-    expert; repeated calls and a CUDA graph replay
-    give the same bits; and the output is within 1e-2 of the float64 routed sum."""
+    shape: the routed MoE equals the ``split`` kernels at the ring's partition (KP = H / 256, KC 1, RK 1) bit for
+    bit, with duplicate experts (their items arrive on the ring without a copy), with and without the clamp, routed
+    only and with the fused shared expert; repeated calls and a CUDA graph replay give the same bits; and the output
+    is within 1e-2 of the float64 routed sum."""
     from bytebound.kernels.moe_host import MoEKernel, fit_config
     from bytebound.kernels.scratch import scratch
     if torch.cuda.get_device_capability()[0] < 9:
