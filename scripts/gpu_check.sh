@@ -409,29 +409,34 @@ section_ring() {         # the twenty-fifth session's TR (kernel A as a persiste
 section_ringocc() {      # the twenty-sixth session (docs/perf/session26-h100-ring/): TR at one program of 8 warps per SM
     # lost to the split kernels (M = 4: 67-72 against 57.9 us). Hypothesis: too few warps resident to hide the decode's
     # latency (the split kernel A runs at ~41 % achieved occupancy, the ring at 12.5 %), not the TMA or the barriers.
-    # So: section retune over TR with 2-3 programs per SM (TR_G; shared memory allows 2 of BI 64 at TR_ST <= 4, 3 of
-    # BI 32), AB_PAIRS (default 1) rounds; the same at M = 1; then ncu of the ring kernel at TR_G 1 and 2 (M = 4).
-    # Everything except the logs in $OUT/ringocc.tar ($OUT returns at most 8 files)
-    local cand='[{"TR": 1, "TR_G": 2}, {"TR": 1, "TR_G": 2, "TR_ST": 3}, {"TR": 2, "TR_G": 2, "TR_ST": 3, "TR_REGS": 112},
-        {"TR": 1, "BI": 32, "num_warps": 4, "TR_G": 3}, {"TR": 1, "BI": 32, "num_warps": 4, "TR_G": 3, "TR_ST": 3}]' x=/tmp/ringocc g
+    # So: the TR_XS 0 GPU tests (B from global memory: ~68 KB of shared memory a BI 64 program instead of ~109), then
+    # section retune over TR with 2-6 programs per SM (TR_G), AB_PAIRS (default 1) rounds; the same at M = 1; then
+    # ncu of the ring kernel at M = 4 at one program per SM and at three (TR_XS 0). Everything except the logs in
+    # $OUT/ringocc.tar ($OUT returns at most 8 files)
+    local cand='[{"TR": 1, "TR_G": 2}, {"TR": 1, "TR_G": 3, "TR_XS": 0}, {"TR": 1, "TR_G": 2, "TR_XS": 0},
+        {"TR": 1, "BI": 32, "num_warps": 4, "TR_G": 6, "TR_XS": 0}, {"TR": 2, "TR_G": 2, "TR_XS": 0, "TR_REGS": 112},
+        {"TR": 1, "BI": 32, "num_warps": 4, "TR_G": 3}]' x=/tmp/ringocc g
     [ -n "${RING_A:-}" ] && cand="$RING_A"
     rm -rf "$x"; mkdir -p "$x"
+    run_step tests python3 -m pytest tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider -rfE --tb=short \
+        -k "ring_kernel_a and xs0" $(pytest_timeout)
     OUT="$x" AB_PAIRS="${AB_PAIRS:-1}" RETUNE_A="$cand" section_retune
     run_step tune_m1 python3 scripts/bench_moe.py --backends '' --m 1 --layers 4 --reps 20 --tune-stream \
         --out "$x/m1" --stream-a "$cand" --stream-b '[]'
-    for g in 1 2; do
+    for g in '{"TR": 1}' '{"TR": 1, "TR_G": 3, "TR_XS": 0}'; do
+        local n; n=$(python3 -c 'import json, sys; c = json.loads(sys.argv[1]); print("g%d-xs%d" % (c.get("TR_G", 1), c.get("TR_XS", 1)))' "$g")
         python3 -c 'import json, sys
 t = json.load(open("bytebound/kernels/configs/triton_moe.json"))
-t["NVIDIA H200"]["E512_H2560_I768_k8_M4"].update(TR=1, TR_G=int(sys.argv[2]))
-json.dump(t, open(sys.argv[1], "w"), indent=1)' "$x/ring-g$g.json" "$g"
-        echo "=== [$CURRENT] ncu_g$g (TR 1, TR_G $g at M = 4)" | tee -a "$LOG"
-        BYTEBOUND_MOE_CONFIG="$x/ring-g$g.json" timeout "$SECTION_TIMEOUT" ncu --clock-control none \
+t["NVIDIA H200"]["E512_H2560_I768_k8_M4"].update(json.loads(sys.argv[2]))
+json.dump(t, open(sys.argv[1], "w"), indent=1)' "$x/ring-$n.json" "$g"
+        echo "=== [$CURRENT] ncu_$n ($g at M = 4)" | tee -a "$LOG"
+        BYTEBOUND_MOE_CONFIG="$x/ring-$n.json" timeout "$SECTION_TIMEOUT" ncu --clock-control none \
             --profile-from-start off --csv --page details --section SpeedOfLight --section LaunchStats \
             --section Occupancy --section WarpStateStats --metrics dram__bytes_read.sum \
             --kernel-name 'regex:_moe_|spin_kernel' python3 scripts/bench_moe.py --ncu-range --backends triton --m 4 \
-            --layers 2 --out "$x/ncu-run-g$g" > "$x/ncu-g$g.csv" 2>&1 || FAILED+=("$CURRENT/ncu_g$g")
-        python3 scripts/ncu_table.py "$x/ncu-g$g.csv" > "$x/ncu-g$g.md" 2>&1
-        cat "$x/ncu-g$g.md" | tee -a "$LOG"
+            --layers 2 --out "$x/ncu-run-$n" > "$x/ncu-$n.csv" 2>&1 || FAILED+=("$CURRENT/ncu_$n")
+        python3 scripts/ncu_table.py "$x/ncu-$n.csv" > "$x/ncu-$n.md" 2>&1
+        cat "$x/ncu-$n.md" | tee -a "$LOG"
     done
     tar -cf "$OUT/ringocc.tar" -C "$x" . 2>&1 | tee -a "$LOG"
 }

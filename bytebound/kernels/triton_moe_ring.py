@@ -121,7 +121,7 @@ if gluon is not None:
                          TOPK: gl.constexpr, M: gl.constexpr, SP: gl.constexpr, BI: gl.constexpr, NS: gl.constexpr,
                          KPP: gl.constexpr, ST: gl.constexpr, WD: gl.constexpr, WD2: gl.constexpr,
                          DQ: gl.constexpr, PDL_IN: gl.constexpr, PDL: gl.constexpr, SHARED: gl.constexpr,
-                         HAS_LIMIT: gl.constexpr, WD8: gl.constexpr):
+                         HAS_LIMIT: gl.constexpr, WD8: gl.constexpr, XSG: gl.constexpr):
         """``TR 1``: one program per SM (module docstring); the program issues the TMA copies itself, refilling a
         stage after a CTA barrier once every warp has read it (:func:`_consume_items`)."""
         NW: gl.constexpr = gl.num_warps()
@@ -145,10 +145,10 @@ if gluon is not None:
         n_my = (NIT - pid + G - 1) // G
         for i in gl.static_range(ST):
             _issue(desc, ring, bars, ids, t, pid + i * G, i, i < n_my, S, I, BI, NJ, KP, NSH, NWORD)
-        x_s = _stage_x(x_ptr, H, M, NS, KPP, NW, DQ)
+        x_s = _stage_x(x_ptr, H, M, NS, KPP, NW, DQ) if XSG else ring
         _consume_items(desc, s13_ptr, ids_ptr, part_ptr, lut_ptr, x_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr, slimit,
                        ring, bars, bars, x_s, n_my, pid, G, H, I, M, S, SP, BI, NS, ST, WD, WD2, DQ, NW, NSH, HAS_LIMIT,
-                       WD8, 0)
+                       WD8, 0, XSG)
 
 if gluon is not None:
     @gluon.jit
@@ -170,7 +170,7 @@ if gluon is not None:
                        ring, ready, empty, x_s, n_my, pid, G, H: gl.constexpr, I: gl.constexpr, M: gl.constexpr,
                        S: gl.constexpr, SP: gl.constexpr, BI: gl.constexpr, NS: gl.constexpr, ST: gl.constexpr,
                        WD: gl.constexpr, WD2: gl.constexpr, DQ: gl.constexpr, NW: gl.constexpr, NSH: gl.constexpr,
-                       HAS_LIMIT: gl.constexpr, WD8: gl.constexpr, WS: gl.constexpr):
+                       HAS_LIMIT: gl.constexpr, WD8: gl.constexpr, WS: gl.constexpr, XSG: gl.constexpr):
         """The consumers' loop over this program's items: wait for the item's stage (``ready``), read its weight
         words out, decode, multiply and store the partial (routed owners) or run the shared-slot code (shared
         items). ``WS`` 1 (``TR 2``, the default partition): release the stage on ``empty`` right after reading it,
@@ -218,7 +218,10 @@ if gluon is not None:
                                       M, BI, KP, HAS_LIMIT, WD8, 0, MMA, DA, DB, RL, 1, 1, 0)
             if owner:
                 wv = gl.convert_layout(gl.reshape(w2, [R1, NS, 4, 4]), WD, assert_trivial=True)
-                b = x_s.index(p).load(DB)
+                if XSG:
+                    b = x_s.index(p).load(DB)
+                else:
+                    b = ts._load_b(x_ptr + p * CW, H, M, NS, NW, DB, DQ=DQ)
                 acc = mma_v2(ts.frag_dequant(wv, sv, l0, l1, l2, l3, l4, DA, DQ), b,
                              gl.zeros([R1, NPC], gl.float32, MMA))
                 base = part_ptr + (s * NJ + j) * (KP * R1 * MV) + p * (R1 * MV)
@@ -233,7 +236,7 @@ if gluon is not None:
                             TOPK: gl.constexpr, M: gl.constexpr, SP: gl.constexpr, BI: gl.constexpr,
                             NS: gl.constexpr, KPP: gl.constexpr, ST: gl.constexpr, WD: gl.constexpr,
                             WD2: gl.constexpr, DQ: gl.constexpr, PDL_IN: gl.constexpr, PDL: gl.constexpr,
-                            SHARED: gl.constexpr, HAS_LIMIT: gl.constexpr, WD8: gl.constexpr):
+                            SHARED: gl.constexpr, HAS_LIMIT: gl.constexpr, WD8: gl.constexpr, XSG: gl.constexpr):
         """``TR 2``: :func:`_moe_gateup_ring` with the TMA issue in a producer warp of its own (warp
         specialisation) and a ``ready`` / ``empty`` mbarrier pair per stage, so the consumer warps never stop at a
         CTA-wide barrier inside the loop. Same items, same maths, same bits."""
@@ -255,12 +258,12 @@ if gluon is not None:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         ts._pdl_in(PDL_IN, PDL, NW)         # the router's ids and x are complete past this point
-        x_s = _stage_x(x_ptr, H, M, NS, KPP, NW, DQ)
+        x_s = _stage_x(x_ptr, H, M, NS, KPP, NW, DQ) if XSG else ring
         n_my = (NIT - pid + G - 1) // G
         gl.warp_specialize([
             (_consume_items, (desc, s13_ptr, ids_ptr, part_ptr, lut_ptr, x_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr,
                               slimit, ring, ready, empty, x_s, n_my, pid, G, H, I, M, S, SP, BI, NS, ST, WD, WD2, DQ,
-                              NW, NSH, HAS_LIMIT, WD8, 1)),
+                              NW, NSH, HAS_LIMIT, WD8, 1, XSG)),
             (_ws_load, (desc, ids_ptr, ring, ready, empty, n_my, pid, G, I, BI, NJ, KP, NWORD, S, SP, ST, NSH)),
         ], [1], [40])
 
@@ -269,7 +272,9 @@ def ring_constexprs(m: int, k: int, h: int, i: int, cfg: dict, pdl: bool, pdl_in
                     shared: bool = False, has_limit: bool = False) -> dict:
     """Compile-time arguments of :func:`_moe_gateup_ring` for ``m`` tokens under a fitted ``split`` config with
     ``TR`` (``BI``, ``num_warps``, ``TR_NS`` super-blocks per item (default 2: 256 columns, one 128-byte TMA row),
-    ``TR_ST`` ring stages (default 4)).
+    ``TR_ST`` ring stages (default 4), ``TR_XS`` 1 (default: x staged once per program in shared memory, ~40 KB at
+    Ling's H) or 0 (each item's B operand loaded from global memory, L1/L2-resident, as the ``split`` kernel A
+    does: less shared memory per program, so more programs fit on an SM)).
 
     Raises:
         BackendError: H is not a multiple of the item width."""
@@ -280,7 +285,7 @@ def ring_constexprs(m: int, k: int, h: int, i: int, cfg: dict, pdl: bool, pdl_in
     kp = h // cw
     s = m * k
     return dict(H=h, I=i, TOPK=k, M=m, SP=max(32, 1 << (s - 1).bit_length()), BI=cfg["BI"], NS=ns,
-                KPP=kp, ST=int(cfg.get("TR_ST", 4)),
+                KPP=kp, ST=int(cfg.get("TR_ST", 4)), XSG=int(cfg.get("TR_XS", 1)),
                 WD=ts.word_layout(2 * cfg["BI"], ns, cfg["num_warps"]),
                 WD2=word_layout_2d(2 * cfg["BI"], ns, cfg["num_warps"]), DQ=dq, PDL_IN=pdl_in, PDL=pdl,
                 SHARED=shared, HAS_LIMIT=has_limit,

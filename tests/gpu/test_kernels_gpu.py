@@ -302,7 +302,9 @@ def test_split_key_keeps_the_bits(ling_experts, key, tiling, m, dup, limits):
 
 @pytest.mark.parametrize("tiling", [{"BI": 64, "num_warps": 8, "DQ": 1},
                                     {"BI": 32, "num_warps": 4, "DQ": 0, "TR_ST": 2},
-                                    {"BI": 64, "num_warps": 8, "DQ": 1, "TR": 2}], ids=["w8-st4", "w4-st2", "ws-w8"])
+                                    {"BI": 64, "num_warps": 8, "DQ": 1, "TR": 2},
+                                    {"BI": 32, "num_warps": 4, "DQ": 1, "TR_XS": 0}], ids=["w8-st4", "w4-st2", "ws-w8",
+                                                                                            "w4-xs0"])
 @pytest.mark.parametrize("m,dup", [(1, 0), (2, 3), (4, 0), (4, 5)])
 @pytest.mark.parametrize("limits", [None, 1.0], ids=["noclamp", "clamp"])
 def test_ring_kernel_a_keeps_the_bits(ling_experts, tiling, m, dup, limits):
