@@ -38,7 +38,8 @@ def compile_split(m: int, cfg: dict, shared: bool = True, arch: int = 90, h: int
     a = ptxas_util.compile_kernel(ts._moe_gateup_split, ca,
                  dict(x_ptr="*bf16", ids_ptr="*i32", tw_ptr="*fp32", w13_ptr="*i32", s13_ptr="*u8", act_ptr="*bf16",
                       part_ptr="*fp32", cnt_ptr="*i32", lut_ptr="*i32", limit="fp32", sw13_ptr="*i32",
-                      ss13_ptr="*i32", slimit="fp32"), arch, dict(num_warps=c["num_warps"]), gluon=True)
+                      ss13_ptr="*i32", slimit="fp32"), arch,
+                 dict(num_warps=c["num_warps"], **({"maxnreg": int(c["NR"])} if c.get("NR") else {})), gluon=True)
     b = ptxas_util.compile_kernel(ts._moe_down_split, cb,
                  dict(act_ptr="*bf16", ids_ptr="*i32", w2_ptr="*i32", s2_ptr="*u8", out_ptr="*bf16", part_ptr="*fp32",
                       cnt_ptr="*i32", lut_ptr="*i32", sw2_ptr="*i32", ss2_ptr="*i32"), arch,

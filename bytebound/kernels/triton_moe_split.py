@@ -63,7 +63,8 @@ A stages x for its whole H slice in shared memory once, :func:`_stage_b`, instea
 into registers; the same bits; only where that slice is 128 x 2^n columns, else fitted to 0), ``TR`` (default 0;
 experimental: kernel A as a persistent TMA ring, ``kernels.triton_moe_ring``, 2 = warp-specialised; fits KP to H/256,
 KC 1, RK 1, whose bits it reproduces; ``TR_ST`` stages, ``TR_G`` programs per SM, ``TR_NS``, ``TR_REGS``; sm_90
-only). Constraints: H/(KP*KC) and I/KP2 are
+only), ``NR`` (default none; experimental: kernel A's register cap per thread, ptxas ``maxnreg``, so that more
+programs fit an SM; the same arithmetic, so the same bits). Constraints: H/(KP*KC) and I/KP2 are
 128 x a power of two, ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (an mma row tile per warp);
 :func:`fit_split_config` fits a config to a model's shape or raises BackendError.
 
@@ -1121,7 +1122,8 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
                                            has_limit)
     else:
         _moe_gateup_split[(nj, st, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
-                                        sw13, ss13, slimit, **ca, num_warps=cfg["num_warps"], launch_pdl=pdl_in > 0)
+                                        sw13, ss13, slimit, **ca, num_warps=cfg["num_warps"], launch_pdl=pdl_in > 0,
+                                        **({"maxnreg": int(cfg["NR"])} if cfg.get("NR") else {}))
     if ca["RK"]:
         _moe_reduce_swiglu[(nj, st)](ids, w, act, part_a, limit, slimit, I=i, TOPK=k, M=m, SP=ca["SP"], BI=bi, KP=kp,
                                      HAS_LIMIT=has_limit, SHARED=sh is not None, PDL=pdl,
