@@ -63,7 +63,8 @@ def test_split_fit_ring_and_staging_keys():
     """``TR`` (kernel A as a TMA ring) fits kernel A's partition to its items (KP = H / (128 TR_NS), KC 1, and RK 1,
     whose launch sums the partials), leaves a model whose H is one item without the ring (no RK launch there to sum
     them: the partials would land in the activations), and refuses a TR_NS that is not a power of two; ``XS`` is
-    fitted to 0 where the program's H slice is not 128 x 2^n columns; both refuse values other than their own."""
+    fitted to 0 where the program's H slice is not 128 x 2^n columns; both refuse values other than their own; ``TR_XS``
+    and ``NR`` pass through to the launch, and out-of-range values are named errors."""
     c = ts.fit_split_config({"KP": 2, "KC": 5, "RK": 0, "TR": 1}, 2560, 768)
     assert (c["TR"], c["KP"], c["KC"], c["RK"]) == (1, 10, 1, 1)
     c = ts.fit_split_config({"KP": 2, "KC": 5, "TR": 2, "TR_NS": 4}, 2560, 768)
@@ -78,6 +79,13 @@ def test_split_fit_ring_and_staging_keys():
     assert ts.fit_split_config({"KP": 10, "KC": 1, "XS": 1}, 2560, 768)["XS"] == 1      # 256
     with pytest.raises(BackendError, match="XS"):
         ts.fit_split_config({"XS": 2}, 2560, 768)
+    c = ts.fit_split_config({"KP": 2, "KC": 5, "TR": 1, "TR_XS": 0, "NR": 64}, 2560, 768)
+    assert (c["TR_XS"], c["NR"]) == (0, 64)                                            # passed to the launch as is
+    with pytest.raises(BackendError, match="TR_XS"):
+        ts.fit_split_config({"TR": 1, "TR_XS": 2}, 2560, 768)
+    for bad in (16, 300, 64.0):
+        with pytest.raises(BackendError, match="NR"):
+            ts.fit_split_config({"NR": bad}, 2560, 768)
 
 
 @pytest.mark.skipif(ts.gl is None, reason="needs Gluon (triton >= 3.5) for the word layouts")

@@ -62,7 +62,7 @@ one more launch per MoE layer there would take the step past its kernel budget),
 A stages x for its whole H slice in shared memory once, :func:`_stage_b`, instead of every warp loading its own copy
 into registers; the same bits; only where that slice is 128 x 2^n columns, else fitted to 0), ``TR`` (default 0;
 experimental: kernel A as a persistent TMA ring, ``kernels.triton_moe_ring``, 2 = warp-specialised; fits KP to H/256,
-KC 1, RK 1, whose bits it reproduces; ``TR_ST`` stages, ``TR_G`` programs per SM, ``TR_NS``, ``TR_REGS``; sm_90
+KC 1, RK 1, whose bits it reproduces; ``TR_ST`` stages, ``TR_G`` programs per SM, ``TR_NS``, ``TR_REGS``, ``TR_XS``; sm_90
 only), ``NR`` (default none; experimental: kernel A's register cap per thread, ptxas ``maxnreg``, so that more
 programs fit an SM; the same arithmetic, so the same bits). Constraints: H/(KP*KC) and I/KP2 are
 128 x a power of two, ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (an mma row tile per warp);
@@ -974,6 +974,13 @@ def fit_split_config(cfg: dict, h: int, i: int) -> dict:
             cfg["TR"] = 0
         else:
             cfg["KP"], cfg["KC"], cfg["RK"] = h // cw, 1, 1
+    if cfg.get("TR_XS", 1) not in (0, 1):
+        raise BackendError(f"moe[triton] variant 'split': TR_XS (the ring's x staged in shared memory) must be 0 or "
+                           f"1, got {cfg.get('TR_XS')!r}")
+    nr = cfg.get("NR")
+    if nr is not None and not (isinstance(nr, int) and 24 <= nr <= 255):
+        raise BackendError(f"moe[triton] variant 'split': NR (kernel A's register cap per thread) must be an integer "
+                           f"in 24..255, got {nr!r}")
     if cfg.get("XS", 0) not in (0, 1):
         raise BackendError(f"moe[triton] variant 'split': XS (kernel A's x staged in shared memory) must be 0 or 1, "
                            f"got {cfg.get('XS')!r}")
