@@ -34,7 +34,7 @@ def compile_ring(m: int, cfg: dict, arch: int = 90, dq: int = 1, shared: bool = 
     return ptxas_util.compile_kernel(tr._moe_gateup_ring_ws if ws else tr._moe_gateup_ring, c,
                                      dict(desc=mangle_type(d), s13_ptr="*u8", x_ptr="*bf16", ids_ptr="*i32",
                                           part_ptr="*fp32", lut_ptr="*i32", sw13_ptr="*i32", ss13_ptr="*i32",
-                                          act_ptr="*bf16", cnt_ptr="*i32", slimit="fp32"), arch,
+                                          act_ptr="*bf16", cnt_ptr="*i32", info_ptr="*i32", slimit="fp32"), arch,
                                      opts, gluon=True,
                                      aligned=lambda name, ty: ty.startswith("*"))
 
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
             n = lambda pat: len(re.findall(pat, sass))  # noqa: E731
             print(f"M={m} {json.dumps(cfg)}: {ptxas_util.resource_usage(k)}; shared {k.metadata.shared} B; "
                   f"SASS: {n(r'LDS')} LDS, {n(r'UTMALDG')} UTMALDG, {n(r'LDG')} LDG, {n(r'HMMA')} HMMA, "
-                  f"{n(r'SYNCS')} SYNCS", flush=True)
+                  f"{n(r'SYNCS')} SYNCS, {n(r'REDUX')} REDUX", flush=True)
     return 0
 
 

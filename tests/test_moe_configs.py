@@ -335,3 +335,33 @@ def test_shared_expert_fusion_and_manifest_record_by_capability(monkeypatch, nam
         assert tuning["M=1"].startswith("gluon, untuned class default (no entry for NVIDIA A100-SXM4-80GB or sm_80")
     assert sorted(tuning) == [f"M={m}" for m in range(1, 5)]
     assert tuning["M=2"].startswith("gluon, untuned class default")    # the table has no M = 2 entry anywhere
+
+
+@pytest.mark.slow
+def test_ring_compiles_for_sm90():
+    """``TR`` 1 and 2 (kernels.triton_moe_ring) compile for sm_90 at Ling's shape with the shared expert, M = 1 and 4
+    (scripts/ring_ptxas.py, in a fresh interpreter: the CPU tests load Triton in interpreter mode), with no spills, in
+    the shared memory of one H100/H200 SM, and with the item metadata read from the program's slot row: the only
+    warp reductions (``REDUX``) left are the ones that build the row once (at most four), not two per item lookup."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+    pytest.importorskip("triton")
+    if ts.gluon is None:
+        pytest.skip(ts.GLUON_ERR)
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root)
+    r = subprocess.run([sys.executable, str(root / "scripts" / "ring_ptxas.py"), "--m", "1,4",
+                        "--config", '{"BI": 64, "num_warps": 8}', "--config", '{"BI": 64, "num_warps": 8, "TR": 2}'],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("M=")]
+    assert len(rows) == 4, r.stdout
+    for ln in rows:
+        assert int(re.search(r"STACK:(\d+)", ln).group(1)) == 0, ln
+        assert int(re.search(r"shared (\d+) B", ln).group(1)) <= 227 * 1024, ln
+        assert int(re.search(r"(\d+) UTMALDG", ln).group(1)) >= 2, ln
+        assert int(re.search(r"(\d+) REDUX", ln).group(1)) <= 4, ln

@@ -35,6 +35,7 @@ import torch
 
 from bytebound.errors import BackendError
 from bytebound.kernels import triton_moe_split as ts
+from bytebound.kernels.scratch import scratch
 
 gluon, gl = ts.gluon, ts.gl
 mma_v2 = ts.mma_v2
@@ -60,24 +61,41 @@ def word_layout_2d(rows: int, ns: int, num_warps: int):
 
 if gluon is not None:
     @gluon.jit
-    def _item(ids, t, it, S: gl.constexpr, NJ: gl.constexpr, KP: gl.constexpr, NSH: gl.constexpr):
+    def _slot_info(ids_ptr, info, S: gl.constexpr, SP: gl.constexpr, NW: gl.constexpr):
+        """Once per program: ``info[s]`` = the expert of routed slot ``s`` where no earlier slot chose it (this slot
+        owns the expert's work, ``split``'s dedup), else -1, for ``s < S``; ``info`` is this program's own row of
+        scratch, so no other program writes it. Ends with a CTA barrier, after which every thread (both partitions of
+        ``TR 2``) reads the row with scalar loads (:func:`_item`): two warp reductions per item lookup, three lookups
+        an item, cost the ring a third more instructions than the split kernel A (docs/perf/session26-h100-ring/)."""
+        L2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NW, 1], [1, 0])
+        sr = gl.arange(0, SP, layout=gl.SliceLayout(1, L2))
+        tc = gl.arange(0, SP, layout=gl.SliceLayout(0, L2))
+        e_s = gl.load(ids_ptr + sr, mask=sr < S, other=-1).to(gl.int32)
+        e_t = gl.load(ids_ptr + tc, mask=tc < S, other=-2).to(gl.int32)
+        dup = gl.sum(gl.where((e_s[:, None] == e_t[None, :]) & (tc[None, :] < sr[:, None]), 1, 0), axis=1)
+        gl.store(info + sr, gl.where(dup == 0, e_s, -1), mask=sr < S)
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _item(info, it, S: gl.constexpr, NJ: gl.constexpr, KP: gl.constexpr, NSH: gl.constexpr):
         """Work item ``it`` -> ``(sh, s, j, p, e, owner)``: whether it is the shared expert's (items ``0 .. NSH-1``,
-        slot ``S``: first, so that their plain loads start each program), slot, row block, H chunk, expert, and
-        whether this routed slot does the expert's work (no earlier slot chose it; false for shared items)."""
+        slot ``S``: first, so that their plain loads start each program), slot, row block, H chunk, expert (-1 where
+        this routed slot does not own it), and whether this routed slot does the expert's work (no earlier slot chose
+        it; false for shared items). ``info``: this program's :func:`_slot_info` row (one scalar load, L1-resident)."""
         sh = it < NSH
         ri = gl.maximum(it - NSH, 0)
         s = gl.where(sh, S, ri // (NJ * KP))
         rem = gl.where(sh, it, ri % (NJ * KP))
-        e = gl.sum(gl.where(t == s, ids, 0), axis=0).to(gl.int32)
-        owner = (gl.sum(gl.where((ids == e) & (t < s), 1, 0), axis=0) == 0) & (sh == 0)
+        e = gl.load(info + gl.minimum(s, S - 1))
+        owner = (e >= 0) & (sh == 0)
         return sh, s, rem // KP, rem % KP, e, owner
 
     @gluon.jit
-    def _issue(desc, ring, bars, ids, t, it, st, valid, S: gl.constexpr, I: gl.constexpr, BI: gl.constexpr,
+    def _issue(desc, ring, bars, info, it, st, valid, S: gl.constexpr, I: gl.constexpr, BI: gl.constexpr,
                NJ: gl.constexpr, KP: gl.constexpr, NSH: gl.constexpr, NWORD: gl.constexpr):
         """Fill stage ``st`` with item ``it`` (when ``valid``): the gate rows and the up rows of its expert, H chunk
         ``p``, by TMA; a non-owner or shared item only arrives on the stage's barrier."""
-        sh, s, j, p, e, owner = _item(ids, t, it, S, NJ, KP, NSH)
+        sh, s, j, p, e, owner = _item(info, it, S, NJ, KP, NSH)
         go = valid & owner
         bar = bars.index(st)
         buf = ring.index(st)
@@ -88,12 +106,12 @@ if gluon is not None:
         mbarrier.arrive(bar, pred=valid & (owner == 0))
 
     @gluon.jit
-    def _scales(s13_ptr, ids, t, it, valid, r, S: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
+    def _scales(s13_ptr, info, it, valid, r, S: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
                 BI: gl.constexpr, NJ: gl.constexpr, KP: gl.constexpr, NSH: gl.constexpr, NS: gl.constexpr,
                 WD: gl.constexpr):
         """Item ``it``'s E8M0 bytes ``[2*BI, NS, 4]`` (layout ``SliceLayout(3, WD)``), zeros when not ``valid`` or
         not a routed owner."""
-        sh, s, j, p, e, owner = _item(ids, t, it, S, NJ, KP, NSH)
+        sh, s, j, p, e, owner = _item(info, it, S, NJ, KP, NSH)
         SD: gl.constexpr = gl.SliceLayout(3, WD)
         sb = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SD)))
         tb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SD)))
@@ -117,7 +135,7 @@ if gluon is not None:
 
     @gluon.jit
     def _moe_gateup_ring(desc, s13_ptr, x_ptr, ids_ptr, part_ptr, lut_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr,
-                         slimit, H: gl.constexpr, I: gl.constexpr,
+                         info_ptr, slimit, H: gl.constexpr, I: gl.constexpr,
                          TOPK: gl.constexpr, M: gl.constexpr, SP: gl.constexpr, BI: gl.constexpr, NS: gl.constexpr,
                          KPP: gl.constexpr, ST: gl.constexpr, WD: gl.constexpr, WD2: gl.constexpr,
                          DQ: gl.constexpr, PDL_IN: gl.constexpr, PDL: gl.constexpr, SHARED: gl.constexpr,
@@ -132,7 +150,6 @@ if gluon is not None:
         KP: gl.constexpr = H // (NS * 128)
         NSH: gl.constexpr = NJ * KP if SHARED else 0
         NIT: gl.constexpr = S * NJ * KP + NSH
-        RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
         pid = gl.program_id(0)
         G = gl.num_programs(0)
         ring = gl.allocate_shared_memory(gl.int32, [ST, R1, NWORD], desc.layout)
@@ -140,33 +157,30 @@ if gluon is not None:
         for i in gl.static_range(ST):
             mbarrier.init(bars.index(i), count=1)
         ts._pdl_in(PDL_IN, PDL, NW)         # the router's ids and x are complete past this point
-        t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
-        ids = gl.load(ids_ptr + t, mask=t < S, other=-1).to(gl.int32)
+        info = info_ptr + pid * SP
+        _slot_info(ids_ptr, info, S, SP, NW)
         n_my = (NIT - pid + G - 1) // G
         for i in gl.static_range(ST):
-            _issue(desc, ring, bars, ids, t, pid + i * G, i, i < n_my, S, I, BI, NJ, KP, NSH, NWORD)
+            _issue(desc, ring, bars, info, pid + i * G, i, i < n_my, S, I, BI, NJ, KP, NSH, NWORD)
         x_s = _stage_x(x_ptr, H, M, NS, KPP, NW, DQ) if XSG else ring
-        _consume_items(desc, s13_ptr, ids_ptr, part_ptr, lut_ptr, x_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr, slimit,
+        _consume_items(desc, s13_ptr, info, part_ptr, lut_ptr, x_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr, slimit,
                        ring, bars, bars, x_s, n_my, pid, G, H, I, M, S, SP, BI, NS, ST, WD, WD2, DQ, NW, NSH, HAS_LIMIT,
                        WD8, 0, XSG)
 
 if gluon is not None:
     @gluon.jit
-    def _ws_load(desc, ids_ptr, ring, ready, empty, n_my, pid, G, I: gl.constexpr, BI: gl.constexpr,
+    def _ws_load(desc, info, ring, ready, empty, n_my, pid, G, I: gl.constexpr, BI: gl.constexpr,
                  NJ: gl.constexpr, KP: gl.constexpr, NWORD: gl.constexpr, S: gl.constexpr, SP: gl.constexpr,
                  ST: gl.constexpr, NSH: gl.constexpr):
         """``TR 2``, the producer warp: for each of this program's items, wait until its stage is free (the
         consumers arrived on ``empty``), then fill it by TMA (or arrive without a copy for a non-owner item)."""
-        RL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        t = gl.arange(0, SP, layout=RL)
-        ids = gl.load(ids_ptr + t, mask=t < S, other=-1).to(gl.int32)
         for k in range(n_my):
             st = k % ST
             mbarrier.wait(empty.index(st), ((k // ST) & 1) ^ 1)
-            _issue(desc, ring, ready, ids, t, pid + k * G, st, True, S, I, BI, NJ, KP, NSH, NWORD)
+            _issue(desc, ring, ready, info, pid + k * G, st, True, S, I, BI, NJ, KP, NSH, NWORD)
 
     @gluon.jit
-    def _consume_items(desc, s13_ptr, ids_ptr, part_ptr, lut_ptr, x_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr, slimit,
+    def _consume_items(desc, s13_ptr, info, part_ptr, lut_ptr, x_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr, slimit,
                        ring, ready, empty, x_s, n_my, pid, G, H: gl.constexpr, I: gl.constexpr, M: gl.constexpr,
                        S: gl.constexpr, SP: gl.constexpr, BI: gl.constexpr, NS: gl.constexpr, ST: gl.constexpr,
                        WD: gl.constexpr, WD2: gl.constexpr, DQ: gl.constexpr, NW: gl.constexpr, NSH: gl.constexpr,
@@ -188,8 +202,6 @@ if gluon is not None:
         DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         RL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
         SD: gl.constexpr = gl.SliceLayout(3, WD)
-        t = gl.arange(0, SP, layout=gl.SliceLayout(0, RL))
-        ids = gl.load(ids_ptr + t, mask=t < S, other=-1).to(gl.int32)
         l0 = gl.load(lut_ptr)
         l1 = gl.load(lut_ptr + 1)
         l2 = gl.load(lut_ptr + 2)
@@ -200,13 +212,13 @@ if gluon is not None:
         pr = gl.arange(0, R1, layout=gl.SliceLayout(1, MMA))
         gc = gl.arange(0, NPC, layout=gl.SliceLayout(0, MMA))
         pm = (gl.zeros([R1, NPC], gl.int32, MMA) + gc[None, :]) < MV
-        sv_next = _scales(s13_ptr, ids, t, pid, 0 < n_my, r, S, H, I, BI, NJ, KP, NSH, NS, WD)
+        sv_next = _scales(s13_ptr, info, pid, 0 < n_my, r, S, H, I, BI, NJ, KP, NSH, NS, WD)
         for k in range(n_my):
             st = k % ST
             it = pid + k * G
-            sh, s, j, p, e, owner = _item(ids, t, it, S, NJ, KP, NSH)
+            sh, s, j, p, e, owner = _item(info, it, S, NJ, KP, NSH)
             sv = sv_next
-            sv_next = _scales(s13_ptr, ids, t, it + G, k + 1 < n_my, r, S, H, I, BI, NJ, KP, NSH, NS, WD)
+            sv_next = _scales(s13_ptr, info, it + G, k + 1 < n_my, r, S, H, I, BI, NJ, KP, NSH, NS, WD)
             mbarrier.wait(ready.index(st), (k // ST) & 1)
             w2 = ring.index(st).load(WD2)
             if WS:
@@ -228,11 +240,11 @@ if gluon is not None:
                 gl.store(base + pr[:, None] * MV + gc[None, :], acc, mask=pm)
             if not WS:
                 gl.thread_barrier()             # every warp has read stage st before it is refilled
-                _issue(desc, ring, ready, ids, t, it + ST * G, st, k + ST < n_my, S, I, BI, NJ, KP, NSH, NWORD)
+                _issue(desc, ring, ready, info, it + ST * G, st, k + ST < n_my, S, I, BI, NJ, KP, NSH, NWORD)
 
     @gluon.jit
     def _moe_gateup_ring_ws(desc, s13_ptr, x_ptr, ids_ptr, part_ptr, lut_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr,
-                            slimit, H: gl.constexpr, I: gl.constexpr,
+                            info_ptr, slimit, H: gl.constexpr, I: gl.constexpr,
                             TOPK: gl.constexpr, M: gl.constexpr, SP: gl.constexpr, BI: gl.constexpr,
                             NS: gl.constexpr, KPP: gl.constexpr, ST: gl.constexpr, WD: gl.constexpr,
                             WD2: gl.constexpr, DQ: gl.constexpr, PDL_IN: gl.constexpr, PDL: gl.constexpr,
@@ -258,13 +270,15 @@ if gluon is not None:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         ts._pdl_in(PDL_IN, PDL, NW)         # the router's ids and x are complete past this point
+        info = info_ptr + pid * SP
+        _slot_info(ids_ptr, info, S, SP, NW)
         x_s = _stage_x(x_ptr, H, M, NS, KPP, NW, DQ) if XSG else ring
         n_my = (NIT - pid + G - 1) // G
         gl.warp_specialize([
-            (_consume_items, (desc, s13_ptr, ids_ptr, part_ptr, lut_ptr, x_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr,
+            (_consume_items, (desc, s13_ptr, info, part_ptr, lut_ptr, x_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr,
                               slimit, ring, ready, empty, x_s, n_my, pid, G, H, I, M, S, SP, BI, NS, ST, WD, WD2, DQ,
                               NW, NSH, HAS_LIMIT, WD8, 1, XSG)),
-            (_ws_load, (desc, ids_ptr, ring, ready, empty, n_my, pid, G, I, BI, NJ, KP, NWORD, S, SP, ST, NSH)),
+            (_ws_load, (desc, info, ring, ready, empty, n_my, pid, G, I, BI, NJ, KP, NWORD, S, SP, ST, NSH)),
         ], [1], [40])
 
 
@@ -331,6 +345,7 @@ def launch_ring_gateup(kern, x: torch.Tensor, ids: torch.Tensor, part: torch.Ten
     sw13, ss13 = (sh.w13w, sh.s13) if sh is not None else (kern.w13w, kern.lut)
     act = part if act is None else act
     cnt = kern.lut if cnt is None else cnt
-    kernel[(min(g, nit),)](weight_desc(kern, cfg["BI"], c["NS"]), kern.s13, x, ids, part, kern.lut, sw13, ss13, act,
-                           cnt, slimit, **c,
-                           num_warps=cfg["num_warps"], launch_pdl=pdl_in > 0, **extra)
+    grid = min(g, nit)
+    info = scratch(x.device, "ring_info", grid * c["SP"], torch.int32)     # one row of slot experts per program
+    kernel[(grid,)](weight_desc(kern, cfg["BI"], c["NS"]), kern.s13, x, ids, part, kern.lut, sw13, ss13, act, cnt,
+                    info, slimit, **c, num_warps=cfg["num_warps"], launch_pdl=pdl_in > 0, **extra)
