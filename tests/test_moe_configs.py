@@ -79,8 +79,10 @@ def test_split_fit_ring_and_staging_keys():
     assert ts.fit_split_config({"KP": 10, "KC": 1, "XS": 1}, 2560, 768)["XS"] == 1      # 256
     with pytest.raises(BackendError, match="XS"):
         ts.fit_split_config({"XS": 2}, 2560, 768)
-    c = ts.fit_split_config({"KP": 2, "KC": 5, "TR": 1, "TR_XS": 0, "NR": 64}, 2560, 768)
-    assert (c["TR_XS"], c["NR"]) == (0, 64)                                            # passed to the launch as is
+    assert ts.fit_split_config({"KP": 2, "KC": 5, "TR": 1, "TR_XS": 0}, 2560, 768)["TR_XS"] == 0   # to the launch
+    assert ts.fit_split_config({"KP": 2, "KC": 5, "NR": 64}, 2560, 768)["NR"] == 64
+    with pytest.raises(BackendError, match="TR_REGS"):          # the ring would ignore it: never silently
+        ts.fit_split_config({"KP": 2, "KC": 5, "TR": 1, "NR": 64}, 2560, 768)
     with pytest.raises(BackendError, match="TR_XS"):
         ts.fit_split_config({"TR": 1, "TR_XS": 2}, 2560, 768)
     for bad in (16, 300, 64.0):
@@ -339,7 +341,8 @@ def test_shared_expert_fusion_and_manifest_record_by_capability(monkeypatch, nam
 
 @pytest.mark.slow
 def test_ring_compiles_for_sm90():
-    """``TR`` 1 and 2 (kernels.triton_moe_ring) compile for sm_90 at Ling's shape with the shared expert, M = 1 and 4
+    """``TR`` 1 and 2 (kernels.triton_moe_ring; 2 also with ``TR_XS 0``) compile for sm_90 at Ling's shape with the
+    shared expert, M = 1 and 4
     (scripts/ring_ptxas.py, in a fresh interpreter: the CPU tests load Triton in interpreter mode), with no spills, in
     the shared memory of one H100/H200 SM, and with the item metadata read from the program's slot row: the only
     warp reductions (``REDUX``) left are the ones that build the row once (at most four), not two per item lookup."""
@@ -355,11 +358,12 @@ def test_ring_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root)
     r = subprocess.run([sys.executable, str(root / "scripts" / "ring_ptxas.py"), "--m", "1,4",
-                        "--config", '{"BI": 64, "num_warps": 8}', "--config", '{"BI": 64, "num_warps": 8, "TR": 2}'],
+                        "--config", '{"BI": 64, "num_warps": 8}', "--config", '{"BI": 64, "num_warps": 8, "TR": 2}',
+                        "--config", '{"BI": 64, "num_warps": 8, "TR": 2, "TR_XS": 0}'],
                        capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith("M=")]
-    assert len(rows) == 4, r.stdout
+    assert len(rows) == 6, r.stdout
     for ln in rows:
         assert int(re.search(r"STACK:(\d+)", ln).group(1)) == 0, ln
         assert int(re.search(r"shared (\d+) B", ln).group(1)) <= 227 * 1024, ln

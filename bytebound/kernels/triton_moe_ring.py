@@ -10,15 +10,17 @@ the first mma (docs/perf/session24-h100-rk/). Here one program per SM walks the 
 (item = slot s, row block j, H chunk p of ``CW = 128*NS`` columns) and keeps ``ST`` items' tiles in flight: a ring
 of ``ST`` shared-memory stages, each filled by two TMA copies (the ``BI`` gate rows and the ``BI`` up rows of
 expert ``ids[s]``) and tracked by one mbarrier; a stage is refilled with item ``k + ST`` as soon as item ``k`` has
-been read out of it.
+been read out of it. Which expert a slot's items read, and whether the slot owns it, is looked up per item in a
+row built once per program (:func:`_slot_info`, scratch ``ring_info``).
 
 Per item the maths is kernel A's with ``KP = H / CW``, ``KC = 1``, ``RK = 1`` exactly: the same words decoded by
 the same :func:`~bytebound.kernels.triton_moe_split.frag_dequant` into the same mma order against the same B
-operand (x, staged once per program in shared memory in the logical k order), and the same float32 partial stored
-in the ``RK`` layout. So :func:`~bytebound.kernels.triton_moe_split._moe_reduce_swiglu` and kernel B run after it
-unchanged, and the output should be the ``split`` kernels' at that tiling bit for bit
-(``tests/gpu/test_kernels_gpu.py::test_ring_kernel_a_keeps_the_bits``; not yet run on a GPU: docs/perf/
-session25-h100-ring/).
+operand (x in the logical k order: staged once per program in shared memory, or with ``TR_XS 0`` loaded per item
+from global memory as the split kernel does), and the same float32 partial stored in the ``RK`` layout. So
+:func:`~bytebound.kernels.triton_moe_split._moe_reduce_swiglu` and kernel B run after it unchanged, and the output
+is the ``split`` kernels' at that tiling bit for bit (``tests/gpu/test_kernels_gpu.py::
+test_ring_kernel_a_keeps_the_bits``: passed on the H100 before the slot row; measured slower than the ``split``
+kernel A at every tried shape, docs/perf/session26-h100-ring/, hence off).
 
 A slot whose expert an earlier slot chose does no work (``split``'s dedup): its items arrive on their stage's
 mbarrier without a copy, so the ring's phases stay in step. The E8M0 scales (8 bytes a row and item, below TMA's

@@ -33,7 +33,7 @@ partial (kernel B), so each distinct expert's bytes are read once per call. Dete
 sum runs in an order fixed by the launch shape, so outputs are bit-identical run to run and graph == eager. The
 tickets are reset by their last program, so each launch is self-contained and CUDA-graph safe.
 
-Scratch (``act``, the two partial buffers and the tickets; ``kernels.scratch``) is shared by every binding on a
+Scratch (``act``, the two partial buffers and the tickets, and ``ring_info`` under ``TR``; ``kernels.scratch``) is shared by every binding on a
 device: the MoE layers run one after another on one stream, and each launch has consumed its scratch before the
 next one starts. Kernel A either is an ordinary launch (it starts after the previous B completed) or, with
 ``pdl_in``, a PDL dependent of the kernel before it whose every program runs ``griddepcontrol.wait`` before it
@@ -64,7 +64,8 @@ into registers; the same bits; only where that slice is 128 x 2^n columns, else 
 experimental: kernel A as a persistent TMA ring, ``kernels.triton_moe_ring``, 2 = warp-specialised; fits KP to H/256,
 KC 1, RK 1, whose bits it reproduces; ``TR_ST`` stages, ``TR_G`` programs per SM, ``TR_NS``, ``TR_REGS``, ``TR_XS``; sm_90
 only), ``NR`` (default none; experimental: kernel A's register cap per thread, ptxas ``maxnreg``, so that more
-programs fit an SM; the same arithmetic, so the same bits). Constraints: H/(KP*KC) and I/KP2 are
+programs fit an SM; the same arithmetic, so the same bits; a cap above what ptxas would use can raise the count,
+check ``scripts/split_ptxas.py``; not with ``TR``, whose kernels take ``TR_REGS``). Constraints: H/(KP*KC) and I/KP2 are
 128 x a power of two, ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (an mma row tile per warp);
 :func:`fit_split_config` fits a config to a model's shape or raises BackendError.
 
@@ -981,6 +982,9 @@ def fit_split_config(cfg: dict, h: int, i: int) -> dict:
     if nr is not None and not (isinstance(nr, int) and 24 <= nr <= 255):
         raise BackendError(f"moe[triton] variant 'split': NR (kernel A's register cap per thread) must be an integer "
                            f"in 24..255, got {nr!r}")
+    if nr is not None and cfg.get("TR", 0):
+        raise BackendError("moe[triton] variant 'split': NR caps the split kernel A's registers; with TR the ring "
+                           "runs instead (its cap is TR_REGS, TR 2 only), so NR would be ignored")
     if cfg.get("XS", 0) not in (0, 1):
         raise BackendError(f"moe[triton] variant 'split': XS (kernel A's x staged in shared memory) must be 0 or 1, "
                            f"got {cfg.get('XS')!r}")

@@ -303,8 +303,9 @@ def test_split_key_keeps_the_bits(ling_experts, key, tiling, m, dup, limits):
 @pytest.mark.parametrize("tiling", [{"BI": 64, "num_warps": 8, "DQ": 1},
                                     {"BI": 32, "num_warps": 4, "DQ": 0, "TR_ST": 2},
                                     {"BI": 64, "num_warps": 8, "DQ": 1, "TR": 2},
-                                    {"BI": 32, "num_warps": 4, "DQ": 1, "TR_XS": 0}], ids=["w8-st4", "w4-st2", "ws-w8",
-                                                                                            "w4-xs0"])
+                                    {"BI": 32, "num_warps": 4, "DQ": 1, "TR_XS": 0},
+                                    {"BI": 64, "num_warps": 8, "DQ": 1, "TR": 2, "TR_XS": 0, "TR_G": 3}],
+                         ids=["w8-st4", "w4-st2", "ws-w8", "w4-xs0", "ws-xs0-g3"])
 @pytest.mark.parametrize("m,dup", [(1, 0), (2, 3), (4, 0), (4, 5)])
 @pytest.mark.parametrize("limits", [None, 1.0], ids=["noclamp", "clamp"])
 def test_ring_kernel_a_keeps_the_bits(ling_experts, tiling, m, dup, limits):
@@ -324,6 +325,8 @@ def test_ring_kernel_a_keeps_the_bits(ling_experts, tiling, m, dup, limits):
         # the ring failed to write reaches the output instead of the value an earlier launch left there
         scratch(DEV, "part_a", 4 << 20).fill_(float("nan"))
         scratch(DEV, "act", 1 << 20, torch.bfloat16).fill_(float("nan"))
+        # and the slot rows: an expert id no slot has, so a row the program failed to build reads out of range
+        scratch(DEV, "ring_info", 1 << 16, torch.int32).fill_(0x7FFFFFFF)
         return _poisoned_call(fn, x, ids, w)
 
     ex = ling_experts
