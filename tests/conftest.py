@@ -199,6 +199,19 @@ def compiled_in_subprocess(test_file: str, node: str) -> bool:
     return True
 
 
+def run_offline_script(name: str, *args: str, timeout: int = 600) -> str:
+    """``scripts/<name>.py args`` in a fresh interpreter without Triton's interpreter mode (this session may be in
+    it, which the kernels' decoration reads), with the repository on ``PYTHONPATH``: for the offline sm_90
+    compiles (no GPU needed). Asserts it exited 0; returns its stdout."""
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args], capture_output=True, text=True,
+                       env=env, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r.stdout
+
+
 def load_script(name: str, module_name: str | None = None):
     """``scripts/<name>.py`` imported as a module (scripts are not a package), registered in ``sys.modules`` under
     ``module_name`` (default ``_<name>``) so that dataclasses and pickling can look it up while it loads."""

@@ -346,24 +346,16 @@ def test_ring_compiles_for_sm90():
     (scripts/ring_ptxas.py, in a fresh interpreter: the CPU tests load Triton in interpreter mode), with no spills, in
     the shared memory of one H100/H200 SM, and with the item metadata read from the program's slot row: the only
     warp reductions (``REDUX``) left are the ones that build the row once (at most four), not two per item lookup."""
-    import os
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
+    from conftest import run_offline_script
     pytest.importorskip("triton")
     if ts.gluon is None:
         pytest.skip(ts.GLUON_ERR)
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root)
-    r = subprocess.run([sys.executable, str(root / "scripts" / "ring_ptxas.py"), "--m", "1,4",
-                        "--config", '{"BI": 64, "num_warps": 8}', "--config", '{"BI": 64, "num_warps": 8, "TR": 2}',
-                        "--config", '{"BI": 64, "num_warps": 8, "TR": 2, "TR_XS": 0}'],
-                       capture_output=True, text=True, env=env, timeout=900)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("M=")]
-    assert len(rows) == 6, r.stdout
+    out = run_offline_script("ring_ptxas", "--m", "1,4", "--config", '{"BI": 64, "num_warps": 8}',
+                             "--config", '{"BI": 64, "num_warps": 8, "TR": 2}',
+                             "--config", '{"BI": 64, "num_warps": 8, "TR": 2, "TR_XS": 0}', timeout=900)
+    rows = [ln for ln in out.splitlines() if ln.startswith("M=")]
+    assert len(rows) == 6, out
     for ln in rows:
         assert int(re.search(r"STACK:(\d+)", ln).group(1)) == 0, ln
         assert int(re.search(r"shared (\d+) B", ln).group(1)) <= 227 * 1024, ln

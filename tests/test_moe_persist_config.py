@@ -74,23 +74,15 @@ def test_persist_compiles_for_sm90(m):
     """The Gluon kernel compiles for sm_90 at Ling shapes with the shared expert and the clamp at the default tiling
     (scripts/persist_ptxas.py, in a fresh interpreter: the CPU tests load the Triton modules in interpreter mode);
     no spills and at least 2 programs fit on an SM (registers, shared memory)."""
-    import os
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
+    from conftest import run_offline_script
     pytest.importorskip("triton")
     if tp.gluon is None:
         pytest.skip(tp.GLUON_ERR)
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root)
     d = tp.PERSIST_DEFAULT
-    r = subprocess.run([sys.executable, str(root / "scripts" / "persist_ptxas.py"), "--m", str(m), "--warps",
-                        str(d["num_warps"]), "--hc", str(d["HC"]), "--ic", str(d["IC"]), "--check-ptx"],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    stack = int(re.search(r"STACK:(\d+)", r.stdout).group(1))
-    per_sm = int(re.search(r"-> (\d+) programs/SM", r.stdout).group(1))
-    assert stack == 0, r.stdout
-    assert per_sm >= 2, r.stdout
+    out = run_offline_script("persist_ptxas", "--m", str(m), "--warps", str(d["num_warps"]), "--hc", str(d["HC"]),
+                             "--ic", str(d["IC"]), "--check-ptx")
+    stack = int(re.search(r"STACK:(\d+)", out).group(1))
+    per_sm = int(re.search(r"-> (\d+) programs/SM", out).group(1))
+    assert stack == 0, out
+    assert per_sm >= 2, out
