@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -439,6 +439,29 @@ json.dump(t, open(sys.argv[1], "w"), indent=1)' "$x/ring-$n.json" "$g"
         cat "$x/ncu-$n.md" | tee -a "$LOG"
     done
     tar -cf "$OUT/ringocc.tar" -C "$x" . 2>&1 | tee -a "$LOG"
+}
+
+section_kernela() {      # the twenty-sixth session's open questions on the MoE kernel A (docs/perf/session26-h100-ring/,
+    # sections 4-5), in one call: (1) the ring's GPU tests at the slot-row build (0e14850, never run on a GPU; 40
+    # cases); (2) bench_moe --tune-stream at M = 4 and M = 1 over the ring with its slot rows (TR 2, TR 1, TR 2 with
+    # TR_XS 0 at 2 programs per SM) and the register cap NR 64 / 56 / 48 on the committed split tiling (KERNELA_A
+    # overrides the candidates); (3) ncu LaunchStats + Occupancy of the committed kernel A at M = 1 and 4: what
+    # holds it to 3 programs per SM when ptxas gives it 64 registers offline
+    local cand='[{"TR": 2}, {"TR": 1}, {"TR": 2, "TR_XS": 0, "TR_G": 2, "TR_REGS": 112}, {"NR": 64}, {"NR": 56},
+        {"NR": 48}]' m
+    [ -n "${KERNELA_A:-}" ] && cand="$KERNELA_A"
+    run_step tests python3 -m pytest tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider -rfE --tb=short \
+        -k ring_kernel_a $(pytest_timeout)
+    for m in 4 1; do
+        run_step "tune_m$m" python3 scripts/bench_moe.py --backends '' --m "$m" --layers 4 --reps 20 --tune-stream \
+            --out "$OUT/kernela-m$m" --stream-a "$cand" --stream-b '[]'
+    done
+    echo "=== [$CURRENT] ncu: LaunchStats + Occupancy of the committed kernel A, M = 1 and 4" | tee -a "$LOG"
+    timeout "$SECTION_TIMEOUT" ncu --clock-control none --profile-from-start off --kernel-name regex:_moe_gateup \
+        --section LaunchStats --section Occupancy python3 scripts/bench_moe.py --ncu-range --backends triton \
+        --m 1,4 --layers 1 --out /tmp/kernela-ncu > "$OUT/ncu-occupancy.txt" 2>&1 || FAILED+=("$CURRENT/ncu")
+    grep -E "_moe_gateup|Registers Per|Block Limit|Theoretical Occ|Achieved Occ|Waves Per SM|Shared Memory" \
+        "$OUT/ncu-occupancy.txt" | tee -a "$LOG"
 }
 
 section_ladder() {       # issue 21: the seed's ablation ladder with today's engine (CUDA defaults), one lever at a time:
