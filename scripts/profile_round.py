@@ -182,6 +182,17 @@ def main(argv=None) -> int:
         # the engine's greedy plain step: the decode graph, then the head + argmax token graph
         greedy = SamplingParams(temperature=0.0)
         out["decode_token_us"] = median_us(lambda: r.graph.replay_token(tok, a.ctx, greedy, None), 30)
+        # c with its denominator timed beside it: the round graph and the plain step alternately, the order rotated
+        # each rotation. The round and the step above are timed minutes apart, and between processes the step has
+        # moved by 150 us while the round held (docs/perf/session26-h100-ring/), so this c is the one to compare
+        reps, rots = 10, 6
+        tr, tp = alternating_times([g.replay, lambda: r.graph.replay_token(tok, a.ctx, greedy, None)], reps, rots,
+                                   warmup=3)
+        per_rot = [statistics.median(tr[i * reps:(i + 1) * reps]) / statistics.median(tp[i * reps:(i + 1) * reps])
+                   for i in range(rots)]
+        out["alternating"] = {"round_us": statistics.median(tr) * 1e6, "plain_us": statistics.median(tp) * 1e6,
+                              "c": statistics.median(tr) / statistics.median(tp), "c_per_rotation": per_rot,
+                              "reps": reps, "rotations": rots}
         if a.token_ab:
             # the plain greedy step with the head's argmax fused (BYTEBOUND_HEAD_ARGMAX=1) and not (=0), each its own
             # captured graphs in this process, timed alternately
@@ -213,6 +224,10 @@ def main(argv=None) -> int:
            f"{dec:.1f} | 1 |",
            f"| decode graph + eager LM head logits (the denominator before the twentieth session) | "
            f"{out['decode_graph_plus_head_us']:.1f} | |"]
+    al = out["alternating"]
+    md += [f"| **alternating, same process**: round graph / plain greedy step ({al['rotations']} rotations x "
+           f"{al['reps']} replays each; c per rotation {min(al['c_per_rotation']):.3f}-"
+           f"{max(al['c_per_rotation']):.3f}) | {al['round_us']:.1f} / {al['plain_us']:.1f} | **{al['c']:.3f}** |"]
     md += [f"| plain greedy step, {k} (same process, alternating) | {v:.1f} | |"
            for k, v in out.get("token_ab_us", {}).items()] + [""]
     Path(a.out).mkdir(parents=True, exist_ok=True)
