@@ -79,6 +79,19 @@ if gluon is not None:
         gl.thread_barrier()
 
     @gluon.jit
+    def _program_items(ids_ptr, info_ptr, PDL_IN: gl.constexpr, PDL: gl.constexpr, S: gl.constexpr,
+                       SP: gl.constexpr, NW: gl.constexpr, NIT: gl.constexpr):
+        """Both ring kernels' start once their barriers exist: wait for the router (PDL), build this program's slot
+        row (:func:`_slot_info`) and count its items ``pid, pid + G, ..`` of ``NIT``. Returns ``(pid, G, info,
+        n_my)``."""
+        pid = gl.program_id(0)
+        G = gl.num_programs(0)
+        ts._pdl_in(PDL_IN, PDL, NW)         # the router's ids and x are complete past this point
+        info = info_ptr + pid * SP
+        _slot_info(ids_ptr, info, S, SP, NW)
+        return pid, G, info, (NIT - pid + G - 1) // G
+
+    @gluon.jit
     def _item(info, it, S: gl.constexpr, NJ: gl.constexpr, KP: gl.constexpr, NSH: gl.constexpr):
         """Work item ``it`` -> ``(sh, s, j, p, e, owner)``: whether it is the shared expert's (items ``0 .. NSH-1``,
         slot ``S``: first, so that their plain loads start each program), slot, row block, H chunk, expert (-1 where
@@ -152,16 +165,11 @@ if gluon is not None:
         KP: gl.constexpr = H // (NS * 128)
         NSH: gl.constexpr = NJ * KP if SHARED else 0
         NIT: gl.constexpr = S * NJ * KP + NSH
-        pid = gl.program_id(0)
-        G = gl.num_programs(0)
         ring = gl.allocate_shared_memory(gl.int32, [ST, R1, NWORD], desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(ST):
             mbarrier.init(bars.index(i), count=1)
-        ts._pdl_in(PDL_IN, PDL, NW)         # the router's ids and x are complete past this point
-        info = info_ptr + pid * SP
-        _slot_info(ids_ptr, info, S, SP, NW)
-        n_my = (NIT - pid + G - 1) // G
+        pid, G, info, n_my = _program_items(ids_ptr, info_ptr, PDL_IN, PDL, S, SP, NW, NIT)
         for i in gl.static_range(ST):
             _issue(desc, ring, bars, info, pid + i * G, i, i < n_my, S, I, BI, NJ, KP, NSH, NWORD)
         x_s = _stage_x(x_ptr, H, M, NS, KPP, NW, DQ) if XSG else ring
@@ -263,19 +271,14 @@ if gluon is not None:
         KP: gl.constexpr = H // CW
         NSH: gl.constexpr = NJ * KP if SHARED else 0
         NIT: gl.constexpr = S * NJ * KP + NSH
-        pid = gl.program_id(0)
-        G = gl.num_programs(0)
         ring = gl.allocate_shared_memory(gl.int32, [ST, R1, NWORD], desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(ST):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
-        ts._pdl_in(PDL_IN, PDL, NW)         # the router's ids and x are complete past this point
-        info = info_ptr + pid * SP
-        _slot_info(ids_ptr, info, S, SP, NW)
+        pid, G, info, n_my = _program_items(ids_ptr, info_ptr, PDL_IN, PDL, S, SP, NW, NIT)
         x_s = _stage_x(x_ptr, H, M, NS, KPP, NW, DQ) if XSG else ring
-        n_my = (NIT - pid + G - 1) // G
         gl.warp_specialize([
             (_consume_items, (desc, s13_ptr, info, part_ptr, lut_ptr, x_ptr, sw13_ptr, ss13_ptr, act_ptr, cnt_ptr,
                               slimit, ring, ready, empty, x_s, n_my, pid, G, H, I, M, S, SP, BI, NS, ST, WD, WD2, DQ,
