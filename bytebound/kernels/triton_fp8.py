@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from bytebound.errors import BackendError, ConfigError
+from bytebound.kernels.device import sm_count
 from bytebound.kernels.limits import MAX_VERIFY_M as MAX_M     # the one verify-width limit (kernels/limits.py)
 from bytebound.kernels.pdl import enabled as pdl_enabled
 from bytebound.kernels.registry import cuda_only, optional_triton, register
@@ -557,7 +558,7 @@ def _device_info(dev: torch.device) -> tuple[str | None, int]:
         dev = torch.device("cuda", torch.cuda.current_device())
     if dev not in _GEMV_DEV:
         major, minor = torch.cuda.get_device_capability(dev)
-        _GEMV_DEV[dev] = (f"sm_{major}{minor}", torch.cuda.get_device_properties(dev).multi_processor_count)
+        _GEMV_DEV[dev] = (f"sm_{major}{minor}", sm_count(dev))
     return _GEMV_DEV[dev]
 
 
@@ -752,7 +753,6 @@ def fp8_block_gemv_add_norm(delta2: torch.Tensor, h2: torch.Tensor, norm_weight:
 
 # ---- prefill on FP8 tensor cores (DeepSeek-V3 recipe: 1x128 activation scales x 128x128 weight scales) -------
 PREFILL_PATHS = ("dequant", "fp8", "scaled_mm")
-_SM_COUNT: dict = {}
 
 
 def _check_block_gemm(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block) -> None:
@@ -836,9 +836,7 @@ def fp8_block_gemm(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tens
     n = weight.shape[0]
     dev = x2.device
     if cfg is None:
-        if dev.type == "cuda" and dev not in _SM_COUNT:
-            _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-        cfg = gemm_config(m, n, k, _SM_COUNT.get(dev, 132))
+        cfg = gemm_config(m, n, k, sm_count(dev) if dev.type == "cuda" else 132)
     sbn, sbk = block
     bk = min(cfg["BK"], sbk)
     q, sx = quantize_fp8_groups(x2, sbk, pow2)

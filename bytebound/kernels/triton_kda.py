@@ -65,6 +65,7 @@ from pathlib import Path
 import torch
 
 from bytebound.errors import BackendError
+from bytebound.kernels.device import sm_count
 from bytebound.kernels.pdl import early as pdl_early, enabled as pdl_enabled
 from bytebound.kernels.registry import cuda_only, optional_triton, register
 from bytebound.kernels import scratch as shared
@@ -434,7 +435,7 @@ def resolve_launch(batch: int, heads: int, dk: int, dv: int, tokens: int, device
         return vs, nw, source
     vs = 1
     if dev.type == "cuda":
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        sms = sm_count(dev)
         for c in V_SPLITS:
             if batch * heads * c <= sms and triton.next_power_of_2(dv) // c >= 16:
                 vs = c

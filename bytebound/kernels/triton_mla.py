@@ -49,6 +49,7 @@ import os
 import torch
 
 from bytebound.errors import BackendError
+from bytebound.kernels.device import sm_count
 from bytebound.kernels.pdl import enabled as pdl_enabled
 from bytebound.kernels.registry import cuda_only, needs_capability, optional_triton, register
 
@@ -295,8 +296,7 @@ def split_plan(span: int, rows: int, batch: int, cfg: dict, device) -> tuple[int
     else:
         target = cfg.get("target_programs")
         if target is None:
-            target = (torch.cuda.get_device_properties(device).multi_processor_count
-                      if torch.device(device).type == "cuda" else 1)
+            target = sm_count(device) if torch.device(device).type == "cuda" else 1
             if n_rb == 1 and cfg.get("target_single") == "half":
                 # one row block: fewer, longer splits halve the partial outputs the merge reads back, which
                 # measured faster at 32K (docs/perf/decode-h200.md, run L)

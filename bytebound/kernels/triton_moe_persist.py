@@ -66,11 +66,11 @@ the occupancy arithmetic alone, for a driver or graph capture that refuses the a
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
 from bytebound.errors import BackendError
+from bytebound.kernels.device import sm_count
 from bytebound.kernels.scratch import scratch
 from bytebound.kernels.triton_moe_split import GLUON_ERR, SharedFP8, gl, gluon
 
@@ -411,10 +411,6 @@ def programs_per_sm(n_regs: int, shared_bytes: int, num_warps: int, sm_shared: i
     return max(0, min(by_regs, by_smem, max_warps // num_warps, max_blocks))
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
 
 def launch_persist(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict,
                    sh: SharedFP8 | None = None) -> None:
@@ -470,7 +466,7 @@ def launch_persist(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ou
     key = (dev.index, h, i, m, k, sh is not None, has_limit, prefetch, tuple(sorted(cfg.items())))
     n_prog = _GRID.get(key)
     if n_prog is None:
-        n_prog = persist_grid(args, consts, nw, int(cfg["per_sm"]), _sm_count(dev.index or 0), st * (i // bi),
+        n_prog = persist_grid(args, consts, nw, int(cfg["per_sm"]), sm_count(dev), st * (i // bi),
                               h // bh, coop)
         _GRID[key] = n_prog
     _moe_persist[(n_prog,)](*args, n_prog, **consts, num_warps=nw, launch_cooperative_grid=coop,

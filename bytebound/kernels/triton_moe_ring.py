@@ -36,6 +36,7 @@ import functools
 import torch
 
 from bytebound.errors import BackendError
+from bytebound.kernels.device import sm_count
 from bytebound.kernels import triton_moe_split as ts
 from bytebound.kernels.scratch import scratch
 
@@ -342,7 +343,7 @@ def launch_ring_gateup(kern, x: torch.Tensor, ids: torch.Tensor, part: torch.Ten
         BackendError: H is not a multiple of the item width (:func:`ring_constexprs`)."""
     m, k = ids.shape
     c = ring_constexprs(m, k, kern.h, kern.i, cfg, pdl, pdl_in, dq, sh is not None, has_limit)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sms = sm_count(x.device)
     g = programs or int(cfg.get("TR_G", 1)) * sms
     nit = (m * k + (sh is not None)) * (kern.i // cfg["BI"]) * (kern.h // (128 * c["NS"]))
     kernel = _moe_gateup_ring_ws if int(cfg.get("TR", 1)) == 2 else _moe_gateup_ring
