@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela nr)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -462,6 +462,42 @@ section_kernela() {      # the twenty-sixth session's open questions on the MoE 
         --m 1,4 --layers 1 --out /tmp/kernela-ncu > "$OUT/ncu-occupancy.txt" 2>&1 || FAILED+=("$CURRENT/ncu")
     grep -E "_moe_gateup|Registers Per|Block Limit|Theoretical Occ|Achieved Occ|Waves Per SM|Shared Memory" \
         "$OUT/ncu-occupancy.txt" | tee -a "$LOG"
+}
+
+section_nr() {           # the twenty-seventh session's register cap of kernel A at M = 4 (docs/perf/session27-h100-nr/):
+    # NR 80 measured 54.1 us against 57.1-57.7 uncapped (ptxas gives the uncapped kernel 72 registers at run time,
+    # 3 programs per SM; NR 64 gives 4 and is slower). In one call: (1) tune-stream at M = 4 around it; (2) the
+    # bit-equality tests of NR (on vs absent, every tiling, M = 1/2/4, clamps, graph replay); (3) with a table that
+    # has NR_VALUE (default 80) in the M = 4 entry: the engine tests of the CUDA defaults and the full-scale
+    # canaries; (4) the MTP round with the plain step, committed table vs that one, alternating, AB_PAIRS pairs
+    local v="${NR_VALUE:-80}" tab="$OUT/nr-table.json" i ids all cand='[{"NR": 72}, {"NR": 80}, {"NR": 88}]'
+    [ -n "${NR_CAND:-}" ] && cand="$NR_CAND"
+    python3 -c 'import json, sys
+t = json.load(open("bytebound/kernels/configs/triton_moe.json"))
+for gpu, entries in t.items():
+    if not gpu.startswith("_"):
+        for key, e in entries.items():
+            if key.endswith("_M4") and e.get("variant") == "split":
+                e["NR"] = int(sys.argv[2])
+json.dump(t, open(sys.argv[1], "w"), indent=1)' "$tab" "$v" || { FAILED+=("nr/table"); return 0; }
+    run_step tune_m4 python3 scripts/bench_moe.py --backends '' --m 4 --layers 4 --reps 20 --tune-stream \
+        --out "$OUT/nr-m4" --stream-a "$cand" --stream-b '[]'
+    all=$(python3 -m pytest tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider --collect-only 2>>"$LOG")
+    mapfile -t ids < <(grep -E '^tests/.*keeps_the_bits\[NR-' <<< "$all")
+    mapfile -t -O "${#ids[@]}" ids < <(grep -E '^tests/.*graph_replay' <<< "$all")
+    echo "nr: ${#ids[@]} tests selected" | tee -a "$LOG"
+    run_step tests python3 -m pytest "${ids[@]}" -q -p no:cacheprovider -rfE --tb=short $(pytest_timeout)
+    run_step engine env BYTEBOUND_MOE_CONFIG="$tab" python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py -q \
+        -p no:cacheprovider -rfE --tb=short $(pytest_timeout) \
+        -k "verify_equals or captured_mtp or (64_steps and triton-triton) or nano_greedy"
+    run_step canaries env BYTEBOUND_MOE_CONFIG="$tab" BYTEBOUND_FULLSCALE=1 \
+        BYTEBOUND_TIMING_OUT="$OUT/canary_timing.json" python3 -m pytest \
+        tests/test_verify.py::test_full_scale_canary_cost -q -p no:cacheprovider -rfE --tb=line
+    local r=(python3 scripts/profile_round.py --no-phases --ctx 2048 --draft-vocab "${AB_DRAFT_VOCAB:-32768}" --out "$OUT")
+    for i in $(seq 1 "${AB_PAIRS:-3}"); do
+        run_step "round_base_$i" "${r[@]}" --name "round-base-$i"
+        run_step "round_nr_$i" env BYTEBOUND_MOE_CONFIG="$tab" "${r[@]}" --name "round-nr-$i"
+    done
 }
 
 section_ladder() {       # issue 21: the seed's ablation ladder with today's engine (CUDA defaults), one lever at a time:

@@ -261,6 +261,10 @@ def test_split_shared_expert(ling_experts, tiling, m, dup, limits):
         ex.limit = None
 
 
+# The register cap the committed M = 4 entry sets (kernels/configs/triton_moe.json), tried on every tiling below
+NR_ON = 80
+
+
 @pytest.mark.parametrize("tiling", [{"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "SG": 4, "pdl_in": 1, "DQ": 1},
                                     {"BI": 64, "KP": 5, "num_warps": 8, "pdl_in": 1, "DQ": 0},
                                     {"BI": 32, "KP": 10, "num_warps": 4},
@@ -268,14 +272,15 @@ def test_split_shared_expert(ling_experts, tiling, m, dup, limits):
                          ids=["h200-m4", "h200-m1", "kp10", "kp10-w8"])
 @pytest.mark.parametrize("m,dup", [(1, 0), (2, 3), (4, 0), (4, 5)])
 @pytest.mark.parametrize("limits", [(None, None), (1.0, 0.75)], ids=["noclamp", "clamps"])
-@pytest.mark.parametrize("key", ["RK", "XS"])
+@pytest.mark.parametrize("key", ["RK", "XS", "NR"])
 def test_split_key_keeps_the_bits(ling_experts, key, tiling, m, dup, limits):
     """Config keys that change how, not what, the kernels compute: the output with the key on equals the output
-    with it off bit for bit, with and without the shared expert, and in a CUDA graph. ``RK`` (kernel A's partials
-    summed and SwiGLU applied by a launch between the two kernels) computes the same sums in the same order as
-    kernel A's last program; ``XS`` (x staged in shared memory) reads the same B values into the same mma
-    order. (The twenty-fourth session's ``PF``, an L2 prefetch of each program's tile, passed
-    here too before it was reverted as slower.)"""
+    with it off (absent from the config) bit for bit, with and without the shared expert, and in a CUDA graph.
+    ``RK`` (kernel A's partials summed and SwiGLU applied by a launch between the two kernels) computes the same
+    sums in the same order as kernel A's last program; ``XS`` (x staged in shared memory) reads the same B values
+    into the same mma order; ``NR`` (kernel A's register cap, here :data:`NR_ON`) changes only ptxas' register
+    allocation and schedule, not the arithmetic. (The twenty-fourth session's ``PF``, an L2 prefetch of each
+    program's tile, passed here too before it was reverted as slower.)"""
     from bytebound.kernels.moe_host import MoEKernel, fit_config
     ex = ling_experts
     ex.limit = limits[0]
@@ -285,7 +290,10 @@ def test_split_key_keeps_the_bits(ling_experts, key, tiling, m, dup, limits):
         x = torch.randn(m, LING["h"], device=DEV).to(torch.bfloat16)
         outs = {}
         for on in (0, 1):
-            cfg = fit_config(_moe_config("split", dict(tiling, **{key: on})), LING["h"], LING["i"])
+            tile = {k: v for k, v in tiling.items() if k != key}
+            if on:
+                tile[key] = NR_ON if key == "NR" else 1
+            cfg = fit_config(_moe_config("split", tile), LING["h"], LING["i"])
             fn = MoEKernel(ex, {mm: cfg for mm in range(1, 5)})
             outs[on, False] = _poisoned_call(fn, x, ids, w)
             fn.bind_shared(mlp)
