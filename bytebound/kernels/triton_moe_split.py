@@ -63,9 +63,11 @@ A stages x for its whole H slice in shared memory once, :func:`_stage_b`, instea
 into registers; the same bits; only where that slice is 128 x 2^n columns, else fitted to 0), ``TR`` (default 0;
 experimental: kernel A as a persistent TMA ring, ``kernels.triton_moe_ring``, 2 = warp-specialised; fits KP to H/256,
 KC 1, RK 1, whose bits it reproduces; ``TR_ST`` stages, ``TR_G`` programs per SM, ``TR_NS``, ``TR_REGS``, ``TR_XS``; sm_90
-only), ``NR`` (default none; experimental: kernel A's register cap per thread, ptxas ``maxnreg``, so that more
-programs fit an SM; the same arithmetic, so the same bits; a cap above what ptxas would use can raise the count,
-check ``scripts/split_ptxas.py``; not with ``TR``, whose kernels take ``TR_REGS``). Constraints: H/(KP*KC) and I/KP2 are
+only), ``NR`` (default none; kernel A's register cap per thread, ptxas ``maxnreg``: the same arithmetic, so the same
+bits, and another register allocation and schedule; the committed M = 4 entry sets 80, docs/perf/history.md; a
+cap above what ptxas would use can raise the count, check ``scripts/split_ptxas.py``, whose offline compile takes
+int32 ids where the engine's router writes int64: 64 against 72 registers at M = 4; not with ``TR``, whose
+kernels take ``TR_REGS``). Constraints: H/(KP*KC) and I/KP2 are
 128 x a power of two, ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (an mma row tile per warp);
 :func:`fit_split_config` fits a config to a model's shape or raises BackendError.
 

@@ -261,7 +261,7 @@ def test_split_shared_expert(ling_experts, tiling, m, dup, limits):
         ex.limit = None
 
 
-# The register cap the committed M = 4 entry sets (kernels/configs/triton_moe.json), tried on every tiling below
+# The register cap of the committed M = 4 entry (kernels/configs/triton_moe.json), tried on every tiling below
 NR_ON = 80
 
 
