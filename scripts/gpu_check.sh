@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela nr)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela nr regcap)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -497,6 +497,46 @@ json.dump(t, open(sys.argv[1], "w"), indent=1)' "$tab" "$v" || { FAILED+=("nr/ta
     for i in $(seq 1 "${AB_PAIRS:-3}"); do
         run_step "round_base_$i" "${r[@]}" --name "round-base-$i"
         run_step "round_nr_$i" env BYTEBOUND_MOE_CONFIG="$tab" "${r[@]}" --name "round-nr-$i"
+    done
+}
+
+section_regcap() {       # register caps beyond NR 80 at M = 4 (the twenty-seventh session): kernel B's cap NR2 at M = 1 and 4,
+    # kernel A's NR at M = 1. (1) tune-stream at each M: kernel-A candidates REGCAP_A1 / REGCAP_A4, then kernel-B
+    # candidates REGCAP_B1 / REGCAP_B4 with the best kernel A; (2) the bit-equality tests of NR2; (3) a table with
+    # each M's best entry: the engine tests of the CUDA defaults and the full-scale canaries with it; (4) the MTP
+    # round and the plain step (profile_round), committed table vs that one, alternating, AB_PAIRS pairs (default 2)
+    local tab="$OUT/regcap-table.json" i ids all m
+    # (defaults as plain assignments: a "}" inside ${VAR:-...} would end the expansion)
+    local a1='[{"NR": 72}, {"NR": 80}, {"NR": 96}]' a4='[]'
+    local b1='[{"NR2": 64}, {"NR2": 80}, {"NR2": 96}, {"NR2": 128}]'
+    local b4='[{"NR2": 96}, {"NR2": 112}, {"NR2": 128}, {"NR2": 168}]'
+    a1="${REGCAP_A1:-$a1}"; a4="${REGCAP_A4:-$a4}"; b1="${REGCAP_B1:-$b1}"; b4="${REGCAP_B4:-$b4}"
+    run_step tune_m1 python3 scripts/bench_moe.py --backends '' --m 1 --layers 4 --reps 20 --tune-stream \
+        --out "$OUT/regcap-m1" --stream-a "$a1" --stream-b "$b1"
+    run_step tune_m4 python3 scripts/bench_moe.py --backends '' --m 4 --layers 4 --reps 20 --tune-stream \
+        --out "$OUT/regcap-m4" --stream-a "$a4" --stream-b "$b4"
+    python3 -c 'import json, sys
+t = json.load(open("bytebound/kernels/configs/triton_moe.json"))
+for path in sys.argv[2:]:
+    for key, e in next(iter(json.load(open(path)).values())).items():
+        t["NVIDIA H200"][key] = e
+        print("regcap: best", key, json.dumps(e))
+json.dump(t, open(sys.argv[1], "w"), indent=1)' "$tab" "$OUT/regcap-m1/triton_moe_configs.json" \
+        "$OUT/regcap-m4/triton_moe_configs.json" | tee -a "$LOG" || { FAILED+=("regcap/table"); return 0; }
+    all=$(python3 -m pytest tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider --collect-only 2>>"$LOG")
+    mapfile -t ids < <(grep -E '^tests/.*keeps_the_bits\[NR2-' <<< "$all")
+    echo "regcap: ${#ids[@]} tests selected" | tee -a "$LOG"
+    run_step tests python3 -m pytest "${ids[@]}" -q -p no:cacheprovider -rfE --tb=short $(pytest_timeout)
+    run_step engine env BYTEBOUND_MOE_CONFIG="$tab" python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py -q \
+        -p no:cacheprovider -rfE --tb=short $(pytest_timeout) \
+        -k "verify_equals or captured_mtp or (64_steps and triton-triton) or nano_greedy"
+    run_step canaries env BYTEBOUND_MOE_CONFIG="$tab" BYTEBOUND_FULLSCALE=1 \
+        BYTEBOUND_TIMING_OUT="$OUT/canary_timing.json" python3 -m pytest \
+        tests/test_verify.py::test_full_scale_canary_cost -q -p no:cacheprovider -rfE --tb=line
+    local r=(python3 scripts/profile_round.py --no-phases --ctx 2048 --draft-vocab "${AB_DRAFT_VOCAB:-32768}" --out "$OUT")
+    for i in $(seq 1 "${AB_PAIRS:-2}"); do
+        run_step "round_base_$i" "${r[@]}" --name "round-base-$i"
+        run_step "round_regcap_$i" env BYTEBOUND_MOE_CONFIG="$tab" "${r[@]}" --name "round-regcap-$i"
     done
 }
 

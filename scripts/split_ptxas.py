@@ -43,7 +43,7 @@ def compile_split(m: int, cfg: dict, shared: bool = True, arch: int = 90, h: int
     b = ptxas_util.compile_kernel(ts._moe_down_split, cb,
                  dict(act_ptr="*bf16", ids_ptr="*i32", w2_ptr="*i32", s2_ptr="*u8", out_ptr="*bf16", part_ptr="*fp32",
                       cnt_ptr="*i32", lut_ptr="*i32", sw2_ptr="*i32", ss2_ptr="*i32"), arch,
-                 dict(num_warps=c["down_warps"]), gluon=True)
+                 dict(num_warps=c["down_warps"], **({"maxnreg": int(c["NR2"])} if c.get("NR2") else {})), gluon=True)
     return c, a, b
 
 

@@ -88,6 +88,9 @@ def test_split_fit_ring_and_staging_keys():
     for bad in (16, 300, 64.0):
         with pytest.raises(BackendError, match="NR"):
             ts.fit_split_config({"NR": bad}, 2560, 768)
+        with pytest.raises(BackendError, match="NR2 .kernel B"):
+            ts.fit_split_config({"NR2": bad}, 2560, 768)
+    assert ts.fit_split_config({"KP": 2, "KC": 5, "NR2": 96}, 2560, 768)["NR2"] == 96
 
 
 @pytest.mark.skipif(ts.gl is None, reason="needs Gluon (triton >= 3.5) for the word layouts")

@@ -67,7 +67,8 @@ only), ``NR`` (default none; kernel A's register cap per thread, ptxas ``maxnreg
 bits, and another register allocation and schedule; the committed M = 4 entry sets 80, docs/perf/history.md; a
 cap above what ptxas would use can raise the count, check ``scripts/split_ptxas.py``, whose offline compile takes
 int32 ids where the engine's router writes int64: 64 against 72 registers at M = 4; not with ``TR``, whose
-kernels take ``TR_REGS``). Constraints: H/(KP*KC) and I/KP2 are
+kernels take ``TR_REGS``), ``NR2`` (default none; kernel B's register cap, the same for kernel B: the same bits;
+below ptxas' own count it spills). Constraints: H/(KP*KC) and I/KP2 are
 128 x a power of two, ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (an mma row tile per warp);
 :func:`fit_split_config` fits a config to a model's shape or raises BackendError.
 
@@ -984,6 +985,10 @@ def fit_split_config(cfg: dict, h: int, i: int) -> dict:
     if nr is not None and not (isinstance(nr, int) and 24 <= nr <= 255):
         raise BackendError(f"moe[triton] variant 'split': NR (kernel A's register cap per thread) must be an integer "
                            f"in 24..255, got {nr!r}")
+    nr2 = cfg.get("NR2")
+    if nr2 is not None and not (isinstance(nr2, int) and 24 <= nr2 <= 255):
+        raise BackendError(f"moe[triton] variant 'split': NR2 (kernel B's register cap per thread) must be an integer "
+                           f"in 24..255, got {nr2!r}")
     if nr is not None and cfg.get("TR", 0):
         raise BackendError("moe[triton] variant 'split': NR caps the split kernel A's registers; with TR the ring "
                            "runs instead (its cap is TR_REGS, TR 2 only), so NR would be ignored")
@@ -1142,4 +1147,5 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
                                      HAS_LIMIT=has_limit, SHARED=sh is not None, PDL=pdl,
                                      num_warps=max(1, min(4, bi // 32)), launch_pdl=pdl)
     _moe_down_split[(h // bh, gt, kp2)](act, ids, kern.w2w, kern.s2, out, part_b, cnt_b, kern.lut, sw2, ss2,
-                                        **cb, num_warps=cfg["down_warps"], launch_pdl=pdl)
+                                        **cb, num_warps=cfg["down_warps"], launch_pdl=pdl,
+                                        **({"maxnreg": int(cfg["NR2"])} if cfg.get("NR2") else {}))

@@ -261,8 +261,9 @@ def test_split_shared_expert(ling_experts, tiling, m, dup, limits):
         ex.limit = None
 
 
-# The register cap of the committed M = 4 entry (kernels/configs/triton_moe.json), tried on every tiling below
-NR_ON = 80
+# Each key's "on" value below; NR: the register cap of the committed M = 4 entry (kernels/configs/triton_moe.json),
+# NR2: a kernel-B cap under ptxas' own count at M = 4 (124), which spills there
+KEY_ON = {"RK": 1, "XS": 1, "NR": 80, "NR2": 96}
 
 
 @pytest.mark.parametrize("tiling", [{"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "SG": 4, "pdl_in": 1, "DQ": 1},
@@ -272,14 +273,14 @@ NR_ON = 80
                          ids=["h200-m4", "h200-m1", "kp10", "kp10-w8"])
 @pytest.mark.parametrize("m,dup", [(1, 0), (2, 3), (4, 0), (4, 5)])
 @pytest.mark.parametrize("limits", [(None, None), (1.0, 0.75)], ids=["noclamp", "clamps"])
-@pytest.mark.parametrize("key", ["RK", "XS", "NR"])
+@pytest.mark.parametrize("key", sorted(KEY_ON))
 def test_split_key_keeps_the_bits(ling_experts, key, tiling, m, dup, limits):
     """Config keys that change how, not what, the kernels compute: the output with the key on equals the output
     with it off (absent from the config) bit for bit, with and without the shared expert, and in a CUDA graph.
     ``RK`` (kernel A's partials summed and SwiGLU applied by a launch between the two kernels) computes the same
     sums in the same order as kernel A's last program; ``XS`` (x staged in shared memory) reads the same B values
-    into the same mma order; ``NR`` (kernel A's register cap, here :data:`NR_ON`) changes only ptxas' register
-    allocation and schedule, not the arithmetic. (The twenty-fourth session's ``PF``, an L2 prefetch of each
+    into the same mma order; ``NR`` / ``NR2`` (kernel A's / B's register cap, :data:`KEY_ON`) change only ptxas' register
+    allocation and schedule (and spills), not the arithmetic. (The twenty-fourth session's ``PF``, an L2 prefetch of each
     program's tile, passed here too before it was reverted as slower.)"""
     from bytebound.kernels.moe_host import MoEKernel, fit_config
     ex = ling_experts
@@ -292,7 +293,7 @@ def test_split_key_keeps_the_bits(ling_experts, key, tiling, m, dup, limits):
         for on in (0, 1):
             tile = {k: v for k, v in tiling.items() if k != key}
             if on:
-                tile[key] = NR_ON if key == "NR" else 1
+                tile[key] = KEY_ON[key]
             cfg = fit_config(_moe_config("split", tile), LING["h"], LING["i"])
             fn = MoEKernel(ex, {mm: cfg for mm in range(1, 5)})
             outs[on, False] = _poisoned_call(fn, x, ids, w)
