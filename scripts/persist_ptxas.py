@@ -35,7 +35,7 @@ def compile_persist(m: int, warps: int = 4, shared: bool = True, hc: int = 512, 
                  WA8=tp.fp8_word_layout(2 * bi, max(1, cfg["HC"] // 256), nw) if shared else None,
                  WB=tp.word_layout(16 * nw, cfg["IC"] // 128, nw),
                  WB8=tp.fp8_word_layout(16 * nw, max(1, cfg["IC"] // 256), nw) if shared else None)
-    types = dict(x_ptr="*bf16", ids_ptr="*i32", tw_ptr="*fp32", w13_ptr="*i32", s13_ptr="*u8", w2_ptr="*i32",
+    types = dict(x_ptr="*bf16", ids_ptr="*i64", tw_ptr="*fp32", w13_ptr="*i32", s13_ptr="*u8", w2_ptr="*i32",
                  s2_ptr="*u8", act_ptr="*bf16", out_ptr="*bf16", bar_ptr="*i32", lut_ptr="*i32", limit="fp32",
                  sw13_ptr="*i32", ss13_ptr="*i32", sw2_ptr="*i32", ss2_ptr="*i32", slimit="fp32", NP="i32")
     return ptxas_util.compile_kernel(tp._moe_persist, const, types, arch, dict(num_warps=nw), gluon=True), nw

@@ -32,7 +32,7 @@ def compile_ring(m: int, cfg: dict, arch: int = 90, dq: int = 1, shared: bool = 
     ws = int(cfg.get("TR", 1)) == 2
     opts = dict(num_warps=cfg["num_warps"], **(dict(maxnreg=int(cfg.get("TR_REGS", 128))) if ws else {}))
     return ptxas_util.compile_kernel(tr._moe_gateup_ring_ws if ws else tr._moe_gateup_ring, c,
-                                     dict(desc=mangle_type(d), s13_ptr="*u8", x_ptr="*bf16", ids_ptr="*i32",
+                                     dict(desc=mangle_type(d), s13_ptr="*u8", x_ptr="*bf16", ids_ptr="*i64",
                                           part_ptr="*fp32", lut_ptr="*i32", sw13_ptr="*i32", ss13_ptr="*i32",
                                           act_ptr="*bf16", cnt_ptr="*i32", info_ptr="*i32", slimit="fp32"), arch,
                                      opts, gluon=True,

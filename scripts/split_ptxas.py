@@ -2,7 +2,9 @@
 ptxas' resource usage (registers, spills, shared memory) per config: a compile and register-pressure check that
 runs on a CPU machine, for a tiling before it goes to the device.
 
-Pointers are declared 16-divisible, as Triton specialises them at a real launch on the engine's tensors.
+Pointers are declared 16-divisible, as Triton specialises them at a real launch on the engine's tensors, and the
+routing ids int64, as the engine's router writes them (with int32 ids kernel A at M = 4 gets 64 registers instead
+of the 72 it runs with: docs/perf/session27-h100-nr/).
 
     python scripts/split_ptxas.py [--m 1,4] [--config '{"BI": 64, "KP": 2, "KC": 5, "SG": 4}'] [--shared 1] [--sched]
 
@@ -36,12 +38,12 @@ def compile_split(m: int, cfg: dict, shared: bool = True, arch: int = 90, h: int
     c = ts.fit_split_config(cfg, h, i)
     ca, cb = ts.split_constexprs(m, k, h, i, c, shared, limit, True, int(c.get("pdl_in", 0)))
     a = ptxas_util.compile_kernel(ts._moe_gateup_split, ca,
-                 dict(x_ptr="*bf16", ids_ptr="*i32", tw_ptr="*fp32", w13_ptr="*i32", s13_ptr="*u8", act_ptr="*bf16",
+                 dict(x_ptr="*bf16", ids_ptr="*i64", tw_ptr="*fp32", w13_ptr="*i32", s13_ptr="*u8", act_ptr="*bf16",
                       part_ptr="*fp32", cnt_ptr="*i32", lut_ptr="*i32", limit="fp32", sw13_ptr="*i32",
                       ss13_ptr="*i32", slimit="fp32"), arch,
                  dict(num_warps=c["num_warps"], **({"maxnreg": int(c["NR"])} if c.get("NR") else {})), gluon=True)
     b = ptxas_util.compile_kernel(ts._moe_down_split, cb,
-                 dict(act_ptr="*bf16", ids_ptr="*i32", w2_ptr="*i32", s2_ptr="*u8", out_ptr="*bf16", part_ptr="*fp32",
+                 dict(act_ptr="*bf16", ids_ptr="*i64", w2_ptr="*i32", s2_ptr="*u8", out_ptr="*bf16", part_ptr="*fp32",
                       cnt_ptr="*i32", lut_ptr="*i32", sw2_ptr="*i32", ss2_ptr="*i32"), arch,
                  dict(num_warps=c["down_warps"], **({"maxnreg": int(c["NR2"])} if c.get("NR2") else {})), gluon=True)
     return c, a, b

@@ -68,7 +68,7 @@ bits, and another register allocation and schedule; the committed M = 4 entry se
 cap above what ptxas would use can raise the count, check ``scripts/split_ptxas.py``, whose offline compile takes
 int32 ids where the engine's router writes int64: 64 against 72 registers at M = 4; not with ``TR``, whose
 kernels take ``TR_REGS``), ``NR2`` (default none; kernel B's register cap, the same for kernel B: the same bits;
-below ptxas' own count it spills). Constraints: H/(KP*KC) and I/KP2 are
+below ptxas' own count it spills; measured no faster at M = 1 or 4, docs/perf/session27-h100-nr/). Constraints: H/(KP*KC) and I/KP2 are
 128 x a power of two, ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (an mma row tile per warp);
 :func:`fit_split_config` fits a config to a model's shape or raises BackendError.
 
