@@ -11,6 +11,8 @@ against a float64 dequantised reference.
     python scripts/bench_gemv.py --out DIR                     # the table's configs (or the default)
     python scripts/bench_gemv.py --out DIR --sweep [--jobs 12] # candidate configs per shape and M; the best of
                                                                # each goes to DIR/gemv_table.json (sm_XY key)
+    python scripts/bench_gemv.py --out DIR --overrides '[{"NR": 80}]'   # per shape and M: the committed config
+                                                               # and each override of it (e.g. the register cap)
     python scripts/bench_gemv.py --out DIR --compare-mma       # per shape and M: the table's kernel against the
                                                                # MMA configs MMA_CONFIGS; per shape the MMA config
                                                                # best summed over M = 1..4 (one config for decode
@@ -281,6 +283,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="time candidate configs; best per shape/M -> gemv_table.json")
     ap.add_argument("--compare-mma", action="store_true", help="time the table's config against MMA_CONFIGS per "
                     "shape and M (and report the best single MMA config per shape over M = 1..4)")
+    ap.add_argument("--overrides", type=json.loads, default=None, metavar="JSON",
+                    help='a list of overrides of the committed config, each timed beside it per shape and M, e.g. '
+                         '\'[{"NR": 80}, {"NR": 96}]\' (the MMA GEMV\'s register cap)')
     ap.add_argument("--jobs", type=int, default=8, help="processes that precompile the sweep's kernels")
     ap.add_argument("--l2-factor", type=float, default=3.0, help="weight copies cover this many times the L2")
     ap.add_argument("--min-calls", type=int, default=24)
@@ -315,8 +320,11 @@ def main(argv=None) -> int:
         n, k = sh["n"], sh["k"]
         for m in ms:
             cfgs = candidates(n, k, m) if a.sweep else [None] + MMA_CONFIGS if a.compare_mma else [None]
+            if a.overrides:
+                base = {kk: v for kk, v in tf.gemv_config(n, k, m, dev).items() if kk in tf.GEMV_KEYS}
+                cfgs = [None] + [dict(base, **o) for o in a.overrides]
             plan.append((sh, m, cfgs))
-    if a.sweep or a.compare_mma:
+    if a.sweep or a.compare_mma or a.overrides:
         jobs, seen = [], set()
         for sh, m, cfgs in plan:
             for c in cfgs:
@@ -369,9 +377,14 @@ def main(argv=None) -> int:
                        "read_GBps": round(read_gbs, 1), "frac_of_read": round(read_us / us, 4),
                        "frac_of_stream": round(nbytes / us / 1e3 / stream_gbs, 4), "rel_err": err,
                        "repeat_bit_equal": same, "copies": copies}
-                if a.sweep or a.compare_mma:
+                if a.sweep or a.compare_mma or a.overrides:
                     rec["candidate"] = c
                 results.append(rec)
+                if a.overrides:
+                    print(f"{sh['name'][:34]:34s} {n:6d}x{k:<5d} M={m} {us:8.2f} us  read {read_us:7.2f} us  "
+                          f"{100 * read_us / us:5.1f} % of read  {'committed' if c is None else json.dumps(c)}",
+                          flush=True)
+                    continue
                 if a.compare_mma and c is None:
                     print(f"{sh['name'][:34]:34s} {n:6d}x{k:<5d} M={m} table {us:8.2f} us  read {read_us:7.2f} us  "
                           f"{100 * read_us / us:5.1f} % of read  {json.dumps(rec['config'])}", flush=True)
@@ -405,9 +418,10 @@ def main(argv=None) -> int:
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "commit": git_commit(), "weights": "synthetic", "torch": torch.__version__,
                 "triton": __import__("triton").__version__, "stream_read_GBps": round(stream_gbs, 1),
-                "command": " ".join(sys.argv), "sweep": a.sweep, "compare_mma": a.compare_mma}
+                "command": " ".join(sys.argv), "sweep": a.sweep, "compare_mma": a.compare_mma,
+                "overrides": a.overrides}
         (out_dir / "bench_gemv.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-        if not a.compare_mma:
+        if not a.compare_mma and not a.overrides:
             (out_dir / "gemv_table.json").write_text(json.dumps({arch: table}, indent=1, sort_keys=True))
     print(f"done in {time.time() - t0:.0f} s", flush=True)
     return 0

@@ -48,7 +48,8 @@ def compile_one(n: int, k: int, m: int, cfg: dict, arch: int = 90, norm: bool = 
                      SBN=128, SBK=128, EVEN_N=n % c["BN"] == 0, EVEN_K=k % c["KS"] == 0, DOT=c["DOT"],
                      PRE=c["PRE"], PF=c["PF"], PDL=c["PDL"], HW=True, NT=32 * c["num_warps"])
     kern = ptxas_util.compile_kernel(fn, const, types, arch,
-                                     dict(num_warps=c["num_warps"], num_stages=c["num_stages"]),
+                                     dict(num_warps=c["num_warps"], num_stages=c["num_stages"],
+                                          **({"maxnreg": int(c["NR"])} if c.get("NR") else {})),
                                      gluon=bool(c.get("MMA")), default=lambda a: "i32")
     sass = ptxas_util.sass(kern)
     ops = collections.Counter(m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))

@@ -198,6 +198,23 @@ def test_fit_mma_tilings(monkeypatch, raw):
     assert (c["BN"], c["NC"], c["num_warps"], c["SPLIT"], c["KS"]) == (128, 4, 8, 1, 4096)
     c = fit_gemv_config({"MMA": True, "BN": 64, "NC": 4, "num_warps": 4}, 2560, 768, 1)   # 6 blocks: NC 2
     assert c["NC"] == 2 and c["BK"] == 256
+
+
+def test_gemv_register_cap_key(monkeypatch):
+    """``NR`` (the MMA GEMV's register cap) passes through the fit and back through a table entry; a value outside
+    24..255 (or not an integer) and ``NR`` on the FMA/DOT path are named errors, never silently dropped."""
+    from bytebound.errors import BackendError
+    from bytebound.kernels import gluon_fp8_gemv as gk
+    from bytebound.kernels.triton_fp8 import GEMV_KEYS, fit_gemv_config
+    monkeypatch.setattr(gk, "GLUON_ERR", None)
+    c = fit_gemv_config({"MMA": True, "BN": 64, "NC": 4, "num_warps": 4, "NR": 96}, 20480, 2560, 1)
+    assert c["NR"] == 96
+    assert fit_gemv_config({kk: c[kk] for kk in GEMV_KEYS if kk in c}, 20480, 2560, 4) == c
+    for bad in (16, 256, 96.0, True, "96"):
+        with pytest.raises(BackendError, match="NR"):
+            fit_gemv_config({"MMA": True, "NR": bad}, 20480, 2560, 1)
+    with pytest.raises(BackendError, match="MMA GEMV only"):
+        fit_gemv_config({"BN": 16, "BK": 256, "NR": 96}, 20480, 2560, 1)
     c = fit_gemv_config({"MMA": True, "BN": 32, "num_warps": 8}, 20480, 2560, 1)          # one row tile per warp
     assert c["BN"] == 32 and c["num_warps"] == 2
 

@@ -2,7 +2,7 @@
 
 ``y[m, n] = sum_k x[m, k] * w[n, k] * s[n // 128, k // 128]`` for an E4M3 weight ``[N, K]`` with float32 128x128
 block scales and BF16 activations ``[M <= 4, K]``; the ``MMA`` path of ``triton_fp8.fp8_block_gemv`` (config keys
-``MMA``, ``BN`` = R rows per program, ``NC``, ``SPLIT``, ``num_warps``, ``PDL``; fitted by
+``MMA``, ``BN`` = R rows per program, ``NC``, ``SPLIT``, ``num_warps``, ``PDL``, optional ``NR``; fitted by
 ``triton_fp8.fit_gemv_config``).
 
 Why: the FMA path needs four FMAs and ~200 registers per weight tile at M = 4, and the ``DOT`` path pays Triton's
@@ -243,4 +243,4 @@ def launch_mma(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, 
                         SPLIT=split, EVEN_N=n % r == 0, PDL=pdl, WD8=fp8_word_layout(r, nc, nw),
                         WD1=fp8_word_layout(r, 1, nw), h_ptr=h, d_ptr=d, nw_ptr=nwt, ho_ptr=ho, xs_ptr=slots,
                         eps=float(eps), NORM=norm is not None, KP=1 << max(0, (k - 1).bit_length()), num_warps=nw,
-                        **({"launch_pdl": True} if pdl else {}))
+                        **({"launch_pdl": True} if pdl else {}), **({"maxnreg": int(cfg["NR"])} if cfg.get("NR") else {}))

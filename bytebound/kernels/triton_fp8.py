@@ -410,7 +410,7 @@ if tl is not None:
 
 # ---- decode/verify GEMV (M <= 4): launch configs, scratch, launch ------------------------------------------
 GEMV_CONFIG_PATH = Path(__file__).resolve().parent / "configs" / "triton_fp8_gemv.json"
-GEMV_KEYS = ("BN", "BK", "SPLIT", "num_warps", "num_stages", "DOT", "PRE", "PF", "PDL", "MMA", "NC")
+GEMV_KEYS = ("BN", "BK", "SPLIT", "num_warps", "num_stages", "DOT", "PRE", "PF", "PDL", "MMA", "NC", "NR")
 GEMV_WAVES = 2              # the default's split-K aims at this many programs per SM
 
 
@@ -468,13 +468,16 @@ def fit_gemv_config(cfg: dict, n: int, k: int, m: int, block=(128, 128), sm_coun
 
     ``MMA`` (the Gluon tensor-core path, ``kernels.gluon_fp8_gemv``): see :func:`_fit_mma`; where that path cannot
     run (no Gluon, a scale block other than 128x128, K % 128) the result is the FMA path's default config
-    (:func:`gemv_default`) with the reason in ``"MMA_WHY"``, so reports can say why."""
+    (:func:`gemv_default`) with the reason in ``"MMA_WHY"``, so reports can say why. ``NR``: MMA only (else
+    BackendError)."""
     if cfg.get("MMA"):
         from bytebound.kernels.gluon_fp8_gemv import mma_refusal
         why = mma_refusal(n, k, block)
         if why is None:
             return _fit_mma(cfg, n, k, sm_count)
         return dict(fit_gemv_config(gemv_default(n, k, m, sm_count), n, k, m, block, sm_count), MMA_WHY=why)
+    if cfg.get("NR") is not None:
+        raise BackendError("linear[triton]: NR (a register cap) is a key of the MMA GEMV only; this config has no MMA")
     sbn, sbk = block
     out = {kk: cfg[kk] for kk in GEMV_KEYS if kk in cfg}
     out = {"SPLIT": 0, "num_stages": 1, "DOT": False, "PRE": False, "PF": 0, "PDL": True, **out}
@@ -516,9 +519,18 @@ def _fit_mma(cfg: dict, n: int, k: int, sm_count: int) -> dict:
     ``SPLIT``: slices of ``KS`` columns, a whole number of chunks (0 = as many as bring the grid to about
     :data:`GEMV_WAVES` programs per SM; the last slice may hold fewer chunks). ``BK`` is the chunk's width,
     ``128 * NC``. Nothing depends on the token count M, so one config serves M = 1..4 and a verify row equals the
-    decode result bit for bit."""
+    decode result bit for bit. ``NR`` (optional): the kernel's register cap per thread (ptxas ``maxnreg``,
+    24..255): the same arithmetic, another register allocation and schedule (the MoE kernel A's cap paid 5 %,
+    docs/perf/session27-h100-nr/).
+
+    Raises:
+        BackendError: ``NR`` is not an integer in 24..255."""
     out = {"num_warps": 4, "BN": 64, "NC": 2, "SPLIT": 0, "PDL": True,
            **{kk: cfg[kk] for kk in GEMV_KEYS if kk in cfg}}
+    nr = out.get("NR")
+    if nr is not None and not (isinstance(nr, int) and not isinstance(nr, bool) and 24 <= nr <= 255):
+        raise BackendError(f"linear[triton]: MMA GEMV: NR (the register cap per thread) must be an integer in "
+                           f"24..255, got {nr!r}")
     r = min(128, max(16, _pow2_floor(int(out["BN"]))))
     nw = min(8, _pow2_floor(int(out["num_warps"])), r // 16)
     nb = k // 128

@@ -137,6 +137,28 @@ def test_gemv_mma_decode_shape(n, k, name, scales):
             assert torch.equal(fn(x[i:i + 1].clone())[0], y[i])
 
 
+@pytest.mark.parametrize("nr", [96, 128, 168])
+@pytest.mark.parametrize("n,k", [(20480, 2560), (2560, 4096), (6144, 2560), (6816, 2560)])
+def test_gemv_mma_register_cap_keeps_the_bits(n, k, nr):
+    """``NR`` (the MMA GEMV's register cap, ptxas ``maxnreg``) changes the register allocation and schedule (and
+    spills under ptxas' own count: 106-164 registers at these shapes), not the arithmetic: the capped kernel's
+    output equals the committed config's bit for bit at M = 1..4, within the float64 bound, repeat and graph
+    replay bit-equal."""
+    from bytebound.kernels.triton_fp8 import GEMV_KEYS, fit_gemv_config, fp8_block_gemv, gemv_config, gemv_reserve
+    g = torch.Generator(device=DEV).manual_seed(n + k + nr)
+    lin = _linear(n, k, g)
+    base = gemv_config(n, k, 1, torch.device(DEV))
+    assert base["MMA"], f"the committed config of {n}x{k} is not an MMA config: {base}"
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    cap = fit_gemv_config(dict({kk: base[kk] for kk in GEMV_KEYS if kk in base}, NR=nr), n, k, 1, (128, 128), sms)
+    assert cap["NR"] == nr and {kk: v for kk, v in cap.items() if kk != "NR"} == base
+    gemv_reserve(DEV, n, k, (128, 128), {m: cap for m in (1, 2, 3, 4)})
+    w, s = lin.weight.data, lin.weight_scale_inv.data
+    seen = _check_calls(lambda x: fp8_block_gemv(x, w, s, (128, 128), cap), lin, n, k, g)
+    for x, y in seen:
+        assert torch.equal(fp8_block_gemv(x, w, s, (128, 128), base), y), f"M={x.shape[0]}: NR {nr} changed the bits"
+
+
 def test_gemv_mma_through_linear(tmp_path, monkeypatch):
     """``TritonLinear`` with a table whose entries for one shape are MMA (``BYTEBOUND_GEMV_CONFIG``): the binding
     fits them, grows the scratch at bind and runs the MMA kernel; its result equals the direct call bit for bit."""
