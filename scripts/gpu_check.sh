@@ -469,17 +469,23 @@ section_nr() {           # the twenty-seventh session's register cap of kernel A
     # 3 programs per SM; NR 64 gives 4 and is slower). In one call: (1) tune-stream at M = 4 around it; (2) the
     # bit-equality tests of NR (on vs absent, every tiling, M = 1/2/4, clamps, graph replay); (3) with a table that
     # has NR_VALUE (default 80) in the M = 4 entry: the engine tests of the CUDA defaults and the full-scale
-    # canaries; (4) the MTP round with the plain step, committed table vs that one, alternating, AB_PAIRS pairs
-    local v="${NR_VALUE:-80}" tab="$OUT/nr-table.json" i ids all cand='[{"NR": 72}, {"NR": 80}, {"NR": 88}]'
+    # canaries; (4) the MTP round with the plain step, the table without NR vs with NR_VALUE, alternating, AB_PAIRS
+    # pairs. The sweep's base is the committed entry (NR 80 since 31d0de8); the round's base arm has no cap
+    # Since 31d0de8 the committed M = 4 entry has NR 80: the base arm runs the table without it (nr-off-table.json)
+    local v="${NR_VALUE:-80}" tab="$OUT/nr-table.json" off="$OUT/nr-off-table.json" i ids all
+    local cand='[{"NR": 72}, {"NR": 80}, {"NR": 88}]'
     [ -n "${NR_CAND:-}" ] && cand="$NR_CAND"
     python3 -c 'import json, sys
-t = json.load(open("bytebound/kernels/configs/triton_moe.json"))
-for gpu, entries in t.items():
-    if not gpu.startswith("_"):
-        for key, e in entries.items():
-            if key.endswith("_M4") and e.get("variant") == "split":
-                e["NR"] = int(sys.argv[2])
-json.dump(t, open(sys.argv[1], "w"), indent=1)' "$tab" "$v" || { FAILED+=("nr/table"); return 0; }
+for path, val in ((sys.argv[1], int(sys.argv[3])), (sys.argv[2], None)):
+    t = json.load(open("bytebound/kernels/configs/triton_moe.json"))
+    for gpu, entries in t.items():
+        if not gpu.startswith("_"):
+            for key, e in entries.items():
+                if key.endswith("_M4") and e.get("variant") == "split":
+                    e.pop("NR", None)
+                    if val is not None:
+                        e["NR"] = val
+    json.dump(t, open(path, "w"), indent=1)' "$tab" "$off" "$v" || { FAILED+=("nr/table"); return 0; }
     run_step tune_m4 python3 scripts/bench_moe.py --backends '' --m 4 --layers 4 --reps 20 --tune-stream \
         --out "$OUT/nr-m4" --stream-a "$cand" --stream-b '[]'
     all=$(python3 -m pytest tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider --collect-only 2>>"$LOG")
@@ -495,7 +501,7 @@ json.dump(t, open(sys.argv[1], "w"), indent=1)' "$tab" "$v" || { FAILED+=("nr/ta
         tests/test_verify.py::test_full_scale_canary_cost -q -p no:cacheprovider -rfE --tb=line
     local r=(python3 scripts/profile_round.py --no-phases --ctx 2048 --draft-vocab "${AB_DRAFT_VOCAB:-32768}" --out "$OUT")
     for i in $(seq 1 "${AB_PAIRS:-3}"); do
-        run_step "round_base_$i" "${r[@]}" --name "round-base-$i"
+        run_step "round_base_$i" env BYTEBOUND_MOE_CONFIG="$off" "${r[@]}" --name "round-base-$i"
         run_step "round_nr_$i" env BYTEBOUND_MOE_CONFIG="$tab" "${r[@]}" --name "round-nr-$i"
     done
 }
