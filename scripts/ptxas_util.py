@@ -5,6 +5,7 @@ the ``cuobjdump`` / ``nvdisasm`` that Triton bundles (no GPU needed)."""
 
 from __future__ import annotations
 
+import re
 import os
 import subprocess
 import tempfile
@@ -63,3 +64,34 @@ def compile_kernel(fn, const: dict, types: dict, arch: int, options: dict, gluon
             attrs[(n,)] = [["tt.divisibility", 16]]
     return triton.compile(source(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                           target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def load_use(sass_text: str, opcode: str = "LDG.E.128") -> list[tuple[int, int]]:
+    """For each unpredicated ``opcode`` load in ``sass_text`` (nvdisasm output): ``(instructions until the first
+    later instruction that reads one of its destination registers, loads of the same kind issued in between,
+    predicated ones included)``: how
+    far ptxas hoists a load above its use, and how many such loads a warp has in flight when the use stalls. Reads
+    straight-line order (branches ignored); a 16-byte load writes 4 consecutive registers."""
+    ins = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", sass_text)]
+    out = []
+    for i, t in enumerate(ins):
+        m = re.match(re.escape(opcode) + r"\S*\s+R(\d+),", t)
+        if not m:
+            continue
+        dst = set(range(int(m.group(1)), int(m.group(1)) + 4))
+        loads = 0
+        for j in range(i + 1, len(ins)):
+            op, _, args = ins[j].partition(" ")
+            if op.startswith("@"):                      # a predicated instruction: its opcode follows the guard
+                op, _, args = args.partition(" ")
+            regs = [set(int(x) for x in re.findall(r"\bR(\d+)\b", a)) for a in args.split(",")]
+            # the first operand is written by most instructions; stores and mma read it (mma: also its sources)
+            reads = set().union(*regs[1:]) if len(regs) > 1 else set()
+            if op.startswith(("ST", "RED", "ATOM")) and regs:
+                reads |= regs[0]
+            if reads & dst:
+                out.append((j - i, loads))
+                break
+            if op.startswith(opcode):
+                loads += 1
+    return out

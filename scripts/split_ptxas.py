@@ -9,7 +9,9 @@ of the 72 it runs with: docs/perf/session27-h100-nr/).
     python scripts/split_ptxas.py [--m 1,4] [--config '{"BI": 64, "KP": 2, "KC": 5, "SG": 4}'] [--shared 1] [--sched]
 
 ``--sched`` also prints the order in which ptxas issues each kernel's 16-byte global loads and its mma instructions
-(:func:`issue_order`): how many weight loads a warp has in flight when its first mma issues. The source pipelines
+(:func:`issue_order`): how many weight loads a warp has in flight when its first mma issues; and how far ptxas
+hoists each load above its first use (``ptxas_util.load_use``: with a register cap ``NR`` at or above its own
+count ptxas hoists further, docs/perf/session27-h100-nr/). The source pipelines
 kernel A's chunks two ahead (``KC``); the SASS does not keep that (docs/perf/session24-h100-rk/). Without
 ``--config`` it compiles ``SPLIT_DEFAULT``, not the committed table's entries; ``--shared 0`` leaves the shared slot's
 path out of kernel A's order.
@@ -62,9 +64,13 @@ def issue_order(kernel) -> str:
 def _sched_line(name: str, kernel) -> str:
     seq = issue_order(kernel)
     first = seq.find("M")
+    lu = ptxas_util.load_use(ptxas_util.sass(kernel))
+    hoist = (f"\n    unpredicated 16-byte loads: median {sorted(d for d, _ in lu)[len(lu) // 2]} instructions from load to "
+             f"first use, on average {sum(n for _, n in lu) / len(lu):.2f} more such loads issued in between"
+             if lu else "")
     return (f"  {name} issue order (L unpredicated 16-byte load, b predicated, M mma): {seq.count('L')} L, "
             f"{seq.count('M')} M, "
-            f"{seq[:first].count('L') if first >= 0 else seq.count('L')} L before the first M\n    {seq[:120]}")
+            f"{seq[:first].count('L') if first >= 0 else seq.count('L')} L before the first M\n    {seq[:120]}{hoist}")
 
 
 def main(argv=None) -> int:
