@@ -320,9 +320,10 @@ def main(argv=None) -> int:
         n, k = sh["n"], sh["k"]
         for m in ms:
             cfgs = candidates(n, k, m) if a.sweep else [None] + MMA_CONFIGS if a.compare_mma else [None]
-            if a.overrides:
+            if a.overrides:             # over the committed config; NR (the register cap) is an MMA-only key
                 base = {kk: v for kk, v in tf.gemv_config(n, k, m, dev).items() if kk in tf.GEMV_KEYS}
-                cfgs = [None] + [dict(base, **o) for o in a.overrides]
+                cfgs = [None] + [dict(base, **o) for o in a.overrides
+                                 if base.get("MMA") or "NR" not in o]
             plan.append((sh, m, cfgs))
     if a.sweep or a.compare_mma or a.overrides:
         jobs, seen = [], set()

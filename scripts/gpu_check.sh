@@ -464,14 +464,34 @@ section_kernela() {      # the twenty-sixth session's open questions on the MoE 
         "$OUT/ncu-occupancy.txt" | tee -a "$LOG"
 }
 
+# table_checks VAR TABLE LABEL [BASE]: with VAR=TABLE in the environment (BYTEBOUND_MOE_CONFIG or BYTEBOUND_GEMV_CONFIG),
+# the engine tests of the CUDA defaults and the full-scale canaries; then the plain step and the MTP round
+# (profile_round), BASE (VAR=BASE, or the committed table where BASE is empty) against TABLE, alternating, AB_PAIRS
+# pairs (default 2). The sections nr, regcap and gemvcap end with it.
+table_checks() {
+    local var="$1" tab="$2" label="$3" base="${4:-}" i b=()
+    [ -n "$base" ] && b=("$var=$base")
+    run_step engine env "$var=$tab" python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py -q \
+        -p no:cacheprovider -rfE --tb=short $(pytest_timeout) \
+        -k "verify_equals or captured_mtp or (64_steps and triton-triton) or nano_greedy"
+    run_step canaries env "$var=$tab" BYTEBOUND_FULLSCALE=1 \
+        BYTEBOUND_TIMING_OUT="$OUT/canary_timing.json" python3 -m pytest \
+        tests/test_verify.py::test_full_scale_canary_cost -q -p no:cacheprovider -rfE --tb=line
+    local r=(python3 scripts/profile_round.py --no-phases --ctx 2048 --draft-vocab "${AB_DRAFT_VOCAB:-32768}" --out "$OUT")
+    for i in $(seq 1 "${AB_PAIRS:-2}"); do
+        run_step "round_base_$i" env "${b[@]}" "${r[@]}" --name "round-base-$i"
+        run_step "round_${label}_$i" env "$var=$tab" "${r[@]}" --name "round-$label-$i"
+    done
+}
+
 section_nr() {           # the twenty-seventh session's register cap of kernel A at M = 4 (docs/perf/session27-h100-nr/):
     # NR 80 measured 54.1 us against 57.1-57.7 uncapped (ptxas gives the uncapped kernel 72 registers at run time,
     # 3 programs per SM; NR 64 gives 4 and is slower). In one call: (1) tune-stream at M = 4 around it; (2) the
     # bit-equality tests of NR (on vs absent, every tiling, M = 1/2/4, clamps, graph replay); (3) with a table that
     # has NR_VALUE (default 80) in the M = 4 entry: the engine tests of the CUDA defaults and the full-scale
     # canaries; (4) the MTP round with the plain step, the table without NR vs with NR_VALUE, alternating, AB_PAIRS
-    # pairs. The sweep's base is the committed entry (NR 80 since 31d0de8); the round's base arm has no cap
-    # Since 31d0de8 the committed M = 4 entry has NR 80: the base arm runs the table without it (nr-off-table.json)
+    # pairs. The sweep's base is the committed entry (NR 80 since 31d0de8); the round's base arm runs the table
+    # without the cap (nr-off-table.json)
     local v="${NR_VALUE:-80}" tab="$OUT/nr-table.json" off="$OUT/nr-off-table.json" i ids all
     local cand='[{"NR": 72}, {"NR": 80}, {"NR": 88}]'
     [ -n "${NR_CAND:-}" ] && cand="$NR_CAND"
@@ -493,17 +513,7 @@ for path, val in ((sys.argv[1], int(sys.argv[3])), (sys.argv[2], None)):
     mapfile -t -O "${#ids[@]}" ids < <(grep -E '^tests/.*graph_replay' <<< "$all")
     echo "nr: ${#ids[@]} tests selected" | tee -a "$LOG"
     run_step tests python3 -m pytest "${ids[@]}" -q -p no:cacheprovider -rfE --tb=short $(pytest_timeout)
-    run_step engine env BYTEBOUND_MOE_CONFIG="$tab" python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py -q \
-        -p no:cacheprovider -rfE --tb=short $(pytest_timeout) \
-        -k "verify_equals or captured_mtp or (64_steps and triton-triton) or nano_greedy"
-    run_step canaries env BYTEBOUND_MOE_CONFIG="$tab" BYTEBOUND_FULLSCALE=1 \
-        BYTEBOUND_TIMING_OUT="$OUT/canary_timing.json" python3 -m pytest \
-        tests/test_verify.py::test_full_scale_canary_cost -q -p no:cacheprovider -rfE --tb=line
-    local r=(python3 scripts/profile_round.py --no-phases --ctx 2048 --draft-vocab "${AB_DRAFT_VOCAB:-32768}" --out "$OUT")
-    for i in $(seq 1 "${AB_PAIRS:-3}"); do
-        run_step "round_base_$i" env BYTEBOUND_MOE_CONFIG="$off" "${r[@]}" --name "round-base-$i"
-        run_step "round_nr_$i" env BYTEBOUND_MOE_CONFIG="$tab" "${r[@]}" --name "round-nr-$i"
-    done
+    table_checks BYTEBOUND_MOE_CONFIG "$tab" nr "$off"
 }
 
 section_regcap() {       # register caps beyond NR 80 at M = 4 (the twenty-seventh session): kernel B's cap NR2 at M = 1 and 4,
@@ -533,17 +543,7 @@ json.dump(t, open(sys.argv[1], "w"), indent=1)' "$tab" "$OUT/regcap-m1/triton_mo
     mapfile -t ids < <(grep -E '^tests/.*keeps_the_bits\[NR2-' <<< "$all")
     echo "regcap: ${#ids[@]} tests selected" | tee -a "$LOG"
     run_step tests python3 -m pytest "${ids[@]}" -q -p no:cacheprovider -rfE --tb=short $(pytest_timeout)
-    run_step engine env BYTEBOUND_MOE_CONFIG="$tab" python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py -q \
-        -p no:cacheprovider -rfE --tb=short $(pytest_timeout) \
-        -k "verify_equals or captured_mtp or (64_steps and triton-triton) or nano_greedy"
-    run_step canaries env BYTEBOUND_MOE_CONFIG="$tab" BYTEBOUND_FULLSCALE=1 \
-        BYTEBOUND_TIMING_OUT="$OUT/canary_timing.json" python3 -m pytest \
-        tests/test_verify.py::test_full_scale_canary_cost -q -p no:cacheprovider -rfE --tb=line
-    local r=(python3 scripts/profile_round.py --no-phases --ctx 2048 --draft-vocab "${AB_DRAFT_VOCAB:-32768}" --out "$OUT")
-    for i in $(seq 1 "${AB_PAIRS:-2}"); do
-        run_step "round_base_$i" "${r[@]}" --name "round-base-$i"
-        run_step "round_regcap_$i" env BYTEBOUND_MOE_CONFIG="$tab" "${r[@]}" --name "round-regcap-$i"
-    done
+    table_checks BYTEBOUND_MOE_CONFIG "$tab" regcap
 }
 
 section_gemvcap() {      # the MMA FP8 GEMV's register cap NR (the twenty-seventh session: kernel A of the MoE ran 5 % faster
@@ -579,17 +579,7 @@ for (n, k), by in sorted(tot.items()):
                 e["NR"] = int(c)
 json.dump(t, open(sys.argv[1], "w"), indent=1, sort_keys=True)' "$tab" "$OUT/gemvcap/bench_gemv.json" \
         | tee -a "$LOG" || { FAILED+=("gemvcap/table"); return 0; }
-    run_step engine env BYTEBOUND_GEMV_CONFIG="$tab" python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py -q \
-        -p no:cacheprovider -rfE --tb=short $(pytest_timeout) \
-        -k "verify_equals or captured_mtp or (64_steps and triton-triton) or nano_greedy"
-    run_step canaries env BYTEBOUND_GEMV_CONFIG="$tab" BYTEBOUND_FULLSCALE=1 \
-        BYTEBOUND_TIMING_OUT="$OUT/canary_timing.json" python3 -m pytest \
-        tests/test_verify.py::test_full_scale_canary_cost -q -p no:cacheprovider -rfE --tb=line
-    local r=(python3 scripts/profile_round.py --no-phases --ctx 2048 --draft-vocab "${AB_DRAFT_VOCAB:-32768}" --out "$OUT")
-    for i in $(seq 1 "${AB_PAIRS:-2}"); do
-        run_step "round_base_$i" "${r[@]}" --name "round-base-$i"
-        run_step "round_gemvcap_$i" env BYTEBOUND_GEMV_CONFIG="$tab" "${r[@]}" --name "round-gemvcap-$i"
-    done
+    table_checks BYTEBOUND_GEMV_CONFIG "$tab" gemvcap
 }
 
 section_ladder() {       # issue 21: the seed's ablation ladder with today's engine (CUDA defaults), one lever at a time:
