@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         cfgs = [dict(c, MMA=True) for c in cfgs]
     else:
         shapes, cfgs = [(a.n, a.k)], json.loads(a.configs)
-    keys = ("BN", "BK", "NC", "KS", "SPLIT", "num_warps", "DOT", "PRE", "PF", "MMA", "MMA_WHY")
+    keys = ("BN", "BK", "NC", "KS", "SPLIT", "num_warps", "DOT", "PRE", "PF", "MMA", "NR", "MMA_WHY")
     for n, k in shapes:
         for m in (int(x) for x in a.m.split(",")):
             for cfg in cfgs:

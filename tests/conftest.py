@@ -220,3 +220,17 @@ def load_script(name: str, module_name: str | None = None):
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def register_caps(jit_fn) -> list[tuple[int | None, int]]:
+    """``(maxnreg, registers used)`` of every binary of the Triton/Gluon kernel ``jit_fn`` compiled in this process
+    and loaded on a GPU (from Triton's per-device kernel cache): how a register-cap test checks that the cap reached
+    ptxas, not only that the output kept its bits. Raises AssertionError when the cache cannot be read (another
+    Triton layout), so such a test fails rather than passes without looking."""
+    caches = getattr(jit_fn, "device_caches", None)
+    assert caches, f"no compiled binaries of {jit_fn} to inspect (Triton's device_caches)"
+    out = []
+    for entry in caches.values():
+        for kernel in entry[0].values():
+            out.append((getattr(kernel.metadata, "maxnreg", None), int(getattr(kernel, "n_regs", -1))))
+    return out

@@ -198,6 +198,8 @@ def test_fit_mma_tilings(monkeypatch, raw):
     assert (c["BN"], c["NC"], c["num_warps"], c["SPLIT"], c["KS"]) == (128, 4, 8, 1, 4096)
     c = fit_gemv_config({"MMA": True, "BN": 64, "NC": 4, "num_warps": 4}, 2560, 768, 1)   # 6 blocks: NC 2
     assert c["NC"] == 2 and c["BK"] == 256
+    c = fit_gemv_config({"MMA": True, "BN": 32, "num_warps": 8}, 20480, 2560, 1)          # one row tile per warp
+    assert c["BN"] == 32 and c["num_warps"] == 2
 
 
 def test_gemv_register_cap_key(monkeypatch):
@@ -215,8 +217,6 @@ def test_gemv_register_cap_key(monkeypatch):
             fit_gemv_config({"MMA": True, "NR": bad}, 20480, 2560, 1)
     with pytest.raises(BackendError, match="MMA GEMV only"):
         fit_gemv_config({"BN": 16, "BK": 256, "NR": 96}, 20480, 2560, 1)
-    c = fit_gemv_config({"MMA": True, "BN": 32, "num_warps": 8}, 20480, 2560, 1)          # one row tile per warp
-    assert c["BN"] == 32 and c["num_warps"] == 2
 
 
 def test_fit_mma_split_auto(monkeypatch):

@@ -275,10 +275,10 @@ def test_split_plan_of_the_default_tilings(mla, monkeypatch):
     """The split sizing the resolved tilings give on a 132-SM GPU (no GPU needed: the SM count is patched): at a
     long span and one row block (M = 1) half the SMs as the program target and >= 128-key splits; with four row
     blocks (M = 4) one program per SM; at a short span the short tiling's 64-key minimum and BN 32."""
-    import types
     monkeypatch.delenv("BYTEBOUND_MLA_CFG", raising=False)
-    monkeypatch.setattr(mla.torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(
-        multi_processor_count=132))
+    # the module reads the count through kernels.device.sm_count (cached per device): patch that name, so that a
+    # count cached by an earlier call cannot bypass the patch and the fake count cannot leak into the cache
+    monkeypatch.setattr(mla, "sm_count", lambda d: 132)
     dev = torch.device("cuda", 0)
     assert mla.split_plan(32768, 32, 1, mla.resolve_cfg(32768), dev) == (32, 512, 64)       # 66 programs
     assert mla.split_plan(32768, 128, 1, mla.resolve_cfg(32768), dev) == (32, 1024, 32)     # 4 x 33

@@ -64,11 +64,13 @@ into registers; the same bits; only where that slice is 128 x 2^n columns, else 
 experimental: kernel A as a persistent TMA ring, ``kernels.triton_moe_ring``, 2 = warp-specialised; fits KP to H/256,
 KC 1, RK 1, whose bits it reproduces; ``TR_ST`` stages, ``TR_G`` programs per SM, ``TR_NS``, ``TR_REGS``, ``TR_XS``; sm_90
 only), ``NR`` (default none; kernel A's register cap per thread, ptxas ``maxnreg``: the same arithmetic, so the same
-bits, and another register allocation and schedule; the committed M = 4 entry sets 80, docs/perf/history.md; a
-cap above what ptxas would use can raise the count, check ``scripts/split_ptxas.py``, whose offline compile takes
-int32 ids where the engine's router writes int64: 64 against 72 registers at M = 4; not with ``TR``, whose
-kernels take ``TR_REGS``), ``NR2`` (default none; kernel B's register cap, the same for kernel B: the same bits;
-below ptxas' own count it spills; measured no faster at M = 1 or 4, docs/perf/session27-h100-nr/). Constraints: H/(KP*KC) and I/KP2 are
+bits, and another register allocation and schedule: given a cap, ptxas hoists the weight loads further above
+their use; the committed M = 4 entry sets 80, the largest count that keeps 3 programs per SM, docs/perf/history.md;
+``scripts/split_ptxas.py --sched`` shows the count and the hoisting offline, with int64 ids as the engine's router
+writes them: 72 registers uncapped at M = 4; not with ``TR``, whose kernels take ``TR_REGS``: a candidate that
+turns the ring on over the M = 4 entry says ``"NR": None``), ``NR2`` (default none; kernel B's register cap, the same
+for kernel B: the same bits; below ptxas' own count it spills; measured no faster at M = 1 or 4,
+docs/perf/session27-h100-nr/). Constraints: H/(KP*KC) and I/KP2 are
 128 x a power of two, ``2*BI >= 16*num_warps`` and ``BH >= 16*down_warps`` (an mma row tile per warp);
 :func:`fit_split_config` fits a config to a model's shape or raises BackendError.
 
@@ -991,7 +993,8 @@ def fit_split_config(cfg: dict, h: int, i: int) -> dict:
                            f"in 24..255, got {nr2!r}")
     if nr is not None and cfg.get("TR", 0):
         raise BackendError("moe[triton] variant 'split': NR caps the split kernel A's registers; with TR the ring "
-                           "runs instead (its cap is TR_REGS, TR 2 only), so NR would be ignored")
+                           "runs instead (its cap is TR_REGS, TR 2 only), so NR would be ignored (set \"NR\": null "
+                           "beside TR to turn an entry's cap off)")
     if cfg.get("XS", 0) not in (0, 1):
         raise BackendError(f"moe[triton] variant 'split': XS (kernel A's x staged in shared memory) must be 0 or 1, "
                            f"got {cfg.get('XS')!r}")

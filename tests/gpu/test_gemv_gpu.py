@@ -142,21 +142,27 @@ def test_gemv_mma_decode_shape(n, k, name, scales):
 def test_gemv_mma_register_cap_keeps_the_bits(n, k, nr):
     """``NR`` (the MMA GEMV's register cap, ptxas ``maxnreg``) changes the register allocation and schedule (and
     spills under ptxas' own count: 106-164 registers at these shapes), not the arithmetic: the capped kernel's
-    output equals the committed config's bit for bit at M = 1..4, within the float64 bound, repeat and graph
-    replay bit-equal."""
+    output equals the committed tiling's without a cap bit for bit at M = 1..4, within the float64 bound, repeat
+    and graph replay bit-equal; and a binary was compiled with the cap and uses at most that many registers."""
     from bytebound.kernels.triton_fp8 import GEMV_KEYS, fit_gemv_config, fp8_block_gemv, gemv_config, gemv_reserve
+    from conftest import register_caps
+    from bytebound.kernels.gluon_fp8_gemv import _fp8_gemv_mma
     g = torch.Generator(device=DEV).manual_seed(n + k + nr)
     lin = _linear(n, k, g)
-    base = gemv_config(n, k, 1, torch.device(DEV))
-    assert base["MMA"], f"the committed config of {n}x{k} is not an MMA config: {base}"
+    committed = gemv_config(n, k, 1, torch.device(DEV))
+    assert committed["MMA"], f"the committed config of {n}x{k} is not an MMA config: {committed}"
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    cap = fit_gemv_config(dict({kk: base[kk] for kk in GEMV_KEYS if kk in base}, NR=nr), n, k, 1, (128, 128), sms)
-    assert cap["NR"] == nr and {kk: v for kk, v in cap.items() if kk != "NR"} == base
+    raw = {kk: committed[kk] for kk in GEMV_KEYS if kk in committed and kk != "NR"}
+    base = fit_gemv_config(raw, n, k, 1, (128, 128), sms)           # the committed tiling without any cap
+    cap = fit_gemv_config(dict(raw, NR=nr), n, k, 1, (128, 128), sms)
+    assert "NR" not in base and cap["NR"] == nr and {kk: v for kk, v in cap.items() if kk != "NR"} == base
     gemv_reserve(DEV, n, k, (128, 128), {m: cap for m in (1, 2, 3, 4)})
     w, s = lin.weight.data, lin.weight_scale_inv.data
     seen = _check_calls(lambda x: fp8_block_gemv(x, w, s, (128, 128), cap), lin, n, k, g)
     for x, y in seen:
         assert torch.equal(fp8_block_gemv(x, w, s, (128, 128), base), y), f"M={x.shape[0]}: NR {nr} changed the bits"
+    caps = register_caps(_fp8_gemv_mma)          # the cap reached ptxas: a binary compiled with it, within it
+    assert any(c == nr and 0 < r <= nr for c, r in caps), caps
 
 
 def test_gemv_mma_through_linear(tmp_path, monkeypatch):
