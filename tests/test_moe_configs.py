@@ -83,6 +83,8 @@ def test_split_fit_ring_and_staging_keys():
     assert ts.fit_split_config({"KP": 2, "KC": 5, "NR": 64}, 2560, 768)["NR"] == 64
     with pytest.raises(BackendError, match="TR_REGS"):          # the ring would ignore it: never silently
         ts.fit_split_config({"KP": 2, "KC": 5, "TR": 1, "NR": 64}, 2560, 768)
+    # a ring candidate over an entry with a cap turns the cap off explicitly (the sweeps' "NR": null)
+    assert ts.fit_split_config({"KP": 2, "KC": 5, "NR": 80, **{"TR": 1, "NR": None}}, 2560, 768)["TR"] == 1
     with pytest.raises(BackendError, match="TR_XS"):
         ts.fit_split_config({"TR": 1, "TR_XS": 2}, 2560, 768)
     for bad in (16, 300, 64.0):
