@@ -30,6 +30,7 @@ def compile_one(n: int, k: int, m: int, cfg: dict, arch: int = 90, norm: bool = 
     kernel with the input add + RMSNorm folded in (``NORM``, the opt-in fold)."""
     import triton
     from bytebound.kernels import triton_fp8 as tf
+    from bytebound.kernels.device import maxnreg
     c = tf.fit_gemv_config(cfg, n, k, m)
     types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", o_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32")
     if c.get("MMA"):
@@ -49,7 +50,7 @@ def compile_one(n: int, k: int, m: int, cfg: dict, arch: int = 90, norm: bool = 
                      PRE=c["PRE"], PF=c["PF"], PDL=c["PDL"], HW=True, NT=32 * c["num_warps"])
     kern = ptxas_util.compile_kernel(fn, const, types, arch,
                                      dict(num_warps=c["num_warps"], num_stages=c["num_stages"],
-                                          **({"maxnreg": int(c["NR"])} if c.get("NR") else {})),
+                                          **maxnreg(c.get("NR"))),
                                      gluon=bool(c.get("MMA")), default=lambda a: "i32")
     sass = ptxas_util.sass(kern)
     ops = collections.Counter(m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))

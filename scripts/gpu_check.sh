@@ -315,8 +315,24 @@ section_ab() {           # the twentieth session's A/Bs in one call (docs/perf/r
 # (bench_moe --router, M = 1 and 4) and the MTP round with the plain step (profile_round, AB_DRAFT_VOCAB rows of hot
 # head, default 32768), each with the key off and on in alternating processes (the table is read when a layer binds:
 # one process per arm), AB_PAIRS pairs (default 2). Synthetic weights.
+# kernel_tests_by_id REGEX [EXTRA_REGEX]: the tests of tests/gpu/test_kernels_gpu.py whose node ids match REGEX (plus,
+# when any did, those matching EXTRA_REGEX), run as one step "tests"; none collected is a failure, and pytest is never
+# run without ids (that would run its whole default path). Used by moe_key_ab and the sections nr and regcap.
+kernel_tests_by_id() {
+    local all ids
+    all=$(python3 -m pytest tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider --collect-only 2>>"$LOG")
+    mapfile -t ids < <(grep -E "^tests/.*($1)" <<< "$all")
+    echo "$CURRENT: ${#ids[@]} tests selected by $1 (+ ${2:-nothing})" | tee -a "$LOG"
+    if [ "${#ids[@]}" -eq 0 ]; then
+        FAILED+=("$CURRENT/tests(none collected by $1)")
+        return 0
+    fi
+    [ -n "${2:-}" ] && mapfile -t -O "${#ids[@]}" ids < <(grep -E "^tests/.*($2)" <<< "$all")
+    run_step tests python3 -m pytest "${ids[@]}" -q -p no:cacheprovider -rfE --tb=short $(pytest_timeout)
+}
+
 moe_key_ab() {
-    local key="$1" parts="${2:-layer round}" lk tab base i ids all
+    local key="$1" parts="${2:-layer round}" lk tab base i
     lk=$(echo "$key" | tr '[:upper:]' '[:lower:]')
     tab="$OUT/$lk-table.json"
     base="$OUT/$lk-off-table.json"
@@ -332,17 +348,7 @@ for path, val in ((sys.argv[1], 1), (sys.argv[2], 0)):
                     e[sys.argv[3]] = val
     json.dump(t, open(path, "w"), indent=1)' "$tab" "$base" "$key"
     if [[ " $parts " == *" tests "* ]]; then
-        all=$(python3 -m pytest tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider --collect-only 2>>"$LOG")
-        mapfile -t ids < <(grep -E "^tests/.*(-$lk\]|keeps_the_bits.*\[$key-)" <<< "$all")
-        echo "$lk: ${#ids[@]} tests of the key selected (+ the graph-replay tests)" | tee -a "$LOG"
-        if [ "${#ids[@]}" -eq 0 ]; then
-            # an unknown key, or a collection error (in the log): never fall back to pytest's whole test path
-            echo "$lk: no test of the key collected" | tee -a "$LOG"
-            FAILED+=("$CURRENT/tests(no $key tests collected)")
-        else
-            mapfile -t -O "${#ids[@]}" ids < <(grep -E '^tests/.*graph_replay' <<< "$all")
-            run_step tests python3 -m pytest "${ids[@]}" -q -p no:cacheprovider -rfE --tb=short $(pytest_timeout)
-        fi
+        kernel_tests_by_id "-$lk\]|keeps_the_bits.*\[$key-" graph_replay
     fi
     local b=(python3 scripts/bench_moe.py --backends '' --router --m 1,4 --layers 4 --reps 20)
     local r=(python3 scripts/profile_round.py --no-phases --ctx 2048 --draft-vocab "${AB_DRAFT_VOCAB:-32768}" --out "$OUT")
@@ -496,7 +502,7 @@ section_nr() {           # the twenty-seventh session's register cap of kernel A
     # canaries; (4) the MTP round with the plain step, the table without NR vs with NR_VALUE, alternating, AB_PAIRS
     # pairs. The sweep's base is the committed entry (NR 80 since 31d0de8); the round's base arm runs the table
     # without the cap (nr-off-table.json)
-    local v="${NR_VALUE:-80}" tab="$OUT/nr-table.json" off="$OUT/nr-off-table.json" i ids all
+    local v="${NR_VALUE:-80}" tab="$OUT/nr-table.json" off="$OUT/nr-off-table.json"
     local cand='[{"NR": 72}, {"NR": 80}, {"NR": 88}]'
     [ -n "${NR_CAND:-}" ] && cand="$NR_CAND"
     python3 -c 'import json, sys
@@ -512,15 +518,7 @@ for path, val in ((sys.argv[1], int(sys.argv[3])), (sys.argv[2], None)):
     json.dump(t, open(path, "w"), indent=1)' "$tab" "$off" "$v" || { FAILED+=("nr/table"); return 0; }
     run_step tune_m4 python3 scripts/bench_moe.py --backends '' --m 4 --layers 4 --reps 20 --tune-stream \
         --out "$OUT/nr-m4" --stream-a "$cand" --stream-b '[]'
-    all=$(python3 -m pytest tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider --collect-only 2>>"$LOG")
-    mapfile -t ids < <(grep -E '^tests/.*keeps_the_bits\[NR-' <<< "$all")
-    mapfile -t -O "${#ids[@]}" ids < <(grep -E '^tests/.*graph_replay' <<< "$all")
-    echo "nr: ${#ids[@]} tests selected" | tee -a "$LOG"
-    if [ "${#ids[@]}" -eq 0 ]; then     # never pytest's whole default path
-        FAILED+=("$CURRENT/tests(none collected)")
-    else
-        run_step tests python3 -m pytest "${ids[@]}" -q -p no:cacheprovider -rfE --tb=short $(pytest_timeout)
-    fi
+    kernel_tests_by_id 'keeps_the_bits\[NR-' graph_replay
     table_checks BYTEBOUND_MOE_CONFIG "$tab" nr "$off"
 }
 
@@ -529,7 +527,7 @@ section_regcap() {       # register caps beyond NR 80 at M = 4 (the twenty-seven
     # candidates REGCAP_B1 / REGCAP_B4 with the best kernel A; (2) the bit-equality tests of NR2; (3) a table with
     # each M's best entry: the engine tests of the CUDA defaults and the full-scale canaries with it; (4) the MTP
     # round and the plain step (profile_round), committed table vs that one, alternating, AB_PAIRS pairs (default 2)
-    local tab="$OUT/regcap-table.json" i ids all m
+    local tab="$OUT/regcap-table.json"
     # (defaults as plain assignments: a "}" inside ${VAR:-...} would end the expansion)
     local a1='[{"NR": 72}, {"NR": 80}, {"NR": 96}]' a4='[]'
     local b1='[{"NR2": 64}, {"NR2": 80}, {"NR2": 96}, {"NR2": 128}]'
@@ -547,14 +545,7 @@ for path in sys.argv[2:]:
         print("regcap: best", key, json.dumps(e))
 json.dump(t, open(sys.argv[1], "w"), indent=1)' "$tab" "$OUT/regcap-m1/triton_moe_configs.json" \
         "$OUT/regcap-m4/triton_moe_configs.json" | tee -a "$LOG" || { FAILED+=("regcap/table"); return 0; }
-    all=$(python3 -m pytest tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider --collect-only 2>>"$LOG")
-    mapfile -t ids < <(grep -E '^tests/.*keeps_the_bits\[NR2-' <<< "$all")
-    echo "regcap: ${#ids[@]} tests selected" | tee -a "$LOG"
-    if [ "${#ids[@]}" -eq 0 ]; then     # never pytest's whole default path
-        FAILED+=("$CURRENT/tests(none collected)")
-    else
-        run_step tests python3 -m pytest "${ids[@]}" -q -p no:cacheprovider -rfE --tb=short $(pytest_timeout)
-    fi
+    kernel_tests_by_id 'keeps_the_bits\[NR2-'
     table_checks BYTEBOUND_MOE_CONFIG "$tab" regcap
 }
 
@@ -565,7 +556,7 @@ section_gemvcap() {      # the MMA FP8 GEMV's register cap NR (the twenty-sevent
     # (in all four M entries of that shape: one config for decode and verify); (4) with it, the engine tests of the
     # CUDA defaults and the full-scale canaries; (5) the plain step and the MTP round (profile_round), committed
     # table vs that one, alternating, AB_PAIRS pairs (default 2)
-    local tab="$OUT/gemvcap-table.json" i ids all cand='[{"NR": 96}, {"NR": 128}, {"NR": 168}, {"NR": 200}]'
+    local tab="$OUT/gemvcap-table.json" cand='[{"NR": 96}, {"NR": 128}, {"NR": 168}, {"NR": 200}]'
     [ -n "${GEMVCAP:-}" ] && cand="$GEMVCAP"
     run_step tests python3 -m pytest tests/gpu/test_gemv_gpu.py -q -p no:cacheprovider -rfE --tb=short \
         $(pytest_timeout) -k register_cap

@@ -37,17 +37,18 @@ def compile_split(m: int, cfg: dict, shared: bool = True, arch: int = 90, h: int
     """``(config, kernel A, kernel B)`` compiled as ``launch_split`` specialises them for ``m`` tokens (both take
     their compile-time arguments from ``triton_moe_split.split_constexprs``)."""
     from bytebound.kernels import triton_moe_split as ts
+    from bytebound.kernels.device import maxnreg
     c = ts.fit_split_config(cfg, h, i)
     ca, cb = ts.split_constexprs(m, k, h, i, c, shared, limit, True, int(c.get("pdl_in", 0)))
     a = ptxas_util.compile_kernel(ts._moe_gateup_split, ca,
                  dict(x_ptr="*bf16", ids_ptr="*i64", tw_ptr="*fp32", w13_ptr="*i32", s13_ptr="*u8", act_ptr="*bf16",
                       part_ptr="*fp32", cnt_ptr="*i32", lut_ptr="*i32", limit="fp32", sw13_ptr="*i32",
                       ss13_ptr="*i32", slimit="fp32"), arch,
-                 dict(num_warps=c["num_warps"], **({"maxnreg": int(c["NR"])} if c.get("NR") else {})), gluon=True)
+                 dict(num_warps=c["num_warps"], **maxnreg(c.get("NR"))), gluon=True)
     b = ptxas_util.compile_kernel(ts._moe_down_split, cb,
                  dict(act_ptr="*bf16", ids_ptr="*i64", w2_ptr="*i32", s2_ptr="*u8", out_ptr="*bf16", part_ptr="*fp32",
                       cnt_ptr="*i32", lut_ptr="*i32", sw2_ptr="*i32", ss2_ptr="*i32"), arch,
-                 dict(num_warps=c["down_warps"], **({"maxnreg": int(c["NR2"])} if c.get("NR2") else {})), gluon=True)
+                 dict(num_warps=c["down_warps"], **maxnreg(c.get("NR2"))), gluon=True)
     return c, a, b
 
 

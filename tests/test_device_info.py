@@ -39,3 +39,16 @@ def test_sm_count_reads_each_device_once(monkeypatch):
         assert sorted(reads) == [0, 1, 2]
     finally:
         device._sm_count_of.cache_clear()
+
+
+def test_register_cap_checked_and_turned_into_a_launch_option():
+    """One check for every config's register cap (MoE NR / NR2, GEMV NR): None or an integer in 24..255 passes
+    through; anything else is a BackendError that names the key; the launch option is maxnreg or nothing."""
+    from bytebound.errors import BackendError
+    assert device.check_register_cap(None, "X") is None
+    assert device.check_register_cap(24, "X") == 24 and device.check_register_cap(255, "X") == 255
+    for bad in (23, 256, 80.0, True, "80"):
+        with pytest.raises(BackendError, match=r"^NR2 \(kernel B\) must be an integer in 24\.\.255, got"):
+            device.check_register_cap(bad, "NR2 (kernel B)")
+    assert device.maxnreg(80) == {"maxnreg": 80}
+    assert device.maxnreg(None) == {}

@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from bytebound.errors import BackendError
+from bytebound.kernels.device import maxnreg
 from bytebound.kernels.triton_moe_split import GLUON_ERR, fp8_word_layout, gl, gluon
 
 # The BF16x2 factor 2^120 in both halves: ``_frag_fp8`` yields the E4M3 value x 2^-120 before it, so with this
@@ -243,4 +244,4 @@ def launch_mma(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, 
                         SPLIT=split, EVEN_N=n % r == 0, PDL=pdl, WD8=fp8_word_layout(r, nc, nw),
                         WD1=fp8_word_layout(r, 1, nw), h_ptr=h, d_ptr=d, nw_ptr=nwt, ho_ptr=ho, xs_ptr=slots,
                         eps=float(eps), NORM=norm is not None, KP=1 << max(0, (k - 1).bit_length()), num_warps=nw,
-                        **({"launch_pdl": True} if pdl else {}), **({"maxnreg": int(cfg["NR"])} if cfg.get("NR") else {}))
+                        **({"launch_pdl": True} if pdl else {}), **maxnreg(cfg.get("NR")))

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from bytebound.errors import BackendError, ConfigError
-from bytebound.kernels.device import sm_count
+from bytebound.kernels.device import check_register_cap, sm_count
 from bytebound.kernels.limits import MAX_VERIFY_M as MAX_M     # the one verify-width limit (kernels/limits.py)
 from bytebound.kernels.pdl import enabled as pdl_enabled
 from bytebound.kernels.registry import cuda_only, optional_triton, register
@@ -527,10 +527,7 @@ def _fit_mma(cfg: dict, n: int, k: int, sm_count: int) -> dict:
         BackendError: ``NR`` is not an integer in 24..255."""
     out = {"num_warps": 4, "BN": 64, "NC": 2, "SPLIT": 0, "PDL": True,
            **{kk: cfg[kk] for kk in GEMV_KEYS if kk in cfg}}
-    nr = out.get("NR")
-    if nr is not None and not (isinstance(nr, int) and not isinstance(nr, bool) and 24 <= nr <= 255):
-        raise BackendError(f"linear[triton]: MMA GEMV: NR (the register cap per thread) must be an integer in "
-                           f"24..255, got {nr!r}")
+    check_register_cap(out.get("NR"), "linear[triton]: MMA GEMV: NR (the register cap per thread)")
     r = min(128, max(16, _pow2_floor(int(out["BN"]))))
     nw = min(8, _pow2_floor(int(out["num_warps"])), r // 16)
     nb = k // 128

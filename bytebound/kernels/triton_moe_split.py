@@ -91,6 +91,7 @@ from dataclasses import dataclass
 import torch
 
 from bytebound.errors import BackendError
+from bytebound.kernels.device import check_register_cap, maxnreg
 from bytebound.kernels.scratch import scratch
 
 try:
@@ -983,14 +984,8 @@ def fit_split_config(cfg: dict, h: int, i: int) -> dict:
     if cfg.get("TR_XS", 1) not in (0, 1):
         raise BackendError(f"moe[triton] variant 'split': TR_XS (the ring's x staged in shared memory) must be 0 or "
                            f"1, got {cfg.get('TR_XS')!r}")
-    nr = cfg.get("NR")
-    if nr is not None and not (isinstance(nr, int) and 24 <= nr <= 255):
-        raise BackendError(f"moe[triton] variant 'split': NR (kernel A's register cap per thread) must be an integer "
-                           f"in 24..255, got {nr!r}")
-    nr2 = cfg.get("NR2")
-    if nr2 is not None and not (isinstance(nr2, int) and 24 <= nr2 <= 255):
-        raise BackendError(f"moe[triton] variant 'split': NR2 (kernel B's register cap per thread) must be an integer "
-                           f"in 24..255, got {nr2!r}")
+    nr = check_register_cap(cfg.get("NR"), "moe[triton] variant 'split': NR (kernel A's register cap per thread)")
+    check_register_cap(cfg.get("NR2"), "moe[triton] variant 'split': NR2 (kernel B's register cap per thread)")
     if nr is not None and cfg.get("TR", 0):
         raise BackendError("moe[triton] variant 'split': NR caps the split kernel A's registers; with TR the ring "
                            "runs instead (its cap is TR_REGS, TR 2 only), so NR would be ignored (set \"NR\": null "
@@ -1144,11 +1139,11 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
     else:
         _moe_gateup_split[(nj, st, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
                                         sw13, ss13, slimit, **ca, num_warps=cfg["num_warps"], launch_pdl=pdl_in > 0,
-                                        **({"maxnreg": int(cfg["NR"])} if cfg.get("NR") else {}))
+                                        **maxnreg(cfg.get("NR")))
     if ca["RK"]:
         _moe_reduce_swiglu[(nj, st)](ids, w, act, part_a, limit, slimit, I=i, TOPK=k, M=m, SP=ca["SP"], BI=bi, KP=kp,
                                      HAS_LIMIT=has_limit, SHARED=sh is not None, PDL=pdl,
                                      num_warps=max(1, min(4, bi // 32)), launch_pdl=pdl)
     _moe_down_split[(h // bh, gt, kp2)](act, ids, kern.w2w, kern.s2, out, part_b, cnt_b, kern.lut, sw2, ss2,
                                         **cb, num_warps=cfg["down_warps"], launch_pdl=pdl,
-                                        **({"maxnreg": int(cfg["NR2"])} if cfg.get("NR2") else {}))
+                                        **maxnreg(cfg.get("NR2")))
