@@ -526,7 +526,9 @@ section_regcap() {       # register caps beyond NR 80 at M = 4 (the twenty-seven
     # kernel A's NR at M = 1. (1) tune-stream at each M: kernel-A candidates REGCAP_A1 / REGCAP_A4, then kernel-B
     # candidates REGCAP_B1 / REGCAP_B4 with the best kernel A; (2) the bit-equality tests of NR2; (3) a table with
     # each M's best entry: the engine tests of the CUDA defaults and the full-scale canaries with it; (4) the MTP
-    # round and the plain step (profile_round), committed table vs that one, alternating, AB_PAIRS pairs (default 2)
+    # round and the plain step (profile_round), committed table vs that one, alternating, AB_PAIRS pairs (default 2).
+    # REGCAP_TESTS: the kernel tests' id pattern of step (2) (default the NR2 ones). REGCAP_PROFILE=1 adds the
+    # kernel table of one decode step and one 4-token verify with the committed table (profile_decode.py, eager)
     local tab="$OUT/regcap-table.json"
     # (defaults as plain assignments: a "}" inside ${VAR:-...} would end the expansion)
     local a1='[{"NR": 72}, {"NR": 80}, {"NR": 96}]' a4='[]'
@@ -545,8 +547,12 @@ for path in sys.argv[2:]:
         print("regcap: best", key, json.dumps(e))
 json.dump(t, open(sys.argv[1], "w"), indent=1)' "$tab" "$OUT/regcap-m1/triton_moe_configs.json" \
         "$OUT/regcap-m4/triton_moe_configs.json" | tee -a "$LOG" || { FAILED+=("regcap/table"); return 0; }
-    kernel_tests_by_id 'keeps_the_bits\[NR2-'
+    kernel_tests_by_id "${REGCAP_TESTS:-keeps_the_bits\[NR2-}"
     table_checks BYTEBOUND_MOE_CONFIG "$tab" regcap
+    if [ "${REGCAP_PROFILE:-0}" = 1 ]; then
+        run_step profile python3 scripts/profile_decode.py --ctx 2048 --verify-m 4 --eager-decode --top 40 \
+            --out "$OUT" --name "profile-decode-$BYTEBOUND_COMMIT"
+    fi
 }
 
 section_gemvcap() {      # the MMA FP8 GEMV's register cap NR (the twenty-seventh session: kernel A of the MoE ran 5 % faster
