@@ -95,3 +95,36 @@ def load_use(sass_text: str, opcode: str = "LDG.E.128") -> list[tuple[int, int]]
             if op.startswith(opcode):
                 loads += 1
     return out
+
+
+def registers(kernel) -> int:
+    """Registers per thread ptxas gave a compiled kernel (the ``REG:`` of :func:`resource_usage`).
+
+    Raises:
+        ValueError: the resource line has no ``REG:`` field."""
+    m = re.search(r"REG:(\d+)", resource_usage(kernel))
+    if not m:
+        raise ValueError(f"no REG: field in {resource_usage(kernel)!r}")
+    return int(m.group(1))
+
+
+# sm_90's per-SM limits that decide how many programs of a kernel are resident (CUDA occupancy calculator):
+# 64K 32-bit registers allocated per warp in units of 256, at most 64 warps and 32 thread blocks
+SM90_REGISTERS, SM90_WARPS, SM90_BLOCKS, REG_UNIT = 65536, 64, 32, 256
+
+
+def programs_per_sm(regs: int, num_warps: int) -> int:
+    """Programs (thread blocks) of ``num_warps`` warps at ``regs`` registers per thread resident on one sm_90 SM,
+    as far as registers, warps and the block limit decide it (shared memory ignored: the kernels this is used for
+    take 1 KB). ``regs`` counts are rounded up to ptxas' allocation unit (8 per thread, 256 per warp)."""
+    per_warp = -(-regs * 32 // REG_UNIT) * REG_UNIT
+    return min(SM90_REGISTERS // (per_warp * num_warps), SM90_WARPS // num_warps, SM90_BLOCKS)
+
+
+def cap_rule(regs: int, num_warps: int) -> int:
+    """The register cap the twenty-seventh session's data follow (docs/perf/session27-h100-nr/): the largest
+    ``maxnreg`` that keeps the program count ptxas' own ``regs`` give, i.e. 65,536 / (programs x 32 x warps) rounded
+    down to a multiple of 8, at most 255. Equal to ``regs`` (rounded up to 8) when no cap can add registers; ptxas
+    may use fewer than the cap."""
+    p = programs_per_sm(regs, num_warps)
+    return min(255, SM90_REGISTERS // (p * 32 * num_warps) // 8 * 8)

@@ -7,6 +7,7 @@ routing ids int64, as the engine's router writes them (with int32 ids kernel A a
 of the 72 it runs with: docs/perf/session27-h100-nr/).
 
     python scripts/split_ptxas.py [--m 1,4] [--config '{"BI": 64, "KP": 2, "KC": 5, "SG": 4}'] [--shared 1] [--sched]
+        [--cap-rule]
 
 ``--sched`` also prints the order in which ptxas issues each kernel's 16-byte global loads and its mma instructions
 (:func:`issue_order`): how many weight loads a warp has in flight when its first mma issues; and how far ptxas
@@ -14,7 +15,8 @@ hoists each load above its first use (``ptxas_util.load_use``: with a register c
 count ptxas hoists further, docs/perf/session27-h100-nr/). The source pipelines
 kernel A's chunks two ahead (``KC``); the SASS does not keep that (docs/perf/session24-h100-rk/). Without
 ``--config`` it compiles ``SPLIT_DEFAULT``, not the committed table's entries; ``--shared 0`` leaves the shared slot's
-path out of kernel A's order.
+path out of kernel A's order. ``--cap-rule`` compiles kernel A without a cap and with ``ptxas_util.cap_rule``'s and
+prints registers, programs per SM and loads in flight of both (how the twenty-eighth session chose its candidates).
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ def main(argv=None) -> int:
     ap.add_argument("--config", action="append", default=[], help="JSON overrides of SPLIT_DEFAULT (repeatable)")
     ap.add_argument("--shared", type=int, default=1)
     ap.add_argument("--sched", action="store_true", help="also print each kernel's load / mma issue order")
+    ap.add_argument("--cap-rule", action="store_true",
+                    help="also compile kernel A without its NR and with the cap ptxas_util.cap_rule gives: registers, "
+                         "programs per SM and 16-byte loads in flight of each")
     a = ap.parse_args(argv)
     for m in (int(v) for v in a.m.split(",")):
         for cj in a.config or ["{}"]:
@@ -89,7 +94,37 @@ def main(argv=None) -> int:
                   f"  B: {ptxas_util.resource_usage(kb)}", flush=True)
             if a.sched:
                 print(_sched_line("A", ka) + "\n" + _sched_line("B", kb), flush=True)
+            if a.cap_rule:
+                print(cap_rule_line(m, c, bool(a.shared), a.arch), flush=True)
     return 0
+
+
+def cap_rule_line(m: int, cfg: dict, shared: bool, arch: int) -> str:
+    """Kernel A of ``cfg`` compiled without a register cap and with ``ptxas_util.cap_rule``'s (the largest that keeps
+    the program count, docs/perf/session27-h100-nr/), each as registers, stack frame, programs per SM and the mean
+    16-byte loads a warp has in flight (``load_use``); x warps x programs = loads in flight per SM, the figure the
+    twenty-seventh session's NR 80 raised (5.5 -> 8.0 per warp at 3 x 8 warps)."""
+    nw = int(cfg["num_warps"])
+
+    def row(k) -> str:
+        r = ptxas_util.registers(k)
+        p = ptxas_util.programs_per_sm(r, nw)
+        lu = ptxas_util.load_use(ptxas_util.sass(k))
+        fl = sum(n for _, n in lu) / len(lu) if lu else 0.0
+        st = re.search(r"STACK:(\d+)", ptxas_util.resource_usage(k))
+        return (f"{r} registers, stack {st.group(1) if st else '?'} B, {p} programs per SM, {fl:.2f} loads in flight "
+                f"per warp ({fl * nw * p:.0f} per SM)")
+
+    free = {k: v for k, v in cfg.items() if k != "NR"}
+    _, ka, _ = compile_split(m, free, shared, arch)
+    cap = ptxas_util.cap_rule(ptxas_util.registers(ka), nw)
+    out = f"  A without NR: {row(ka)}"
+    if cap > ptxas_util.registers(ka):
+        _, kc, _ = compile_split(m, dict(free, NR=cap), shared, arch)
+        out += f"\n  A with NR {cap} (cap rule): {row(kc)}"
+    else:
+        out += f"\n  cap rule: {cap}, no registers to add"
+    return out
 
 
 if __name__ == "__main__":

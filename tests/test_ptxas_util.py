@@ -1,7 +1,9 @@
-"""scripts/ptxas_util.load_use: how far a 16-byte load is hoisted above its first use, read from nvdisasm text."""
+"""scripts/ptxas_util: how far a 16-byte load is hoisted above its first use (read from nvdisasm text), programs per SM
+and the register cap rule, checked against the committed kernel A cap (offline compile, no GPU)."""
 
 from __future__ import annotations
 
+import pytest
 from conftest import load_script
 
 SASS = """
@@ -30,3 +32,43 @@ def test_load_use_counts_distance_and_loads_in_between():
 def test_load_use_ignores_a_load_never_read():
     pu = load_script("ptxas_util")
     assert pu.load_use("/*0000*/ LDG.E.128 R4, [R2.64] ;\n/*0010*/ EXIT ;") == []
+
+
+def test_programs_per_sm_and_the_cap_rule_match_the_measured_kernel_a():
+    pu = load_script("ptxas_util")
+    # kernel A at M = 4 (docs/perf/session27-h100-nr/, ncu): 72 registers, 8 warps -> 3 programs per SM; the cap
+    # that keeps 3 is 80 (80 x 256 x 3 = 61,440 <= 65,536; 88 would leave room for 2 only)
+    assert pu.programs_per_sm(72, 8) == 3
+    assert pu.cap_rule(72, 8) == 80
+    assert pu.programs_per_sm(80, 8) == 3 and pu.programs_per_sm(88, 8) == 2
+    # M = 1: 61 registers (allocated as 64), 4 programs; the rule's cap is 64, not more
+    assert pu.programs_per_sm(61, 8) == 4 and pu.cap_rule(61, 8) == 64
+    # the GEMV's o_proj config (110 registers, 8 warps: 2 programs) -> 128, as section 4 of that report predicted
+    assert pu.cap_rule(110, 8) == 128
+    # the warp limit (64 warps per SM), the block limit (32) and the 255 ceiling
+    assert pu.programs_per_sm(16, 1) == 32 and pu.programs_per_sm(32, 4) == 16
+    assert pu.cap_rule(200, 4) == 255 and pu.cap_rule(24, 1) == 64
+
+
+@pytest.mark.slow
+def test_the_committed_kernel_a_cap_is_the_cap_rule():
+    """``scripts/split_ptxas.py --cap-rule`` on the committed M = 4 entry (kernels/configs/triton_moe.json) without its
+    ``NR``: ptxas' own count leaves 3 programs per SM, and the cap rule gives the committed NR 80, which keeps 3 and
+    holds more 16-byte loads in flight per warp (offline sm_90 compile in a fresh interpreter, no GPU)."""
+    import json
+    import re
+    from conftest import ROOT, run_offline_script
+    pytest.importorskip("triton")
+    from bytebound.kernels import triton_moe_split as ts
+    if ts.gl is None:
+        pytest.skip("needs Gluon (triton >= 3.5)")
+    entry = json.loads((ROOT / "bytebound/kernels/configs/triton_moe.json").read_text())["NVIDIA H200"][
+        "E512_H2560_I768_k8_M4"]
+    out = run_offline_script("split_ptxas", "--m", "4", "--cap-rule", "--config", json.dumps(entry))
+    free = re.search(r"A without NR: (\d+) registers, stack \d+ B, (\d+) programs per SM, ([\d.]+) loads", out)
+    capped = re.search(r"A with NR (\d+) \(cap rule\): (\d+) registers, stack (\d+) B, (\d+) programs per SM, "
+                       r"([\d.]+) loads", out)
+    assert free and capped, out
+    assert int(capped.group(1)) == entry["NR"] == 80, out
+    assert int(free.group(2)) == int(capped.group(4)) == 3, out
+    assert int(capped.group(3)) == 0 and float(capped.group(5)) > float(free.group(3)), out
