@@ -163,6 +163,64 @@ def test_finish_reason_stop_string_and_stop_token(srv, ref):
     assert extra(r.choices[0], "token_ids") == full.token_ids[:k] and r.usage.completion_tokens == k
 
 
+def _stream_ids(chunks) -> list[int]:
+    return [i for c in chunks if c.choices for i in (extra(c.choices[0], "token_ids") or [])]
+
+
+def test_stream_return_token_ids_match_non_streaming(srv, ref):
+    """``return_token_ids`` with ``stream``: every chunk's choice carries the ids of that chunk (chat: next to
+    ``delta``), and the chunks' ids concatenated are the non-streaming ``token_ids`` (they used to be dropped).
+    Without the flag no chunk has the key."""
+    c = srv.client()
+    kw = dict(model=NAME, prompt="Once upon a time", max_tokens=10, temperature=0)
+    want = c.completions.create(**kw, extra_body={"return_token_ids": True})
+    want_ids = extra(want.choices[0], "token_ids")
+    assert want_ids == expect(ref, "Once upon a time", max_tokens=10).token_ids and len(want_ids) == 10
+    chunks = list(c.completions.create(**kw, stream=True, stream_options={"include_usage": True},
+                                       extra_body={"return_token_ids": True}))
+    assert all(isinstance(extra(ch.choices[0], "token_ids"), list) for ch in chunks if ch.choices)
+    assert _stream_ids(chunks) == want_ids
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want.choices[0].text
+    plain = list(c.completions.create(**kw, stream=True))
+    assert not any("token_ids" in (ch.choices[0].model_extra or {}) for ch in plain if ch.choices)
+
+    msgs = [{"role": "user", "content": "How many apples?"}]
+    ckw = dict(model=NAME, messages=msgs, max_tokens=9, temperature=0)
+    want = c.chat.completions.create(**ckw, extra_body={"return_token_ids": True})
+    want_ids = extra(want.choices[0], "token_ids")
+    assert want_ids == expect(ref, "How many apples?", chat=True, max_tokens=9).token_ids
+    chunks = list(c.chat.completions.create(**ckw, stream=True, extra_body={"return_token_ids": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and extra(chunks[0].choices[0], "token_ids") == []
+    assert _stream_ids(chunks) == want_ids
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want.choices[0].message.content
+    plain = list(c.chat.completions.create(**ckw, stream=True))
+    assert not any("token_ids" in (ch.choices[0].model_extra or {}) for ch in plain if ch.choices)
+
+
+def test_stream_return_token_ids_without_text(ckpt):
+    """Dummy weights, no tokenizer: every answer's text is empty, so a stream used to send no content chunk at all;
+    with ``return_token_ids`` each chunk of new ids is sent (empty text) and the ids add up to the non-streaming
+    ones."""
+    from fastapi.testclient import TestClient
+    eng = Engine(model=str(ckpt / "config.json"), load_format="dummy")
+    assert eng.tokenizer is None
+    body = {"model": NAME, "prompt": [5, 17, 42, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    with TestClient(create_app(eng, served_model_name=NAME)) as tc:
+        r = tc.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        want = r.json()["choices"][0]
+        assert want["text"] == "" and len(want["token_ids"]) == 8
+        r = tc.post("/v1/completions", json={**body, "stream": True})
+        assert r.status_code == 200, r.text
+        events = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        got = [i for e in events for i in e["choices"][0]["token_ids"]]
+        assert got == want["token_ids"]
+        assert all(e["choices"][0]["text"] == "" for e in events)
+        assert sum(1 for e in events if e["choices"][0]["token_ids"]) >= 1
+
+
 # ---- errors: 4xx, and the server keeps serving ------------------------------------------------------------
 BAD = [
     (b'{"model": ', 400), (b"[1, 2]", 400), (b"\xff\xfe", 400),

@@ -649,6 +649,21 @@ def test_cli_bad_watchdog_flags_rejected_before_the_engine(ckpt, monkeypatch, ca
     assert rc == 2 and "ConfigError" in err and flag in err, err
 
 
+def test_cli_watch_tokens_without_mtp_rejected_before_the_engine(ckpt, monkeypatch, capsys):
+    """--watch-tokens without --speculative-algorithm NEXTN: no drafter, so no accept length to watch. It used to
+    be skipped silently (exit 0); now a named ConfigError before the model loads, exit 2."""
+    from bytebound.cli import main
+    import bytebound.engine.engine as engine_mod
+
+    def no_engine(*a, **kw):
+        raise AssertionError("the engine was started before the flags were checked")
+    monkeypatch.setattr(engine_mod, "Engine", no_engine)
+    rc = main(["verify", "--model", ckpt, "--no-canaries", "--watch-tokens", "64"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "ConfigError" in err and "--watch-tokens needs MTP" in err \
+        and "--speculative-algorithm NEXTN" in err, err
+
+
 def test_cli_refused_watch_run_exits_2(ckpt, tmp_path, capsys):
     """--watch-tokens that passes the flag check but does not fit with the prompt: the engine's RequestError is
     printed and the exit status says so (it used to be 0); the manifest JSON is still written."""

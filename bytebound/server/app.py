@@ -32,7 +32,9 @@ prompt, a message or a stop string: ``invalid_unicode``, naming the field), out-
 ``n``/``best_of`` other than 1, unsupported features (logprobs, echo, penalties, tools) and prompts that do not
 fit ``max_model_len`` get 400 before queueing; an unknown model gets 404, a request without ``model`` is for the
 served one. Extensions: ``top_k``, ``seed``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids``
-(non-streaming: ``choices[0].token_ids``).
+(non-streaming: ``choices[0].token_ids``; streaming, as vLLM: every chunk's choice carries the ids of that chunk,
+a chunk is sent for new ids even when their text is empty, and the chunks' ids concatenated are the
+non-streaming ``token_ids``).
 ``usage.completion_tokens`` is the number of tokens whose text is returned (stop strings and EOS excluded).
 """
 
@@ -734,7 +736,7 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
         worker.submit(job)
         now = int(time.time())
         if stream:
-            return StreamingResponse(_stream(job, request, chat, include_usage, now),
+            return StreamingResponse(_stream(job, request, chat, include_usage, now, want_ids),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
@@ -764,16 +766,22 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
         log.info('%s - "%s %s" %s cancelled (%s)%s, %.2f s', _peer(request), request.method, request.url.path,
                  job.rid, why.replace("_", " "), sent, time.perf_counter() - job.created)
 
-    async def _stream(job: Job, request: Request, chat: bool, include_usage: bool, now: int):
+    async def _stream(job: Job, request: Request, chat: bool, include_usage: bool, now: int, want_ids: bool):
+        """SSE events of one request. ``want_ids`` (``return_token_ids``): every choice carries ``token_ids``, the
+        ids generated since the previous chunk (``[]`` on the role and finish chunks), and new ids are sent even
+        when their text is empty (random weights, a partial UTF-8 character, no tokenizer)."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         complete, tokens = False, 0
 
-        def chunk(text: str | None = None, finish: str | None = None, role: bool = False) -> dict:
+        def chunk(text: str | None = None, finish: str | None = None, role: bool = False,
+                  ids: list[int] | None = None) -> dict:
             if chat:
                 delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {})
                 c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
                 c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            if want_ids:
+                c["token_ids"] = list(ids or ())
             d = {"id": job.rid, "object": obj, "created": now, "model": name, "choices": [c]}
             if include_usage:
                 d["usage"] = None
@@ -786,8 +794,8 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
                 kind, payload = await job.events.get()
                 if kind == "chunk":
                     tokens += len(payload.token_ids)
-                    if payload.text:
-                        yield _sse(chunk(payload.text))
+                    if payload.text or (want_ids and payload.token_ids):
+                        yield _sse(chunk(payload.text, ids=payload.token_ids))
                     if payload.output is not None:
                         yield _sse(chunk(finish=payload.output.finish_reason))
                         if include_usage:

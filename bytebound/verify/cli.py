@@ -68,7 +68,7 @@ def add_parser(sub) -> None:
                         "LM-head weight tensor); verification must refuse it")
     p.add_argument("--watch-tokens", type=int, default=0, metavar="N",
                    help="after start-up, generate N greedy tokens on a short prompt feeding the accept-length "
-                        "watchdog, and report it (MTP only)")
+                        "watchdog, and report it (MTP only: needs --speculative-algorithm NEXTN)")
     p.set_defaults(fn=cmd_verify)
 
 
@@ -82,6 +82,11 @@ def cmd_verify(a) -> int:
     check_verify_args(a)
     if a.watch_tokens >= a.max_model_len:   # cannot fit with any prompt: say so before loading the model
         raise ConfigError(f"--watch-tokens {a.watch_tokens} does not fit --max-model-len {a.max_model_len}")
+    # The engine builds a drafter exactly when MTP is on (EngineConfig.speculative_steps > 0), which only
+    # --speculative-algorithm NEXTN sets (engine_config); without it the watch run would be skipped silently.
+    if a.watch_tokens and a.speculative_algorithm != "NEXTN":
+        raise ConfigError("--watch-tokens needs MTP (--speculative-algorithm NEXTN): the watchdog watches the "
+                          "accept length")
     cfg = dataclasses.replace(engine_config(a), draft_share=a.draft_share, verify=False, strict=a.strict,
                               watchdog_window=a.watchdog_window, watchdog_threshold=a.watchdog_threshold)
     t0 = time.perf_counter()
@@ -99,7 +104,12 @@ def cmd_verify(a) -> int:
             eng.canaries = getattr(e, "results", None)
             _dump(a.json, build_manifest(eng), load_s)
             return 2
-    if a.watch_tokens and eng.drafter is not None:
+    if a.watch_tokens and eng.drafter is None:    # (refused above from the flags; kept should that ever differ)
+        print(f"[bytebound verify] --watch-tokens {a.watch_tokens}: ConfigError: the engine has no MTP drafter, "
+              "so there is no accept length to watch", file=sys.stderr)
+        _dump(a.json, build_manifest(eng), load_s)
+        return 2
+    if a.watch_tokens:
         from bytebound.sampling import SamplingParams
         prompt = CANARY_PROMPT if eng.tokenizer is not None else list(range(1, 33))
         try:
