@@ -873,6 +873,7 @@ def test_cancelled_requests_are_logged_and_counted_as_cancelled(srv):
     lg.setLevel(logging.INFO)
     metric = "bytebound_requests_cancelled_total"
     n0 = _metric(srv.url, metric, '{reason="client_disconnected"}')
+    ttft0 = _metric(srv.url, "bytebound_time_to_first_token_seconds_count")
     long = {"model": NAME, "prompt": "long one", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
     try:
         with httpx.stream("POST", f"{srv.url}/v1/completions", json={**long, "stream": True}, timeout=60) as r:
@@ -881,6 +882,8 @@ def test_cancelled_requests_are_logged_and_counted_as_cancelled(srv):
             for _ in range(3):
                 assert next(ln for ln in lines if ln.startswith("data: "))
         assert _wait(lambda: _metric(srv.url, metric, '{reason="client_disconnected"}') == n0 + 1)
+        # its tokens had started: its time to first token is in the histogram, as a completed request's is
+        assert _wait(lambda: _metric(srv.url, "bytebound_time_to_first_token_seconds_count") == ttft0 + 1)
         msgs = [rec.getMessage() for rec in seen.records]
         assert len(msgs) == 1 and "cancelled (client disconnected) after" in msgs[0], msgs
         assert '"POST /v1/completions" cmpl-' in msgs[0] and seen.records[0].levelname == "INFO"

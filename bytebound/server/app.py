@@ -264,13 +264,16 @@ class EngineWorker:
         m.running.set(1)
         m.queue_time.observe(time.perf_counter() - job.created)
         out, finish, sent = None, None, 0
-        gen = None
+        gen, first = None, None
         try:
+            t0 = time.perf_counter()
             gen = eng.stream(job.ids, job.params)
             for chunk in gen:
                 if job.cancel.is_set():
                     finish = "cancelled"
                     break
+                if first is None and chunk.token_ids:
+                    first = time.perf_counter() - t0
                 sent += len(chunk.token_ids)
                 job.post("chunk", chunk)
                 out = chunk.output or out
@@ -290,6 +293,8 @@ class EngineWorker:
             m.requests.labels("cancelled").inc()
             m.prompt_tokens.inc(len(job.ids))
             m.gen_tokens.inc(sent)
+            if first is not None:       # it had a first token (as vLLM counts TTFT): engine start to first chunk
+                m.ttft.observe(first)
             job.post("cancelled")
         elif finish == "error":
             m.requests.labels("error").inc()
