@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela nr regcap gemvcap)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela nr regcap gemvcap moetable)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -492,6 +492,29 @@ table_checks() {
         run_step "round_base_$i" env "${b[@]}" "${r[@]}" --name "round-base-$i"
         run_step "round_${label}_$i" env "$var=$tab" "${r[@]}" --name "round-$label-$i"
     done
+}
+
+section_moetable() {     # a candidate MoE table (MOE_TABLE, a path) against the committed one, as the engine runs the
+    # layer: (1) bench_moe --shared (routed + the shared expert fused into the split kernels, and as a dense MLP) at
+    # M = 1 and 4, committed and candidate in alternating processes, MOETABLE_PAIRS pairs (default 3); (2) the kernel
+    # tests of NR and the engine tests + full-scale canaries + round/step A/B of table_checks with the candidate.
+    # The twenty-eighth session's candidate (docs/perf/session28-h100-caps/call2-regcap-table.json: M = 1 with DQ 1
+    # and NR 64, 8 % faster routed-only; M = 4 with BI 32 at 4 warps, 1.7 %) was swept routed-only; this measures it
+    # with the shared slot, which the seventeenth session found turned DQ 1 at M = 1 from faster to slower (H200)
+    local tab="${MOE_TABLE:-}" i
+    if [ -z "$tab" ] || [ ! -f "$tab" ]; then
+        echo "moetable: set MOE_TABLE to a table file (got '${tab}')" | tee -a "$LOG"; FAILED+=("moetable/no-table")
+        return 0
+    fi
+    for i in $(seq 1 "${MOETABLE_PAIRS:-3}"); do
+        run_step "shared_base_$i" python3 scripts/bench_moe.py --backends '' --m 1,4 --layers 4 --reps 20 --shared \
+            --out "$OUT/moetable-base-$i"
+        run_step "shared_cand_$i" env BYTEBOUND_MOE_CONFIG="$tab" python3 scripts/bench_moe.py --backends '' --m 1,4 \
+            --layers 4 --reps 20 --shared --out "$OUT/moetable-cand-$i"
+    done
+    grep -E "^shared M=" "$LOG" | tail -n $((8 * ${MOETABLE_PAIRS:-3}))
+    kernel_tests_by_id 'keeps_the_bits\[NR-'
+    table_checks BYTEBOUND_MOE_CONFIG "$tab" moetable
 }
 
 section_nr() {           # the twenty-seventh session's register cap of kernel A at M = 4 (docs/perf/session27-h100-nr/):
