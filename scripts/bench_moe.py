@@ -140,18 +140,25 @@ def rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def run_case(backend, fns, layers, m, kind, reps, graph=True) -> dict:
-    """Time one MoE layer: ``len(layers)`` different layers per graph replay, median per layer."""
+def run_case(backend, fns, layers, m, kind, reps, graph=True, mlps=None) -> dict:
+    """Time one MoE layer: ``len(layers)`` different layers per graph replay, median per layer. ``mlps``: the
+    shared experts bound into ``fns`` (``bind_shared``, as the engine runs the layer), one per layer; their bytes
+    and their reference then count too."""
     nl = len(layers)
     xs = [torch.randn(m, H, device="cuda").to(torch.bfloat16) for _ in range(nl)]
     routes = [make_routing(m, kind, 1000 * m + 17 * li + (kind == "skewed")) for li in range(nl)]
     uniq = [int(r[0].unique().numel()) for r in routes]
     res = {"backend": backend, "M": m, "routing": kind, "layers": nl, "distinct_experts": statistics.mean(uniq),
-           "bytes_per_layer": statistics.mean(uniq) * EXPERT_BYTES}
+           "bytes_per_layer": statistics.mean(uniq) * EXPERT_BYTES + (SHARED_BYTES if mlps else 0),
+           "shared": bool(mlps)}
     # correctness on layer 0 against the float32 torch reference
     out0 = fns[0](xs[0], *routes[0])
     torch.cuda.synchronize()
-    res["rel_err_vs_ref"] = rel(out0, reference(layers[0], xs[0], *routes[0]))
+    ref0 = reference(layers[0], xs[0], *routes[0])
+    if mlps:
+        from bytebound.kernels.torch_ref import shared_expert_reference
+        ref0 = ref0 + shared_expert_reference(mlps[0], xs[0])
+    res["rel_err_vs_ref"] = rel(out0, ref0)
     # run-to-run bit equality (the triton kernel sums expert partials with float32 atomics: order may vary)
     diffs = [int((fns[0](xs[0], *routes[0]) != out0).sum()) for _ in range(20)]
     res["repeat_calls"], res["repeat_max_diff_elems"] = len(diffs), max(diffs)
@@ -237,18 +244,21 @@ STREAM_B = [dict(SG=2), dict(SG=4), dict(SG=8), dict(SG=4, BH=128, down_warps=8)
             dict(SG=2, KP2=6), dict(SG=4, KP2=6)]
 
 
-def tune_stream(layers, ms, reps, out_dir: Path, log, stream_a=None, stream_b=None) -> dict:
+def tune_stream(layers, ms, reps, out_dir: Path, log, stream_a=None, stream_b=None, shared: bool = False) -> dict:
     """Coordinate descent from each M's committed config: every :data:`STREAM_A` (or ``stream_a``) kernel-A tiling
     with the committed kernel B, then every :data:`STREAM_B` (or ``stream_b``) kernel-B tiling with the best kernel
     A; a config is eligible only when it matches the float32 reference (rel <= 1e-2) and repeats bit-identically.
-    Writes ``triton_moe_configs.json``."""
+    ``shared``: every candidate runs with the shared expert bound into the kernels, as the engine runs the layer
+    (the twenty-eighth session's M = 1 candidate was 8 % faster routed-only, which the seventeenth session had seen
+    turn slower with the shared slot). Writes ``triton_moe_configs.json``."""
     stream_a = STREAM_A if stream_a is None else stream_a
     stream_b = STREAM_B if stream_b is None else stream_b
     from bytebound.kernels.moe_host import gpu_name, lookup_config, shape_key
     rows, best = [], {}
+    mlps = [make_shared(700 + li) for li in range(len(layers))] if shared else None
 
     def run(m, cfg):
-        r = time_config(layers, m, cfg, reps)
+        r = time_config(layers, m, cfg, reps, mlps)
         rows.append(r)
         ok = "error" not in r and r["rel_err_vs_ref"] <= 1e-2 and r["repeat_max_diff_elems"] == 0
         log(f"tune-stream M={m} {cfg} -> {r.get('time_us_median', 'ERR')} us rel={r.get('rel_err_vs_ref')} "
@@ -276,13 +286,17 @@ def tune_stream(layers, ms, reps, out_dir: Path, log, stream_a=None, stream_b=No
     return {"candidates": rows, "best": best, "table": table}
 
 
-def time_config(layers, m: int, cfg: dict, reps: int) -> dict:
-    """One tuning candidate: :func:`run_case` of the triton backend with ``cfg`` at ``m`` tokens, random routing, plus
-    ``config`` and ``compile_and_run_s``; a config that fails to compile or run is a row with ``error``, not fatal."""
+def time_config(layers, m: int, cfg: dict, reps: int, mlps=None) -> dict:
+    """One tuning candidate: :func:`run_case` of the triton backend with ``cfg`` at ``m`` tokens, random routing (with
+    ``mlps``, one shared expert per layer bound into the kernels), plus ``config`` and ``compile_and_run_s``; a
+    config that fails to compile or run is a row with ``error``, not fatal."""
     try:
         t0 = time.perf_counter()
         fns = [bind("triton", ex, cfg) for ex in layers]
-        r = run_case("triton", fns, layers, m, "random", reps)
+        if mlps:
+            for f, mlp in zip(fns, mlps):
+                f.bind_shared(mlp)
+        r = run_case("triton", fns, layers, m, "random", reps, mlps=mlps)
         r["config"] = cfg
         r["compile_and_run_s"] = time.perf_counter() - t0
     except Exception as exc:
@@ -713,6 +727,9 @@ def main() -> int:
                     help="--tune-stream: kernel-A candidates (a JSON list of config overrides) instead of STREAM_A")
     ap.add_argument("--stream-b", default=None, type=json.loads, metavar="JSON",
                     help="--tune-stream: kernel-B candidates instead of STREAM_B ('[]': none)")
+    ap.add_argument("--tune-shared", action="store_true",
+                    help="--tune-stream: time every candidate with the shared expert bound into the kernels, as the "
+                         "engine runs the layer (default: the routed experts only)")
     ap.add_argument("--ncu-range", action="store_true",
                     help="for ncu --profile-from-start off: one eager call per layer at each M (routed + shared, the "
                          "committed configs) between cudaProfilerStart/Stop, nothing else timed (ncu_range)")
@@ -764,7 +781,7 @@ def main() -> int:
         tuned = tune(layers, ms, args.reps, out_dir, log)
         result["tune"] = tuned
     elif args.tune_stream:
-        tuned = tune_stream(layers, ms, args.reps, out_dir, log, args.stream_a, args.stream_b)
+        tuned = tune_stream(layers, ms, args.reps, out_dir, log, args.stream_a, args.stream_b, args.tune_shared)
         result["tune"] = tuned
 
     def save() -> None:             # after every section, so a run cut short keeps what it measured

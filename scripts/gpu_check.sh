@@ -563,6 +563,8 @@ section_regcap() {       # register caps beyond NR 80 at M = 4 (the twenty-seven
     # candidates REGCAP_B1 / REGCAP_B4 with the best kernel A; (2) the bit-equality tests of NR2; (3) a table with
     # each M's best entry: the engine tests of the CUDA defaults and the full-scale canaries with it; (4) the MTP
     # round and the plain step (profile_round), committed table vs that one, alternating, AB_PAIRS pairs (default 2).
+    # REGCAP_SHARED (default 1, since the twenty-eighth session): the sweeps time the layer with the shared slot, as
+    # the engine runs it (0: routed experts only, as before).
     # REGCAP_TESTS: the kernel tests' id pattern of step (2) (default the NR2 ones). REGCAP_PROFILE=1 adds the
     # kernel table of one decode step and one 4-token verify with the committed table (profile_decode.py, eager)
     local tab="$OUT/regcap-table.json"
@@ -571,9 +573,11 @@ section_regcap() {       # register caps beyond NR 80 at M = 4 (the twenty-seven
     local b1='[{"NR2": 64}, {"NR2": 80}, {"NR2": 96}, {"NR2": 128}]'
     local b4='[{"NR2": 96}, {"NR2": 112}, {"NR2": 128}, {"NR2": 168}]'
     a1="${REGCAP_A1:-$a1}"; a4="${REGCAP_A4:-$a4}"; b1="${REGCAP_B1:-$b1}"; b4="${REGCAP_B4:-$b4}"
-    run_step tune_m1 python3 scripts/bench_moe.py --backends '' --m 1 --layers 4 --reps 20 --tune-stream \
+    local sh=()
+    [ "${REGCAP_SHARED:-1}" = 1 ] && sh=(--tune-shared)
+    run_step tune_m1 python3 scripts/bench_moe.py --backends '' --m 1 --layers 4 --reps 20 --tune-stream "${sh[@]}" \
         --out "$OUT/regcap-m1" --stream-a "$a1" --stream-b "$b1"
-    run_step tune_m4 python3 scripts/bench_moe.py --backends '' --m 4 --layers 4 --reps 20 --tune-stream \
+    run_step tune_m4 python3 scripts/bench_moe.py --backends '' --m 4 --layers 4 --reps 20 --tune-stream "${sh[@]}" \
         --out "$OUT/regcap-m4" --stream-a "$a4" --stream-b "$b4"
     python3 -c 'import json, sys
 t = json.load(open("bytebound/kernels/configs/triton_moe.json"))
