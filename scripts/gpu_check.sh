@@ -479,8 +479,8 @@ section_kernela() {      # the twenty-sixth session's open questions on the MoE 
 # (profile_round), BASE (VAR=BASE, or the committed table where BASE is empty) against TABLE, after a discarded
 # warm-up process, AB_PAIRS pairs (default 2) in ABBA order. The sections nr, regcap, gemvcap and moetable end with it.
 table_checks() {
-    local var="$1" tab="$2" label="$3" base="${4:-}" i b=()
-    [ -n "$base" ] && b=("$var=$base")
+    local var="$1" tab="$2" label="$3" base="${4:-}" i b=(-u "$var")      # the base arm: the committed table,
+    [ -n "$base" ] && b=("$var=$base")                                   # even with VAR exported by the caller
     run_step engine env "$var=$tab" python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py -q \
         -p no:cacheprovider -rfE --tb=short $(pytest_timeout) \
         -k "verify_equals or captured_mtp or (64_steps and triton-triton) or nano_greedy"
@@ -505,7 +505,8 @@ table_checks() {
 
 section_moetable() {     # a candidate MoE table (MOE_TABLE, a path) against the committed one, as the engine runs the
     # layer: (1) bench_moe --shared (routed + the shared expert fused into the split kernels, and as a dense MLP) at
-    # M = 1 and 4, committed and candidate in alternating processes, MOETABLE_PAIRS pairs (default 3); (2) the kernel
+    # M = 1 and 4, after a discarded warm-up process, committed and candidate in ABBA order, MOETABLE_PAIRS pairs
+    # (default 4); (2) the kernel
     # tests of NR and the engine tests + full-scale canaries + round/step A/B of table_checks with the candidate.
     # The twenty-eighth session's candidate (docs/perf/session28-h100-caps/call2-regcap-table.json: M = 1 with DQ 1
     # and NR 64, 8 % faster routed-only; M = 4 with BI 32 at 4 warps, 1.7 %) was swept routed-only; this measures it
@@ -516,16 +517,18 @@ section_moetable() {     # a candidate MoE table (MOE_TABLE, a path) against the
         return 0
     fi
     local bm=(python3 scripts/bench_moe.py --backends '' --m 1,4 --layers 4 --reps 20 --shared)
-    for i in $(seq 1 "${MOETABLE_PAIRS:-3}"); do         # ABBA order: neither arm always runs first
+    # a discarded warm-up process (the first process of a call ran slow in five of six calls), then ABBA pairs
+    run_step shared_warmup env -u BYTEBOUND_MOE_CONFIG "${bm[@]}" --out "$OUT/moetable-warmup"
+    for i in $(seq 1 "${MOETABLE_PAIRS:-4}"); do
         if [ $((i % 2)) -eq 1 ]; then
-            run_step "shared_base_$i" "${bm[@]}" --out "$OUT/moetable-base-$i"
+            run_step "shared_base_$i" env -u BYTEBOUND_MOE_CONFIG "${bm[@]}" --out "$OUT/moetable-base-$i"
             run_step "shared_cand_$i" env BYTEBOUND_MOE_CONFIG="$tab" "${bm[@]}" --out "$OUT/moetable-cand-$i"
         else
             run_step "shared_cand_$i" env BYTEBOUND_MOE_CONFIG="$tab" "${bm[@]}" --out "$OUT/moetable-cand-$i"
-            run_step "shared_base_$i" "${bm[@]}" --out "$OUT/moetable-base-$i"
+            run_step "shared_base_$i" env -u BYTEBOUND_MOE_CONFIG "${bm[@]}" --out "$OUT/moetable-base-$i"
         fi
     done
-    grep -E "^shared M=|^=== \[moetable\] shared_(base|cand)_[0-9]+: [^r]" "$LOG" | tee -a "$OUT/moetable-summary.txt"
+    grep -E "^shared M=|^=== \[moetable\] shared_(warmup|(base|cand)_[0-9]+): [^r]" "$LOG" | tee -a "$OUT/moetable-summary.txt"
     kernel_tests_by_id 'keeps_the_bits\[NR-'
     table_checks BYTEBOUND_MOE_CONFIG "$tab" moetable
 }

@@ -108,23 +108,28 @@ def registers(kernel) -> int:
     return int(m.group(1))
 
 
-# sm_90's per-SM limits that decide how many programs of a kernel are resident (CUDA occupancy calculator):
-# 64K 32-bit registers allocated per warp in units of 256, at most 64 warps and 32 thread blocks
-SM90_REGISTERS, SM90_WARPS, SM90_BLOCKS, REG_UNIT = 65536, 64, 32, 256
+def programs_per_sm(regs: int, num_warps: int, shared_bytes: int = 0) -> int:
+    """Programs (thread blocks) of ``num_warps`` warps at ``regs`` registers per thread and ``shared_bytes`` of shared
+    memory resident on one sm_90 SM: the CUDA occupancy rules of ``kernels.triton_moe_persist.programs_per_sm``
+    (registers per warp in units of 256 from each sub-partition's quarter of the register file, 64 warps, 32
+    blocks); 0 when none fits."""
+    from bytebound.kernels.triton_moe_persist import programs_per_sm as occupancy
+    return occupancy(regs, shared_bytes, num_warps)
 
 
-def programs_per_sm(regs: int, num_warps: int) -> int:
-    """Programs (thread blocks) of ``num_warps`` warps at ``regs`` registers per thread resident on one sm_90 SM,
-    as far as registers, warps and the block limit decide it (shared memory ignored: the kernels this is used for
-    take 1 KB). ``regs`` counts are rounded up to ptxas' allocation unit (8 per thread, 256 per warp)."""
-    per_warp = -(-regs * 32 // REG_UNIT) * REG_UNIT
-    return min(SM90_REGISTERS // (per_warp * num_warps), SM90_WARPS // num_warps, SM90_BLOCKS)
-
-
-def cap_rule(regs: int, num_warps: int) -> int:
+def cap_rule(regs: int, num_warps: int, shared_bytes: int = 0) -> int:
     """The register cap the twenty-seventh session's data follow (docs/perf/session27-h100-nr/): the largest
-    ``maxnreg`` that keeps the program count ptxas' own ``regs`` give, i.e. 65,536 / (programs x 32 x warps) rounded
-    down to a multiple of 8, at most 255. Equal to ``regs`` (rounded up to 8) when no cap can add registers; ptxas
-    may use fewer than the cap."""
-    p = programs_per_sm(regs, num_warps)
-    return min(255, SM90_REGISTERS // (p * 32 * num_warps) // 8 * 8)
+    ``maxnreg`` (a multiple of 8, or 255) at which as many programs stay resident per SM as ptxas' own ``regs``
+    give (:func:`programs_per_sm`). It is at least ``regs`` rounded up to 8, the registers a thread is allocated
+    anyway; a cap there still changes ptxas' schedule (it spends them on hoisting loads). ptxas may use fewer than
+    the cap.
+
+    Raises:
+        ValueError: not even one program of ``regs`` registers fits (nothing to keep)."""
+    p = programs_per_sm(regs, num_warps, shared_bytes)
+    if p == 0:
+        raise ValueError(f"no program of {num_warps} warps at {regs} registers fits on an SM")
+    cap = min(-(-regs // 8) * 8, 255)
+    while cap < 255 and programs_per_sm(min(cap + 8, 255), num_warps, shared_bytes) >= p:
+        cap = min(cap + 8, 255)         # 255, ptxas' ceiling, is allocated as 256
+    return cap

@@ -108,7 +108,7 @@ def cap_rule_line(m: int, cfg: dict, shared: bool, arch: int) -> str:
 
     def row(k) -> str:
         r = ptxas_util.registers(k)
-        p = ptxas_util.programs_per_sm(r, nw)
+        p = ptxas_util.programs_per_sm(r, nw, k.metadata.shared)
         lu = ptxas_util.load_use(ptxas_util.sass(k))
         fl = sum(n for _, n in lu) / len(lu) if lu else 0.0
         st = re.search(r"STACK:(\d+)", ptxas_util.resource_usage(k))
@@ -117,13 +117,16 @@ def cap_rule_line(m: int, cfg: dict, shared: bool, arch: int) -> str:
 
     free = {k: v for k, v in cfg.items() if k != "NR"}
     _, ka, _ = compile_split(m, free, shared, arch)
-    cap = ptxas_util.cap_rule(ptxas_util.registers(ka), nw)
+    own = ptxas_util.registers(ka)
+    cap = ptxas_util.cap_rule(own, nw, ka.metadata.shared)
     out = f"  A without NR: {row(ka)}"
-    if cap > ptxas_util.registers(ka):
+    # compile at the cap even when it only reaches its own count's allocation unit (59 -> 64): ptxas, given the
+    # cap, spends those registers on hoisting loads (DQ 1 at M = 1: 2.5 -> 5.4 in flight, docs/perf/session28-h100-caps)
+    if cap > own:
         _, kc, _ = compile_split(m, dict(free, NR=cap), shared, arch)
         out += f"\n  A with NR {cap} (cap rule): {row(kc)}"
     else:
-        out += f"\n  cap rule: {cap}, no registers to add"
+        out += f"\n  cap rule: {cap}, ptxas already uses all of it"
     return out
 
 

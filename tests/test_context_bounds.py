@@ -34,7 +34,8 @@ def test_longest_accepted_request_fits_and_one_more_is_refused(steps, static):
 @pytest.mark.parametrize("stop", [(), ("the",), ("\n\n", "=")])
 def test_stream_chunks_add_up_to_the_output(steps, stop):
     """Concatenated chunk texts and token ids equal the final output, also while text is held back for stop
-    strings and when the request ends on max_tokens (the final chunk carries the last ids)."""
+    strings and when the request ends on max_tokens (the final chunk carries the last ids); every chunk carries the
+    request's time to first token."""
     e = Engine(model=str(NANO), max_model_len=256, speculative_steps=steps)
     for prompt in ("Natalia sold clips to 48 of her friends.", "Question: what is 6 x 7?\nAnswer:"):
         chunks = list(e.stream(prompt, SamplingParams(max_tokens=40, temperature=0.0, stop=stop)))
@@ -42,6 +43,10 @@ def test_stream_chunks_add_up_to_the_output(steps, stop):
         assert "".join(c.text for c in chunks) == out.text
         assert [i for c in chunks for i in c.token_ids] == out.token_ids
         assert out.completion_tokens == len(out.token_ids)
+        # every chunk after the first token carries the request's TTFT, the final output's own figure (the
+        # server counts a cancelled request's TTFT from it)
+        assert all(c.ttft_s == out.ttft_s for c in chunks if c.ttft_s is not None) and chunks[-1].ttft_s == out.ttft_s
+        assert all(c.ttft_s is not None for c in chunks[:-1])
 
 
 def _scripted(e, seq):

@@ -48,6 +48,13 @@ def test_programs_per_sm_and_the_cap_rule_match_the_measured_kernel_a():
     # the warp limit (64 warps per SM), the block limit (32) and the 255 ceiling
     assert pu.programs_per_sm(16, 1) == 32 and pu.programs_per_sm(32, 4) == 16
     assert pu.cap_rule(200, 4) == 255 and pu.cap_rule(24, 1) == 64
+    # small blocks: registers come from each of the 4 sub-partitions' quarter of the file, so 2-warp programs at
+    # 33 registers (1,280 per warp: 12 warps a quarter) fit 24 per SM, not the 25 of 65,536 / (1,280 x 2); and at
+    # 81-88 registers (10 per SM) the cap can go to 96 and still keep 10
+    assert pu.programs_per_sm(33, 2) == 24
+    assert pu.programs_per_sm(88, 2) == pu.programs_per_sm(96, 2) == 10 and pu.cap_rule(81, 2) == 96
+    with pytest.raises(ValueError, match="fits"):
+        pu.cap_rule(200, 32)
 
 
 @pytest.mark.slow

@@ -125,11 +125,14 @@ class RequestOutput:
 class StreamChunk:
     """A streamed delta: new text and the token ids generated since the previous chunk (text held back while it
     may start a stop string comes later, with the ids of a later chunk); ``finish_reason`` and ``output`` set on
-    the last chunk. Concatenated, the chunks give exactly ``output.text`` and ``output.token_ids``."""
+    the last chunk. Concatenated, the chunks give exactly ``output.text`` and ``output.token_ids``. ``ttft_s``: the
+    request's time to first token in seconds (from the start of :meth:`Engine.stream` to the first sampled token,
+    ``RequestOutput.ttft_s``), on every chunk once that token exists, so a consumer that stops early still knows it."""
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     output: RequestOutput | None = None
+    ttft_s: float | None = None
 
 
 def _stop_at(text: str, sent: int, stops) -> int | None:
@@ -607,7 +610,7 @@ class Engine:
                 if safe > sent or dec is None:
                     new_sent = max(safe, sent)
                     done = len(out_ids) if dec is None else bisect.bisect_right(ends, new_sent)
-                    chunk = StreamChunk(text[sent:new_sent], out_ids[reported:done])
+                    chunk = StreamChunk(text[sent:new_sent], out_ids[reported:done], ttft_s=t_first - t0)
                     sent, reported = new_sent, max(reported, done)
                     yield chunk
         finally:
@@ -630,7 +633,7 @@ class Engine:
                 spec["adaptive"] = self.adaptive.request_dict()
             self.spec_totals.add(stats)
         out = RequestOutput(text, out_ids, finish or "length", len(ids), n, (t_first or end) - t0, tpot, end - t0, spec)
-        yield StreamChunk(text[sent:], out_ids[reported:], finish or "length", out)
+        yield StreamChunk(text[sent:], out_ids[reported:], finish or "length", out, out.ttft_s)
 
     def follow(self) -> None:
         """Tensor parallel, ranks > 0: run rank 0's requests (:meth:`stream` on rank 0, e.g. the server's) until

@@ -266,14 +266,12 @@ class EngineWorker:
         out, finish, sent = None, None, 0
         gen, first = None, None
         try:
-            t0 = time.perf_counter()
             gen = eng.stream(job.ids, job.params)
             for chunk in gen:
+                first = chunk.ttft_s if first is None else first
                 if job.cancel.is_set():
                     finish = "cancelled"
                     break
-                if first is None and chunk.token_ids:
-                    first = time.perf_counter() - t0
                 sent += len(chunk.token_ids)
                 job.post("chunk", chunk)
                 out = chunk.output or out
@@ -293,7 +291,7 @@ class EngineWorker:
             m.requests.labels("cancelled").inc()
             m.prompt_tokens.inc(len(job.ids))
             m.gen_tokens.inc(sent)
-            if first is not None:       # it had a first token (as vLLM counts TTFT): engine start to first chunk
+            if first is not None:       # it had a first token (as vLLM counts TTFT): the engine's own measure
                 m.ttft.observe(first)
             job.post("cancelled")
         elif finish == "error":
