@@ -10,7 +10,6 @@ Pointers are declared 16-divisible, as Triton specialises them at a real launch 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
@@ -69,7 +68,7 @@ def main(argv=None) -> int:
                     if need not in ptx:
                         print(f"M={m}: {need!r} missing from the PTX", flush=True)
                         return 1
-            regs = int(re.search(r"REG:(\d+)", use).group(1))
+            regs = ptxas_util.resource_fields(use)["REG"]
             per_sm = programs_per_sm(regs, k.metadata.shared, nw)
             print(f"M={m} num_warps={nw} HC={a.hc} IC={a.ic} shared={a.shared}: {use}; Triton shared "
                   f"{k.metadata.shared} B -> {per_sm} programs/SM", flush=True)

@@ -97,39 +97,37 @@ def load_use(sass_text: str, opcode: str = "LDG.E.128") -> list[tuple[int, int]]
     return out
 
 
+def resource_fields(line: str) -> dict[str, int]:
+    """The numeric fields of a :func:`resource_usage` line, e.g. ``{"REG": 72, "STACK": 0, "SHARED": 1024, ...}``."""
+    return {k: int(v) for k, v in re.findall(r"\b([A-Z]+(?:\[\d+\])?):(\d+)", line)}
+
+
 def registers(kernel) -> int:
     """Registers per thread ptxas gave a compiled kernel (the ``REG:`` of :func:`resource_usage`).
 
     Raises:
         ValueError: the resource line has no ``REG:`` field."""
-    m = re.search(r"REG:(\d+)", resource_usage(kernel))
-    if not m:
-        raise ValueError(f"no REG: field in {resource_usage(kernel)!r}")
-    return int(m.group(1))
-
-
-def programs_per_sm(regs: int, num_warps: int, shared_bytes: int = 0) -> int:
-    """Programs (thread blocks) of ``num_warps`` warps at ``regs`` registers per thread and ``shared_bytes`` of shared
-    memory resident on one sm_90 SM: the CUDA occupancy rules of ``kernels.triton_moe_persist.programs_per_sm``
-    (registers per warp in units of 256 from each sub-partition's quarter of the register file, 64 warps, 32
-    blocks); 0 when none fits."""
-    from bytebound.kernels.triton_moe_persist import programs_per_sm as occupancy
-    return occupancy(regs, shared_bytes, num_warps)
+    line = resource_usage(kernel)
+    fields = resource_fields(line)
+    if "REG" not in fields:
+        raise ValueError(f"no REG: field in {line!r}")
+    return fields["REG"]
 
 
 def cap_rule(regs: int, num_warps: int, shared_bytes: int = 0) -> int:
     """The register cap the twenty-seventh session's data follow (docs/perf/session27-h100-nr/): the largest
     ``maxnreg`` (a multiple of 8, or 255) at which as many programs stay resident per SM as ptxas' own ``regs``
-    give (:func:`programs_per_sm`). It is at least ``regs`` rounded up to 8, the registers a thread is allocated
-    anyway; a cap there still changes ptxas' schedule (it spends them on hoisting loads). ptxas may use fewer than
-    the cap.
+    give (``kernels.triton_moe_persist.programs_per_sm``: the CUDA occupancy rules). It is at least ``regs``
+    rounded up to 8, the registers a thread is allocated anyway; a cap there still changes ptxas' schedule (it
+    spends them on hoisting loads). ptxas may use fewer than the cap.
 
     Raises:
         ValueError: not even one program of ``regs`` registers fits (nothing to keep)."""
-    p = programs_per_sm(regs, num_warps, shared_bytes)
+    from bytebound.kernels.triton_moe_persist import programs_per_sm
+    p = programs_per_sm(regs, shared_bytes, num_warps)
     if p == 0:
         raise ValueError(f"no program of {num_warps} warps at {regs} registers fits on an SM")
     cap = min(-(-regs // 8) * 8, 255)
-    while cap < 255 and programs_per_sm(min(cap + 8, 255), num_warps, shared_bytes) >= p:
+    while cap < 255 and programs_per_sm(min(cap + 8, 255), shared_bytes, num_warps) >= p:
         cap = min(cap + 8, 255)         # 255, ptxas' ceiling, is allocated as 256
     return cap

@@ -95,28 +95,29 @@ def main(argv=None) -> int:
             if a.sched:
                 print(_sched_line("A", ka) + "\n" + _sched_line("B", kb), flush=True)
             if a.cap_rule:
-                print(cap_rule_line(m, c, bool(a.shared), a.arch), flush=True)
+                print(cap_rule_line(m, c, ka, bool(a.shared), a.arch), flush=True)
     return 0
 
 
-def cap_rule_line(m: int, cfg: dict, shared: bool, arch: int) -> str:
-    """Kernel A of ``cfg`` compiled without a register cap and with ``ptxas_util.cap_rule``'s (the largest that keeps
-    the program count, docs/perf/session27-h100-nr/), each as registers, stack frame, programs per SM and the mean
-    16-byte loads a warp has in flight (``load_use``); x warps x programs = loads in flight per SM, the figure the
-    twenty-seventh session's NR 80 raised (5.5 -> 8.0 per warp at 3 x 8 warps)."""
+def cap_rule_line(m: int, cfg: dict, ka, shared: bool, arch: int) -> str:
+    """Kernel A of ``cfg`` (``ka``: as compiled for it) without a register cap and with ``ptxas_util.cap_rule``'s
+    (the largest that keeps the program count, docs/perf/session27-h100-nr/), each as registers, stack frame,
+    programs per SM and the mean 16-byte loads a warp has in flight (``load_use``); x warps x programs = loads in
+    flight per SM, the figure the twenty-seventh session's NR 80 raised (5.5 -> 8.0 per warp at 3 x 8 warps)."""
+    from bytebound.kernels.triton_moe_persist import programs_per_sm
     nw = int(cfg["num_warps"])
 
     def row(k) -> str:
-        r = ptxas_util.registers(k)
-        p = ptxas_util.programs_per_sm(r, nw, k.metadata.shared)
+        f = ptxas_util.resource_fields(ptxas_util.resource_usage(k))
+        p = programs_per_sm(f["REG"], k.metadata.shared, nw)
         lu = ptxas_util.load_use(ptxas_util.sass(k))
         fl = sum(n for _, n in lu) / len(lu) if lu else 0.0
-        st = re.search(r"STACK:(\d+)", ptxas_util.resource_usage(k))
-        return (f"{r} registers, stack {st.group(1) if st else '?'} B, {p} programs per SM, {fl:.2f} loads in flight "
-                f"per warp ({fl * nw * p:.0f} per SM)")
+        return (f"{f['REG']} registers, stack {f.get('STACK', '?')} B, {p} programs per SM, {fl:.2f} loads in "
+                f"flight per warp ({fl * nw * p:.0f} per SM)")
 
     free = {k: v for k, v in cfg.items() if k != "NR"}
-    _, ka, _ = compile_split(m, free, shared, arch)
+    if cfg.get("NR") is not None:       # ka has the config's own cap: compile it without
+        _, ka, _ = compile_split(m, free, shared, arch)
     own = ptxas_util.registers(ka)
     cap = ptxas_util.cap_rule(own, nw, ka.metadata.shared)
     out = f"  A without NR: {row(ka)}"

@@ -29,30 +29,42 @@ def test_load_use_counts_distance_and_loads_in_between():
     assert pu.load_use(SASS) == [(5, 3), (6, 2), (4, 0)]
 
 
+def test_resource_fields_reads_every_field_of_the_line():
+    pu = load_script("ptxas_util")
+    line = "REG:72 STACK:0 SHARED:1024 LOCAL:0 CONSTANT[0]:648 TEXTURE:0 SURFACE:0 SAMPLER:0"
+    assert pu.resource_fields(line) == {"REG": 72, "STACK": 0, "SHARED": 1024, "LOCAL": 0, "CONSTANT[0]": 648,
+                                        "TEXTURE": 0, "SURFACE": 0, "SAMPLER": 0}
+
+
 def test_load_use_ignores_a_load_never_read():
     pu = load_script("ptxas_util")
     assert pu.load_use("/*0000*/ LDG.E.128 R4, [R2.64] ;\n/*0010*/ EXIT ;") == []
 
 
 def test_programs_per_sm_and_the_cap_rule_match_the_measured_kernel_a():
+    from bytebound.kernels.triton_moe_persist import programs_per_sm as occupancy
     pu = load_script("ptxas_util")
+
+    def programs_per_sm(regs, warps):         # the occupancy rules cap_rule uses, no shared memory
+        return occupancy(regs, 0, warps)
+
     # kernel A at M = 4 (docs/perf/session27-h100-nr/, ncu): 72 registers, 8 warps -> 3 programs per SM; the cap
     # that keeps 3 is 80 (80 x 256 x 3 = 61,440 <= 65,536; 88 would leave room for 2 only)
-    assert pu.programs_per_sm(72, 8) == 3
+    assert programs_per_sm(72, 8) == 3
     assert pu.cap_rule(72, 8) == 80
-    assert pu.programs_per_sm(80, 8) == 3 and pu.programs_per_sm(88, 8) == 2
+    assert programs_per_sm(80, 8) == 3 and programs_per_sm(88, 8) == 2
     # M = 1: 61 registers (allocated as 64), 4 programs; the rule's cap is 64, not more
-    assert pu.programs_per_sm(61, 8) == 4 and pu.cap_rule(61, 8) == 64
+    assert programs_per_sm(61, 8) == 4 and pu.cap_rule(61, 8) == 64
     # the GEMV's o_proj config (110 registers, 8 warps: 2 programs) -> 128, as section 4 of that report predicted
     assert pu.cap_rule(110, 8) == 128
     # the warp limit (64 warps per SM), the block limit (32) and the 255 ceiling
-    assert pu.programs_per_sm(16, 1) == 32 and pu.programs_per_sm(32, 4) == 16
+    assert programs_per_sm(16, 1) == 32 and programs_per_sm(32, 4) == 16
     assert pu.cap_rule(200, 4) == 255 and pu.cap_rule(24, 1) == 64
     # small blocks: registers come from each of the 4 sub-partitions' quarter of the file, so 2-warp programs at
     # 33 registers (1,280 per warp: 12 warps a quarter) fit 24 per SM, not the 25 of 65,536 / (1,280 x 2); and at
     # 81-88 registers (10 per SM) the cap can go to 96 and still keep 10
-    assert pu.programs_per_sm(33, 2) == 24
-    assert pu.programs_per_sm(88, 2) == pu.programs_per_sm(96, 2) == 10 and pu.cap_rule(81, 2) == 96
+    assert programs_per_sm(33, 2) == 24
+    assert programs_per_sm(88, 2) == programs_per_sm(96, 2) == 10 and pu.cap_rule(81, 2) == 96
     with pytest.raises(ValueError, match="fits"):
         pu.cap_rule(200, 32)
 
