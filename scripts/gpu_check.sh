@@ -479,8 +479,10 @@ section_kernela() {      # the twenty-sixth session's open questions on the MoE 
 # (profile_round), BASE (VAR=BASE, or the committed table where BASE is empty) against TABLE, after a discarded
 # warm-up process, AB_PAIRS pairs (default 2) in ABBA order. The sections nr, regcap, gemvcap and moetable end with it.
 table_checks() {
-    local var="$1" tab="$2" label="$3" base="${4:-}" i b=(-u "$var")      # the base arm: the committed table,
-    [ -n "$base" ] && b=("$var=$base")                                   # even with VAR exported by the caller
+    local var="$1" tab="$2" label="$3" base="${4:-}" i b
+    # (b on a line of its own: within one `local`, "$var" would expand before var is assigned)
+    b=(-u "$var")                           # the base arm: the committed table, even with VAR exported by the caller
+    [ -n "$base" ] && b=("$var=$base")
     run_step engine env "$var=$tab" python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py -q \
         -p no:cacheprovider -rfE --tb=short $(pytest_timeout) \
         -k "verify_equals or captured_mtp or (64_steps and triton-triton) or nano_greedy"
