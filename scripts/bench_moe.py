@@ -510,12 +510,13 @@ def router_section(layers, ms, cfgs: dict, reps: int, read_gbps: float, log) -> 
     """The router alone, several ways, then the whole MoE layer (router + routed + shared expert, the engine's
     decode path at M <= 4), same run. Router modes: the float32 GEMV (``F.linear``) alone; the GEMV + the routing
     kernel (``fused_route``) at 1, 2 and 4 warps per row; the GEMV + routing as one kernel (``gemv_route``) at a few
-    programs-per-expert and warp counts. Whole layer: routing + the ``split`` kernels with the shared expert
+    programs-per-expert and warp counts; the engine's form with the post-attention add + norm in the launch
+    (``gemv_route_add_norm``), and it and ``gemv_route`` without the routing tail (a probe: ids not written). Whole layer: routing + the ``split`` kernels with the shared expert
     fused, with each router, and with kernel A launched as a PDL dependent of the router (``pdl_in``) or not. Every
     router mode's ids are checked against ``layers.moe.route``; the whole-layer outputs against the plain path."""
     import torch.nn.functional as F
 
-    from bytebound.kernels.triton_router import fused_route, gemv_route
+    from bytebound.kernels.triton_router import _gemv_route, fused_route, gemv_route, gemv_route_add_norm
     from bytebound.layers.moe import route
     nl = len(layers)
     g = torch.Generator(device="cuda").manual_seed(77)
@@ -526,15 +527,28 @@ def router_section(layers, ms, cfgs: dict, reps: int, read_gbps: float, log) -> 
     rows = []
     for m in ms:
         xs = [torch.randn(m, H, device="cuda").to(torch.bfloat16) for _ in range(nl)]
+        ds = [torch.randn(m, H, device="cuda").to(torch.bfloat16) for _ in range(nl)]     # the attention output
+        nws = [1 + 0.1 * torch.randn(H, device="cuda").to(torch.bfloat16) for _ in range(nl)]
         gemv = lambda li: F.linear(xs[li].float(), wg[li])                                      # noqa: E731
         modes = [("router: GEMV alone (F.linear fp32)", gemv, False)]
         for nw in (1, 2, 4):
             modes.append((f"router: GEMV + fused_route {nw}w",
                           lambda li, nw=nw: fused_route(gemv(li), bias[li], *args, num_warps=nw), True))
-        for be, nw in ((1, 4), (2, 4), (4, 8), (2, 8)):
+        for be, nw in ((1, 4), (2, 4), (4, 8), (2, 8), (1, 2), (2, 2), (4, 4)):
             modes.append((f"router: gemv_route be{be} {nw}w",
                           lambda li, be=be, nw=nw: gemv_route(xs[li], wg[li], bias[li], *args, be=be, num_warps=nw),
                           True))
+        # the engine's form (the post-attention add + norm in the launch), then both without the routing tail
+        # (probes, ids unwritten): what the GEMV + ticket cost, so the tail's share is the difference
+        modes.append(("router: gemv_route_add_norm (engine default)",
+                      lambda li: gemv_route_add_norm(ds[li], xs[li], nws[li], 1e-6, wg[li], bias[li], *args)[:2],
+                      False))
+        modes.append(("router: gemv_route_add_norm, no routing (probe)",
+                      lambda li: _gemv_route(xs[li], ds[li], nws[li], 1e-6, wg[li], bias[li], *args, None, None,
+                                             route=False)[:2], False))
+        modes.append(("router: gemv_route, no routing (probe)",
+                      lambda li: _gemv_route(xs[li], None, None, 0.0, wg[li], bias[li], *args, None, None,
+                                             route=False)[:2], False))
         cfg = cfgs.get(m)
         if cfg and cfg.get("variant") == "split":
             for pin in (0, 1, 2):
@@ -662,29 +676,44 @@ def floor_section(reps: int, read_gbps: float, log) -> list[dict]:
     return rows
 
 
-def ncu_range(layers, ms, cfgs: dict, log) -> int:
+def ncu_range(layers, ms, cfgs: dict, log, router: bool = False) -> int:
     """``--ncu-range``: for Nsight Compute (``ncu --profile-from-start off``). Each layer is bound with its committed
     config and a shared expert (routed + shared in the two ``split`` launches, as the engine runs them), warmed up
     (JIT outside the range), then one eager call per layer at each M inside ``cudaProfilerStart/Stop``, the Ms
     separated by a marker kernel (``torch.cuda._sleep``: ``spin_kernel``), so ``scripts/ncu_table.py`` labels the first
-    M's rows ``decode`` and the next one's ``verify``."""
+    M's rows ``decode`` and the next one's ``verify``. ``router`` (``--router``): each layer's call is preceded by the
+    engine's router launch (``gemv_route_add_norm``, random float32 router weights), whose ids, weights and normed x
+    the MoE kernels take, as in the model's MoE block."""
+    from bytebound.kernels.triton_router import gemv_route_add_norm
     fns = []
     for li, ex in enumerate(layers):
         fn = bind("triton", ex, {m: cfgs[m] for m in ms})
         fn.bind_shared(make_shared(500 + li))
         fns.append(fn)
+    g = torch.Generator(device="cuda").manual_seed(78)
+    routers = [(torch.randn(E, H, generator=g, device="cuda") * 0.02, torch.randn(E, generator=g, device="cuda") * 0.01,
+                1 + 0.1 * torch.randn(H, generator=g, device="cuda")) for _ in layers]
     cases = {m: [(torch.randn(m, H, device="cuda").to(torch.bfloat16), *make_routing(m, "random", 90 + 7 * m + li))
                  for li in range(len(layers))] for m in ms}
+
+    def call(fn, args, li):
+        if not router:
+            return fn(*args)
+        wg, bias, nw = routers[li]
+        ids, w, xn, _ = gemv_route_add_norm(args[0], args[0], nw.to(torch.bfloat16), 1e-6, wg, bias, K, 8, 4, True,
+                                            2.5)
+        return fn(xn, ids, w)
+
     for m in ms:
-        for fn, args in zip(fns, cases[m]):
-            fn(*args)
+        for li, (fn, args) in enumerate(zip(fns, cases[m])):
+            call(fn, args, li)
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
     for n, m in enumerate(ms):
         if n:
             torch.cuda._sleep(1000)
-        for fn, args in zip(fns, cases[m]):
-            fn(*args)
+        for li, (fn, args) in enumerate(zip(fns, cases[m])):
+            call(fn, args, li)
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     log(f"ncu range done: M = {ms}, {len(layers)} layers each, configs {cfgs}")
@@ -732,7 +761,8 @@ def main() -> int:
                          "engine runs the layer (default: the routed experts only)")
     ap.add_argument("--ncu-range", action="store_true",
                     help="for ncu --profile-from-start off: one eager call per layer at each M (routed + shared, the "
-                         "committed configs) between cudaProfilerStart/Stop, nothing else timed (ncu_range)")
+                         "committed configs) between cudaProfilerStart/Stop, nothing else timed (ncu_range); "
+                         "with --router each layer's router launch (gemv_route_add_norm) precedes it")
     args = ap.parse_args()
     args.tune = args.tune or args.tune_split
     out_dir = Path(args.out)
@@ -763,7 +793,7 @@ def main() -> int:
     result = {"meta": meta, "bandwidth": bw, "cases": [], "jit": []}
     if args.ncu_range:
         from bytebound.kernels.moe_host import lookup_config
-        return ncu_range(layers, ms, {m: lookup_config(E, H, I, K, m) for m in ms}, log)
+        return ncu_range(layers, ms, {m: lookup_config(E, H, I, K, m) for m in ms}, log, router=args.router)
 
     tuned = None
     if args.quick:

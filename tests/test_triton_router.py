@@ -88,6 +88,29 @@ def test_gemv_route_matches_linear_then_route(router, e, g, tg, k, m, h, be, nw)
     assert ids0.shape == (0, k) and w0.shape == (0, k)
 
 
+@pytest.mark.parametrize("m", [1, 4])
+def test_gemv_route_probe_without_routing_rearms_the_ticket(router, m):
+    """The benchmark's probe (``_gemv_route(..., route=False)``, ``scripts/bench_moe.py --router``) writes the same
+    logits as the full launch and re-arms the shared ticket: the next real call routes
+    correctly (a probe that left the ticket taken would make every later router launch in the process skip its
+    routing)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    e, g, tg, k, h = 64, 4, 2, 4, 256
+    gen = torch.Generator(device="cpu").manual_seed(31 + m)
+    wg = (torch.randn(e, h, generator=gen) * 0.05).to(dev)
+    b = (torch.randn(e, generator=gen) * 0.5).to(dev)
+    x = torch.randn(m, h, generator=gen).to(dev).to(torch.bfloat16)
+    router._gemv_route(x, None, None, 0.0, wg, b, k, g, tg, True, 2.5, 4, 4, route=False)
+    from bytebound.kernels.scratch import scratch
+    assert int(scratch(x.device, "router_ticket", 1, torch.int32)[0]) == 0
+    logits = scratch(x.device, "router_logits", router.MAX_M * e)[:m * e].view(m, e)
+    torch.testing.assert_close(logits.cpu(), torch.nn.functional.linear(x.float(), wg).cpu(), rtol=1e-5, atol=1e-5)
+    for _ in range(2):
+        ids, w = router.gemv_route(x, wg, b, k, g, tg, True, 2.5, be=4, num_warps=4)
+        rid, rw = route(torch.nn.functional.linear(x.float(), wg), b, k, g, tg, True, 2.5)
+        assert [set(r) for r in ids.cpu().tolist()] == [set(r) for r in rid.cpu().tolist()]
+
+
 # ---- the post-attention residual add + RMSNorm folded into the router launch (gemv_route_add_norm) ----
 
 # the interpreter's float32 -> bf16 cast rounds to nearest even here, as the GPU does (the folded add rounds to bf16)

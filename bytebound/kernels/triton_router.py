@@ -168,7 +168,7 @@ if tl is not None:
                            MP: tl.constexpr, BE: tl.constexpr, HP: tl.constexpr, FENCE: tl.constexpr,
                            PDL_OUT: tl.constexpr, ADD_NORM: tl.constexpr, PDL_IN: tl.constexpr = False,
                            PF: tl.constexpr = 0, NTH: tl.constexpr = 128, SPLIT_TAIL: tl.constexpr = False,
-                           BATCH_ROWS: tl.constexpr = False):
+                           BATCH_ROWS: tl.constexpr = False, ROUTE: tl.constexpr = True):
         """Router GEMV and routing in one launch: program ``pid`` computes ``logits[:, pid*BE:(pid+1)*BE]`` in
         float32 (``x [M, H]`` against the router weight ``[E, H]``), and the last program to finish (an acq_rel
         ticket) routes every row from the complete logits.
@@ -205,7 +205,11 @@ if tl is not None:
         one-program tail, the weights to float32 rounding (their normalising sum runs in another layout). Waiting is safe: a waiter holds its SM only while programs that already hold a ticket or are still
         to be scheduled finish, and the PDL dependents (kernel A) can launch only after every program of this
         grid has started (each triggers first), so they cannot crowd out a program not yet scheduled. Not under
-        TRITON_INTERPRET, which runs programs one after another (a waiter would wait forever)."""
+        TRITON_INTERPRET, which runs programs one after another (a waiter would wait forever).
+
+        ``ROUTE`` False (a benchmark probe, ``scripts/bench_moe.py --router``; never SPLIT_TAIL): the last program
+        only re-arms the ticket, so ``ids`` / ``w`` stay unwritten and the launch costs the GEMV, the add + norm and
+        the ticket without the routing tail."""
         pid = tl.program_id(0)
         if PDL_OUT:     # (sm_90+ and not under TRITON_INTERPRET, which cannot run PTX)
             tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r",
@@ -286,8 +290,9 @@ if tl is not None:
                     tl.store(cnt_ptr, 0)
         else:
             if ticket == NP - 1:
-                _route_rows(logits_ptr, bias, ids_ptr, w_ptr, scale, 0, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS, NORM,
-                            MP)
+                if ROUTE:
+                    _route_rows(logits_ptr, bias, ids_ptr, w_ptr, scale, 0, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS,
+                                NORM, MP)
                 tl.store(cnt_ptr, 0)
 
 
@@ -415,9 +420,11 @@ def batch_rows_enabled() -> bool:
     return os.environ.get("BYTEBOUND_ROUTER_BATCH_ROWS", "1") != "0"
 
 
-def _gemv_route(x, delta, norm_weight, eps, weight, bias, top_k, n_group, topk_group, norm, scale, be, num_warps):
+def _gemv_route(x, delta, norm_weight, eps, weight, bias, top_k, n_group, topk_group, norm, scale, be, num_warps,
+                route: bool = True):
     """:func:`gemv_route` (``delta`` None) or :func:`gemv_route_add_norm`: ``(ids, w, x_normed, h_new)``, the last
-    two None without ``delta``."""
+    two None without ``delta``. ``route`` False is the benchmark's probe (``_gemv_route_kernel``'s ``ROUTE``): the
+    same launch without the routing tail, ``ids`` and ``w`` left uninitialised."""
     if _TRITON_ERR:
         raise BackendError(f"router[triton]: {_TRITON_ERR}")
     m, h = x.shape
@@ -455,7 +462,7 @@ def _gemv_route(x, delta, norm_weight, eps, weight, bias, top_k, n_group, topk_g
                                    M=m, MP=triton.next_power_of_2(m), BE=be, HP=triton.next_power_of_2(h),
                                    FENCE=not interp, PDL_OUT=_pdl_out(x.device), ADD_NORM=add,
                                    PDL_IN=pdl_in, PF=pf, NTH=32 * num_warps,
-                                   SPLIT_TAIL=split_tail_for(m, e, be, interp),
-                                   BATCH_ROWS=m > 1 and batch_rows_enabled(), num_warps=num_warps,
+                                   SPLIT_TAIL=route and split_tail_for(m, e, be, interp),
+                                   BATCH_ROWS=m > 1 and batch_rows_enabled(), ROUTE=route, num_warps=num_warps,
                                    **({"launch_pdl": True} if pdl_in else {}))
     return ids, w, xo, ho
