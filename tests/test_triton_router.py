@@ -374,6 +374,30 @@ def test_gemv_route_equals_previous_code_exactly(router_rne, v0, e, g, tg, k, h,
         assert_same_route(ids, w, rid, rw, ("add_norm", m))
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("e,g,tg,k,nw", [(512, 8, 4, 8, 4), (64, 4, 2, 4, 8), (64, 1, 1, 6, 4)])
+@pytest.mark.parametrize("kind", TIE_KINDS)
+def test_segmented_routing_equals_one_segment(router, e, g, tg, k, nw, kind, monkeypatch):
+    """The segmented routing tail (``_route_rows_seg``: per-segment picks inside a warp, then the candidates placed
+    by rank) == the one-segment tail (``BYTEBOUND_ROUTER_SEG=0``), ids bit for bit and weights to float32
+    rounding, on the tie, sign, magnitude and -inf cases (fewer finite experts than K, or finite groups than
+    topk_group: iterative argmax's expert 0 / group 0), M = 1 and 4 rows in one program."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(7 * e + g + k + TIE_KINDS.index(kind))
+    assert router.route_segments(e, g, k, nw) > 1
+    wg = torch.eye(e).to(dev)
+    for m in (1, 4):
+        logits, b = tie_case(kind, m, e, g, gen)
+        b = b.to(dev) if b is not None else None
+        x = logits.bfloat16().to(dev)
+        out = {}
+        for seg in ("1", "0"):
+            monkeypatch.setenv("BYTEBOUND_ROUTER_SEG", seg)
+            monkeypatch.setenv("BYTEBOUND_ROUTER_SPLIT_TAIL", "0")     # one program routes every row
+            out[seg] = router.gemv_route(x, wg, b, k, g, tg, True, 2.5, be=16, num_warps=nw)
+        assert_same_route(*out["1"], *out["0"], (m, kind))
+
+
 def test_route_tie_rule_and_negative_scores(router):
     """The tie rule and the sign handling, spelled out: equal scores go lowest index first (groups too), ids
     come out in decreasing sb, and all-negative sb (bias < -1) orders as the floats do."""

@@ -150,6 +150,100 @@ if tl is not None:
         tl.store(w_ptr + dst, out_w * scale, mask=ok)
 
     @triton.jit
+    def _load_bias_seg(bias_ptr, E: tl.constexpr, MP: tl.constexpr, SEG: tl.constexpr):
+        """The expert bias as ``[MP, SEG, E // SEG]`` float32, every row the same: :func:`_route_rows_seg`'s shape."""
+        ES: tl.constexpr = E // SEG
+        offs = (tl.zeros([MP, 1, 1], tl.int32) + tl.arange(0, SEG)[None, :, None] * ES
+                + tl.arange(0, ES)[None, None, :])
+        return tl.load(bias_ptr + offs).to(tl.float32)
+
+    @triton.jit
+    def _route_rows_seg(logits_ptr, bias, ids_ptr, w_ptr, scale, row0, M, E: tl.constexpr, G: tl.constexpr,
+                        TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        NORM: tl.constexpr, MP: tl.constexpr, SEG: tl.constexpr):
+        """:func:`_route_rows` with the row cut into ``SEG`` segments of ``ES = E / SEG`` experts (whole groups
+        each), the same ids and weights (to float32 rounding of the normalising sum) with far fewer reductions
+        across warps. ``bias`` is :func:`_load_bias_seg`'s.
+
+        A row's ``[SEG, ES]`` view puts a segment in one warp (the default layout of a tensor loaded with ES
+        contiguous elements per segment), so the per-group top-2 and each segment's ``KP`` picks (its best keys in
+        order, a picked key set below every other) are reductions inside one warp: shuffles, no barriers. The top
+        K of the row are among the ``SEG * KP`` candidates (keys are distinct), and each candidate's place in the
+        output is its rank, the number of candidates with a larger key: one ``[C, C]`` comparison and a sum,
+        instead of K passes over the row that each cross every warp. The groups are chosen the same way, by rank
+        among the G group keys.
+
+        The degenerate picks of :func:`_route_rows` are kept: once the finite scores of the kept groups (or the
+        finite groups) run out, iterative argmax picks expert 0 (group 0), again and again, so the places from the
+        number of finite candidates on get expert 0 with its s; with fewer finite groups than TOPK_GROUP, group 0
+        is kept beside them."""
+        ES: tl.constexpr = E // SEG
+        GS: tl.constexpr = G // SEG if G > 1 else 1         # groups per segment
+        EG: tl.constexpr = ES // GS                           # experts per group
+        C: tl.constexpr = SEG * KP                            # candidates per row
+        DEAD: tl.constexpr = -0x7F800000 << 32                # the high word of -inf's key
+        GONE: tl.constexpr = -0x7FFFFFFFFFFFFFFF - 1          # below every key, dead ones included
+        rows = row0 + tl.arange(0, MP)
+        live = rows < M
+        seg = tl.arange(0, SEG)
+        col = tl.arange(0, ES)
+        idx = seg[None, :, None] * ES + col[None, None, :]                          # [1, SEG, ES]
+        # .cg (L2, not L1): in _gemv_route_kernel other SMs wrote these logits moments ago
+        s = tl.sigmoid(tl.load(logits_ptr + rows[:, None, None] * E + idx, mask=live[:, None, None], other=0.0,
+                               cache_modifier=".cg").to(tl.float32))                 # [MP, SEG, ES]
+        s0 = tl.sigmoid(tl.load(logits_ptr + rows * E, mask=live, other=0.0, cache_modifier=".cg").to(tl.float32))
+        if HAS_BIAS:
+            sb = s + bias
+        else:
+            sb = s
+        low = tl.zeros([MP, 1, 1], tl.int64) + (E - 1 - idx).to(tl.int64)
+        dead = low + DEAD                                                            # -inf's key at each index
+        key = _key(sb, low)                                                          # [MP, SEG, ES]
+        if G > 1:
+            key4 = tl.reshape(key, (MP, SEG, GS, EG))
+            dead4 = tl.reshape(dead, (MP, SEG, GS, EG))
+            k1 = tl.max(key4, axis=3)
+            k2 = tl.max(tl.where(key4 == k1[:, :, :, None], dead4, key4), axis=3)       # [MP, SEG, GS]
+            gidx = tl.reshape(tl.arange(0, G), (1, SEG, GS))
+            gkey = _key(_key_value(k1) + _key_value(k2), (G - 1 - gidx).to(tl.int64))
+            gk = tl.reshape(gkey, (MP, G))
+            grank = tl.sum((gk[:, None, :] > gk[:, :, None]).to(tl.int32), axis=2)     # [MP, G]
+            galive = (gk >> 32) > (DEAD >> 32)
+            nfin = tl.sum(galive.to(tl.int32), axis=1)                                  # [MP]
+            g1 = tl.arange(0, G)[None, :]
+            keep = ((grank < TOPK_GROUP) & galive) | ((g1 == 0) & (nfin < TOPK_GROUP)[:, None])
+            keep4 = tl.broadcast_to(tl.reshape(keep, (MP, SEG, GS))[:, :, :, None], (MP, SEG, GS, EG))
+            key = tl.where(tl.reshape(keep4, (MP, SEG, ES)), key, dead)
+        # each segment's KP best keys, best first, with their s
+        kk = tl.arange(0, KP)
+        ck = tl.zeros([MP, SEG, KP], tl.int64)
+        cs = tl.zeros([MP, SEG, KP], tl.float32)
+        for i in tl.static_range(KP):
+            kmax, w = tl.reduce((key, s), 2, _max_key)                                  # [MP, SEG]
+            at_i = kk[None, None, :] == i
+            ck = tl.where(at_i, kmax[:, :, None], ck)
+            cs = tl.where(at_i, w[:, :, None], cs)
+            key = tl.where(key == kmax[:, :, None], GONE, key)
+        ck = tl.reshape(ck, (MP, C))
+        cs = tl.reshape(cs, (MP, C))
+        rank = tl.sum((ck[:, None, :] > ck[:, :, None]).to(tl.int32), axis=2)          # [MP, C]: its place
+        nalive = tl.sum(((ck >> 32) > (DEAD >> 32)).to(tl.int32), axis=1)              # [MP]
+        at = rank[:, :, None] == kk[None, None, :]                                      # [MP, C, KP]
+        cid = (E - 1 - (ck & 0x7FFFFFFF)).to(tl.int64)                                  # the expert of a key
+        out_ids = tl.sum(tl.where(at, cid[:, :, None], 0), axis=1)                      # [MP, KP]
+        out_w = tl.sum(tl.where(at, cs[:, :, None], 0.0), axis=1)
+        spent = kk[None, :] >= nalive[:, None]           # out of finite candidates: iterative argmax's expert 0
+        out_ids = tl.where(spent, 0, out_ids)
+        out_w = tl.where(spent, s0[:, None], out_w)
+        if NORM:
+            out_w = tl.where(kk[None, :] < K, out_w, 0.0)
+            out_w = out_w / (tl.sum(out_w, axis=1)[:, None] + 1e-20)
+        dst = rows[:, None] * K + kk[None, :]
+        ok = live[:, None] & (kk[None, :] < K)
+        tl.store(ids_ptr + dst, out_ids, mask=ok)
+        tl.store(w_ptr + dst, out_w * scale, mask=ok)
+
+    @triton.jit
     def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, M, E: tl.constexpr, G: tl.constexpr,
                       TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
                       NORM: tl.constexpr, PDL_OUT: tl.constexpr):
@@ -168,7 +262,7 @@ if tl is not None:
                            MP: tl.constexpr, BE: tl.constexpr, HP: tl.constexpr, FENCE: tl.constexpr,
                            PDL_OUT: tl.constexpr, ADD_NORM: tl.constexpr, PDL_IN: tl.constexpr = False,
                            PF: tl.constexpr = 0, NTH: tl.constexpr = 128, SPLIT_TAIL: tl.constexpr = False,
-                           BATCH_ROWS: tl.constexpr = False, ROUTE: tl.constexpr = True):
+                           BATCH_ROWS: tl.constexpr = False, ROUTE: tl.constexpr = True, SEG: tl.constexpr = 1):
         """Router GEMV and routing in one launch: program ``pid`` computes ``logits[:, pid*BE:(pid+1)*BE]`` in
         float32 (``x [M, H]`` against the router weight ``[E, H]``), and the last program to finish (an acq_rel
         ticket) routes every row from the complete logits.
@@ -226,10 +320,11 @@ if tl is not None:
         wt = tl.load(wg_ptr + e[:, None] * H + kk[None, :], mask=km[None, :], other=0.0).to(tl.float32)
         # the routing's bias, in every program (2 KB from L2): whichever program routes has it in registers by then,
         # its load overlapped with the weight tile's rather than waited for after the ticket
-        if SPLIT_TAIL:      # each routing program routes one row
-            bias = _load_bias(bias_ptr, E, 1) if HAS_BIAS else 0.0
+        RP: tl.constexpr = 1 if SPLIT_TAIL else MP          # rows a routing program routes
+        if SEG > 1:
+            bias = _load_bias_seg(bias_ptr, E, RP, SEG) if HAS_BIAS else 0.0
         else:
-            bias = _load_bias(bias_ptr, E, MP) if HAS_BIAS else 0.0
+            bias = _load_bias(bias_ptr, E, RP) if HAS_BIAS else 0.0
         if BATCH_ROWS:
             # all M rows in one [MP, HP] load (and one norm reduction for all of them), issued beside the weight
             # tile's, instead of one row's loads after the previous row's reductions
@@ -283,14 +378,21 @@ if tl is not None:
                 seen = ticket + 1
                 while seen < NP:        # every program's logits are stored once all NP tickets are taken
                     seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-                _route_rows(logits_ptr, bias, ids_ptr, w_ptr, scale, r, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS, NORM,
-                            1)
+                if SEG > 1:
+                    _route_rows_seg(logits_ptr, bias, ids_ptr, w_ptr, scale, r, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS,
+                                    NORM, 1, SEG)
+                else:
+                    _route_rows(logits_ptr, bias, ids_ptr, w_ptr, scale, r, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS,
+                                NORM, 1)
                 # the last of the M routing programs re-arms the ticket (every waiter has seen NP by then)
                 if tl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu") == NP + M - 1:
                     tl.store(cnt_ptr, 0)
         else:
             if ticket == NP - 1:
-                if ROUTE:
+                if ROUTE and SEG > 1:
+                    _route_rows_seg(logits_ptr, bias, ids_ptr, w_ptr, scale, 0, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS,
+                                    NORM, MP, SEG)
+                elif ROUTE:
                     _route_rows(logits_ptr, bias, ids_ptr, w_ptr, scale, 0, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS,
                                 NORM, MP)
                 tl.store(cnt_ptr, 0)
@@ -414,6 +516,23 @@ def split_tail_for(m: int, e: int, be: int, interp: bool) -> bool:
     return m > 1 and e // be >= m and not interp and split_tail_enabled()
 
 
+def route_segments(e: int, n_group: int, top_k: int, num_warps: int) -> int:
+    """How many segments ``_route_rows_seg`` cuts a row of ``e`` experts into for a routing program of
+    ``num_warps`` warps: the largest power of two S <= num_warps that splits the row into whole groups (S divides
+    ``n_group``, or any S with one group) of at least ``next_power_of_2(top_k)`` experts each (a segment yields
+    that many candidates). 1 (the one-segment :func:`_route_rows`) when ``BYTEBOUND_ROUTER_SEG=0``, an A/B switch
+    read at each call like :func:`split_tail_enabled`."""
+    if os.environ.get("BYTEBOUND_ROUTER_SEG", "1") == "0":
+        return 1
+    kp = 1 << max(top_k - 1, 0).bit_length()
+    g = max(n_group, 1)
+    seg = 1
+    while (seg * 2 <= num_warps and e % (seg * 2) == 0 and e // (seg * 2) >= kp
+           and (g == 1 or g % (seg * 2) == 0)):
+        seg *= 2
+    return seg
+
+
 def batch_rows_enabled() -> bool:
     """False when ``BYTEBOUND_ROUTER_BATCH_ROWS=0``: :func:`gemv_route` with M > 1 rows then loads and normalises
     one row after another (``_gemv_route_kernel``'s ``BATCH_ROWS`` off). An A/B switch read at each call."""
@@ -463,6 +582,7 @@ def _gemv_route(x, delta, norm_weight, eps, weight, bias, top_k, n_group, topk_g
                                    FENCE=not interp, PDL_OUT=_pdl_out(x.device), ADD_NORM=add,
                                    PDL_IN=pdl_in, PF=pf, NTH=32 * num_warps,
                                    SPLIT_TAIL=route and split_tail_for(m, e, be, interp),
-                                   BATCH_ROWS=m > 1 and batch_rows_enabled(), ROUTE=route, num_warps=num_warps,
+                                   BATCH_ROWS=m > 1 and batch_rows_enabled(), ROUTE=route,
+                                   SEG=route_segments(e, g, top_k, num_warps), num_warps=num_warps,
                                    **({"launch_pdl": True} if pdl_in else {}))
     return ids, w, xo, ho
