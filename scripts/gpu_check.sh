@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela nr regcap gemvcap moetable)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela nr regcap gemvcap moetable routerseg)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -533,6 +533,22 @@ section_moetable() {     # a candidate MoE table (MOE_TABLE, a path) against the
     grep -E "^shared M=|^=== \[moetable\] shared_(warmup|(base|cand)_[0-9]+): [^r]" "$LOG" | tee -a "$OUT/moetable-summary.txt"
     kernel_tests_by_id 'keeps_the_bits\[NR-'
     table_checks BYTEBOUND_MOE_CONFIG "$tab" moetable
+}
+
+section_routerseg() {    # the segmented routing tail (twenty-ninth session: kernels/triton_router.py _route_rows_seg, the default;
+    # BYTEBOUND_ROUTER_SEG=0 is the one-segment tail): the router tests on the GPU (ids bit-equal to the previous
+    # code and to the one-segment tail on ties, signs, -inf; the split tail), the router bench with the switch off
+    # and on in ABBA order, then table_checks with the switch: engine tests, canaries, plain step + round A/B
+    run_step tests python3 -m pytest tests/test_triton_router.py tests/gpu/test_kernels_gpu.py -k "rout" -q \
+        -p no:cacheprovider -rfE --tb=short $(pytest_timeout)
+    local b=(python3 scripts/bench_moe.py --backends '' --router --m 1,4 --layers 4 --reps 20) i a
+    for i in 1 2 3 4; do
+        a=$(( (i == 2 || i == 3) ? 1 : 0 ))
+        run_step "bench_seg${a}_$i" env BYTEBOUND_ROUTER_SEG=$a "${b[@]}" --out "$OUT/routerseg-$i-seg$a"
+    done
+    grep -E "^=== \[routerseg\] bench_seg|gemv_route_add_norm \(engine|layer: gemv_route \+ split\+shared \(A pdl_in 1\)" \
+        "$LOG" | grep -v ": rc=" | tee -a "$OUT/routerseg-summary.txt"
+    table_checks BYTEBOUND_ROUTER_SEG 1 seg 0
 }
 
 section_nr() {           # the twenty-seventh session's register cap of kernel A at M = 4 (docs/perf/session27-h100-nr/):

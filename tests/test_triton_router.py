@@ -50,12 +50,13 @@ def test_router_shape_is_checked_once_at_bind(router):
     is still exact)."""
     assert router.shape_error(512, 8) is None and router.shape_error(64, 1) is None
     assert "power of two" in router.shape_error(96, 8) and "divisible" in router.shape_error(64, 3)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(5)
-    logits = torch.randn(5, 64, generator=gen)
-    b = torch.randn(64, generator=gen) * 0.5
+    logits = torch.randn(5, 64, generator=gen).to(dev)
+    b = (torch.randn(64, generator=gen) * 0.5).to(dev)
     ids, w = router.fused_route(logits, b, 4, 4, 2, True, 2.5)
     rid, rw = route(logits, b, 4, 4, 2, True, 2.5)
-    for a, b_ in zip(as_sets(ids, w), as_sets(rid, rw)):
+    for a, b_ in zip(as_sets(ids.cpu(), w.cpu()), as_sets(rid.cpu(), rw.cpu())):
         assert a.keys() == b_.keys()
         for key in a:
             assert abs(a[key] - b_[key]) <= 1e-5 * max(1.0, abs(b_[key]))
@@ -398,22 +399,31 @@ def test_segmented_routing_equals_one_segment(router, e, g, tg, k, nw, kind, mon
         assert_same_route(*out["1"], *out["0"], (m, kind))
 
 
-def test_route_tie_rule_and_negative_scores(router):
+@pytest.mark.parametrize("tail", ["fused_route", "gemv_route"])
+def test_route_tie_rule_and_negative_scores(router, tail):
     """The tie rule and the sign handling, spelled out: equal scores go lowest index first (groups too), ids
-    come out in decreasing sb, and all-negative sb (bias < -1) orders as the floats do."""
+    come out in decreasing sb, and all-negative sb (bias < -1) orders as the floats do; for the one-row routing
+    kernel and for ``gemv_route``'s segmented tail (an identity router weight: the logits are x)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     e, g, tg, k = 64, 4, 2, 4
-    z = torch.zeros(1, e)
-    ids, w = router.fused_route(z, None, k, g, tg, True, 2.0)          # all equal: groups 0, 1; experts 0..3
-    assert ids.tolist() == [[0, 1, 2, 3]] and torch.equal(w, torch.full((1, k), 0.5))
-    b = torch.zeros(e)
+    z = torch.zeros(1, e, device=dev)
+    if tail == "fused_route":
+        fn = router.fused_route
+    else:
+        eye = torch.eye(e, device=dev)
+        def fn(logits, bias, *a):
+            return router.gemv_route(logits.bfloat16(), eye, bias, *a, be=16, num_warps=4)
+    ids, w = fn(z, None, k, g, tg, True, 2.0)          # all equal: groups 0, 1; experts 0..3
+    assert ids.tolist() == [[0, 1, 2, 3]] and torch.equal(w.cpu(), torch.full((1, k), 0.5))
+    b = torch.zeros(e, device=dev)
     b[40] = b[20] = 1.0                     # groups 1 and 2 tie for first; 20 and 40 tie, then 16, 17 (sb 0.5)
-    ids, _ = router.fused_route(z, b, k, g, tg, True, 1.0)
+    ids, _ = fn(z, b, k, g, tg, True, 1.0)
     assert ids.tolist() == [[20, 40, 16, 17]]
-    down = -1.0 - torch.arange(e) / 1024    # sb < 0, falling with the index: experts 0.. of groups 0, 1
-    ids, _ = router.fused_route(z, down, k, g, tg, True, 1.0)
+    down = -1.0 - torch.arange(e, device=dev) / 1024    # sb < 0, falling with the index: experts 0.. of groups 0, 1
+    ids, _ = fn(z, down, k, g, tg, True, 1.0)
     assert ids.tolist() == [[0, 1, 2, 3]]
-    up = -1.0 + torch.arange(e) / 1024 - 0.5    # sb < 0, rising: the last experts, largest first
-    ids, w = router.fused_route(z, up, k, g, tg, True, 1.0)
+    up = -1.0 + torch.arange(e, device=dev) / 1024 - 0.5    # sb < 0, rising: the last experts, largest first
+    ids, w = fn(z, up, k, g, tg, True, 1.0)
     assert ids.tolist() == [[63, 62, 61, 60]]
     rid, rw = route(z, up, k, g, tg, True, 1.0)
     assert set(rid[0].tolist()) == set(ids[0].tolist()) and torch.allclose(w, rw)
