@@ -390,6 +390,10 @@ class LingConfig:
         p = Path(path)
         if p.is_dir():
             p = p / "config.json"
+        elif p.is_file() and p.name.endswith((".safetensors", ".safetensors.index.json", ".bin", ".pt", ".gguf")):
+            # a weight file or index where the model's folder (or its config.json) belongs
+            raise ConfigError(f"{p} is a weights file, not a model: give the checkpoint folder ({p.parent}), which "
+                              "holds config.json and the weights")
         try:
             d = json.loads(p.read_text())
         except FileNotFoundError as e:

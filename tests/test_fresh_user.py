@@ -288,6 +288,18 @@ def test_generate_model_given_as_its_config_file(ckpt, capsys, dummy):
     assert "is a file, not a checkpoint folder" in line and str(ckpt) in line, line
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "model.safetensors.index.json"])
+def test_model_given_as_a_weights_file_names_the_folder(ckpt, capsys, tmp_path, name):
+    """``--model DIR/model.safetensors`` (or the index): one line saying it is a weights file and naming the folder
+    to give (it said "invalid JSON ('utf-8' codec can't decode byte 0x88...)", from reading the tensors as a
+    config)."""
+    path = ckpt / name if (ckpt / name).exists() else tmp_path / name
+    path.touch(exist_ok=True)
+    assert main(["generate", "--model", str(path), "--prompt-ids", "4,5", "--max-tokens", "2"]) == 2
+    line = one_line_error(capsys, "ConfigError")
+    assert "is a weights file, not a model" in line and str(path.parent) in line, line
+
+
 def test_help_and_version_do_not_import_torch():
     """``bytebound --help`` / ``--version`` answer without importing torch (was ~1.2-2.5 s on a 2-core machine): the
     parser's defaults come from torch-free modules (``bytebound.paths``, ``bytebound.verify``'s lazy exports)."""

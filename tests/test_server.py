@@ -239,6 +239,11 @@ BAD = [
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400), ({"prompt": "hi", "stream": "yes"}, 400),
     ({"prompt": ""}, 400), ({}, 400), ({"prompt": ["a", "b"]}, 400), ({"prompt": [999999]}, 400),
     ({"prompt": None}, 400), ({"prompt": "hi", "seed": "x"}, 400),
+    # vLLM / SGLang sampling extensions not implemented: refused, never silently ignored
+    ({"prompt": "hi", "min_tokens": 70}, 400), ({"prompt": "hi", "min_p": 0.5}, 400),
+    ({"prompt": "hi", "stop": ["="], "include_stop_str_in_output": True}, 400),
+    ({"prompt": "hi", "skip_special_tokens": False}, 400), ({"prompt": "hi", "typical_p": 0.9}, 400),
+    ({"prompt": "hi", "guided_choice": ["a", "b"]}, 400), ({"prompt": "hi", "use_beam_search": True}, 400),
 ]
 BAD_CHAT = [({"messages": []}, 400), ({"messages": [{"role": "tool", "content": "x"}]}, 400),
             ({"messages": [{"role": "user", "content": 5}]}, 400), ({"messages": "hi"}, 400),
@@ -274,6 +279,11 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(srv, ref):
     want = expect(ref, "still alive?", max_tokens=4)
     assert c.completions.create(model=NAME, prompt="still alive?", max_tokens=4, temperature=0).choices[0].text \
         == want.text
+    # the refused extensions at their neutral values are what the engine does anyway: accepted
+    neutral = {"min_tokens": 0, "min_p": 0.0, "typical_p": 1.0, "include_stop_str_in_output": False,
+               "skip_special_tokens": True, "use_beam_search": False, "length_penalty": 1.0}
+    r = _post(srv.url, "/v1/completions", {"prompt": "still alive?", "max_tokens": 4, "temperature": 0, **neutral})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text
     assert httpx.get(f"{srv.url}/health").status_code == 200
 
 

@@ -29,7 +29,9 @@ streams that had begun; ``bytebound_requests_rejected_total`` keeps counting the
 
 Request rules: malformed JSON, wrong types, text that is not valid Unicode (a lone UTF-16 surrogate in the
 prompt, a message or a stop string: ``invalid_unicode``, naming the field), out-of-range sampling values,
-``n``/``best_of`` other than 1, unsupported features (logprobs, echo, penalties, tools) and prompts that do not
+``n``/``best_of`` other than 1, unsupported features (logprobs, echo, penalties, tools; vLLM's and SGLang's sampling
+extensions ``min_tokens``, ``min_p``, ``typical_p``, ``include_stop_str_in_output``, ``skip_special_tokens`` false,
+beam search, guided / structured output, at any value but the neutral one) and prompts that do not
 fit ``max_model_len`` get 400 before queueing; an unknown model gets 404, a request without ``model`` is for the
 served one. Extensions: ``top_k``, ``seed``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids``
 (non-streaming: ``choices[0].token_ids``; streaming, as vLLM: every chunk's choice carries the ids of that chunk,
@@ -375,7 +377,16 @@ def _reject_unsupported(body: dict, chat: bool) -> None:
               ("tools", lambda v: not v), ("functions", lambda v: not v),
               ("response_format", lambda v: isinstance(v, dict) and v.get("type") == "text"),
               ("top_logprobs", lambda v: False),
-              ("logprobs", (lambda v: v is False) if chat else (lambda v: False))]
+              ("logprobs", (lambda v: v is False) if chat else (lambda v: False)),
+              # vLLM / SGLang sampling extensions this engine does not implement: refused rather than ignored, so a
+              # client never gets other sampling than it asked for without being told
+              ("min_tokens", lambda v: v == 0), ("min_p", lambda v: v == 0), ("typical_p", lambda v: v == 1),
+              ("include_stop_str_in_output", lambda v: v is False), ("skip_special_tokens", lambda v: v is True),
+              ("use_beam_search", lambda v: v is False), ("length_penalty", lambda v: v == 1),
+              ("prompt_logprobs", lambda v: False), ("guided_json", lambda v: False),
+              ("guided_regex", lambda v: False), ("guided_choice", lambda v: False),
+              ("guided_grammar", lambda v: False), ("structured_outputs", lambda v: False),
+              ("regex", lambda v: False), ("json_schema", lambda v: False), ("ebnf", lambda v: False)]
     for key, fine in checks:
         v = body.get(key)
         if v is not None and not fine(v):
