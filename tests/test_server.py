@@ -83,6 +83,10 @@ def extra(obj, key):
 def test_models_health_info(srv):
     c = srv.client()
     assert [m.id for m in c.models.list().data] == [NAME]
+    card = c.models.retrieve(NAME)          # GET /v1/models/{id}, as OpenAI's SDK asks it
+    assert card.id == NAME and extra(card, "max_model_len") == c.models.list().data[0].model_extra["max_model_len"]
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-4")
     assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}
     info = httpx.get(f"{srv.url}/server_info").json()
     assert info["served_model_name"] == NAME and info["max_queue"] == 16
@@ -638,6 +642,27 @@ def test_serve_port_0_prints_the_bound_port(ckpt, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("where", ["busy", "bad_host"])
+def test_serve_checks_its_address_before_loading_the_model(tmp_path, capsys, where):
+    """``bytebound serve`` binds its port before it loads the model: a port another server listens on, or a host
+    that does not resolve, is exit 2 naming host:port at once (it loaded the whole checkpoint, printed "Application
+    startup complete", then failed with "[Errno 98] address already in use"). The model named here does not
+    exist: reaching the load would be a different error."""
+    import socket
+    from bytebound.cli import main
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    host, port = ("127.0.0.1", busy.getsockname()[1]) if where == "busy" else ("no-such-host.invalid", 8000)
+    try:
+        rc = main(["serve", "--model", str(tmp_path / "no-model-here"), "--host", host, "--port", str(port)])
+    finally:
+        busy.close()
+    err = capsys.readouterr().err
+    assert rc == 2 and f"cannot listen on {host}:{port}" in err, err
+    assert "no-model-here" not in err
 
 
 def test_sigterm_cancels_requests_in_flight(ckpt, tmp_path):

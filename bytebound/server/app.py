@@ -21,7 +21,8 @@ streams end with a ``cancelled`` error event, others get 503.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming SSE and not, with the final
 usage chunk when ``stream_options.include_usage``), ``GET /v1/models``, ``/health``, ``/metrics``
-(Prometheus), ``/server_info`` (the start-up manifest and engine config).
+(Prometheus), ``/server_info`` (the start-up manifest and engine config), ``GET /v1/models/{id}`` (the served model's
+card; 404 for another id).
 
 Metrics (``/metrics``): every error response is counted in ``bytebound_request_errors_total{status, reason}``
 (``reason``: the error's code, else the parameter it names, else ``invalid_request``), also the error events of
@@ -693,11 +694,21 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
             return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
         return {"status": "ok"}
 
+    def model_card() -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "bytebound",
+                "root": str(engine.config.model), "max_model_len": engine.runner.max_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
-                                            "owned_by": "bytebound", "root": str(engine.config.model),
-                                            "max_model_len": engine.runner.max_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        """OpenAI's retrieve-model (``client.models.retrieve``): the served model's card, 404 for another name."""
+        if model_id != name:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves {name!r}",
+                           param="model", code="model_not_found")
+        return model_card()
 
     @app.get("/metrics")
     async def prom():
@@ -841,6 +852,29 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
         return await handle(request, chat=True)
 
     return app
+
+
+def bind_socket(host: str, port: int):
+    """A TCP socket bound to ``host:port`` (port 0: one the system picks), for ``make_server(...).run(sockets=
+    [sock])``: ``bytebound serve`` binds it before loading the model, so a busy port or an unknown host is an error at
+    once. IPv6 for a host with a colon; ``SO_REUSEADDR`` as uvicorn sets it (a port in TIME_WAIT is usable, one
+    another server listens on is not).
+
+    Raises:
+        OSError: the host does not resolve or the address cannot be bound (in use, not this machine's, no
+            permission)."""
+    import socket
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    addr = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)[0][4]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, timeout_graceful_shutdown: float = 5.0,

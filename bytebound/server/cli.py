@@ -53,7 +53,7 @@ def cmd_serve(a) -> int:
     try:
         import uvicorn  # noqa: F401  (checked here to name it in the error)
 
-        from bytebound.server.app import create_app, make_server
+        from bytebound.server.app import bind_socket, create_app, make_server
     except ImportError as e:
         print(f"[bytebound serve] needs fastapi and uvicorn: {e}", file=sys.stderr)
         return 2
@@ -69,6 +69,12 @@ def cmd_serve(a) -> int:
     if not a.timeout_graceful_shutdown >= 0:
         print("[bytebound serve] --timeout-graceful-shutdown must be >= 0", file=sys.stderr)
         return 2
+    # the address first: a busy port or an unknown host is found in a moment, not after the model has loaded
+    try:
+        sock = bind_socket(a.host, a.port)
+    except OSError as e:
+        print(f"[bytebound serve] cannot listen on {a.host}:{a.port}: {e.strerror or e}", file=sys.stderr)
+        return 2
     cfg = engine_config(a)
     if a.verify and hasattr(cfg, "verify"):
         cfg = dataclasses.replace(cfg, verify=True, strict=a.strict)
@@ -76,6 +82,7 @@ def cmd_serve(a) -> int:
         eng = Engine(cfg)
     except (ByteboundError, FileNotFoundError) as e:
         print(f"[bytebound serve] engine did not start: {type(e).__name__}: {e}", file=sys.stderr)
+        sock.close()
         return 2
     print_fallbacks(eng)
     app = create_app(eng, a.served_model_name, a.max_queue, max_prompt_chars=a.max_prompt_chars)
@@ -88,7 +95,7 @@ def cmd_serve(a) -> int:
               file=sys.stderr, flush=True)
     server = make_server(app, a.host, a.port, a.timeout_graceful_shutdown, on_started=banner, log_level=a.log_level)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:   # uvicorn re-raises the SIGINT it has handled, as uvicorn.run expects
         pass
     finally:                    # a forced exit (second Ctrl-C) skips the app's shutdown: stop the engine thread
