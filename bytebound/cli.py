@@ -184,6 +184,12 @@ def cmd_generate(a) -> int:
         if a.chat:
             print("[bytebound] note: --chat has no effect with --prompt-ids (token ids go in as given; the chat "
                   "template wraps --prompt text)", file=sys.stderr)
+    # a shell's plain quotes keep "\n" as a backslash and an n: say so, since a stop string of those two characters
+    # seldom matches and a prompt with them is not the format the bundled model learned (the text is used as given)
+    for flag, text in [("--prompt", a.prompt)] + [("--stop", s) for s in a.stop or ()]:
+        if isinstance(text, str) and ("\\n" in text or "\\t" in text) and "\n" not in text:
+            print(f"[bytebound] note: {flag} {text!r} holds a backslash and a letter, not a newline or tab (used as "
+                  f"given); in bash write {flag} $'...\\n...' for a real newline", file=sys.stderr)
     if params.temperature == 0 and (a.top_p != 1.0 or a.top_k not in (0, -1) or a.seed is not None):
         print("[bytebound] note: --temperature 0 is greedy decoding; --top-p/--top-k/--seed have no effect "
               "(give --temperature > 0 to sample)", file=sys.stderr)

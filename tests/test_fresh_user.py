@@ -234,6 +234,18 @@ def test_chat_with_prompt_ids_gets_a_note(ckpt, capsys):
     assert chat.out == plain.out
 
 
+def test_escaped_newline_in_stop_or_prompt_gets_a_note(ckpt, capsys):
+    """``--stop '\\n'`` from a shell's plain quotes is a backslash and an n, which seldom matches: a note says so
+    and how to write a newline (a fresh user's run went on past every newline to the length limit). A real
+    newline gets no note; the text is used as given either way."""
+    base = ["generate", "--model", str(ckpt), "--prompt-ids", "4,5,6", "--max-tokens", "2"]
+    assert main(base + ["--stop", "\\n"]) == 0
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if "note:" in ln]
+    assert len(notes) == 1 and "--stop" in notes[0] and "not a newline" in notes[0], notes
+    assert main(base + ["--stop", "\n"]) == 0
+    assert "not a newline" not in capsys.readouterr().err
+
+
 def test_demo_without_tokenizer_is_a_demo_error_before_the_question(ckpt, capsys):
     """``demo --load-format dummy`` (random weights, no tokenizer): one named line that the demo needs the
     tokenizer, and no question printed first (it used to print the question, then advise --prompt-ids, a flag the
