@@ -13,6 +13,10 @@ while moving a few KB. Here one program per token does it all in registers over 
 Each pick is one reduction over the row: a shuffle tree, then shared memory and barriers across warps, one after
 the other, so their number is the routing's length; in ``gemv_route`` one program runs them while the rest of the
 GPU waits. A max of keys is a single reduction where argmax carries an index and a gather of s[id] needs another.
+``gemv_route``'s tail therefore cuts the row into one segment per warp (whole groups each, :func:`route_segments`):
+each warp picks its segment's best keys with shuffles alone, and the row's top K are placed by rank among those
+candidates (``_route_rows_seg``; ``BYTEBOUND_ROUTER_SEG=0`` is the one-segment tail). The routing tail's cost,
+the segmented tail's A/B and the barrier counts: docs/perf/session29-h100-router/.
 
 Selection order: ``ids`` come out in decreasing ``sb``. The reference's ``topk(sorted=False)`` leaves the order
 open, and the routed sum does not depend on it. On exact ties the lowest index wins, as iterative argmax picks
