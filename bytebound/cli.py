@@ -25,7 +25,9 @@ def spec_steps(a) -> int:
 def add_engine_args(p: argparse.ArgumentParser, cpu_compile: bool | str = False) -> None:
     """Flags shared by every command that starts an engine. ``cpu_compile``: the command's default for
     ``--cpu-compile`` (``"auto"``: compile the CPU decode step where torch.compile can, else run eagerly)."""
-    p.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint dir (default: bundled ling-nano)")
+    # --model-path: SGLang's spelling of the same flag, accepted so a command line copied from it works
+    p.add_argument("--model", "--model-path", dest="model", default=str(DEFAULT_MODEL),
+                   help="checkpoint dir (default: bundled ling-nano); --model-path (SGLang's name) is the same")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: fp32 on CPU, bf16 on CUDA")
     p.add_argument("--lm-head", default="bf16", choices=["bf16", "fp32", "fp8"],
@@ -89,7 +91,7 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_compile: bool | str = False)
                    help="CPU: compile the one-token decode step with torch.compile (inductor, C++; needs a C++ "
                         f"compiler) for 2-3x faster steps ({what}; docs/perf/cpu-decode-nano.md). "
                         "--no-cpu-compile or --backend graphs=eager runs the eager step")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
+    p.add_argument("--tensor-parallel-size", "--tp-size", "--tp", dest="tensor_parallel_size", type=int, default=1,
                    help="N processes, one shard of the model each (heads, experts, vocabulary; gloo on CPU, NCCL on "
                         "CUDA with one GPU per rank); bytebound starts them itself, or runs as a rank under torchrun")
     p.add_argument("--pipeline-decode", action=argparse.BooleanOptionalAction, default=None,

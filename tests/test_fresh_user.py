@@ -312,6 +312,18 @@ def test_model_given_as_a_weights_file_names_the_folder(ckpt, capsys, tmp_path, 
     assert "is a weights file, not a model" in line and str(path.parent) in line, line
 
 
+def test_sglang_and_vllm_flag_spellings(ckpt, capsys):
+    """``--model-path`` (SGLang) and ``--tp`` / ``--tp-size`` are the same flags as ``--model`` and
+    ``--tensor-parallel-size``: a command line copied from SGLang runs (they were "unrecognized arguments")."""
+    base = ["generate", "--prompt-ids", "4,5,6", "--max-tokens", "2"]
+    assert main(base + ["--model", str(ckpt)]) == 0
+    want = capsys.readouterr().out
+    assert main(base + ["--model-path", str(ckpt), "--tp", "1"]) == 0
+    assert capsys.readouterr().out == want
+    assert main(base + ["--model-path", str(ckpt), "--tp-size", "0"]) == 2
+    assert "--tensor-parallel-size must be >= 1" in capsys.readouterr().err
+
+
 def test_help_and_version_do_not_import_torch():
     """``bytebound --help`` / ``--version`` answer without importing torch (was ~1.2-2.5 s on a 2-core machine): the
     parser's defaults come from torch-free modules (``bytebound.paths``, ``bytebound.verify``'s lazy exports)."""
