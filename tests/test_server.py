@@ -382,6 +382,12 @@ def test_queue_full_429_and_disconnect_cancels(ckpt, ref):
                 assert ra.status_code == 200
                 lines = ra.iter_lines()
                 assert next(ln for ln in lines if ln.startswith("data: "))
+                # X: queued, then its client gives up: its place is free at once (it used to hold it, and so 429
+                # others, until the dispatcher reached it)
+                with pytest.raises(httpx.ReadTimeout):
+                    hc.post(f"{s.url}/v1/completions", json={**long, "max_tokens": 2}, timeout=0.3)
+                assert _wait(lambda: httpx.get(f"{s.url}/server_info").json()["queued"] == 0)
+                assert httpx.get(f"{s.url}/server_info").json()["running"]          # A still holds the engine
                 # B: waits in the queue (the only slot)
                 box = {}
                 tb = threading.Thread(target=lambda: box.setdefault("b", _post(s.url, "/v1/completions",
@@ -399,13 +405,13 @@ def test_queue_full_429_and_disconnect_cancels(ckpt, ref):
             assert not tb.is_alive()
             want = expect(ref, "queued", max_tokens=4)
             assert box["b"].status_code == 200 and box["b"].json()["choices"][0]["text"] == want.text
-            assert _wait(lambda: _metric(s.url, "bytebound_requests_total", '{finish_reason="cancelled"}') == 1)
+            assert _wait(lambda: _metric(s.url, "bytebound_requests_total", '{finish_reason="cancelled"}') == 2)
             gen_after_a = _metric(s.url, "bytebound_generation_tokens_total")
             assert gen_after_a < 3000 + 4, "the disconnected stream was not cancelled"
             # D: a non-streaming client that gives up (timeout) is cancelled too
             with pytest.raises(httpx.ReadTimeout):
                 hc.post(f"{s.url}/v1/completions", json=long, timeout=1.0)
-            assert _wait(lambda: _metric(s.url, "bytebound_requests_total", '{finish_reason="cancelled"}') == 2)
+            assert _wait(lambda: _metric(s.url, "bytebound_requests_total", '{finish_reason="cancelled"}') == 3)
             assert _metric(s.url, "bytebound_generation_tokens_total") < gen_after_a + 3000
             assert _metric(s.url, "bytebound_requests_rejected_total", '{reason="queue_full"}') == 2
             # and the server still serves

@@ -1,8 +1,9 @@
 """OpenAI-compatible FastAPI app over one batch-1 :class:`~bytebound.engine.engine.Engine`.
 
 Concurrency model: one worker thread owns the engine (a single-thread executor); requests wait in an
-``asyncio.Queue(max_queue)`` and a dispatcher coroutine hands them to the worker one at a time. A full queue
-answers 429 (``Retry-After: 1``); a closing or broken worker answers 503. The worker checks the request's
+``asyncio.Queue`` and a dispatcher coroutine hands them to the worker one at a time. With ``max_queue`` requests
+waiting whose clients are still there, a new one gets 429 (``Retry-After: 1``); a client that leaves while queued
+frees its place at once. A closing or broken worker answers 503. The worker checks the request's
 cancel flag between streamed tokens, so a client that disconnects (streaming: the SSE generator is cancelled;
 non-streaming: a watcher polls ``request.is_disconnected()``) stops its generation at the next token; such a
 request is logged as cancelled (the access line, written when the response starts, says only ``200``) and counted
@@ -180,7 +181,7 @@ class Metrics:
 
 
 # ---- the worker -----------------------------------------------------------------------------------------------
-@dataclass
+@dataclass(eq=False)          # identity: jobs are kept in a set (EngineWorker.waiting)
 class Job:
     """One request on its way through the queue and the worker; events flow back through ``events``."""
     rid: str
@@ -209,13 +210,16 @@ class EngineWorker:
         self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="bytebound-engine")
         self.queue: asyncio.Queue | None = None
+        # the jobs in the queue; those whose client left (cancel set) still sit in it until the dispatcher reaches
+        # them, and count neither towards max_queue nor as queued
+        self.waiting: set[Job] = set()
         self.task: asyncio.Task | None = None
         self.current: Job | None = None
         self.closing = False
         self.served = 0
 
     async def start(self) -> None:
-        self.queue = asyncio.Queue(self.max_queue)
+        self.queue = asyncio.Queue()         # bounded by live_queued() in submit, not by its length
         self.task = asyncio.create_task(self._dispatch(), name="bytebound-dispatch")
 
     def healthy(self) -> str | None:
@@ -233,19 +237,42 @@ class EngineWorker:
         if why:
             self.metrics.rejected.labels("unavailable").inc()
             raise APIError(503, f"server unavailable: {why}", "server_error", code="unavailable")
-        try:
-            self.queue.put_nowait(job)
-        except asyncio.QueueFull:
+        if self.live_queued() >= self.max_queue:
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(429, f"the request queue is full ({self.max_queue} waiting); retry later",
-                           "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
-        self.metrics.queued.set(self.queue.qsize())
+                           "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+        if len(self.waiting) >= 2 * self.max_queue:
+            self._drop_cancelled()
+        self.queue.put_nowait(job)
+        self.waiting.add(job)
+        self.metrics.queued.set(self.live_queued())
+
+    def live_queued(self) -> int:
+        """Jobs waiting for the engine whose client is still there (``max_queue`` bounds these, ``/server_info``
+        and the ``queued`` gauge report them): a client that gave up while queued frees its place at once."""
+        return sum(not j.cancel.is_set() for j in self.waiting)
+
+    def _drop_cancelled(self) -> None:
+        """Take the cancelled jobs out of the queue (on the loop), so clients that connect and leave while a long
+        generation runs cannot grow it without bound; each gets its ``cancelled`` event as the dispatcher would."""
+        keep = []
+        while not self.queue.empty():
+            job = self.queue.get_nowait()
+            if job.cancel.is_set():
+                self.waiting.discard(job)
+                self.metrics.requests.labels("cancelled").inc()
+                job.post("cancelled")
+            else:
+                keep.append(job)
+        for job in keep:
+            self.queue.put_nowait(job)
 
     async def _dispatch(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             job = await self.queue.get()
-            self.metrics.queued.set(self.queue.qsize())
+            self.waiting.discard(job)
+            self.metrics.queued.set(self.live_queued())
             if job.cancel.is_set():                  # its client left while it waited
                 self.metrics.requests.labels("cancelled").inc()
                 job.post("cancelled")
@@ -327,6 +354,7 @@ class EngineWorker:
         """Cancel the queued jobs and the running one (it stops at the next token). Any thread."""
         while self.queue is not None and not self.queue.empty():
             job = self.queue.get_nowait()
+            self.waiting.discard(job)
             job.why = job.why or "shutdown"
             job.cancel.set()
             job.post("cancelled")
@@ -724,7 +752,7 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
         return _jsonable({"served_model_name": name, "version": version, "model_path": str(engine.config.model),
                           "max_model_len": engine.runner.max_len, "max_queue": max_queue,
                           "max_prompt_chars": max_prompt_chars, "max_body_bytes": max_body_bytes,
-                          "queued": worker.queue.qsize() if worker.queue else 0,
+                          "queued": worker.live_queued(),
                           "running": worker.current is not None, "served": worker.served,
                           "engine_config": asdict(engine.config), "avg_spec_accept_length": acc,
                           "internal_states": [{"avg_spec_accept_length": acc}], "manifest": manifest})
