@@ -535,8 +535,8 @@ section_moetable() {     # a candidate MoE table (MOE_TABLE, a path) against the
     table_checks BYTEBOUND_MOE_CONFIG "$tab" moetable
 }
 
-section_routerseg() {    # the segmented routing tail (twenty-ninth session: kernels/triton_router.py _route_rows_seg, the default;
-    # BYTEBOUND_ROUTER_SEG=0 is the one-segment tail): the router tests on the GPU (ids bit-equal to the previous
+section_routerseg() {    # the segmented routing tail (twenty-ninth session: kernels/triton_router.py _route_rows_seg, opt-in with
+    # BYTEBOUND_ROUTER_SEG=1 until this section has passed; 0 is the one-segment tail): the router tests on the GPU (ids bit-equal to the previous
     # code and to the one-segment tail on ties, signs, -inf; the split tail), the router bench with the switch off
     # and on in ABBA order, then table_checks with the switch: engine tests, canaries, plain step + round A/B
     run_step tests python3 -m pytest tests/test_triton_router.py tests/gpu/test_kernels_gpu.py -k "rout" -q \

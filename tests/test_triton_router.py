@@ -379,12 +379,13 @@ def test_gemv_route_equals_previous_code_exactly(router_rne, v0, e, g, tg, k, h,
 @pytest.mark.parametrize("e,g,tg,k,nw", [(512, 8, 4, 8, 4), (64, 4, 2, 4, 8), (64, 1, 1, 6, 4)])
 @pytest.mark.parametrize("kind", TIE_KINDS)
 def test_segmented_routing_equals_one_segment(router, e, g, tg, k, nw, kind, monkeypatch):
-    """The segmented routing tail (``_route_rows_seg``: per-segment picks inside a warp, then the candidates placed
-    by rank) == the one-segment tail (``BYTEBOUND_ROUTER_SEG=0``), ids bit for bit and weights to float32
+    """The segmented routing tail (``_route_rows_seg``, ``BYTEBOUND_ROUTER_SEG=1``: per-segment picks inside a warp,
+    then the candidates placed by rank) == the one-segment tail (the default), ids bit for bit and weights to float32
     rounding, on the tie, sign, magnitude and -inf cases (fewer finite experts than K, or finite groups than
     topk_group: iterative argmax's expert 0 / group 0), M = 1 and 4 rows in one program."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(7 * e + g + k + TIE_KINDS.index(kind))
+    monkeypatch.setenv("BYTEBOUND_ROUTER_SEG", "1")
     assert router.route_segments(e, g, k, nw) > 1
     wg = torch.eye(e).to(dev)
     for m in (1, 4):
@@ -400,7 +401,7 @@ def test_segmented_routing_equals_one_segment(router, e, g, tg, k, nw, kind, mon
 
 
 @pytest.mark.parametrize("tail", ["fused_route", "gemv_route"])
-def test_route_tie_rule_and_negative_scores(router, tail):
+def test_route_tie_rule_and_negative_scores(router, tail, monkeypatch):
     """The tie rule and the sign handling, spelled out: equal scores go lowest index first (groups too), ids
     come out in decreasing sb, and all-negative sb (bias < -1) orders as the floats do; for the one-row routing
     kernel and for ``gemv_route``'s segmented tail (an identity router weight: the logits are x)."""
@@ -411,6 +412,8 @@ def test_route_tie_rule_and_negative_scores(router, tail):
         fn = router.fused_route
     else:
         eye = torch.eye(e, device=dev)
+        monkeypatch.setenv("BYTEBOUND_ROUTER_SEG", "1")          # the segmented tail (opt-in)
+
         def fn(logits, bias, *a):
             return router.gemv_route(logits.bfloat16(), eye, bias, *a, be=16, num_warps=4)
     ids, w = fn(z, None, k, g, tg, True, 2.0)          # all equal: groups 0, 1; experts 0..3

@@ -13,10 +13,10 @@ while moving a few KB. Here one program per token does it all in registers over 
 Each pick is one reduction over the row: a shuffle tree, then shared memory and barriers across warps, one after
 the other, so their number is the routing's length; in ``gemv_route`` one program runs them while the rest of the
 GPU waits. A max of keys is a single reduction where argmax carries an index and a gather of s[id] needs another.
-``gemv_route``'s tail therefore cuts the row into one segment per warp (whole groups each, :func:`route_segments`):
+``gemv_route``'s tail can therefore cut the row into one segment per warp (whole groups each, :func:`route_segments`):
 each warp picks its segment's best keys with shuffles alone, and the row's top K are placed by rank among those
-candidates (``_route_rows_seg``; ``BYTEBOUND_ROUTER_SEG=0`` is the one-segment tail). The routing tail's cost,
-the segmented tail's A/B and the barrier counts: docs/perf/session29-h100-router/.
+candidates (``_route_rows_seg``; opt-in with ``BYTEBOUND_ROUTER_SEG=1`` until its GPU tests have run). The routing
+tail's cost, the segmented tail's A/B and the barrier counts: docs/perf/session29-h100-router/.
 
 Selection order: ``ids`` come out in decreasing ``sb``. The reference's ``topk(sorted=False)`` leaves the order
 open, and the routed sum does not depend on it. On exact ties the lowest index wins, as iterative argmax picks
@@ -524,9 +524,11 @@ def route_segments(e: int, n_group: int, top_k: int, num_warps: int) -> int:
     """How many segments ``_route_rows_seg`` cuts a row of ``e`` experts into for a routing program of
     ``num_warps`` warps: the largest power of two S <= num_warps that splits the row into whole groups (S divides
     ``n_group``, or any S with one group) of at least ``next_power_of_2(top_k)`` experts each (a segment yields
-    that many candidates). 1 (the one-segment :func:`_route_rows`) when ``BYTEBOUND_ROUTER_SEG=0``, an A/B switch
-    read at each call like :func:`split_tail_enabled`."""
-    if os.environ.get("BYTEBOUND_ROUTER_SEG", "1") == "0":
+    that many candidates). Opt-in: 1 (the one-segment :func:`_route_rows`) unless ``BYTEBOUND_ROUTER_SEG=1``, an A/B
+    switch read at each call like :func:`split_tail_enabled`. It took 43 us off the H100's plain step and its ids
+    equal the one-segment tail's in Triton's interpreter, but its GPU tests, the engine tests and the canaries with it
+    have not run yet (docs/perf/session29-h100-router/; ``scripts/gpu_check.sh routerseg`` runs them)."""
+    if os.environ.get("BYTEBOUND_ROUTER_SEG", "0") != "1":
         return 1
     kp = 1 << max(top_k - 1, 0).bit_length()
     g = max(n_group, 1)
