@@ -79,11 +79,11 @@ def test_prefetch_kernels_compile_for_sm90(kernel):
 
     if kernel == "router":
         from bytebound.kernels import triton_router as tr
-        for m, be, warps, add in ((1, 2, 4, False), (4, 4, 8, True)):
+        for m, be, warps, add, seg in ((1, 2, 4, False, 1), (4, 4, 8, True, 1), (1, 2, 4, True, 4)):
             h = 2048
             const = dict(H=h, E=256, G=8, TOPK_GROUP=4, K=8, KP=8, HAS_BIAS=True, NORM=True, M=m, MP=m, BE=be,
                          HP=h, FENCE=True, PDL_OUT=True, ADD_NORM=add, PDL_IN=True, PF=be * h * 4, NTH=32 * warps,
-                         SPLIT_TAIL=m > 1, BATCH_ROWS=m > 1)
+                         SPLIT_TAIL=m > 1, BATCH_ROWS=m > 1, ROUTE=True, SEG=seg)
             types = dict(x_ptr="*bf16", wg_ptr="*fp32", cnt_ptr="*i32", ids_ptr="*i64", scale="fp32",
                          d_ptr="*bf16", nw_ptr="*bf16", hout_ptr="*bf16", xout_ptr="*bf16", eps="fp32")
             _check_prefetch_ptx(build(tr._gemv_route_kernel, types, const, warps), 1)
