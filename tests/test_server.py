@@ -88,6 +88,7 @@ def test_models_health_info(srv):
     with pytest.raises(openai.NotFoundError):
         c.models.retrieve("gpt-4")
     assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}
+    assert httpx.head(f"{srv.url}/health").status_code == 200
     info = httpx.get(f"{srv.url}/server_info").json()
     assert info["served_model_name"] == NAME and info["max_queue"] == 16
     man = info["manifest"]

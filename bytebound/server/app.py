@@ -715,7 +715,7 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
         metrics.error(e)
         return e.response()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])        # HEAD: load balancers' and curl -I's probe
     async def health():
         why = worker.healthy()
         if why:
