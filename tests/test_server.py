@@ -249,12 +249,18 @@ BAD = [
     ({"prompt": "hi", "stop": ["="], "include_stop_str_in_output": True}, 400),
     ({"prompt": "hi", "skip_special_tokens": False}, 400), ({"prompt": "hi", "typical_p": 0.9}, 400),
     ({"prompt": "hi", "guided_choice": ["a", "b"]}, 400), ({"prompt": "hi", "use_beam_search": True}, 400),
+    ({"prompt": "hi", "allowed_token_ids": [11, 12]}, 400), ({"prompt": "hi", "bad_words": ["x"]}, 400),
+    ({"prompt": "hi", "min_new_tokens": 3}, 400), ({"prompt": "hi", "truncate_prompt_tokens": 2}, 400),
+    ({"prompt": "hi", "min_p": False}, 400), ({"prompt": "hi", "typical_p": True}, 400),
 ]
 BAD_CHAT = [({"messages": []}, 400), ({"messages": [{"role": "tool", "content": "x"}]}, 400),
             ({"messages": [{"role": "user", "content": 5}]}, 400), ({"messages": "hi"}, 400),
             ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, 400),
             ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400),
-            ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}, 404)]
+            ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}, 404),
+            ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages }}"}, 400),
+            ({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False}, 400),
+            ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400)]
 
 
 def _post(url, path, body):
@@ -388,6 +394,7 @@ def test_queue_full_429_and_disconnect_cancels(ckpt, ref):
                 with pytest.raises(httpx.ReadTimeout):
                     hc.post(f"{s.url}/v1/completions", json={**long, "max_tokens": 2}, timeout=0.3)
                 assert _wait(lambda: httpx.get(f"{s.url}/server_info").json()["queued"] == 0)
+                assert _metric(s.url, "bytebound_num_queued_requests") == 0          # the gauge agrees
                 assert httpx.get(f"{s.url}/server_info").json()["running"]          # A still holds the engine
                 # B: waits in the queue (the only slot)
                 box = {}
@@ -628,6 +635,16 @@ def _up(url) -> bool:
         return False
 
 
+def socket_has_ipv6_loopback() -> bool:
+    import socket
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
 def test_serve_port_0_prints_the_bound_port(ckpt, tmp_path):
     """``bytebound serve --port 0``: the banner names the port the system picked (it printed 0 before it was
     bound), and the server answers there."""
@@ -670,6 +687,60 @@ def test_serve_checks_its_address_before_loading_the_model(tmp_path, capsys, whe
     err = capsys.readouterr().err
     assert rc == 2 and f"cannot listen on {host}:{port}" in err, err
     assert "no-model-here" not in err
+
+
+def test_bind_socket_listens_so_a_second_server_fails_at_once():
+    """Two ``bind_socket`` on one port: the second fails. With SO_REUSEADDR two sockets may bind a port that nobody
+    listens on, so a second ``serve`` started while the first still loaded its model passed the check and failed
+    only after its own load."""
+    from bytebound.server.app import bind_socket
+    first = bind_socket("127.0.0.1", 0)
+    try:
+        with pytest.raises(OSError):
+            bind_socket("127.0.0.1", first.getsockname()[1]).close()
+    finally:
+        first.close()
+
+
+def test_serve_interrupted_while_loading_exits_quietly(monkeypatch, capsys):
+    """Ctrl-C while the model loads: exit 130 with one line, no traceback, and the port released at once."""
+    import socket
+    from bytebound.cli import main
+    import bytebound.engine.engine as engine_mod
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(engine_mod, "Engine", interrupted)
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    assert main(["serve", "--port", str(port)]) == 130
+    assert "interrupted while loading the model" in capsys.readouterr().err
+    from bytebound.server.app import bind_socket
+    bind_socket("127.0.0.1", port).close()          # free again
+
+
+@pytest.mark.skipif(not socket_has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+def test_serve_banner_brackets_an_ipv6_host(ckpt, tmp_path):
+    """``--host ::1``: the banner's URL is ``http://[::1]:PORT/v1`` (it printed ``http://::1:PORT/v1``)."""
+    import re
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "bytebound.cli", "serve", "--model", str(ckpt), "--host",
+                                 "::1", "--port", "0", "--log-level", "warning"], stdout=f, stderr=subprocess.STDOUT)
+    try:
+        found = []
+
+        def banner():
+            found[:] = re.findall(r"\[bytebound serve\] model .*(http://\S+/v1)", log.read_text())
+            return bool(found) or proc.poll() is not None
+        assert _wait(banner, 60) and found, log.read_text()
+        assert re.fullmatch(r"http://\[::1\]:\d+/v1", found[0]), found
+        assert _up(found[0][:-3]), log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_sigterm_cancels_requests_in_flight(ckpt, tmp_path):

@@ -33,7 +33,9 @@ Request rules: malformed JSON, wrong types, text that is not valid Unicode (a lo
 prompt, a message or a stop string: ``invalid_unicode``, naming the field), out-of-range sampling values,
 ``n``/``best_of`` other than 1, unsupported features (logprobs, echo, penalties, tools; vLLM's and SGLang's sampling
 extensions ``min_tokens``, ``min_p``, ``typical_p``, ``include_stop_str_in_output``, ``skip_special_tokens`` false,
-beam search, guided / structured output, at any value but the neutral one) and prompts that do not
+``min_new_tokens``, ``allowed_token_ids``, ``bad_words``, ``logits_processors``, ``truncate_prompt_tokens``,
+``stop_regex``, beam search, guided / structured output; for chat ``add_generation_prompt`` false,
+``continue_final_message``, ``chat_template`` and its kwargs; each at any value but the neutral one) and prompts that do not
 fit ``max_model_len`` get 400 before queueing; an unknown model gets 404, a request without ``model`` is for the
 served one. Extensions: ``top_k``, ``seed``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids``
 (non-streaming: ``choices[0].token_ids``; streaming, as vLLM: every chunk's choice carries the ids of that chunk,
@@ -399,6 +401,11 @@ def _get(body: dict, key: str, kind: str, default=None):
     return v
 
 
+def _is_num_equal(x):
+    """A check that holds for a JSON number equal to ``x`` (not a bool: ``False == 0`` in Python)."""
+    return lambda v: _is_num(v) and v == x
+
+
 def _reject_unsupported(body: dict, chat: bool) -> None:
     checks = [("n", lambda v: v == 1), ("best_of", lambda v: v == 1), ("echo", lambda v: v is False),
               ("presence_penalty", lambda v: v == 0), ("frequency_penalty", lambda v: v == 0),
@@ -407,15 +414,23 @@ def _reject_unsupported(body: dict, chat: bool) -> None:
               ("response_format", lambda v: isinstance(v, dict) and v.get("type") == "text"),
               ("top_logprobs", lambda v: False),
               ("logprobs", (lambda v: v is False) if chat else (lambda v: False)),
-              # vLLM / SGLang sampling extensions this engine does not implement: refused rather than ignored, so a
-              # client never gets other sampling than it asked for without being told
-              ("min_tokens", lambda v: v == 0), ("min_p", lambda v: v == 0), ("typical_p", lambda v: v == 1),
+              # vLLM / SGLang extensions this engine does not implement: refused rather than ignored, so a client
+              # never gets other sampling or another prompt than it asked for without being told; accepted only at
+              # the value that changes nothing, of its own type (False is not 0 here)
+              ("min_tokens", _is_num_equal(0)), ("min_new_tokens", _is_num_equal(0)), ("min_p", _is_num_equal(0)),
+              ("typical_p", _is_num_equal(1)), ("length_penalty", _is_num_equal(1)),
               ("include_stop_str_in_output", lambda v: v is False), ("skip_special_tokens", lambda v: v is True),
-              ("use_beam_search", lambda v: v is False), ("length_penalty", lambda v: v == 1),
-              ("prompt_logprobs", lambda v: False), ("guided_json", lambda v: False),
+              ("spaces_between_special_tokens", lambda v: v is True), ("no_stop_trim", lambda v: v is False),
+              ("use_beam_search", lambda v: v is False), ("prompt_logprobs", lambda v: False),
+              ("allowed_token_ids", lambda v: False), ("bad_words", lambda v: v == []),
+              ("logits_processors", lambda v: v == []), ("truncate_prompt_tokens", lambda v: False),
+              ("stop_regex", lambda v: v == []), ("guided_json", lambda v: False),
               ("guided_regex", lambda v: False), ("guided_choice", lambda v: False),
               ("guided_grammar", lambda v: False), ("structured_outputs", lambda v: False),
               ("regex", lambda v: False), ("json_schema", lambda v: False), ("ebnf", lambda v: False)]
+    if chat:        # the chat template's controls: the server always renders the model's own template
+        checks += [("add_generation_prompt", lambda v: v is True), ("continue_final_message", lambda v: v is False),
+                   ("chat_template", lambda v: False), ("chat_template_kwargs", lambda v: v == {})]
     for key, fine in checks:
         v = body.get(key)
         if v is not None and not fine(v):
@@ -740,6 +755,7 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
 
     @app.get("/metrics")
     async def prom():
+        metrics.queued.set(worker.live_queued())        # clients may have left the queue since the last change
         if engine.drafter is not None:
             metrics.accept_avg.set(engine.spec_totals.accept_length)
         if getattr(engine, "adaptive", None) is not None:
@@ -882,11 +898,11 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
     return app
 
 
-def bind_socket(host: str, port: int):
-    """A TCP socket bound to ``host:port`` (port 0: one the system picks), for ``make_server(...).run(sockets=
-    [sock])``: ``bytebound serve`` binds it before loading the model, so a busy port or an unknown host is an error at
-    once. IPv6 for a host with a colon; ``SO_REUSEADDR`` as uvicorn sets it (a port in TIME_WAIT is usable, one
-    another server listens on is not).
+def bind_socket(host: str, port: int, backlog: int = 2048):
+    """A TCP socket bound to ``host:port`` (port 0: one the system picks) and listening (``backlog``, uvicorn's
+    default), for ``make_server(...).run(sockets=[sock])``: ``bytebound serve`` makes it before loading the model, so
+    a busy port or an unknown host is an error at once. IPv6 for a host with a colon; ``SO_REUSEADDR`` as uvicorn
+    sets it (a port in TIME_WAIT is usable, one another server has bound and listens on is not).
 
     Raises:
         OSError: the host does not resolve or the address cannot be bound (in use, not this machine's, no
@@ -898,6 +914,10 @@ def bind_socket(host: str, port: int):
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
+        # listening at once: two sockets with SO_REUSEADDR may both bind a port that nobody listens on yet, so a
+        # second server would pass the bind and fail after loading its model; connections made during the load
+        # wait in the backlog and are served once the server starts
+        sock.listen(backlog)
     except OSError:
         sock.close()
         raise

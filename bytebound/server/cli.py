@@ -84,14 +84,20 @@ def cmd_serve(a) -> int:
         print(f"[bytebound serve] engine did not start: {type(e).__name__}: {e}", file=sys.stderr)
         sock.close()
         return 2
+    except KeyboardInterrupt:           # Ctrl-C while the model loads: a quiet exit, the port released
+        sock.close()
+        print("[bytebound serve] interrupted while loading the model", file=sys.stderr)
+        return 130
     print_fallbacks(eng)
     app = create_app(eng, a.served_model_name, a.max_queue, max_prompt_chars=a.max_prompt_chars)
     name = app.state.served_model_name
     res = ", ".join(f"{op}={r.resolved}" for op, r in eng.plan.resolutions.items())
 
+    host = f"[{a.host}]" if ":" in a.host else a.host      # an IPv6 address in a URL goes in brackets
+
     def banner(port: int) -> None:      # once bound: with --port 0 the port is the one the system picked
         print(f"[bytebound serve] model {name!r} on {eng.device} (kernels: {res}; head path "
-              f"{eng.model.lm_head.mode}, MTP steps={eng.config.speculative_steps}); http://{a.host}:{port}/v1",
+              f"{eng.model.lm_head.mode}, MTP steps={eng.config.speculative_steps}); http://{host}:{port}/v1",
               file=sys.stderr, flush=True)
     server = make_server(app, a.host, a.port, a.timeout_graceful_shutdown, on_started=banner, log_level=a.log_level)
     try:
