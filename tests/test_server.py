@@ -645,27 +645,35 @@ def socket_has_ipv6_loopback() -> bool:
         return False
 
 
-def test_serve_port_0_prints_the_bound_port(ckpt, tmp_path):
-    """``bytebound serve --port 0``: the banner names the port the system picked (it printed 0 before it was
-    bound), and the server answers there."""
+def _serve_banner_url(ckpt, tmp_path, *args) -> str:
+    """Start ``bytebound serve --port 0`` with ``args``, wait for its banner, check the server answers at the URL the
+    banner names (without ``/v1``), stop it; return that URL as printed."""
     import re
     log = tmp_path / "serve.log"
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "bytebound.cli", "serve", "--model", str(ckpt), "--port", "0",
-                                 "--log-level", "warning"], stdout=f, stderr=subprocess.STDOUT)
+                                 "--log-level", "warning", *args], stdout=f, stderr=subprocess.STDOUT)
     try:
         found = []
 
         def banner():
-            found[:] = re.findall(r"\[bytebound serve\] model .*http://127\.0\.0\.1:(\d+)/v1", log.read_text())
+            found[:] = re.findall(r"\[bytebound serve\] model .*(http://\S+/v1)", log.read_text())
             return bool(found) or proc.poll() is not None
         assert _wait(banner, 60) and found, log.read_text()
-        port = int(found[0])
-        assert port != 0, log.read_text()
-        assert _up(f"http://127.0.0.1:{port}"), log.read_text()
+        assert _up(found[0][:-3]), log.read_text()
+        return found[0]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_serve_port_0_prints_the_bound_port(ckpt, tmp_path):
+    """``bytebound serve --port 0``: the banner names the port the system picked (it printed 0 before it was
+    bound), and the server answers there."""
+    import re
+    url = _serve_banner_url(ckpt, tmp_path)
+    m = re.fullmatch(r"http://127\.0\.0\.1:(\d+)/v1", url)
+    assert m and int(m.group(1)) != 0, url
 
 
 @pytest.mark.parametrize("where", ["busy", "bad_host"])
@@ -723,24 +731,11 @@ def test_serve_interrupted_while_loading_exits_quietly(monkeypatch, capsys):
 
 @pytest.mark.skipif(not socket_has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
 def test_serve_banner_brackets_an_ipv6_host(ckpt, tmp_path):
-    """``--host ::1``: the banner's URL is ``http://[::1]:PORT/v1`` (it printed ``http://::1:PORT/v1``)."""
+    """``--host ::1``: the banner's URL is ``http://[::1]:PORT/v1`` (it printed ``http://::1:PORT/v1``), and the
+    server answers there."""
     import re
-    log = tmp_path / "serve.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "bytebound.cli", "serve", "--model", str(ckpt), "--host",
-                                 "::1", "--port", "0", "--log-level", "warning"], stdout=f, stderr=subprocess.STDOUT)
-    try:
-        found = []
-
-        def banner():
-            found[:] = re.findall(r"\[bytebound serve\] model .*(http://\S+/v1)", log.read_text())
-            return bool(found) or proc.poll() is not None
-        assert _wait(banner, 60) and found, log.read_text()
-        assert re.fullmatch(r"http://\[::1\]:\d+/v1", found[0]), found
-        assert _up(found[0][:-3]), log.read_text()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    url = _serve_banner_url(ckpt, tmp_path, "--host", "::1")
+    assert re.fullmatch(r"http://\[::1\]:\d+/v1", url), url
 
 
 def test_sigterm_cancels_requests_in_flight(ckpt, tmp_path):
