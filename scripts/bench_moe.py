@@ -504,6 +504,14 @@ def variants_section(layers, ms, cfgs: dict, variants: list[str], persist_cfg: d
 
 
 ROUTER_BYTES = E * H * 4 + E * 4          # float32 router weight (router_dtype fp32) + expert bias
+ROUTE_ARGS = (K, 8, 4, True, 2.5)         # Ling: top-8, 8 groups, 4 kept, norm_topk_prob, routed_scaling_factor
+
+
+def make_routers(n: int, seed: int) -> tuple[list, list]:
+    """``n`` random routers of Ling-3.0-flash's shape: float32 weights ``[E, H]`` and expert biases ``[E]``."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    wg = [torch.randn(E, H, generator=g, device="cuda") * 0.02 for _ in range(n)]
+    return wg, [torch.randn(E, generator=g, device="cuda") * 0.01 for _ in range(n)]
 
 
 def router_section(layers, ms, cfgs: dict, reps: int, read_gbps: float, log) -> list[dict]:
@@ -519,11 +527,9 @@ def router_section(layers, ms, cfgs: dict, reps: int, read_gbps: float, log) -> 
     from bytebound.kernels.triton_router import _gemv_route, fused_route, gemv_route, gemv_route_add_norm
     from bytebound.layers.moe import route
     nl = len(layers)
-    g = torch.Generator(device="cuda").manual_seed(77)
-    wg = [torch.randn(E, H, generator=g, device="cuda") * 0.02 for _ in range(nl)]
-    bias = [torch.randn(E, generator=g, device="cuda") * 0.01 for _ in range(nl)]
+    wg, bias = make_routers(nl, 77)
     mlps = [make_shared(500 + li) for li in range(nl)]
-    args = (K, 8, 4, True, 2.5)           # Ling: top-8, 8 groups, 4 kept, norm_topk_prob, routed_scaling_factor
+    args = ROUTE_ARGS
     rows = []
     for m in ms:
         xs = [torch.randn(m, H, device="cuda").to(torch.bfloat16) for _ in range(nl)]
@@ -690,18 +696,15 @@ def ncu_range(layers, ms, cfgs: dict, log, router: bool = False) -> int:
         fn = bind("triton", ex, {m: cfgs[m] for m in ms})
         fn.bind_shared(make_shared(500 + li))
         fns.append(fn)
-    g = torch.Generator(device="cuda").manual_seed(78)
-    routers = [(torch.randn(E, H, generator=g, device="cuda") * 0.02, torch.randn(E, generator=g, device="cuda") * 0.01,
-                1 + 0.1 * torch.randn(H, generator=g, device="cuda")) for _ in layers]
+    wg, bias = make_routers(len(layers), 78)
+    nws = [(1 + 0.1 * torch.randn(H, device="cuda")).to(torch.bfloat16) for _ in layers]
     cases = {m: [(torch.randn(m, H, device="cuda").to(torch.bfloat16), *make_routing(m, "random", 90 + 7 * m + li))
                  for li in range(len(layers))] for m in ms}
 
     def call(fn, args, li):
         if not router:
             return fn(*args)
-        wg, bias, nw = routers[li]
-        ids, w, xn, _ = gemv_route_add_norm(args[0], args[0], nw.to(torch.bfloat16), 1e-6, wg, bias, K, 8, 4, True,
-                                            2.5)
+        ids, w, xn, _ = gemv_route_add_norm(args[0], args[0], nws[li], 1e-6, wg[li], bias[li], *ROUTE_ARGS)
         return fn(xn, ids, w)
 
     for m in ms:

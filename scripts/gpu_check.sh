@@ -474,6 +474,20 @@ section_kernela() {      # the twenty-sixth session's open questions on the MoE 
         "$OUT/ncu-occupancy.txt" | tee -a "$LOG"
 }
 
+# abba_pair I BASE_LABEL BASE_CMD CAND_LABEL CAND_CMD: run_step both arms of pair I, the base first in odd pairs and
+# the candidate first in even ones (ABBA), so neither arm always runs first. BASE_CMD / CAND_CMD name arrays.
+abba_pair() {
+    local i="$1" base_label="$2" cand_label="$4"
+    local -n abba_base_cmd="$3" abba_cand_cmd="$5"
+    if [ $((i % 2)) -eq 1 ]; then
+        run_step "$base_label" "${abba_base_cmd[@]}"
+        run_step "$cand_label" "${abba_cand_cmd[@]}"
+    else
+        run_step "$cand_label" "${abba_cand_cmd[@]}"
+        run_step "$base_label" "${abba_base_cmd[@]}"
+    fi
+}
+
 # table_checks VAR TABLE LABEL [BASE]: with VAR=TABLE in the environment (BYTEBOUND_MOE_CONFIG or BYTEBOUND_GEMV_CONFIG),
 # the engine tests of the CUDA defaults and the full-scale canaries; then the plain step and the MTP round
 # (profile_round), BASE (VAR=BASE, or the committed table where BASE is empty) against TABLE, after a discarded
@@ -494,14 +508,11 @@ table_checks() {
     # (docs/perf/session28-h100-caps/): a discarded
     # warm-up process first, then the pairs in ABBA order, so neither arm always goes first
     run_step round_warmup "${r[@]}" --name round-warmup
+    local base_cmd cand_cmd
     for i in $(seq 1 "${AB_PAIRS:-2}"); do
-        if [ $((i % 2)) -eq 1 ]; then
-            run_step "round_base_$i" env "${b[@]}" "${r[@]}" --name "round-base-$i"
-            run_step "round_${label}_$i" env "$var=$tab" "${r[@]}" --name "round-$label-$i"
-        else
-            run_step "round_${label}_$i" env "$var=$tab" "${r[@]}" --name "round-$label-$i"
-            run_step "round_base_$i" env "${b[@]}" "${r[@]}" --name "round-base-$i"
-        fi
+        base_cmd=(env "${b[@]}" "${r[@]}" --name "round-base-$i")
+        cand_cmd=(env "$var=$tab" "${r[@]}" --name "round-$label-$i")
+        abba_pair "$i" "round_base_$i" base_cmd "round_${label}_$i" cand_cmd
     done
 }
 
@@ -521,14 +532,11 @@ section_moetable() {     # a candidate MoE table (MOE_TABLE, a path) against the
     local bm=(python3 scripts/bench_moe.py --backends '' --m 1,4 --layers 4 --reps 20 --shared)
     # a discarded warm-up process (the first process of a call ran slow in five of six calls), then ABBA pairs
     run_step shared_warmup env -u BYTEBOUND_MOE_CONFIG "${bm[@]}" --out "$OUT/moetable-warmup"
+    local base_cmd cand_cmd
     for i in $(seq 1 "${MOETABLE_PAIRS:-4}"); do
-        if [ $((i % 2)) -eq 1 ]; then
-            run_step "shared_base_$i" env -u BYTEBOUND_MOE_CONFIG "${bm[@]}" --out "$OUT/moetable-base-$i"
-            run_step "shared_cand_$i" env BYTEBOUND_MOE_CONFIG="$tab" "${bm[@]}" --out "$OUT/moetable-cand-$i"
-        else
-            run_step "shared_cand_$i" env BYTEBOUND_MOE_CONFIG="$tab" "${bm[@]}" --out "$OUT/moetable-cand-$i"
-            run_step "shared_base_$i" env -u BYTEBOUND_MOE_CONFIG "${bm[@]}" --out "$OUT/moetable-base-$i"
-        fi
+        base_cmd=(env -u BYTEBOUND_MOE_CONFIG "${bm[@]}" --out "$OUT/moetable-base-$i")
+        cand_cmd=(env BYTEBOUND_MOE_CONFIG="$tab" "${bm[@]}" --out "$OUT/moetable-cand-$i")
+        abba_pair "$i" "shared_base_$i" base_cmd "shared_cand_$i" cand_cmd
     done
     grep -E "^shared M=|^=== \[moetable\] shared_(warmup|(base|cand)_[0-9]+): [^r]" "$LOG" | tee -a "$OUT/moetable-summary.txt"
     kernel_tests_by_id 'keeps_the_bits\[NR-'
@@ -541,11 +549,12 @@ section_routerseg() {    # the segmented routing tail (twenty-ninth session: ker
     # and on in ABBA order, then table_checks with the switch: engine tests, canaries, plain step + round A/B
     run_step tests python3 -m pytest tests/test_triton_router.py tests/gpu/test_kernels_gpu.py -k "rout" -q \
         -p no:cacheprovider -rfE --tb=short $(pytest_timeout)
-    local b=(python3 scripts/bench_moe.py --backends '' --router --m 1,4 --layers 4 --reps 20) i a n=4
+    local b=(python3 scripts/bench_moe.py --backends '' --router --m 1,4 --layers 4 --reps 20) i n=2 base_cmd cand_cmd
     [ "${ROUTERSEG_BENCH:-1}" = 0 ] && n=0          # (skip the bench: a short call)
     for i in $(seq 1 $n); do
-        a=$(( (i == 2 || i == 3) ? 1 : 0 ))
-        run_step "bench_seg${a}_$i" env BYTEBOUND_ROUTER_SEG=$a "${b[@]}" --out "$OUT/routerseg-$i-seg$a"
+        base_cmd=(env BYTEBOUND_ROUTER_SEG=0 "${b[@]}" --out "$OUT/routerseg-$i-seg0")
+        cand_cmd=(env BYTEBOUND_ROUTER_SEG=1 "${b[@]}" --out "$OUT/routerseg-$i-seg1")
+        abba_pair "$i" "bench_seg0_$i" base_cmd "bench_seg1_$i" cand_cmd
     done
     grep -E "^=== \[routerseg\] bench_seg|gemv_route_add_norm \(engine|layer: gemv_route \+ split\+shared \(A pdl_in 1\)" \
         "$LOG" | grep -v ": rc=" | tee -a "$OUT/routerseg-summary.txt"

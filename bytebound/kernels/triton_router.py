@@ -248,6 +248,18 @@ if tl is not None:
         tl.store(w_ptr + dst, out_w * scale, mask=ok)
 
     @triton.jit
+    def _route_tail(logits_ptr, bias, ids_ptr, w_ptr, scale, row0, M, E: tl.constexpr, G: tl.constexpr,
+                    TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    NORM: tl.constexpr, MP: tl.constexpr, SEG: tl.constexpr):
+        """:func:`_route_rows_seg` with ``SEG`` > 1 segments (``bias`` from :func:`_load_bias_seg`), else
+        :func:`_route_rows` (``bias`` from :func:`_load_bias`)."""
+        if SEG > 1:
+            _route_rows_seg(logits_ptr, bias, ids_ptr, w_ptr, scale, row0, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS, NORM,
+                            MP, SEG)
+        else:
+            _route_rows(logits_ptr, bias, ids_ptr, w_ptr, scale, row0, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS, NORM, MP)
+
+    @triton.jit
     def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, M, E: tl.constexpr, G: tl.constexpr,
                       TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
                       NORM: tl.constexpr, PDL_OUT: tl.constexpr):
@@ -382,23 +394,16 @@ if tl is not None:
                 seen = ticket + 1
                 while seen < NP:        # every program's logits are stored once all NP tickets are taken
                     seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-                if SEG > 1:
-                    _route_rows_seg(logits_ptr, bias, ids_ptr, w_ptr, scale, r, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS,
-                                    NORM, 1, SEG)
-                else:
-                    _route_rows(logits_ptr, bias, ids_ptr, w_ptr, scale, r, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS,
-                                NORM, 1)
+                _route_tail(logits_ptr, bias, ids_ptr, w_ptr, scale, r, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS, NORM,
+                            1, SEG)
                 # the last of the M routing programs re-arms the ticket (every waiter has seen NP by then)
                 if tl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu") == NP + M - 1:
                     tl.store(cnt_ptr, 0)
         else:
             if ticket == NP - 1:
-                if ROUTE and SEG > 1:
-                    _route_rows_seg(logits_ptr, bias, ids_ptr, w_ptr, scale, 0, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS,
-                                    NORM, MP, SEG)
-                elif ROUTE:
-                    _route_rows(logits_ptr, bias, ids_ptr, w_ptr, scale, 0, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS,
-                                NORM, MP)
+                if ROUTE:
+                    _route_tail(logits_ptr, bias, ids_ptr, w_ptr, scale, 0, M, E, G, TOPK_GROUP, K, KP, HAS_BIAS,
+                                NORM, MP, SEG)
                 tl.store(cnt_ptr, 0)
 
 
@@ -530,7 +535,7 @@ def route_segments(e: int, n_group: int, top_k: int, num_warps: int) -> int:
     have not run yet (docs/perf/session29-h100-router/; ``scripts/gpu_check.sh routerseg`` runs them)."""
     if os.environ.get("BYTEBOUND_ROUTER_SEG", "0") != "1":
         return 1
-    kp = 1 << max(top_k - 1, 0).bit_length()
+    kp = triton.next_power_of_2(top_k)
     g = max(n_group, 1)
     seg = 1
     while (seg * 2 <= num_warps and e % (seg * 2) == 0 and e // (seg * 2) >= kp

@@ -262,12 +262,16 @@ class EngineWorker:
             job = self.queue.get_nowait()
             if job.cancel.is_set():
                 self.waiting.discard(job)
-                self.metrics.requests.labels("cancelled").inc()
-                job.post("cancelled")
+                self._retire_cancelled(job)
             else:
                 keep.append(job)
         for job in keep:
             self.queue.put_nowait(job)
+
+    def _retire_cancelled(self, job: Job) -> None:
+        """A queued job whose client left: counted as cancelled and told so, never run."""
+        self.metrics.requests.labels("cancelled").inc()
+        job.post("cancelled")
 
     async def _dispatch(self) -> None:
         loop = asyncio.get_running_loop()
@@ -276,8 +280,7 @@ class EngineWorker:
             self.waiting.discard(job)
             self.metrics.queued.set(self.live_queued())
             if job.cancel.is_set():                  # its client left while it waited
-                self.metrics.requests.labels("cancelled").inc()
-                job.post("cancelled")
+                self._retire_cancelled(job)
                 continue
             self.current = job
             try:
@@ -737,6 +740,12 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
             return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
         return {"status": "ok"}
 
+    def check_model(model: str) -> None:
+        """404 ``model_not_found`` unless ``model`` is the served model's name (requests and retrieve-model)."""
+        if model != name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {name!r}", param="model",
+                           code="model_not_found")
+
     def model_card() -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "bytebound",
                 "root": str(engine.config.model), "max_model_len": engine.runner.max_len}
@@ -748,9 +757,7 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         """OpenAI's retrieve-model (``client.models.retrieve``): the served model's card, 404 for another name."""
-        if model_id != name:
-            raise APIError(404, f"the model {model_id!r} does not exist; this server serves {name!r}",
-                           param="model", code="model_not_found")
+        check_model(model_id)
         return model_card()
 
     @app.get("/metrics")
@@ -781,9 +788,7 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
         model = body.get("model", name)
         if not isinstance(model, str):
             raise APIError(400, "'model' must be a string (or left out: the served model)", param="model")
-        if model != name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {name!r}",
-                           "invalid_request_error", param="model", code="model_not_found")
+        check_model(model)
         ids = (_chat_prompt if chat else _completion_prompt)(body, engine, max_prompt_chars)
         params = _sampling(body, chat, len(ids), engine)
         stream = _get(body, "stream", "bool", False)
