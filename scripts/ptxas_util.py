@@ -102,18 +102,6 @@ def resource_fields(line: str) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"\b([A-Z]+(?:\[\d+\])?):(\d+)", line)}
 
 
-def registers(kernel) -> int:
-    """Registers per thread ptxas gave a compiled kernel (the ``REG:`` of :func:`resource_usage`).
-
-    Raises:
-        ValueError: the resource line has no ``REG:`` field."""
-    line = resource_usage(kernel)
-    fields = resource_fields(line)
-    if "REG" not in fields:
-        raise ValueError(f"no REG: field in {line!r}")
-    return fields["REG"]
-
-
 def cap_rule(regs: int, num_warps: int, shared_bytes: int = 0) -> int:
     """The register cap the twenty-seventh session's data follow (docs/perf/session27-h100-nr/): the largest
     ``maxnreg`` (a multiple of 8, or 255) at which as many programs stay resident per SM as ptxas' own ``regs``

@@ -107,8 +107,13 @@ def cap_rule_line(m: int, cfg: dict, ka, shared: bool, arch: int) -> str:
     from bytebound.kernels.triton_moe_persist import programs_per_sm
     nw = int(cfg["num_warps"])
 
-    def row(k) -> str:
+    def fields(k) -> dict[str, int]:
         f = ptxas_util.resource_fields(ptxas_util.resource_usage(k))
+        if "REG" not in f:
+            raise ValueError(f"no REG: field in kernel A's resource line {ptxas_util.resource_usage(k)!r}")
+        return f
+
+    def row(k, f) -> str:
         p = programs_per_sm(f["REG"], k.metadata.shared, nw)
         lu = ptxas_util.load_use(ptxas_util.sass(k))
         fl = sum(n for _, n in lu) / len(lu) if lu else 0.0
@@ -118,14 +123,15 @@ def cap_rule_line(m: int, cfg: dict, ka, shared: bool, arch: int) -> str:
     free = {k: v for k, v in cfg.items() if k != "NR"}
     if cfg.get("NR") is not None:       # ka has the config's own cap: compile it without
         _, ka, _ = compile_split(m, free, shared, arch)
-    own = ptxas_util.registers(ka)
+    fa = fields(ka)
+    own = fa["REG"]
     cap = ptxas_util.cap_rule(own, nw, ka.metadata.shared)
-    out = f"  A without NR: {row(ka)}"
+    out = f"  A without NR: {row(ka, fa)}"
     # compile at the cap even when it only reaches its own count's allocation unit (59 -> 64): ptxas, given the
     # cap, spends those registers on hoisting loads (DQ 1 at M = 1: 2.5 -> 5.4 in flight, docs/perf/session28-h100-caps)
     if cap > own:
         _, kc, _ = compile_split(m, dict(free, NR=cap), shared, arch)
-        out += f"\n  A with NR {cap} (cap rule): {row(kc)}"
+        out += f"\n  A with NR {cap} (cap rule): {row(kc, fields(kc))}"
     else:
         out += f"\n  cap rule: {cap}, ptxas already uses all of it"
     return out

@@ -70,12 +70,11 @@ def test_table_checks_runs_both_arms_in_abba_order(tmp_path):
     env["AB_PAIRS"] = "2"
     r = subprocess.run(["bash", str(SCRIPT), "moetable"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=120)
-    steps = [line.split(":")[0].split("] ")[1] for line in r.stdout.splitlines()
-             if line.startswith("=== [moetable] ") and ": rc=" not in line]
+    started = [line for line in r.stdout.splitlines() if line.startswith("=== [moetable] ") and ": rc=" not in line]
+    steps = [line.split(":")[0].split("] ")[1] for line in started]       # run_step's label
+    lines = dict(zip(steps, started))
     tail = steps[steps.index("engine"):]
     assert tail == ["engine", "canaries", "round_warmup", "round_base_1", "round_moetable_1", "round_moetable_2",
                     "round_base_2"], steps
-    lines = {s: line for line in r.stdout.splitlines() if line.startswith("=== [moetable] round_")
-             for s in [line.split(":")[0].split("] ")[1]] if ": rc=" not in line}
     assert "env -u BYTEBOUND_MOE_CONFIG" in lines["round_base_1"]
     assert f"BYTEBOUND_MOE_CONFIG={env['MOE_TABLE']}" in lines["round_moetable_1"]

@@ -636,7 +636,6 @@ def _up(url) -> bool:
 
 
 def socket_has_ipv6_loopback() -> bool:
-    import socket
     try:
         with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
             s.bind(("::1", 0))
@@ -682,7 +681,6 @@ def test_serve_checks_its_address_before_loading_the_model(tmp_path, capsys, whe
     that does not resolve, is exit 2 naming host:port at once (it loaded the whole checkpoint, printed "Application
     startup complete", then failed with "[Errno 98] address already in use"). The model named here does not
     exist: reaching the load would be a different error."""
-    import socket
     from bytebound.cli import main
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
@@ -712,17 +710,13 @@ def test_bind_socket_listens_so_a_second_server_fails_at_once():
 
 def test_serve_interrupted_while_loading_exits_quietly(monkeypatch, capsys):
     """Ctrl-C while the model loads: exit 130 with one line, no traceback, and the port released at once."""
-    import socket
     from bytebound.cli import main
     import bytebound.engine.engine as engine_mod
 
     def interrupted(cfg):
         raise KeyboardInterrupt
     monkeypatch.setattr(engine_mod, "Engine", interrupted)
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
+    port = _free_port()
     assert main(["serve", "--port", str(port)]) == 130
     assert "interrupted while loading the model" in capsys.readouterr().err
     from bytebound.server.app import bind_socket
