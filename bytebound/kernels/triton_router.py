@@ -146,7 +146,16 @@ if tl is not None:
             out_ids = tl.where(at_i, (E - 1 - kmax.to(tl.int32)).to(tl.int64)[:, None], out_ids)
             out_w = tl.where(at_i, w[:, None], out_w)
             key = tl.where(key == kmax[:, None], dead, key)
+        _store_routes(ids_ptr, w_ptr, out_ids, out_w, rows, live, scale, K, NORM)
+
+    @triton.jit
+    def _store_routes(ids_ptr, w_ptr, out_ids, out_w, rows, live, scale, K: tl.constexpr, NORM: tl.constexpr):
+        """Store the picks ``out_ids`` / ``out_w`` ``[MP, KP]`` of ``rows`` (those ``live``) into ``ids [M, K]``,
+        ``w [M, K]``: the weights (with ``NORM``) divided by their sum over the K places (the places past K count
+        as zeros), times ``scale``."""
+        kk = tl.arange(0, out_w.shape[1])
         if NORM:
+            out_w = tl.where(kk[None, :] < K, out_w, 0.0)
             out_w = out_w / (tl.sum(out_w, axis=1)[:, None] + 1e-20)
         dst = rows[:, None] * K + kk[None, :]
         ok = live[:, None] & (kk[None, :] < K)
@@ -239,13 +248,7 @@ if tl is not None:
         spent = kk[None, :] >= nalive[:, None]           # out of finite candidates: iterative argmax's expert 0
         out_ids = tl.where(spent, 0, out_ids)
         out_w = tl.where(spent, s0[:, None], out_w)
-        if NORM:
-            out_w = tl.where(kk[None, :] < K, out_w, 0.0)
-            out_w = out_w / (tl.sum(out_w, axis=1)[:, None] + 1e-20)
-        dst = rows[:, None] * K + kk[None, :]
-        ok = live[:, None] & (kk[None, :] < K)
-        tl.store(ids_ptr + dst, out_ids, mask=ok)
-        tl.store(w_ptr + dst, out_w * scale, mask=ok)
+        _store_routes(ids_ptr, w_ptr, out_ids, out_w, rows, live, scale, K, NORM)
 
     @triton.jit
     def _route_tail(logits_ptr, bias, ids_ptr, w_ptr, scale, row0, M, E: tl.constexpr, G: tl.constexpr,
