@@ -379,9 +379,9 @@ def test_gemv_route_equals_previous_code_exactly(router_rne, v0, e, g, tg, k, h,
 @pytest.mark.parametrize("e,g,tg,k,nw", [(512, 8, 4, 8, 4), (64, 4, 2, 4, 8), (64, 1, 1, 6, 4)])
 @pytest.mark.parametrize("kind", TIE_KINDS)
 def test_segmented_routing_equals_one_segment(router, e, g, tg, k, nw, kind, monkeypatch):
-    """The segmented routing tail (``_route_rows_seg``, ``BYTEBOUND_ROUTER_SEG=1``: per-segment picks inside a warp,
-    then the candidates placed by rank) == the one-segment tail (the default), ids bit for bit and weights to float32
-    rounding, on the tie, sign, magnitude and -inf cases (fewer finite experts than K, or finite groups than
+    """The segmented routing tail (``_route_rows_seg``, the default: per-segment picks inside a warp, then the
+    candidates placed by rank) == the one-segment tail (``BYTEBOUND_ROUTER_SEG=0``), ids bit for bit and weights to
+    float32 rounding, on the tie, sign, magnitude and -inf cases (fewer finite experts than K, or finite groups than
     topk_group: iterative argmax's expert 0 / group 0), M = 1 and 4 rows in one program."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(7 * e + g + k + TIE_KINDS.index(kind))
@@ -412,7 +412,7 @@ def test_route_tie_rule_and_negative_scores(router, tail, monkeypatch):
         fn = router.fused_route
     else:
         eye = torch.eye(e, device=dev)
-        monkeypatch.setenv("BYTEBOUND_ROUTER_SEG", "1")          # the segmented tail (opt-in)
+        monkeypatch.setenv("BYTEBOUND_ROUTER_SEG", "1")          # the segmented tail (the default)
 
         def fn(logits, bias, *a):
             return router.gemv_route(logits.bfloat16(), eye, bias, *a, be=16, num_warps=4)

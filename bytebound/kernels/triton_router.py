@@ -15,8 +15,9 @@ the other, so their number is the routing's length; in ``gemv_route`` one progra
 GPU waits. A max of keys is a single reduction where argmax carries an index and a gather of s[id] needs another.
 ``gemv_route``'s tail can therefore cut the row into one segment per warp (whole groups each, :func:`route_segments`):
 each warp picks its segment's best keys with shuffles alone, and the row's top K are placed by rank among those
-candidates (``_route_rows_seg``; opt-in with ``BYTEBOUND_ROUTER_SEG=1`` until its GPU tests have run). The routing
-tail's cost, the segmented tail's A/B and the barrier counts: docs/perf/session29-h100-router/.
+candidates (``_route_rows_seg``; the default, ``BYTEBOUND_ROUTER_SEG=0`` keeps the one-segment ``_route_rows``).
+The routing tail's cost, the segmented tail's A/B and the barrier counts: docs/perf/session29-h100-router/ and
+docs/perf/session30-h100-routerseg/.
 
 Selection order: ``ids`` come out in decreasing ``sb``. The reference's ``topk(sorted=False)`` leaves the order
 open, and the routed sum does not depend on it. On exact ties the lowest index wins, as iterative argmax picks
@@ -532,11 +533,10 @@ def route_segments(e: int, n_group: int, top_k: int, num_warps: int) -> int:
     """How many segments ``_route_rows_seg`` cuts a row of ``e`` experts into for a routing program of
     ``num_warps`` warps: the largest power of two S <= num_warps that splits the row into whole groups (S divides
     ``n_group``, or any S with one group) of at least ``next_power_of_2(top_k)`` experts each (a segment yields
-    that many candidates). Opt-in: 1 (the one-segment :func:`_route_rows`) unless ``BYTEBOUND_ROUTER_SEG=1``, an A/B
-    switch read at each call like :func:`split_tail_enabled`. It took 43 us off the H100's plain step and its ids
-    equal the one-segment tail's in Triton's interpreter, but its GPU tests, the engine tests and the canaries with it
-    have not run yet (docs/perf/session29-h100-router/; ``scripts/gpu_check.sh routerseg`` runs them)."""
-    if os.environ.get("BYTEBOUND_ROUTER_SEG", "0") != "1":
+    that many candidates). ``BYTEBOUND_ROUTER_SEG=0`` gives 1 (the one-segment :func:`_route_rows`), an A/B switch
+    read at each call like :func:`split_tail_enabled`; both tails pick the same ids (tests/test_triton_router.py).
+    Measured in docs/perf/session29-h100-router/ and session30-h100-routerseg/."""
+    if os.environ.get("BYTEBOUND_ROUTER_SEG", "1") == "0":
         return 1
     kp = triton.next_power_of_2(top_k)
     g = max(n_group, 1)
