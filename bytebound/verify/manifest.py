@@ -25,6 +25,10 @@ server and stored with bench results). Levers:
 switches router, norm, moe_shared, kv, round, graphs) and per regime (decode M = 1, verify M = k + 1, prefill) the
 implementation and why it was chosen (user override, device default, tuned table, fallback, width).
 
+``switches``: the environment's A/B switches set away from their defaults (``bytebound.switches.overrides``),
+e.g. ``BYTEBOUND_ROUTER_SEG=0``; empty for a run with the defaults. They are measurement levers, not failures, so
+they do not change ``status``; they are printed so a run under one is never read as the defaults.
+
 Each lever carries ``ok`` (resolved as requested) and ``verified`` (pass | fail | not checked, from the
 canaries). ``status``: healthy | degraded (a problem, not strict) | unverified (canaries not run).
 """
@@ -35,6 +39,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from bytebound.switches import overrides as switch_overrides
 
 SCHEMA = 1
 
@@ -346,6 +352,8 @@ def build_manifest(engine) -> dict:
         "startup": getattr(engine, "startup", None),
         # tensor parallelism (bytebound.parallel.shard_model's description; this rank's view)
         "tensor_parallel": getattr(engine, "sharding", None),
+        # environment A/B switches away from their defaults (bytebound.switches), read now: they act per launch
+        "switches": switch_overrides(),
     }
 
 
@@ -418,6 +426,8 @@ def format_manifest(man: dict) -> str:
         lines.append(f"  adaptive speculation: mode={ad['mode']}{back} a={dec.get('accept_length')}"
                      f" c={dec.get('round_cost')} a/c={dec.get('speedup')}"
                      f" to_plain={ad['to_plain']} to_mtp={ad['to_mtp']} probes={ad['probes']}: {ad['reason']}")
+    for name, d in (man.get("switches") or {}).items():
+        lines.append(f"  switch set: {name}={d['value']} (default {d['default'] or 'unset'}): {d['what']}")
     for s in man["not_checked"]:
         lines.append(f"  not checked: {s}")
     return "\n".join(lines)
