@@ -14,6 +14,7 @@ import torch
 from bytebound.errors import RequestError
 
 MAX_TOKENS_LIMIT = 1 << 20
+MAX_LOGPROBS = 20                   # the most alternatives per token (OpenAI's and vLLM's default limit)
 
 
 @dataclass
@@ -22,6 +23,12 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k <= 0 and top_p = 1 disable those filters. ``stop``: strings that end
     the output (not included in it); ``stop_token_ids``: extra ids beside the model's EOS ids.
+
+    ``logprobs``: None = off; an int k in [0, ``MAX_LOGPROBS``] = report, for each output token, its log
+    probability and (k >= 1) the k most likely tokens with theirs. The values are natural-log ``log_softmax`` of
+    the model's raw logits in float32, before temperature, top-k and top-p (vLLM's default ``raw_logprobs``), so
+    they do not depend on the sampling settings. A logprobs request decodes without MTP speculation
+    (``Engine._tokens``).
     """
     max_tokens: int = 256
     temperature: float = 0.0
@@ -31,6 +38,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -62,6 +70,10 @@ class SamplingParams:
             raise RequestError("stop strings must be non-empty strings", "stop")
         if len(self.stop) > 16:
             raise RequestError("at most 16 stop strings", "stop")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs must be null or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+                               "logprobs")
 
 
 def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

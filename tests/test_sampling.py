@@ -27,6 +27,8 @@ LOGITS5 = torch.tensor(P5).log()
     (dict(top_p=float("nan")), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(top_k=2.0), "top_k"),
     (dict(stop=[""]), "stop"), (dict(stop=[1]), "stop"), (dict(stop=[f"s{i}" for i in range(17)]), "16 stop"),
+    (dict(logprobs=-1), "logprobs"), (dict(logprobs=21), "logprobs"), (dict(logprobs=True), "logprobs"),
+    (dict(logprobs=False), "logprobs"), (dict(logprobs=2.0), "logprobs"), (dict(logprobs="5"), "logprobs"),
 ])
 def test_invalid_params_raise_request_error(kw, field):
     with pytest.raises(RequestError, match=field):
@@ -45,6 +47,7 @@ def test_valid_params_and_normalisation():
     assert SamplingParams(stop=None).stop == ()
     assert SamplingParams().greedy and SamplingParams(temperature=0.7, top_k=1).greedy
     assert not SamplingParams(temperature=0.7).greedy
+    assert [SamplingParams(logprobs=k).logprobs for k in (None, 0, 20)] == [None, 0, 20]
 
 
 # ---- probs: temperature -> softmax -> top-k renorm -> top-p renorm -----------------------------------------

@@ -226,6 +226,121 @@ def test_stream_return_token_ids_without_text(ckpt):
         assert sum(1 for e in events if e["choices"][0]["token_ids"]) >= 1
 
 
+# ---- logprobs --------------------------------------------------------------------------------------------------
+def _events(r) -> list[dict]:
+    assert r.status_code == 200, r.text
+    return [json.loads(line[6:]) for line in r.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def _entry(ref, i: int, lp: float) -> dict:
+    s = ref.tokenizer.decode([i])
+    return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+
+def test_chat_logprobs_openai_shape_streamed_equals_non_streamed(srv, ref):
+    """Chat ``logprobs: true`` + ``top_logprobs``: OpenAI's ``{content: [{token, logprob, bytes, top_logprobs}]}``
+    with the engine's records; the stream's chunks carry the records of their tokens, concatenated the same."""
+    msgs = [{"role": "user", "content": "How many apples?"}]
+    want = expect(ref, "How many apples?", chat=True, max_tokens=9, logprobs=3)
+    body = {"messages": msgs, "max_tokens": 9, "temperature": 0, "logprobs": True, "top_logprobs": 3,
+            "return_token_ids": True}
+    r = _post(srv.url, "/v1/chat/completions", body)
+    ch = r.json()["choices"][0]
+    assert ch["message"]["content"] == want.text and ch["token_ids"] == want.token_ids
+    content = ch["logprobs"]["content"]
+    assert list(ch["logprobs"]) == ["content"] and len(content) == len(want.token_ids) == 9
+    assert content == [_entry(ref, w.token_id, w.logprob) | {"top_logprobs": [_entry(ref, i, lp) for i, lp in w.top]}
+                       for w in want.logprobs]
+    assert all(len(c["top_logprobs"]) == 3 and c["top_logprobs"][0]["logprob"] == c["logprob"] for c in content)
+    events = _events(_post(srv.url, "/v1/chat/completions", {**body, "stream": True}))
+    assert events[0]["choices"][0]["logprobs"] is None and events[-1]["choices"][0]["logprobs"] is None
+    body_events = [e["choices"][0] for e in events[1:-1]]
+    assert all(len(c["logprobs"]["content"]) == len(c["token_ids"]) for c in body_events)
+    assert [x for c in body_events for x in c["logprobs"]["content"]] == content
+    # the official client parses it; logprobs: true alone gives empty top lists; without it, null
+    c = srv.client()
+    r = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=9, temperature=0, logprobs=True)
+    assert [t.logprob for t in r.choices[0].logprobs.content] == [w.logprob for w in want.logprobs]
+    assert all(t.top_logprobs == [] for t in r.choices[0].logprobs.content)
+    r = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=2, temperature=0)
+    assert r.choices[0].logprobs is None
+
+
+def test_completion_logprobs_openai_shape_streamed_equals_non_streamed(srv, ref):
+    """Completions ``logprobs`` k: ``{tokens, token_logprobs, top_logprobs, text_offset}`` (top: the k best and the
+    chosen token); ``text_offset`` is where each token's text starts in the completion; the streamed chunks'
+    records and offsets, concatenated, are the non-streamed ones."""
+    want = expect(ref, "Once upon a time", max_tokens=10, logprobs=2)
+    body = {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0, "logprobs": 2}
+    ch = _post(srv.url, "/v1/completions", body).json()["choices"][0]
+    lp = ch["logprobs"]
+    assert ch["text"] == want.text and list(lp) == ["tokens", "token_logprobs", "top_logprobs", "text_offset"]
+    assert lp["tokens"] == [ref.tokenizer.decode([i]) for i in want.token_ids]
+    assert lp["token_logprobs"] == [w.logprob for w in want.logprobs]
+    names = ref.tokenizer.decode
+    assert lp["top_logprobs"] == [{names([i]): v for i, v in w.top} | {names([w.token_id]): w.logprob}
+                                  for w in want.logprobs]
+    ids = want.token_ids
+    assert lp["text_offset"] == [len(ref.tokenizer.decode(ids[:i])) for i in range(len(ids))]
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][-1] < len(ch["text"])
+    events = _events(_post(srv.url, "/v1/completions", {**body, "stream": True}))
+    parts = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"] is not None]
+    assert events[-1]["choices"][0]["logprobs"] is None and len(parts) >= 2
+    assert {k: [x for p in parts for x in p[k]] for k in lp} == lp
+    c = srv.client().completions.create(model=NAME, prompt="Once upon a time", max_tokens=10, temperature=0,
+                                        logprobs=0)
+    assert c.choices[0].logprobs.token_logprobs == lp["token_logprobs"] and c.choices[0].logprobs.top_logprobs is None
+
+
+def test_logprobs_stay_aligned_with_text_cut_by_a_stop_string(srv, ref):
+    """A stop string cuts the tokens after the kept text: the records are those of the returned tokens, one per
+    token, streamed or not."""
+    text = expect(ref, "Tell me a story", max_tokens=24).text
+    cut = next(i for i in range(len(text) // 3, len(text) - 2) if text[i:i + 2].isalpha())
+    stop = text[cut:cut + 2]
+    want = expect(ref, "Tell me a story", max_tokens=24, stop=(stop,), logprobs=1)
+    assert want.finish_reason == "stop" and len(want.token_ids) < 24
+    body = {"prompt": "Tell me a story", "max_tokens": 24, "temperature": 0, "stop": [stop], "logprobs": 1,
+            "return_token_ids": True}
+    ch = _post(srv.url, "/v1/completions", body).json()["choices"][0]
+    assert ch["text"] == want.text == text[:cut] and ch["finish_reason"] == "stop"
+    assert len(ch["logprobs"]["tokens"]) == len(ch["token_ids"]) == len(want.token_ids)
+    assert ch["logprobs"]["token_logprobs"] == [w.logprob for w in want.logprobs]
+    assert all(o <= len(ch["text"]) for o in ch["logprobs"]["text_offset"])
+    events = _events(_post(srv.url, "/v1/completions", {**body, "stream": True}))
+    got = [x for e in events if e["choices"][0]["logprobs"] for x in e["choices"][0]["logprobs"]["token_logprobs"]]
+    assert got == ch["logprobs"]["token_logprobs"]
+    chat = _post(srv.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a story"}],
+                                                  "max_tokens": 24, "temperature": 0, "stop": [stop],
+                                                  "logprobs": True, "return_token_ids": True}).json()["choices"][0]
+    assert len(chat["logprobs"]["content"]) == len(chat["token_ids"])
+
+
+def test_logprobs_without_a_tokenizer_and_infinite_values(ckpt):
+    """No tokenizer (dummy weights): tokens are named ``token_id:N`` and every streamed chunk of ids carries its
+    records though its text is empty. A -inf logprob is sent as -9999.0, valid JSON."""
+    import math
+    from fastapi.testclient import TestClient
+    from bytebound.engine.engine import TokenLogprob
+    from bytebound.server.app import _Logprobs
+    eng = Engine(model=str(ckpt / "config.json"), load_format="dummy")
+    body = {"model": NAME, "prompt": [5, 17, 42, 7], "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1, "return_token_ids": True}
+    with TestClient(create_app(eng, served_model_name=NAME)) as tc:
+        want = tc.post("/v1/completions", json=body).json()["choices"][0]
+        assert want["logprobs"]["tokens"] == [f"token_id:{i}" for i in want["token_ids"]]
+        assert want["logprobs"]["text_offset"] == [0] * 5
+        events = _events(tc.post("/v1/completions", json={**body, "stream": True, "return_token_ids": False}))
+        assert [x for e in events if e["choices"][0]["logprobs"] for x in e["choices"][0]["logprobs"]["tokens"]] \
+            == want["logprobs"]["tokens"]
+    rec = TokenLogprob(7, -math.inf, ((3, -1.5), (7, -math.inf)))
+    out = _Logprobs(None, 2).completion([rec])
+    assert out["token_logprobs"] == [-9999.0] and out["top_logprobs"] == [{"token_id:3": -1.5, "token_id:7": -9999.0}]
+    json.dumps(out, allow_nan=False)
+    assert _Logprobs(None, 2).chat([rec])["content"][0]["top_logprobs"][1]["logprob"] == -9999.0
+
+
 # ---- errors: 4xx, and the server keeps serving ------------------------------------------------------------
 BAD = [
     (b'{"model": ', 400), (b"[1, 2]", 400), (b"\xff\xfe", 400),
@@ -239,7 +354,10 @@ BAD = [
     ({"prompt": "hi", "temperature": "hot"}, 400),
     ({"prompt": "hi", "top_p": 0}, 400), ({"prompt": "hi", "top_p": 1.5}, 400), ({"prompt": "hi", "top_p": -1}, 400),
     ({"prompt": "hi", "top_k": -2}, 400), ({"prompt": "hi", "top_k": 2.5}, 400),
-    ({"prompt": "hi", "n": 2}, 400), ({"prompt": "hi", "logprobs": 2}, 400), ({"prompt": "hi", "echo": True}, 400),
+    ({"prompt": "hi", "n": 2}, 400), ({"prompt": "hi", "logprobs": 21}, 400), ({"prompt": "hi", "echo": True}, 400),
+    ({"prompt": "hi", "logprobs": True}, 400), ({"prompt": "hi", "logprobs": -1}, 400),
+    ({"prompt": "hi", "logprobs": "2"}, 400), ({"prompt": "hi", "logprobs": 1, "top_logprobs": 1}, 400),
+    ({"prompt": "hi", "prompt_logprobs": 1}, 400), ({"prompt": "hi", "logprobs": 1, "echo": True}, 400),
     ({"prompt": "hi", "presence_penalty": 0.5}, 400), ({"prompt": "hi", "stop": 5}, 400),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400), ({"prompt": "hi", "stream": "yes"}, 400),
     ({"prompt": ""}, 400), ({}, 400), ({"prompt": ["a", "b"]}, 400), ({"prompt": [999999]}, 400),
@@ -260,7 +378,12 @@ BAD_CHAT = [({"messages": []}, 400), ({"messages": [{"role": "tool", "content": 
             ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}, 404),
             ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages }}"}, 400),
             ({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False}, 400),
-            ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400)]
+            ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400),
+            ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400),
+            ({"messages": [{"role": "user", "content": "x"}], "logprobs": False, "top_logprobs": 0}, 400),
+            ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400),
+            ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, 400),
+            ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": True}, 400)]
 
 
 def _post(url, path, body):

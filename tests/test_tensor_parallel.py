@@ -5,10 +5,14 @@ experts, intermediate columns and vocabulary rows (``bytebound.parallel``), agai
   step whose N = 1 top-2 logit gap is a near-tie (the all-reduce sums in another order, so logits move by
   float32 rounding; a token choice within that of a tie may flip, nothing else may);
 * prefill logits at N = 2 equal N = 1's within float32 tolerance (never bit for bit);
+* a logprobs request on the MTP engine decodes plainly on every rank (the followers learn it from rank 0): the
+  tokens of plain decoding at N = 2, one record each;
 * the sharding refuses, with a named ConfigError, an N that does not divide the heads or would cut an FP8 block.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import pytest
@@ -33,6 +37,7 @@ def _tp_worker(rank: int, questions: list[str], path: str) -> None:
     """Every rank runs this (SPMD); rank 0 saves what it saw."""
     eng = Engine(EngineConfig(tensor_parallel_size=2, speculative_steps=3, max_model_len=512))
     spec = eng.generate(questions, PARAMS, chat=True)
+    lp = eng.generate(questions, replace(PARAMS, logprobs=2), chat=True)     # MTP engine, no speculation
     drafter, eng.drafter = eng.drafter, None          # the same shards without MTP: plain decode
     plain = eng.generate(questions, PARAMS, chat=True)
     eng.drafter = drafter
@@ -44,6 +49,7 @@ def _tp_worker(rank: int, questions: list[str], path: str) -> None:
         torch.save({"plain": [(o.token_ids, o.finish_reason) for o in plain],
                     "spec": [(o.token_ids, o.finish_reason) for o in spec],
                     "accept": [o.spec["accept_length"] for o in spec],
+                    "lp": [(o.token_ids, o.finish_reason, o.spec, [r.token_id for r in o.logprobs]) for o in lp],
                     "logits": logits, "sharding": eng.sharding}, path)
 
 
@@ -94,6 +100,12 @@ def test_tp2_greedy_equals_tp1(tp1, tp2):
         assert n >= total // 2, f"{name}: only {n} of {total} tokens compared before near-ties"
     assert all(a >= 1.0 for a in d["accept"])
     assert d["sharding"]["size"] == 2 and d["sharding"]["allreduces_per_step"] == 2 * tp1.model.cfg.num_hidden_layers
+
+
+def test_tp2_logprobs_request_decodes_plainly(tp2):
+    _, d = tp2
+    assert [(t, f) for t, f, _, _ in d["lp"]] == d["plain"]
+    assert all(spec is None and ids == t for t, _, spec, ids in d["lp"])
 
 
 def test_tp2_logits_within_fp32_tolerance(tp1, tp2):

@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -103,9 +103,31 @@ class EngineConfig:
     pipeline_decode: bool | None = None
 
 
+class TokenLogprob(NamedTuple):
+    """One output token's log probability (``SamplingParams.logprobs``): natural-log ``log_softmax`` of the raw
+    float32 logits it was chosen from (before temperature / top-k / top-p). ``top``: the k most likely
+    ``(token id, logprob)`` pairs, most likely first (empty for k = 0)."""
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def _logprob_record(logits: torch.Tensor, tok: torch.Tensor, k: int) -> TokenLogprob:
+    """The :class:`TokenLogprob` of ``tok [1]`` int64 chosen from ``logits [1, V]``, with the top ``k``. One host
+    read per token: the id, its logprob and the top pairs travel in one float64 tensor (ids < 2^53 are exact)."""
+    lp = torch.log_softmax(logits.float(), -1)[0]
+    top = lp.topk(k) if k else None
+    parts = [tok.view(1).double(), lp.gather(0, tok.view(1)).double()]
+    if top is not None:
+        parts += [top.values.double(), top.indices.double()]
+    row = torch.cat(parts).tolist()
+    return TokenLogprob(int(row[0]), row[1], tuple(zip(map(int, row[2 + k:]), row[2:2 + k])))
+
+
 @dataclass
 class RequestOutput:
-    """One finished request. Times in seconds; ``tpot_s`` = mean time per output token after the first."""
+    """One finished request. Times in seconds; ``tpot_s`` = mean time per output token after the first.
+    ``logprobs``: one :class:`TokenLogprob` per ``token_ids`` entry when the request asked for them, else None."""
     text: str
     token_ids: list[int]
     finish_reason: str
@@ -115,6 +137,7 @@ class RequestOutput:
     tpot_s: float
     e2e_s: float
     spec: dict | None = None
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def decode_tok_s(self) -> float:
@@ -127,12 +150,14 @@ class StreamChunk:
     may start a stop string comes later, with the ids of a later chunk); ``finish_reason`` and ``output`` set on
     the last chunk. Concatenated, the chunks give exactly ``output.text`` and ``output.token_ids``. ``ttft_s``: the
     request's time to first token in seconds (from the start of :meth:`Engine.stream` to the first sampled token,
-    ``RequestOutput.ttft_s``), on every chunk once that token exists, so a consumer that stops early still knows it."""
+    ``RequestOutput.ttft_s``), on every chunk once that token exists, so a consumer that stops early still knows it.
+    ``logprobs``: the :class:`TokenLogprob` of each of ``token_ids`` when the request asked for them, else None."""
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     output: RequestOutput | None = None
     ttft_s: float | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 def _stop_at(text: str, sent: int, stops) -> int | None:
@@ -481,8 +506,14 @@ class Engine:
             ids |= set(self.generation_eos)
         return ids
 
-    def _tokens(self, ids: torch.Tensor, p: SamplingParams, gen, stats: SpecStats | None):
-        """Raw token source: plain decode or MTP rounds; yields ``(token, round)``."""
+    def _tokens(self, ids: torch.Tensor, p: SamplingParams, gen, stats: SpecStats | None,
+                records: list | None = None):
+        """Raw token source: plain decode or MTP rounds; yields ``(token, round)``. A request with ``p.logprobs``
+        takes :meth:`_logprob_tokens` (plain, unpipelined, no MTP) and appends one :class:`TokenLogprob` per
+        yielded token to ``records``."""
+        if p.logprobs is not None:
+            yield from self._logprob_tokens(ids, p, gen, records)
+            return
         if self.drafter is not None:
             # the captured round of the request's kind when there is one, else an uncaptured round for it
             rnd = self.spec_round if p.greedy else self.spec_round_sampled
@@ -504,6 +535,25 @@ class Engine:
             yield int(nxt[0]), 0
             # the step and its token: on CUDA one decode graph and one head/sampling graph, one host read (above)
             nxt, _ = r.decode_token(nxt, p, gen)
+
+    def _logprob_tokens(self, ids: torch.Tensor, p: SamplingParams, gen, records: list):
+        """Plain decoding that also reports each token's :class:`TokenLogprob` (appended to ``records`` before the
+        token is yielded), computed from the very logits the token was sampled from: the prefill's last row, then
+        each step's. The steps are ``runner.decode_token``'s eager form (forward, LM head, sample), so the tokens
+        are plain decoding's and the record costs no second LM head. MTP speculation is bypassed (an engine with
+        a drafter comes here too): every token then has the logits of its own decode step, not of a verify, and
+        the tokens are those of plain decoding. Not pipelined: the record's host read comes with each token."""
+        r = self.runner
+        h = r.prefill(ids.to(self.device))[-1:]
+        while True:
+            logits = r.logits(h)
+            nxt = sample(logits, p, gen).view(1)
+            if self.tp is not None:
+                nxt = self.tp.from_rank0(nxt)           # every rank runs rank 0's token
+            rec = _logprob_record(logits, nxt, p.logprobs)
+            records.append(rec)
+            yield rec.token_id, 0
+            h = r.forward(nxt)
 
     def _pipelined_tokens(self, nxt: torch.Tensor, p: SamplingParams, gen):
         """Plain decoding from the prefill's token ``nxt [1]`` (device) with each step launched before the host
@@ -565,7 +615,8 @@ class Engine:
                                + f", which exceeds the engine's max length {self.runner.max_len} (--max-model-len)")
         self.runner.reset()
         gen = make_generator(p, self.device)
-        stats = SpecStats(self.config.speculative_steps) if self.drafter else None
+        # a logprobs request runs no MTP round (_logprob_tokens): no speculation statistics
+        stats = SpecStats(self.config.speculative_steps) if self.drafter and p.logprobs is None else None
         if self.adaptive is not None:
             self.adaptive.begin_request()
         stop_ids = self.stop_ids(p)
@@ -576,13 +627,18 @@ class Engine:
         ends: list[int] = []            # len(text) once each token's text is complete (decoder: whole characters)
         holdback = max((len(s) for s in p.stop), default=0)
         dec = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None
+        # logprobs: one TokenLogprob per token the source yields (filled by _tokens), so records[i] is out_ids[i]'s
+        records: list[TokenLogprob] | None = [] if p.logprobs is not None else None
+
+        def lps(a: int, b: int) -> list[TokenLogprob] | None:
+            return None if records is None else records[a:b]
         cut = False                     # output truncated at a stop string
         t0 = time.perf_counter()
         t_first = t_last = None
         finish = None
         if self.tp is not None and not follower:
             self.tp.sync_request(ids, p)
-        source = self._tokens(torch.tensor(ids), p, gen, stats)
+        source = self._tokens(torch.tensor(ids), p, gen, stats, records)
         if self.tp is not None:         # rank 0 says when to stop; the others run until it does
             source = self.tp.follow_tokens(source) if follower else self.tp.lead_tokens(source)
         try:
@@ -610,7 +666,8 @@ class Engine:
                 if safe > sent or dec is None:
                     new_sent = max(safe, sent)
                     done = len(out_ids) if dec is None else bisect.bisect_right(ends, new_sent)
-                    chunk = StreamChunk(text[sent:new_sent], out_ids[reported:done], ttft_s=t_first - t0)
+                    chunk = StreamChunk(text[sent:new_sent], out_ids[reported:done], ttft_s=t_first - t0,
+                                        logprobs=lps(reported, done))
                     sent, reported = new_sent, max(reported, done)
                     yield chunk
         finally:
@@ -632,8 +689,9 @@ class Engine:
             if self.adaptive is not None:
                 spec["adaptive"] = self.adaptive.request_dict()
             self.spec_totals.add(stats)
-        out = RequestOutput(text, out_ids, finish or "length", len(ids), n, (t_first or end) - t0, tpot, end - t0, spec)
-        yield StreamChunk(text[sent:], out_ids[reported:], finish or "length", out, out.ttft_s)
+        out = RequestOutput(text, out_ids, finish or "length", len(ids), n, (t_first or end) - t0, tpot, end - t0,
+                            spec, lps(0, n))
+        yield StreamChunk(text[sent:], out_ids[reported:], finish or "length", out, out.ttft_s, lps(reported, n))
 
     def follow(self) -> None:
         """Tensor parallel, ranks > 0: run rank 0's requests (:meth:`stream` on rank 0, e.g. the server's) until

@@ -68,13 +68,15 @@ class TPGroup:
 
     def sync_request(self, ids: list[int] | None, p) -> tuple[list[int], object] | None:
         """Rank 0 sends ``(ids, p)``; the other ranks get ``(ids, follower params)``, or None after
-        :meth:`shutdown`. A follower's params carry rank 0's temperature / top-p / top-k (the code paths match)
-        but never stop on their own: rank 0's stop decision arrives through :meth:`lead_tokens`."""
+        :meth:`shutdown`. A follower's params carry rank 0's temperature / top-p / top-k and logprobs (the code
+        paths match: a logprobs request decodes without MTP on every rank) but never stop on their own: rank 0's
+        stop decision arrives through :meth:`lead_tokens`."""
         from bytebound.sampling import MAX_TOKENS_LIMIT, SamplingParams
-        head = torch.zeros(2, dtype=torch.int64, device=self.device)
+        head = torch.zeros(3, dtype=torch.int64, device=self.device)      # prompt length, top_k, logprobs
         vals = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self.lead:
             head[0], head[1] = (-1, 0) if ids is None else (len(ids), int(p.top_k))
+            head[2] = -1 if p is None or p.logprobs is None else p.logprobs
             if p is not None:
                 vals[0], vals[1] = float(p.temperature), float(p.top_p)
         dist.broadcast(head, 0)
@@ -90,7 +92,8 @@ class TPGroup:
             return ids, p
         temp, top_p = vals.tolist()
         return t.tolist(), SamplingParams(max_tokens=MAX_TOKENS_LIMIT, temperature=temp, top_p=top_p,
-                                          top_k=int(head[1]), ignore_eos=True)
+                                          top_k=int(head[1]), ignore_eos=True,
+                                          logprobs=None if head[2] < 0 else int(head[2]))
 
     def shutdown(self) -> None:
         """Rank 0: tell followers waiting in :meth:`sync_request` (``Engine.follow``) to return."""

@@ -31,17 +31,29 @@ streams that had begun; ``bytebound_requests_rejected_total`` keeps counting the
 
 Request rules: malformed JSON, wrong types, text that is not valid Unicode (a lone UTF-16 surrogate in the
 prompt, a message or a stop string: ``invalid_unicode``, naming the field), out-of-range sampling values,
-``n``/``best_of`` other than 1, unsupported features (logprobs, echo, penalties, tools; vLLM's and SGLang's sampling
-extensions ``min_tokens``, ``min_p``, ``typical_p``, ``include_stop_str_in_output``, ``skip_special_tokens`` false,
-``min_new_tokens``, ``allowed_token_ids``, ``bad_words``, ``logits_processors``, ``truncate_prompt_tokens``,
-``stop_regex``, beam search, guided / structured output; for chat ``add_generation_prompt`` false,
-``continue_final_message``, ``chat_template`` and its kwargs; each at any value but the neutral one) and prompts that do not
-fit ``max_model_len`` get 400 before queueing; an unknown model gets 404, a request without ``model`` is for the
-served one. Extensions: ``top_k``, ``seed``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids``
-(non-streaming: ``choices[0].token_ids``; streaming, as vLLM: every chunk's choice carries the ids of that chunk,
-a chunk is sent for new ids even when their text is empty, and the chunks' ids concatenated are the
-non-streaming ``token_ids``).
+``n``/``best_of`` other than 1, unsupported features (``prompt_logprobs``, echo, penalties, tools; vLLM's and
+SGLang's sampling extensions ``min_tokens``, ``min_p``, ``typical_p``, ``include_stop_str_in_output``,
+``skip_special_tokens`` false, ``min_new_tokens``, ``allowed_token_ids``, ``bad_words``, ``logits_processors``,
+``truncate_prompt_tokens``, ``stop_regex``, beam search, guided / structured output; for chat
+``add_generation_prompt`` false, ``continue_final_message``, ``chat_template`` and its kwargs; each at any value but
+the neutral one) and prompts that do not fit ``max_model_len`` get 400 before queueing; an unknown model gets 404,
+a request without ``model`` is for the served one. Extensions: ``top_k``, ``seed``, ``ignore_eos``,
+``stop_token_ids``, ``return_token_ids`` (non-streaming: ``choices[0].token_ids``; streaming, as vLLM: every
+chunk's choice carries the ids of that chunk, a chunk is sent for new ids even when their text is empty, and the
+chunks' ids concatenated are the non-streaming ``token_ids``).
 ``usage.completion_tokens`` is the number of tokens whose text is returned (stop strings and EOS excluded).
+
+Logprobs, in OpenAI's formats: completions take ``logprobs`` k (an int in [0, 20]; ``choices[0].logprobs`` =
+``{tokens, token_logprobs, top_logprobs, text_offset}``, ``top_logprobs`` a list of ``{token: logprob}`` with the
+k most likely tokens and the chosen one, null for k = 0; ``text_offset`` the character offset of each token's text
+in the completion); chat takes ``logprobs: true`` and ``top_logprobs`` k (an int in [0, 20], a 400 without
+``logprobs: true``; ``choices[0].logprobs = {content: [{token, logprob, bytes, top_logprobs: [{token, logprob,
+bytes}]}]}``). Streamed, each chunk carries the records of the tokens whose text it carries (offsets relative to
+the whole completion), and the chunks' records concatenated are the non-streamed ones. Values: natural-log
+``log_softmax`` of the raw float32 logits (before temperature / top-k / top-p, vLLM's default ``raw_logprobs``),
+-inf sent as -9999.0 as vLLM does; a token's string is its own decode (a token inside a multi-byte character decodes
+to U+FFFD), ``bytes`` its UTF-8 bytes; without a tokenizer ``token_id:N``. A logprobs request decodes without MTP
+speculation (the same tokens as plain decoding).
 """
 
 from __future__ import annotations
@@ -415,8 +427,6 @@ def _reject_unsupported(body: dict, chat: bool) -> None:
               ("repetition_penalty", lambda v: v == 1), ("logit_bias", lambda v: not v), ("suffix", lambda v: False),
               ("tools", lambda v: not v), ("functions", lambda v: not v),
               ("response_format", lambda v: isinstance(v, dict) and v.get("type") == "text"),
-              ("top_logprobs", lambda v: False),
-              ("logprobs", (lambda v: v is False) if chat else (lambda v: False)),
               # vLLM / SGLang extensions this engine does not implement: refused rather than ignored, so a client
               # never gets other sampling or another prompt than it asked for without being told; accepted only at
               # the value that changes nothing, of its own type (False is not 0 here)
@@ -468,14 +478,16 @@ def _sampling(body: dict, chat: bool, prompt_len: int, engine) -> SamplingParams
     vocab = engine.model.cfg.vocab_size
     if any(not 0 <= i < vocab for i in ids):         # the engine would never sample them: silently ignored
         raise APIError(400, f"stop token ids must be in [0, {vocab})", param="stop_token_ids")
+    lp_key, logprobs = _logprobs(body, chat)
     try:
         p = SamplingParams(max_tokens=mt, temperature=_float(body, "temperature", 1.0),
                            top_p=_float(body, "top_p", 1.0), top_k=_get(body, "top_k", "int", 0),
                            seed=_get(body, "seed", "int", None), stop=tuple(stop or ()),
-                           stop_token_ids=tuple(ids), ignore_eos=_get(body, "ignore_eos", "bool", False))
+                           stop_token_ids=tuple(ids), ignore_eos=_get(body, "ignore_eos", "bool", False),
+                           logprobs=logprobs)
     except RequestError as e:
-        # validate names the field; max_tokens is reported under the key the client used
-        raise APIError(400, str(e), param=key if e.param == "max_tokens" else e.param) from None
+        # validate names the field; max_tokens and logprobs are reported under the key the client used
+        raise APIError(400, str(e), param={"max_tokens": key, "logprobs": lp_key}.get(e.param, e.param)) from None
     if mt > room:           # the prompt alone overflows (its fault) or with max_tokens (the limit's fault)
         head = (f"this model's maximum context length is {engine.runner.max_len} tokens; the prompt has "
                 f"{prompt_len} tokens")
@@ -487,6 +499,21 @@ def _sampling(body: dict, chat: bool, prompt_len: int, engine) -> SamplingParams
                        f"tokens{' with MTP draft slots' if engine.config.speculative_steps else ''})",
                        param=key, code="context_length_exceeded")
     return p
+
+
+def _logprobs(body: dict, chat: bool) -> tuple[str, int | None]:
+    """``(the request key that sets it, SamplingParams.logprobs)``: completions' ``logprobs`` k (int or null); chat's
+    ``logprobs`` (bool) with ``top_logprobs`` k (int or null, default 0), as OpenAI's API has them. The range [0, 20]
+    is :meth:`SamplingParams.validate`'s. APIError 400: a wrong type; chat's ``top_logprobs`` without ``logprobs:
+    true`` (OpenAI and vLLM refuse it); ``top_logprobs`` on completions (its field is ``logprobs``)."""
+    if not chat:
+        if body.get("top_logprobs") is not None:
+            raise APIError(400, "'top_logprobs' is a chat field: completions take 'logprobs': k", param="top_logprobs")
+        return "logprobs", _get(body, "logprobs", "int", None)
+    on, k = _get(body, "logprobs", "bool", False), _get(body, "top_logprobs", "int", None)
+    if k is not None and not on:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return "top_logprobs", (k or 0) if on else None
 
 
 def _token_ids(v, vocab: int) -> list[int] | None:
@@ -650,6 +677,50 @@ def _usage(out) -> dict:
             "total_tokens": out.prompt_tokens + out.completion_tokens}
 
 
+class _Logprobs:
+    """A request's logprob records (``engine.TokenLogprob``) in OpenAI's response formats, chunk by chunk: each
+    :meth:`chat` / :meth:`completion` call takes the records of the next tokens and keeps the text decoded so
+    far, so ``text_offset`` counts from the start of the completion. Token strings are decoded once per id."""
+
+    def __init__(self, tokenizer, k: int):
+        self.tok, self.k = tokenizer, k
+        self.dec = tokenizer.incremental_decoder() if tokenizer is not None else None
+        self.chars = 0                      # characters of the completion text completed by the tokens so far
+        self.names: dict[int, str] = {}
+
+    def name(self, i: int) -> str:
+        s = self.names.get(i)
+        if s is None:
+            s = self.names[i] = self.tok.decode([i]) if self.tok is not None else f"token_id:{i}"
+        return s
+
+    def entry(self, i: int, lp: float) -> dict:
+        s = self.name(i)
+        return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode("utf-8"))}
+
+    def chat(self, recs) -> dict:
+        return {"content": [self.entry(r.token_id, r.logprob)
+                            | {"top_logprobs": [self.entry(i, lp) for i, lp in r.top]} for r in recs]}
+
+    def completion(self, recs) -> dict:
+        offsets = []
+        for r in recs:
+            offsets.append(self.chars)      # where this token's text starts: after the whole characters before it
+            if self.dec is not None:
+                self.chars += len(self.dec.decode_stream(r.token_id))
+        tops = None
+        if self.k:                          # the k most likely and, as OpenAI's and vLLM's, the chosen one
+            tops = [{self.name(i): _finite(lp) for i, lp in r.top} | {self.name(r.token_id): _finite(r.logprob)}
+                    for r in recs]
+        return {"tokens": [self.name(r.token_id) for r in recs], "token_logprobs": [_finite(r.logprob) for r in recs],
+                "top_logprobs": tops, "text_offset": offsets}
+
+
+def _finite(lp: float) -> float:
+    """A logprob JSON can carry: -inf (a masked token; raw logits have none) as -9999.0, as vLLM sends it."""
+    return max(lp, -9999.0)
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
@@ -809,8 +880,9 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
         job = Job(rid, ids, params, loop)
         worker.submit(job)
         now = int(time.time())
+        lp = _Logprobs(engine.tokenizer, params.logprobs) if params.logprobs is not None else None
         if stream:
-            return StreamingResponse(_stream(job, request, chat, include_usage, now, want_ids),
+            return StreamingResponse(_stream(job, request, chat, include_usage, now, want_ids, lp),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
@@ -819,11 +891,12 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
             if e.code == "cancelled":
                 _log_cancelled(request, job, None)
             raise
+        lps = None if lp is None else lp.chat(out.logprobs) if chat else lp.completion(out.logprobs)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": lps,
                       "finish_reason": out.finish_reason}
         else:
-            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+            choice = {"index": 0, "text": out.text, "logprobs": lps, "finish_reason": out.finish_reason}
         if want_ids:
             choice["token_ids"] = out.token_ids
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now, "model": name,
@@ -840,20 +913,24 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
         log.info('%s - "%s %s" %s cancelled (%s)%s, %.2f s', _peer(request), request.method, request.url.path,
                  job.rid, why.replace("_", " "), sent, time.perf_counter() - job.created)
 
-    async def _stream(job: Job, request: Request, chat: bool, include_usage: bool, now: int, want_ids: bool):
+    async def _stream(job: Job, request: Request, chat: bool, include_usage: bool, now: int, want_ids: bool,
+                      lp: _Logprobs | None):
         """SSE events of one request. ``want_ids`` (``return_token_ids``): every choice carries ``token_ids``, the
         ids generated since the previous chunk (``[]`` on the role and finish chunks), and new ids are sent even
-        when their text is empty (random weights, a partial UTF-8 character, no tokenizer)."""
+        when their text is empty (random weights, a partial UTF-8 character, no tokenizer). ``lp`` (logprobs
+        asked): each chunk of new ids carries their records (null on the role and finish chunks), and it is sent
+        even when its text is empty, so no record is lost."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         complete, tokens = False, 0
 
         def chunk(text: str | None = None, finish: str | None = None, role: bool = False,
-                  ids: list[int] | None = None) -> dict:
+                  ids: list[int] | None = None, recs=None) -> dict:
+            lps = None if recs is None else lp.chat(recs) if chat else lp.completion(recs)
             if chat:
                 delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {})
-                c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                c = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish}
             else:
-                c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                c = {"index": 0, "text": text or "", "logprobs": lps, "finish_reason": finish}
             if want_ids:
                 c["token_ids"] = list(ids or ())
             d = {"id": job.rid, "object": obj, "created": now, "model": name, "choices": [c]}
@@ -868,8 +945,8 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
                 kind, payload = await job.events.get()
                 if kind == "chunk":
                     tokens += len(payload.token_ids)
-                    if payload.text or (want_ids and payload.token_ids):
-                        yield _sse(chunk(payload.text, ids=payload.token_ids))
+                    if payload.text or ((want_ids or lp is not None) and payload.token_ids):
+                        yield _sse(chunk(payload.text, ids=payload.token_ids, recs=payload.logprobs))
                     if payload.output is not None:
                         yield _sse(chunk(finish=payload.output.finish_reason))
                         if include_usage:
