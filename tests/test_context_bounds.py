@@ -51,7 +51,7 @@ def test_stream_chunks_add_up_to_the_output(steps, stop):
 
 def _scripted(e, seq):
     """Make ``e`` generate exactly ``seq`` (token ids) whatever the prompt: the stream logic under test."""
-    e._tokens = lambda ids, p, gen, stats: ((t, 0) for t in seq)
+    e._tokens = lambda ids, p, gen, stats, records=None: ((t, 0) for t in seq)
 
 
 @pytest.fixture(scope="module")
