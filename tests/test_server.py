@@ -290,7 +290,9 @@ def test_completion_logprobs_openai_shape_streamed_equals_non_streamed(srv, ref)
     assert {k: [x for p in parts for x in p[k]] for k in lp} == lp
     c = srv.client().completions.create(model=NAME, prompt="Once upon a time", max_tokens=10, temperature=0,
                                         logprobs=0)
-    assert c.choices[0].logprobs.token_logprobs == lp["token_logprobs"] and c.choices[0].logprobs.top_logprobs is None
+    # k = 0: the chosen token alone in each top_logprobs entry (OpenAI's "up to k + 1", vLLM's form), never null
+    assert c.choices[0].logprobs.token_logprobs == lp["token_logprobs"]
+    assert c.choices[0].logprobs.top_logprobs == [{t: v} for t, v in zip(lp["tokens"], lp["token_logprobs"])]
 
 
 def test_logprobs_stay_aligned_with_text_cut_by_a_stop_string(srv, ref):
@@ -400,6 +402,11 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(srv, ref):
     for body, status in BAD_CHAT:
         r = _post(srv.url, "/v1/chat/completions", body)
         assert r.status_code == status, (body, r.status_code, r.text)
+    # the range error names the field the client set, in the message as in param
+    r = _post(srv.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                                                "top_logprobs": 21})
+    err = r.json()["error"]
+    assert err["param"] == "top_logprobs" and err["message"].startswith("top_logprobs must be"), err
     c = srv.client()
     with pytest.raises(openai.NotFoundError):
         c.completions.create(model="nope", prompt="hi", max_tokens=2)

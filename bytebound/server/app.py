@@ -45,8 +45,8 @@ chunks' ids concatenated are the non-streaming ``token_ids``).
 
 Logprobs, in OpenAI's formats: completions take ``logprobs`` k (an int in [0, 20]; ``choices[0].logprobs`` =
 ``{tokens, token_logprobs, top_logprobs, text_offset}``, ``top_logprobs`` a list of ``{token: logprob}`` with the
-k most likely tokens and the chosen one, null for k = 0; ``text_offset`` the character offset of each token's text
-in the completion); chat takes ``logprobs: true`` and ``top_logprobs`` k (an int in [0, 20], a 400 without
+k most likely tokens and the chosen one (the chosen one alone for k = 0, as vLLM); ``text_offset`` the character
+offset of each token's text in the completion); chat takes ``logprobs: true`` and ``top_logprobs`` k (an int in [0, 20], a 400 without
 ``logprobs: true``; ``choices[0].logprobs = {content: [{token, logprob, bytes, top_logprobs: [{token, logprob,
 bytes}]}]}``). Streamed, each chunk carries the records of the tokens whose text it carries (offsets relative to
 the whole completion), and the chunks' records concatenated are the non-streamed ones. Values: natural-log
@@ -77,7 +77,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from bytebound.errors import RequestError
-from bytebound.sampling import MAX_TOKENS_LIMIT, SamplingParams
+from bytebound.sampling import MAX_LOGPROBS, MAX_TOKENS_LIMIT, SamplingParams
 
 log = logging.getLogger("bytebound.server")
 MAX_BODY = 16 << 20                 # the largest body limit, whatever max_prompt_chars says
@@ -513,6 +513,8 @@ def _logprobs(body: dict, chat: bool) -> tuple[str, int | None]:
     on, k = _get(body, "logprobs", "bool", False), _get(body, "top_logprobs", "int", None)
     if k is not None and not on:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:        # said here: validate would name 'logprobs'
+        raise APIError(400, f"top_logprobs must be an int in [0, {MAX_LOGPROBS}], got {k}", param="top_logprobs")
     return "top_logprobs", (k or 0) if on else None
 
 
@@ -708,10 +710,9 @@ class _Logprobs:
             offsets.append(self.chars)      # where this token's text starts: after the whole characters before it
             if self.dec is not None:
                 self.chars += len(self.dec.decode_stream(r.token_id))
-        tops = None
-        if self.k:                          # the k most likely and, as OpenAI's and vLLM's, the chosen one
-            tops = [{self.name(i): _finite(lp) for i, lp in r.top} | {self.name(r.token_id): _finite(r.logprob)}
-                    for r in recs]
+        # the k most likely and, as OpenAI's and vLLM's, always the chosen one (k = 0: the chosen one alone)
+        tops = [{self.name(i): _finite(lp) for i, lp in r.top} | {self.name(r.token_id): _finite(r.logprob)}
+                for r in recs]
         return {"tokens": [self.name(r.token_id) for r in recs], "token_logprobs": [_finite(r.logprob) for r in recs],
                 "top_logprobs": tops, "text_offset": offsets}
 
