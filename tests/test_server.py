@@ -337,10 +337,10 @@ def test_logprobs_without_a_tokenizer_and_infinite_values(ckpt):
         assert [x for e in events if e["choices"][0]["logprobs"] for x in e["choices"][0]["logprobs"]["tokens"]] \
             == want["logprobs"]["tokens"]
     rec = TokenLogprob(7, -math.inf, ((3, -1.5), (7, -math.inf)))
-    out = _Logprobs(None, 2).completion([rec])
+    out = _Logprobs(None).completion([rec])
     assert out["token_logprobs"] == [-9999.0] and out["top_logprobs"] == [{"token_id:3": -1.5, "token_id:7": -9999.0}]
     json.dumps(out, allow_nan=False)
-    assert _Logprobs(None, 2).chat([rec])["content"][0]["top_logprobs"][1]["logprob"] == -9999.0
+    assert _Logprobs(None).chat([rec])["content"][0]["top_logprobs"][1]["logprob"] == -9999.0
 
 
 # ---- errors: 4xx, and the server keeps serving ------------------------------------------------------------

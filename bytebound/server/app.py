@@ -44,15 +44,15 @@ chunks' ids concatenated are the non-streaming ``token_ids``).
 ``usage.completion_tokens`` is the number of tokens whose text is returned (stop strings and EOS excluded).
 
 Logprobs, in OpenAI's formats: completions take ``logprobs`` k (an int in [0, 20]; ``choices[0].logprobs`` =
-``{tokens, token_logprobs, top_logprobs, text_offset}``, ``top_logprobs`` a list of ``{token: logprob}`` with the
-k most likely tokens and the chosen one (the chosen one alone for k = 0, as vLLM); ``text_offset`` the character
-offset of each token's text in the completion); chat takes ``logprobs: true`` and ``top_logprobs`` k (an int in [0, 20], a 400 without
-``logprobs: true``; ``choices[0].logprobs = {content: [{token, logprob, bytes, top_logprobs: [{token, logprob,
-bytes}]}]}``). Streamed, each chunk carries the records of the tokens whose text it carries (offsets relative to
-the whole completion), and the chunks' records concatenated are the non-streamed ones. Values: natural-log
-``log_softmax`` of the raw float32 logits (before temperature / top-k / top-p, vLLM's default ``raw_logprobs``),
--inf sent as -9999.0 as vLLM does; a token's string is its own decode (a token inside a multi-byte character decodes
-to U+FFFD), ``bytes`` its UTF-8 bytes; without a tokenizer ``token_id:N``. A logprobs request decodes without MTP
+``{tokens, token_logprobs, top_logprobs, text_offset}``, ``top_logprobs`` a list of ``{token: logprob}`` with the k
+most likely tokens and the chosen one (the chosen one alone for k = 0, as vLLM); ``text_offset`` the character offset
+of each token's text in the completion); chat takes ``logprobs: true`` and ``top_logprobs`` k (an int in [0, 20], a
+400 without ``logprobs: true``; ``choices[0].logprobs = {content: [{token, logprob, bytes, top_logprobs: [{token,
+logprob, bytes}]}]}``). Streamed, each chunk carries the records of the tokens whose text it carries (offsets relative
+to the whole completion), and the chunks' records concatenated are the non-streamed ones. Values: natural-log
+``log_softmax`` of the raw float32 logits (before temperature / top-k / top-p, vLLM's default ``raw_logprobs``), -inf
+sent as -9999.0 as vLLM does; a token's string is its own decode (a token inside a multi-byte character decodes to
+U+FFFD), ``bytes`` its UTF-8 bytes; without a tokenizer ``token_id:N``. A logprobs request decodes without MTP
 speculation (the same tokens as plain decoding).
 """
 
@@ -478,7 +478,7 @@ def _sampling(body: dict, chat: bool, prompt_len: int, engine) -> SamplingParams
     vocab = engine.model.cfg.vocab_size
     if any(not 0 <= i < vocab for i in ids):         # the engine would never sample them: silently ignored
         raise APIError(400, f"stop token ids must be in [0, {vocab})", param="stop_token_ids")
-    lp_key, logprobs = _logprobs(body, chat)
+    logprobs = _logprobs(body, chat)
     try:
         p = SamplingParams(max_tokens=mt, temperature=_float(body, "temperature", 1.0),
                            top_p=_float(body, "top_p", 1.0), top_k=_get(body, "top_k", "int", 0),
@@ -486,8 +486,9 @@ def _sampling(body: dict, chat: bool, prompt_len: int, engine) -> SamplingParams
                            stop_token_ids=tuple(ids), ignore_eos=_get(body, "ignore_eos", "bool", False),
                            logprobs=logprobs)
     except RequestError as e:
-        # validate names the field; max_tokens and logprobs are reported under the key the client used
-        raise APIError(400, str(e), param={"max_tokens": key, "logprobs": lp_key}.get(e.param, e.param)) from None
+        # validate names the field; max_tokens is reported under the key the client used (chat's top_logprobs
+        # range is checked in _logprobs, so a logprobs error here is completions' own logprobs key)
+        raise APIError(400, str(e), param=key if e.param == "max_tokens" else e.param) from None
     if mt > room:           # the prompt alone overflows (its fault) or with max_tokens (the limit's fault)
         head = (f"this model's maximum context length is {engine.runner.max_len} tokens; the prompt has "
                 f"{prompt_len} tokens")
@@ -501,21 +502,21 @@ def _sampling(body: dict, chat: bool, prompt_len: int, engine) -> SamplingParams
     return p
 
 
-def _logprobs(body: dict, chat: bool) -> tuple[str, int | None]:
-    """``(the request key that sets it, SamplingParams.logprobs)``: completions' ``logprobs`` k (int or null); chat's
-    ``logprobs`` (bool) with ``top_logprobs`` k (int or null, default 0), as OpenAI's API has them. The range [0, 20]
-    is :meth:`SamplingParams.validate`'s. APIError 400: a wrong type; chat's ``top_logprobs`` without ``logprobs:
-    true`` (OpenAI and vLLM refuse it); ``top_logprobs`` on completions (its field is ``logprobs``)."""
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """``SamplingParams.logprobs``: completions' ``logprobs`` k (int or null; its range is
+    :meth:`SamplingParams.validate`'s); chat's ``logprobs`` (bool) with ``top_logprobs`` k (int in [0, 20] or null,
+    default 0), as OpenAI's API has them. APIError 400: a wrong type; chat's ``top_logprobs`` out of range or without
+    ``logprobs: true`` (OpenAI and vLLM refuse it); ``top_logprobs`` on completions (its field is ``logprobs``)."""
     if not chat:
         if body.get("top_logprobs") is not None:
             raise APIError(400, "'top_logprobs' is a chat field: completions take 'logprobs': k", param="top_logprobs")
-        return "logprobs", _get(body, "logprobs", "int", None)
+        return _get(body, "logprobs", "int", None)
     on, k = _get(body, "logprobs", "bool", False), _get(body, "top_logprobs", "int", None)
     if k is not None and not on:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if k is not None and not 0 <= k <= MAX_LOGPROBS:        # said here: validate would name 'logprobs'
         raise APIError(400, f"top_logprobs must be an int in [0, {MAX_LOGPROBS}], got {k}", param="top_logprobs")
-    return "top_logprobs", (k or 0) if on else None
+    return (k or 0) if on else None
 
 
 def _token_ids(v, vocab: int) -> list[int] | None:
@@ -684,8 +685,8 @@ class _Logprobs:
     :meth:`chat` / :meth:`completion` call takes the records of the next tokens and keeps the text decoded so
     far, so ``text_offset`` counts from the start of the completion. Token strings are decoded once per id."""
 
-    def __init__(self, tokenizer, k: int):
-        self.tok, self.k = tokenizer, k
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
         self.dec = tokenizer.incremental_decoder() if tokenizer is not None else None
         self.chars = 0                      # characters of the completion text completed by the tokens so far
         self.names: dict[int, str] = {}
@@ -881,7 +882,7 @@ def create_app(engine, served_model_name: str | None = None, max_queue: int = 64
         job = Job(rid, ids, params, loop)
         worker.submit(job)
         now = int(time.time())
-        lp = _Logprobs(engine.tokenizer, params.logprobs) if params.logprobs is not None else None
+        lp = _Logprobs(engine.tokenizer) if params.logprobs is not None else None
         if stream:
             return StreamingResponse(_stream(job, request, chat, include_usage, now, want_ids, lp),
                                      media_type="text/event-stream",
