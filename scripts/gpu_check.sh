@@ -86,8 +86,9 @@ section_bench_moe() {    # per-layer MoE microbenchmark (+ triton config sweep),
     run_step bench python3 scripts/bench_moe.py --out "$OUT" --tune ${BENCH_MOE_ARGS:-}
 }
 
-section_engine() {       # engine on GPU: graph replay == eager over 64 steps, trained nano GPU vs CPU greedy
-    run_step pytest python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py -v -p no:cacheprovider -rfE --tb=short \
+section_engine() {       # engine on GPU: graph replay == eager over 64 steps, trained nano GPU vs CPU greedy, logprobs
+    run_step pytest python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py tests/gpu/test_logprobs_gpu.py -v \
+        -p no:cacheprovider -rfE --tb=short \
         $(pytest_timeout) \
         --junitxml="$OUT/engine_junit.xml" ${PYTEST_K:+-k "$PYTEST_K"}
 }
