@@ -38,8 +38,9 @@ from bytebound.bench.report import git_commit  # noqa: E402
 from bytebound.runner.graphs import capture_graph  # noqa: E402
 
 
-def make_case(n_layers: int, ctx: int, m: int, seed: int = 0, device: str = "cuda"):
-    """``n_layers`` Ling-shape GatedMLA layers with stubbed projections, filled caches and static inputs."""
+def make_case(n_layers: int, ctx: int, m: int, seed: int = 0, device: str = "cuda", span: int | None = None):
+    """``n_layers`` Ling-shape GatedMLA layers with stubbed projections, filled caches and static inputs; each
+    cache has ``span`` slots (default ``ctx``), the first ``ctx - m`` filled."""
     from bytebound.config import LING3_FLASH_CONFIG, LingConfig
     from bytebound.layers.mla import GatedMLA, MLAState
     cfg = LingConfig.from_file(LING3_FLASH_CONFIG)
@@ -60,7 +61,7 @@ def make_case(n_layers: int, ctx: int, m: int, seed: int = 0, device: str = "cud
         layer.kv_a_proj_with_mqa.fn = lambda x, c=ckv: c
         layer.g_proj.fn = lambda x, t=gl: t
         layer.dense.fn = lambda y: y
-        kv = torch.zeros(1, ctx, layer.rank + layer.rope_dim, device=device, dtype=torch.bfloat16)
+        kv = torch.zeros(1, span or ctx, layer.rank + layer.rope_dim, device=device, dtype=torch.bfloat16)
         kv[:, : ctx - m].normal_(generator=g)
         layers.append(layer)
         states.append(MLAState(kv))
@@ -148,6 +149,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--backends", nargs="+", default=["torch", "triton"])
+    ap.add_argument("--span", choices=["ctx", "bucket"], default="ctx",
+                    help="static span attended: ctx (= the context; no slot past the sequence) or bucket (the "
+                         "runner's: the smallest power of two >= max(ctx, 1024), as a decode at positions "
+                         "ctx - M .. ctx - 1 runs in the engine; e.g. --contexts 2049 for the step after 2K)")
     ap.add_argument("--sweep", action="store_true", help="also sweep the triton tilings per case (SWEEP_ATTN, "
                     "SWEEP_SPLIT, SWEEP_COMBINE in turn) and report the best")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -165,11 +170,12 @@ def main() -> None:
     rows = []
     for ctx in args.contexts:
         for m in args.m:
-            layers, states, x, positions = make_case(args.layers, ctx, m)
+            span = ctx if args.span == "ctx" else max(1024, 1 << (ctx - 1).bit_length())
+            layers, states, x, positions = make_case(args.layers, ctx, m, span=span)
             l0 = layers[0]
             nbytes = ctx * (l0.rank + l0.rope_dim) * 2 + 2 * l0.heads * l0.nope * l0.rank * 2
-            res = {b: bench_case(b, layers, states, x, positions, ctx, args.reps) for b in args.backends}
-            row = {"ctx": ctx, "m": m, "bytes": nbytes, "floor_us": nbytes / (bw * 1e3)}
+            res = {b: bench_case(b, layers, states, x, positions, span, args.reps) for b in args.backends}
+            row = {"ctx": ctx, "m": m, "span": span, "bytes": nbytes, "floor_us": nbytes / (bw * 1e3)}
             for b, r in res.items():
                 row[b] = {k: v for k, v in r.items() if k != "out"}
             if "torch" in res and "triton" in res:
@@ -177,23 +183,25 @@ def main() -> None:
                 row["triton_rel_err_vs_torch"] = float((a - ref).norm() / ref.norm())
                 if args.sweep:
                     print(f"sweep ctx {ctx} M {m}", flush=True)
-                    row["sweep"] = sweep(layers, states, x, positions, ctx, args.reps, res["torch"]["out"],
+                    row["sweep"] = sweep(layers, states, x, positions, span, args.reps, res["torch"]["out"],
                                          lambda s: print(s, flush=True))
             rows.append(row)
             del layers, states
             torch.cuda.empty_cache()
-    print(f"{'ctx':>6} {'M':>2} {'floor us':>9} " + " ".join(f"{b + ' us':>10} {b[:5] + ' kern':>10}"
+    print(f"{'ctx':>6} {'span':>6} {'M':>2} {'floor us':>9} " + " ".join(f"{b + ' us':>10} {b[:5] + ' kern':>10}"
                                                           for b in args.backends) + "  rel err")
     for r in rows:
         cells = " ".join(f"{r[b]['us']:10.2f} {r[b]['kernels']:10d}" for b in args.backends)
         sw = r.get("sweep")
         best = f"  sweep best {sw['best_us']:.2f} us {sw['best']}" if sw and sw["best_us"] is not None else ""
-        print(f"{r['ctx']:6d} {r['m']:2d} {r['floor_us']:9.2f} {cells}  {r.get('triton_rel_err_vs_torch', '')}"
+        print(f"{r['ctx']:6d} {r['span']:6d} {r['m']:2d} {r['floor_us']:9.2f} {cells}  {r.get('triton_rel_err_vs_torch', '')}"
               f"{best}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_mla.json").write_text(json.dumps({"device": dev, "commit": commit, "read_gbps": bw,
-                                                    "layers": args.layers, "reps": args.reps, "rows": rows},
+                                                    "layers": args.layers, "reps": args.reps, "span": args.span,
+                                                    "mla_cfg_env": os.environ.get("BYTEBOUND_MLA_CFG"),
+                                                    "rows": rows},
                                                    indent=1))
 
 

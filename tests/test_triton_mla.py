@@ -64,7 +64,6 @@ def ref64(layer: GatedMLA, q, ckv, gate, positions, kv):
     """float64 expanded-form gated attention and the new cache rows (latent normed, k_pe rotated), unrounded."""
     d = torch.float64
     h, nope, rank = layer.heads, layer.nope, layer.rank
-    t = q.shape[1]
     w = layer.kv_b_proj.weight.to(d).view(h, nope + layer.vdim, rank)
     wk, wv = w[:, :nope], w[:, nope:]
     lat = ckv[0, :, :rank].to(d)
@@ -246,6 +245,27 @@ def test_span_and_split_do_not_change_the_result(mla):
     kv2[:, 73:] = float("nan")
     o = run(mla, layer, q, ckv, gate, positions, kv2, 128, {"BN": 16, "split": 16})
     assert torch.isfinite(o).all() and torch.equal(o, outs[1])
+
+
+@needs_triton
+@pytest.mark.parametrize("t,pos,kv_len", [(1, 40, 128), (4, 62, 128), (4, 29, 64), (1, 95, 96)])
+@torch.no_grad()
+def test_skipping_empty_splits_keeps_the_bits(mla, monkeypatch, t, pos, kv_len):
+    """``skip_empty`` (the default): the splits past a row's position run no key block, write no partial and are not
+    merged. The same bits as running and merging them (they weigh exactly 0), with splits empty for every row
+    (span far past the sequence), a split boundary between the verify tokens (positions 62..65 with 32-key splits:
+    rows 0-1 have no key in the split of rows 2-3), and no empty split at all (95 + 1 = 96 = the span). Every
+    buffer the kernels get from ``torch.empty`` starts as NaN, so a partial read without being written shows."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    layer = make_layer(4, 128, 128, seed=7)
+    kv = filled_cache(layer, pos, kv_len)
+    q, ckv, gate = inputs(layer, t, seed=pos)
+    positions = torch.arange(pos, pos + t, device=DEV)
+    kv_on, kv_off = kv.clone(), kv.clone()
+    on = run(mla, layer, q, ckv, gate, positions, kv_on, kv_len, {**SMALL, "skip_empty": True})
+    off = run(mla, layer, q, ckv, gate, positions, kv_off, kv_len, {**SMALL, "skip_empty": False})
+    assert torch.isfinite(on).all() and torch.equal(on, off) and torch.equal(kv_on, kv_off)
 
 
 @needs_triton

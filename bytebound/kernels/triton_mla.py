@@ -18,8 +18,10 @@ strided views; dense after), so a decode/verify layer is five launches after its
    float32 (exp2 with ``scale * log2 e`` folded in), causal mask ``key position <= query position`` per row, so
    the M verify tokens are causal among themselves. Each split writes its normalised partial output
    ``[rows, 512]`` float32 and its log2-sum-exp (FlashDecoding, Dao et al. 2023). Key blocks past the largest
-   query position are masked off (no bytes move), so a static span larger than the sequence costs no reads.
-3. ``_mla_combine_out``: merges the splits per row (log-sum-exp weights), applies the head gate
+   query position are skipped, so a static span larger than the sequence costs no reads; a row with no key in
+   its split writes only its lse (-inf), not its partial output.
+3. ``_mla_combine_out``: merges the splits per row (log-sum-exp weights; only the splits up to the one holding
+   the row's position, whose partials were written), applies the head gate
    ``sigmoid(g_proj x)`` (a per-head scalar commutes with the v absorption), and multiplies by ``W_vc[h]^T``
    (float32 FMAs on the float32 latent output; BF16 weights), writing ``[B, M, H, v]`` in the layout ``dense``
    reads.
@@ -66,12 +68,15 @@ _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 # merge order: resolve_cfg); absorb_BC latent columns per q-absorption program, combine_BV v columns / combine_BK
 # latent columns per merge step / combine_SB splits per load;
 # pdl: each of the three kernels enters through kernels.pdl.enter (launched as a PDL dependent on sm_90+).
+# skip_empty: the splits past the sequence (a power-of-two span holds a sequence between half and all of it) run
+# no key block, write no partial output and are not read by the merge (the same bits as running them: they
+# weigh exactly 0); false runs and reads them all, as before (an A/B switch through BYTEBOUND_MLA_CFG).
 SHORT_SPAN = 4096
 SHORT_CFG = {"BN": 32, "num_warps": 8, "min_split": 64, "target_single": None}
 DEFAULT_CFG = {"BM": 32, "BN": 64, "num_warps": 4, "num_stages": 2, "min_split": 128, "target_programs": None,
                "target_single": "half",
                "split": None, "absorb_BC": 128, "combine_BV": 64, "combine_BK": 128, "combine_SB": 16,
-               "combine_warps": 4, "pdl": True}
+               "combine_warps": 4, "pdl": True, "skip_empty": True}
 
 
 def available(dev) -> str | None:
@@ -153,8 +158,12 @@ if tl is not None:
                         s_ql_h, s_ql_t, s_kv_b, s_kv_l, B,
                         T: tl.constexpr, H: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, DOT_F32: tl.constexpr,
-                        PDL: tl.constexpr = False, NTH: tl.constexpr = 128):
-        """Program ``(split, row block, b)``: partial softmax(QK^T)V over keys ``[split * NT * BN, +NT * BN)``."""
+                        SKIP: tl.constexpr = False, PDL: tl.constexpr = False, NTH: tl.constexpr = 128):
+        """Program ``(split, row block, b)``: partial softmax(QK^T)V over keys ``[split * NT * BN, +NT * BN)``.
+
+        ``SKIP``: a split with no key at or before any of its rows' positions (past the sequence in the static
+        span) runs no key block, and a row without a key in the split stores only its lse (-inf), not its
+        ``[R]`` partial output: the merge reads no partial of weight 0 (``_mla_combine_out``, same SKIP)."""
         pdl_enter(PDL, NTH)
         sp = tl.program_id(0)
         b = tl.program_id(2).to(tl.int64)
@@ -177,7 +186,10 @@ if tl is not None:
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, R], tl.float32)
         kvb = kv_ptr + b * s_kv_b
-        for i in range(NT):
+        # SKIP: the key blocks up to the split's last valid key only (the blocks after it are fully masked and
+        # would leave m_i, l_i and acc bit for bit unchanged: alpha = 1, no probability mass)
+        nt = tl.minimum(tl.maximum(end - start + BN - 1, 0) // BN, NT) if SKIP else NT
+        for i in range(nt):
             offs = start + i * BN + tl.arange(0, BN)
             kmask = offs < end
             lat = tl.load(kvb + offs[:, None] * s_kv_l + r[None, :], mask=kmask[:, None], other=0.0)
@@ -197,19 +209,24 @@ if tl is not None:
         o = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         prow = (sp * B + b) * (T * H) + rows
-        tl.store(o_ptr + prow[:, None] * R + r[None, :], o, mask=row_ok[:, None])
+        o_ok = row_ok & has if SKIP else row_ok
+        tl.store(o_ptr + prow[:, None] * R + r[None, :], o, mask=o_ok[:, None])
         tl.store(lse_ptr + prow, lse, mask=row_ok)
 
     @triton.jit
-    def _mla_combine_out(o_ptr, lse_ptr, g_ptr, wv_ptr, out_ptr, B, s_g_t, s_out_t, NS: tl.constexpr,
+    def _mla_combine_out(o_ptr, lse_ptr, g_ptr, wv_ptr, out_ptr, pos_ptr, B, s_g_t, s_out_t, SPLIT,
+                         NS: tl.constexpr,
                          T: tl.constexpr, H: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
-                         BV: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
+                         BV: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, SKIP: tl.constexpr = False,
                          PDL: tl.constexpr = False, NTH: tl.constexpr = 128):
         """Program ``(h, v block, b * T + t)``: merge the splits of row (t, h), gate, multiply by W_vc[h]^T.
 
         The latent output is built ``BK`` columns at a time and multiplied into that ``[BK, BV]`` block of W_vc
         (float32 FMAs: one row is too few for tensor cores). One row per program keeps the tiles small; the M
-        verify rows of a head re-read its W_vc block, from L2."""
+        verify rows of a head re-read its W_vc block, from L2. ``SKIP``: the partial output of a split whose lse
+        is -inf (no key; weight exactly 0) is not read (``_mla_attn_split`` with SKIP does not write it), and the
+        split chunks past the row's last non-empty split are not visited (the split length ``SPLIT`` and the
+        row's position give that count; before, they added exact zeros)."""
         pdl_enter(PDL, NTH)
         h = tl.program_id(0)
         vb = tl.program_id(1)
@@ -218,18 +235,20 @@ if tl is not None:
         t = bt % T
         row = t * H + h
         sb = tl.arange(0, SB)
+        # SKIP: splits past the one holding the row's position have no key for it (lse -inf, weight 0)
+        ns = tl.minimum(tl.load(pos_ptr + t) // SPLIT + 1, NS) if SKIP else NS
         # pass 1, log2-sum-exp of the splits (lse only): the weight of split s is 2^(lse_s - m) / den
         m = tl.full([SB], float("-inf"), tl.float32)
-        for s0 in range(0, NS, SB):                  # elementwise running max over the chunks, then one max
-            sm = (s0 + sb) < NS
+        for s0 in range(0, ns, SB):                  # elementwise running max over the chunks, then one max
+            sm = (s0 + sb) < ns
             lse = tl.load(lse_ptr + ((s0 + sb).to(tl.int64) * B + b) * (T * H) + row, mask=sm,
                           other=float("-inf"))
             m = tl.maximum(m, lse)
         m_max = tl.max(m, axis=0)
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
         den = tl.zeros([SB], tl.float32)
-        for s0 in range(0, NS, SB):
-            sm = (s0 + sb) < NS
+        for s0 in range(0, ns, SB):
+            sm = (s0 + sb) < ns
             lse = tl.load(lse_ptr + ((s0 + sb).to(tl.int64) * B + b) * (T * H) + row, mask=sm,
                           other=float("-inf"))
             den += tl.exp2(lse - m_max)
@@ -242,10 +261,13 @@ if tl is not None:
         # pass 2, per BK latent columns: weighted sum of the partials, times that block of W_vc^T
         for k0 in range(0, R, BK):             # a loop, not unrolled: unrolled copies spill registers
             acc = tl.zeros([BK], tl.float32)
-            for s0 in range(0, NS, SB):
-                sm = (s0 + sb) < NS
+            for s0 in range(0, ns, SB):
+                sm = (s0 + sb) < ns
                 prow = ((s0 + sb).to(tl.int64) * B + b) * (T * H) + row
-                wgt = tl.exp2(tl.load(lse_ptr + prow, mask=sm, other=float("-inf")) - m_max)
+                lse = tl.load(lse_ptr + prow, mask=sm, other=float("-inf"))
+                wgt = tl.exp2(lse - m_max)
+                if SKIP:        # a split without a key for this row wrote no partial: never read it
+                    sm = sm & (lse > float("-inf"))
                 o = tl.load(o_ptr + prow[:, None] * R + k0 + k[None, :], mask=sm[:, None], other=0.0)
                 acc += tl.sum(wgt[:, None] * o, axis=0)
             wv = tl.load(wv_ptr + h * (V * R) + v[None, :] * R + k0 + k[:, None]).to(tl.float32)  # [BK, BV]
@@ -374,18 +396,19 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
         TP=max(16, triton.next_power_of_2(b * t)), BRC=brc, DOT_F32=_DOT_F32, PDL=pdl, NTH=128, num_warps=4, **pk)
     rows = t * h
     bm, split, ns = split_plan(span, rows, b, cfg, dev)
+    skip = bool(cfg.get("skip_empty", True))
     o_part = torch.empty(ns, b, rows, rank, dtype=torch.float32, device=dev)
     lse = torch.empty(ns, b, rows, dtype=torch.float32, device=dev)
     _mla_attn_split[(ns, -(-rows // bm), b)](
         q_lat, q_rope, kv, positions, o_part, lse, float(scale) * LOG2E, span,
         q_lat.stride(0), q_lat.stride(1), kv.stride(0), kv.stride(1), b,
-        T=t, H=h, R=rank, P=pdim, BM=bm, BN=cfg["BN"], NT=split // cfg["BN"], DOT_F32=_DOT_F32,
+        T=t, H=h, R=rank, P=pdim, BM=bm, BN=cfg["BN"], NT=split // cfg["BN"], DOT_F32=_DOT_F32, SKIP=skip,
         PDL=pdl, NTH=32 * cfg["num_warps"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pk)
     out = torch.empty(b, t, h, vdim, dtype=q.dtype, device=dev)
     bv = math.gcd(cfg["combine_BV"], vdim)          # a power of two dividing v (cfg values are powers of two)
-    _mla_combine_out[(h, vdim // bv, b * t)](o_part, lse, g2, wvc, out, b, g2.stride(0), h * vdim, NS=ns,
-                                             T=t, H=h, R=rank, V=vdim, BV=bv, SB=cfg["combine_SB"],
-                                             BK=min(cfg["combine_BK"], rank), PDL=pdl, NTH=32 * cfg["combine_warps"],
+    _mla_combine_out[(h, vdim // bv, b * t)](o_part, lse, g2, wvc, out, positions, b, g2.stride(0), h * vdim,
+                                             split, NS=ns, T=t, H=h, R=rank, V=vdim, BV=bv, SB=cfg["combine_SB"],
+                                             BK=min(cfg["combine_BK"], rank), SKIP=skip, PDL=pdl, NTH=32 * cfg["combine_warps"],
                                              num_warps=cfg["combine_warps"], **pk)
     return out
 
