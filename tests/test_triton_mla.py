@@ -417,13 +417,14 @@ def test_kernels_compile_for_sm90(t):
          dict(ckv_ptr="*bf16", q_ptr="*bf16", qr_ptr="*bf16", ql_ptr="*bf16", wk_ptr="*bf16", kv_ptr="*bf16",
               pos_ptr="*i64", nw_ptr="*bf16", inv_ptr="*fp32", eps="fp32", att="fp32", s_ckv_t="i32", s_q_t="i32",
               s_q_h="i32", s_kv_b="i32", s_kv_l="i32", BT="i32")),
-        (M._mla_attn_split, dict(c, P=64, BM=cfg["BM"], BN=cfg["BN"], NT=8, DOT_F32=False), cfg["num_warps"],
+        (M._mla_attn_split, dict(c, P=64, BM=cfg["BM"], BN=cfg["BN"], NT=8, DOT_F32=False, SKIP=cfg["skip_empty"]),
+         cfg["num_warps"],
          dict(ql_ptr="*bf16", qr_ptr="*bf16", kv_ptr="*bf16", pos_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32",
               qk_scale="fp32", L="i32", s_ql_h="i32", s_ql_t="i32", s_kv_b="i32", s_kv_l="i32", B="i32")),
         (M._mla_combine_out, dict(NS=128, **c, V=128, BV=cfg["combine_BV"], SB=cfg["combine_SB"],
-                                  BK=cfg["combine_BK"]), cfg["combine_warps"],
-         dict(o_ptr="*fp32", lse_ptr="*fp32", g_ptr="*bf16", wv_ptr="*bf16", out_ptr="*bf16", B="i32",
-              s_g_t="i32", s_out_t="i32")),
+                                  BK=cfg["combine_BK"], SKIP=cfg["skip_empty"]), cfg["combine_warps"],
+         dict(o_ptr="*fp32", lse_ptr="*fp32", g_ptr="*bf16", wv_ptr="*bf16", out_ptr="*bf16", pos_ptr="*i64",
+              B="i32", s_g_t="i32", s_out_t="i32", SPLIT="i32")),
     ]
     short = {**cfg, **M.SHORT_CFG}         # the tiling of spans up to SHORT_SPAN (resolve_cfg)
     kernels.append((M._mla_attn_split, dict(kernels[1][1], BM=short["BM"], BN=short["BN"]), short["num_warps"],

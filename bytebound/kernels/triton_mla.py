@@ -180,15 +180,19 @@ if tl is not None:
         qp = tl.load(qr_ptr + (tok[:, None] * H + h[:, None]) * P + p[None, :], mask=row_ok[:, None], other=0.0)
         start = sp * (NT * BN)
         # keys past the last query position are masked for every row: their loads are masked off (no bytes
-        # move). The trip count is a constexpr (NT key blocks per split): the static span fixes it, not the data.
+        # move). The trip count is NT key blocks per split, fixed by the static span (0 for an empty split with
+        # SKIP).
         end = tl.minimum(tl.minimum(start + NT * BN, L), tl.max(qpos, axis=0) + 1)
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, R], tl.float32)
         kvb = kv_ptr + b * s_kv_b
-        # SKIP: the key blocks up to the split's last valid key only (the blocks after it are fully masked and
-        # would leave m_i, l_i and acc bit for bit unchanged: alpha = 1, no probability mass)
-        nt = tl.minimum(tl.maximum(end - start + BN - 1, 0) // BN, NT) if SKIP else NT
+        # SKIP: a split with no valid key runs no block; a partly valid one runs all NT (its masked blocks move no
+        # bytes and leave m_i, l_i and acc bit for bit unchanged: alpha = 1, no probability mass). Trimming those
+        # too (a trip count per split) made ptxas spill more in the long-span tiling.
+        nt = NT
+        if SKIP:
+            nt = nt * (start < end)
         for i in range(nt):
             offs = start + i * BN + tl.arange(0, BN)
             kmask = offs < end
