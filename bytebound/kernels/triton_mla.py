@@ -227,10 +227,10 @@ if tl is not None:
 
         The latent output is built ``BK`` columns at a time and multiplied into that ``[BK, BV]`` block of W_vc
         (float32 FMAs: one row is too few for tensor cores). One row per program keeps the tiles small; the M
-        verify rows of a head re-read its W_vc block, from L2. ``SKIP``: the partial output of a split whose lse
-        is -inf (no key; weight exactly 0) is not read (``_mla_attn_split`` with SKIP does not write it), and the
-        split chunks past the row's last non-empty split are not visited (the split length ``SPLIT`` and the
-        row's position give that count; before, they added exact zeros)."""
+        verify rows of a head re-read its W_vc block, from L2. ``SKIP``: the splits past the one holding the row's
+        position (split length ``SPLIT``) have no key for the row (lse -inf, weight exactly 0) and, with SKIP in
+        ``_mla_attn_split``, no partial output written: their loads are masked off (no bytes move), which leaves
+        every sum bit for bit as when they added exact zeros."""
         pdl_enter(PDL, NTH)
         h = tl.program_id(0)
         vb = tl.program_id(1)
@@ -243,7 +243,9 @@ if tl is not None:
         ns = tl.minimum(tl.load(pos_ptr + t) // SPLIT + 1, NS) if SKIP else NS
         # pass 1, log2-sum-exp of the splits (lse only): the weight of split s is 2^(lse_s - m) / den
         m = tl.full([SB], float("-inf"), tl.float32)
-        for s0 in range(0, ns, SB):                  # elementwise running max over the chunks, then one max
+        # the loops keep the constexpr bound NS (unrolled, their loads in flight together; a run-time bound ns made
+        # the merge slower in the captured step on the H100) and mask the splits past ns: no bytes move for them
+        for s0 in range(0, NS, SB):                  # elementwise running max over the chunks, then one max
             sm = (s0 + sb) < ns
             lse = tl.load(lse_ptr + ((s0 + sb).to(tl.int64) * B + b) * (T * H) + row, mask=sm,
                           other=float("-inf"))
@@ -251,7 +253,7 @@ if tl is not None:
         m_max = tl.max(m, axis=0)
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
         den = tl.zeros([SB], tl.float32)
-        for s0 in range(0, ns, SB):
+        for s0 in range(0, NS, SB):
             sm = (s0 + sb) < ns
             lse = tl.load(lse_ptr + ((s0 + sb).to(tl.int64) * B + b) * (T * H) + row, mask=sm,
                           other=float("-inf"))
@@ -265,13 +267,10 @@ if tl is not None:
         # pass 2, per BK latent columns: weighted sum of the partials, times that block of W_vc^T
         for k0 in range(0, R, BK):             # a loop, not unrolled: unrolled copies spill registers
             acc = tl.zeros([BK], tl.float32)
-            for s0 in range(0, ns, SB):
+            for s0 in range(0, NS, SB):
                 sm = (s0 + sb) < ns
                 prow = ((s0 + sb).to(tl.int64) * B + b) * (T * H) + row
-                lse = tl.load(lse_ptr + prow, mask=sm, other=float("-inf"))
-                wgt = tl.exp2(lse - m_max)
-                if SKIP:        # a split without a key for this row wrote no partial: never read it
-                    sm = sm & (lse > float("-inf"))
+                wgt = tl.exp2(tl.load(lse_ptr + prow, mask=sm, other=float("-inf")) - m_max)
                 o = tl.load(o_ptr + prow[:, None] * R + k0 + k[None, :], mask=sm[:, None], other=0.0)
                 acc += tl.sum(wgt[:, None] * o, axis=0)
             wv = tl.load(wv_ptr + h * (V * R) + v[None, :] * R + k0 + k[:, None]).to(tl.float32)  # [BK, BV]
