@@ -251,7 +251,7 @@ def test_span_and_split_do_not_change_the_result(mla):
 @pytest.mark.parametrize("t,pos,kv_len", [(1, 40, 128), (4, 62, 128), (4, 29, 64), (1, 95, 96)])
 @torch.no_grad()
 def test_skipping_empty_splits_keeps_the_bits(mla, monkeypatch, t, pos, kv_len):
-    """``skip_empty`` (the default): the splits past a row's position run no key block, write no partial and are not
+    """``skip_empty`` (opt-in): the splits past a row's position run no key block, write no partial and are not
     merged. The same bits as running and merging them (they weigh exactly 0), with splits empty for every row
     (span far past the sequence), a split boundary between the verify tokens (positions 62..65 with 32-key splits:
     rows 0-1 have no key in the split of rows 2-3), and no empty split at all (95 + 1 = 96 = the span). Every
@@ -426,6 +426,8 @@ def test_kernels_compile_for_sm90(t):
          dict(o_ptr="*fp32", lse_ptr="*fp32", g_ptr="*bf16", wv_ptr="*bf16", out_ptr="*bf16", pos_ptr="*i64",
               B="i32", s_g_t="i32", s_out_t="i32", SPLIT="i32")),
     ]
+    # the opt-in skip_empty path too (the attention and the merge with SKIP on)
+    kernels += [(fn, dict(consts, SKIP=True), warps, sig) for fn, consts, warps, sig in kernels[1:3]]
     short = {**cfg, **M.SHORT_CFG}         # the tiling of spans up to SHORT_SPAN (resolve_cfg)
     kernels.append((M._mla_attn_split, dict(kernels[1][1], BM=short["BM"], BN=short["BN"]), short["num_warps"],
                     kernels[1][3]))

@@ -18,10 +18,11 @@ strided views; dense after), so a decode/verify layer is five launches after its
    float32 (exp2 with ``scale * log2 e`` folded in), causal mask ``key position <= query position`` per row, so
    the M verify tokens are causal among themselves. Each split writes its normalised partial output
    ``[rows, 512]`` float32 and its log2-sum-exp (FlashDecoding, Dao et al. 2023). Key blocks past the largest
-   query position are skipped, so a static span larger than the sequence costs no reads; a row with no key in
-   its split writes only its lse (-inf), not its partial output.
-3. ``_mla_combine_out``: merges the splits per row (log-sum-exp weights; only the splits up to the one holding
-   the row's position, whose partials were written), applies the head gate
+   query position are masked off (no bytes move), so a static span larger than the sequence costs no reads; with
+   ``skip_empty`` an empty split runs no key block and a row with no key in its split writes only its lse (-inf),
+   not its partial output.
+3. ``_mla_combine_out``: merges the splits per row (log-sum-exp weights; with ``skip_empty`` only the splits up to
+   the one holding the row's position, whose partials were written), applies the head gate
    ``sigmoid(g_proj x)`` (a per-head scalar commutes with the v absorption), and multiplies by ``W_vc[h]^T``
    (float32 FMAs on the float32 latent output; BF16 weights), writing ``[B, M, H, v]`` in the layout ``dense``
    reads.
@@ -68,15 +69,16 @@ _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 # merge order: resolve_cfg); absorb_BC latent columns per q-absorption program, combine_BV v columns / combine_BK
 # latent columns per merge step / combine_SB splits per load;
 # pdl: each of the three kernels enters through kernels.pdl.enter (launched as a PDL dependent on sm_90+).
-# skip_empty: the splits past the sequence (a power-of-two span holds a sequence between half and all of it) run
-# no key block, write no partial output and are not read by the merge (the same bits as running them: they
-# weigh exactly 0); false runs and reads them all, as before (an A/B switch through BYTEBOUND_MLA_CFG).
+# skip_empty (opt-in, BYTEBOUND_MLA_CFG='{"skip_empty": true}'): the splits past the sequence (a power-of-two span
+# holds a sequence between half and all of it) run no key block, write no partial output and are not read by the
+# merge: the same bits as running them (they weigh exactly 0). Off by default: its first form made the captured
+# step slower on the H100 and today's form is not yet timed on a GPU (docs/perf/session31-h200/).
 SHORT_SPAN = 4096
 SHORT_CFG = {"BN": 32, "num_warps": 8, "min_split": 64, "target_single": None}
 DEFAULT_CFG = {"BM": 32, "BN": 64, "num_warps": 4, "num_stages": 2, "min_split": 128, "target_programs": None,
                "target_single": "half",
                "split": None, "absorb_BC": 128, "combine_BV": 64, "combine_BK": 128, "combine_SB": 16,
-               "combine_warps": 4, "pdl": True, "skip_empty": True}
+               "combine_warps": 4, "pdl": True, "skip_empty": False}
 
 
 def available(dev) -> str | None:
