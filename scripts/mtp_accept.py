@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -41,25 +43,36 @@ def plain_margin(engine: Engine, question: str, plain: list[int], spec: list[int
     significant bits: ~4e-3 relative) is a near-tie that the M = 4 verify forward, whose kernels round differently
     from the M = 1 decode step, may break the other way; a large margin is a bug."""
     from bytebound.verify.canaries import replay_plain_logits
-    if k >= min(len(plain), len(spec)):
-        return {"margin": None, "near_tie": False, "why": "one output is a prefix of the other (different stop)"}
+    if len(plain) == len(spec) and k >= len(plain):
+        return {"margin": None, "near_tie": False, "why": "the same tokens with another finish reason"}
     lg = replay_plain_logits(engine, engine.encode_prompt(question, chat=True), plain[:k])
-    return margin_facts(lg, plain[k], spec[k], engine.model.dtype)
+    if k < min(len(plain), len(spec)):
+        return margin_facts(lg, plain[k], spec[k], engine.model.dtype)
+    # one output is a prefix of the other: the shorter stopped on an end-of-sequence token at k (greedy, no stop
+    # strings, the same max_tokens), which token_ids do not hold; judge the likeliest of those ids against the
+    # longer output's token k
+    eos = sorted(engine.stop_ids(SamplingParams()))
+    e = eos[int(lg[eos].argmax())]
+    return {**margin_facts(lg, plain[k] if len(plain) > k else e, spec[k] if len(spec) > k else e,
+                           engine.model.dtype), "stop_token": e}
 
 
 def margin_facts(lg, plain_tok: int, spec_tok: int, dtype) -> dict:
     """The plain logits ``lg [V]`` (float32) at the first differing token, judged by the start-up canary's near-tie
-    rule (``verify.canaries.logit_tie_tolerance`` for the model ``dtype``): ``near_tie`` is true when the plain
-    token's logit exceeds the speculative token's by at most that tolerance (a negative margin, i.e. the replay
-    itself prefers the speculative token, is a tie too)."""
+    rule (``verify.canaries.logit_tie_tolerance`` for the model ``dtype``): ``near_tie`` is true when both tokens'
+    logits lie within that tolerance of the largest logit, i.e. the two are (near-)tied at the top. A replay that
+    prefers the speculative token by more than the tolerance, or a third token, is no tie: the replay of plain
+    decoding then disagrees with plain decoding itself, which is a bug, not rounding. ``margin`` is signed:
+    plain token's logit minus the speculative token's."""
     from bytebound.verify.canaries import logit_tie_tolerance
     top2 = lg.topk(2)
     margin = float(lg[plain_tok] - lg[spec_tok])
     tol = logit_tie_tolerance(lg, dtype)
+    spread = float(top2.values[0] - torch.minimum(lg[plain_tok], lg[spec_tok]))
     return {"plain_tok": plain_tok, "spec_tok": spec_tok, "replayed_argmax": int(top2.indices[0]),
             "margin": margin, "max_abs_logit": float(lg.abs().max()),
             "rel_margin": margin / float(lg.abs().max()), "top2_gap": float(top2.values[0] - top2.values[1]),
-            "spec_tok_rank": int((lg > lg[spec_tok]).sum()), "tie_tolerance": tol, "near_tie": margin <= tol}
+            "spec_tok_rank": int((lg > lg[spec_tok]).sum()), "tie_tolerance": tol, "near_tie": spread <= tol}
 
 
 def main() -> int:

@@ -41,3 +41,46 @@ def test_replay_preferring_the_speculative_token_counts_as_a_tie():
     # the rounding side of a tie
     f = mtp_accept.margin_facts(_logits({5: 10.0, 9: 10.0625}), 5, 9, torch.bfloat16)
     assert f["margin"] < 0 and f["near_tie"] is True
+
+
+def test_a_replay_that_strongly_prefers_the_speculative_token_is_a_bug():
+    # plain decoding chose 5, its replay puts 9 ten logits above: the replay disagrees with plain decoding itself
+    f = mtp_accept.margin_facts(_logits({5: 2.0, 9: 12.0}), 5, 9, torch.bfloat16)
+    assert f["margin"] < -f["tie_tolerance"] and f["near_tie"] is False
+
+
+def test_a_third_token_far_above_both_is_no_tie():
+    # 5 and 9 are close to each other but far below the replay's top token 20
+    f = mtp_accept.margin_facts(_logits({5: 4.0, 9: 3.95, 20: 12.0}), 5, 9, torch.bfloat16)
+    assert abs(f["margin"]) <= f["tie_tolerance"] and f["replayed_argmax"] == 20 and f["near_tie"] is False
+
+
+class _Engine:
+    """What ``plain_margin`` uses of an engine: the prompt's ids, the stop ids and the model dtype."""
+    class model:
+        dtype = torch.bfloat16
+
+    def encode_prompt(self, question, chat):
+        return [1, 2, 3]
+
+    def stop_ids(self, p):
+        return {7, 40}
+
+
+def test_an_output_ending_early_is_judged_by_the_stop_token(monkeypatch):
+    """One output stopped on an end-of-sequence token where the other went on: the replayed logit of the likeliest
+    stop id (token_ids do not hold it) against the other output's token there."""
+    import bytebound.verify.canaries as canaries
+    seen = []
+
+    def replay(engine, prompt, tokens):
+        seen.append(list(tokens))
+        return _logits({40: 9.0, 11: 8.96, 7: 1.0})
+    monkeypatch.setattr(canaries, "replay_plain_logits", replay)
+    f = mtp_accept.plain_margin(_Engine(), "q", [4, 5], [4, 5, 11, 12], 2)     # plain stopped, spec went on
+    assert seen == [[4, 5]] and f["stop_token"] == 40 and (f["plain_tok"], f["spec_tok"]) == (40, 11)
+    assert f["near_tie"] is True
+    f = mtp_accept.plain_margin(_Engine(), "q", [4, 5, 11], [4, 5], 2)         # the other way round
+    assert (f["plain_tok"], f["spec_tok"]) == (11, 40)
+    same = mtp_accept.plain_margin(_Engine(), "q", [4, 5], [4, 5], 2)
+    assert same["near_tie"] is False and same["margin"] is None

@@ -431,6 +431,7 @@ def test_kernels_compile_for_sm90(t):
     short = {**cfg, **M.SHORT_CFG}         # the tiling of spans up to SHORT_SPAN (resolve_cfg)
     kernels.append((M._mla_attn_split, dict(kernels[1][1], BM=short["BM"], BN=short["BN"]), short["num_warps"],
                     kernels[1][3]))
+    kernels.append((M._mla_attn_split, dict(kernels[-1][1], SKIP=True), short["num_warps"], kernels[1][3]))
     for fn, consts, warps, sig in kernels:
         consts = {**consts, "PDL": True, "NTH": 32 * warps}     # as launched on sm_90 (kernels.pdl.enter)
         sig = {**sig, **{k: "constexpr" for k in consts}}

@@ -401,7 +401,7 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
         TP=max(16, triton.next_power_of_2(b * t)), BRC=brc, DOT_F32=_DOT_F32, PDL=pdl, NTH=128, num_warps=4, **pk)
     rows = t * h
     bm, split, ns = split_plan(span, rows, b, cfg, dev)
-    skip = bool(cfg.get("skip_empty", True))
+    skip = bool(cfg.get("skip_empty", False))
     o_part = torch.empty(ns, b, rows, rank, dtype=torch.float32, device=dev)
     lse = torch.empty(ns, b, rows, dtype=torch.float32, device=dev)
     _mla_attn_split[(ns, -(-rows // bm), b)](
