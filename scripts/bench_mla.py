@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from bytebound.bench.report import git_commit  # noqa: E402
 from bytebound.runner.graphs import capture_graph  # noqa: E402
+from bytebound.runner.runner import pow2_buckets  # noqa: E402
 
 
 def make_case(n_layers: int, ctx: int, m: int, seed: int = 0, device: str = "cuda", span: int | None = None):
@@ -170,7 +171,8 @@ def main() -> None:
     rows = []
     for ctx in args.contexts:
         for m in args.m:
-            span = ctx if args.span == "ctx" else max(1024, 1 << (ctx - 1).bit_length())
+            # bucket: the runner's spans (runner.pow2_buckets), the first that holds ctx slots
+            span = ctx if args.span == "ctx" else next(s for s in pow2_buckets(2 * ctx) if s >= ctx)
             layers, states, x, positions = make_case(args.layers, ctx, m, span=span)
             l0 = layers[0]
             nbytes = ctx * (l0.rank + l0.rope_dim) * 2 + 2 * l0.heads * l0.nope * l0.rank * 2
@@ -194,8 +196,8 @@ def main() -> None:
         cells = " ".join(f"{r[b]['us']:10.2f} {r[b]['kernels']:10d}" for b in args.backends)
         sw = r.get("sweep")
         best = f"  sweep best {sw['best_us']:.2f} us {sw['best']}" if sw and sw["best_us"] is not None else ""
-        print(f"{r['ctx']:6d} {r['span']:6d} {r['m']:2d} {r['floor_us']:9.2f} {cells}  {r.get('triton_rel_err_vs_torch', '')}"
-              f"{best}")
+        print(f"{r['ctx']:6d} {r['span']:6d} {r['m']:2d} {r['floor_us']:9.2f} {cells}  "
+              f"{r.get('triton_rel_err_vs_torch', '')}{best}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_mla.json").write_text(json.dumps({"device": dev, "commit": commit, "read_gbps": bw,

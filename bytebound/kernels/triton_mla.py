@@ -413,8 +413,8 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
     bv = math.gcd(cfg["combine_BV"], vdim)          # a power of two dividing v (cfg values are powers of two)
     _mla_combine_out[(h, vdim // bv, b * t)](o_part, lse, g2, wvc, out, positions, b, g2.stride(0), h * vdim,
                                              split, NS=ns, T=t, H=h, R=rank, V=vdim, BV=bv, SB=cfg["combine_SB"],
-                                             BK=min(cfg["combine_BK"], rank), SKIP=skip, PDL=pdl, NTH=32 * cfg["combine_warps"],
-                                             num_warps=cfg["combine_warps"], **pk)
+                                             BK=min(cfg["combine_BK"], rank), SKIP=skip, PDL=pdl,
+                                             NTH=32 * cfg["combine_warps"], num_warps=cfg["combine_warps"], **pk)
     return out
 
 
