@@ -33,7 +33,7 @@ The gated RMSNorm needs the whole V row of ``o``. With ``V_SPLIT = 1`` the progr
 each program stores its slice of the un-normalised ``o`` (float32) and its partial sum of squares per token into
 its scratch, fences, and takes an acq_rel ticket of its (batch row, head); the last of the ``V_SPLIT`` programs to
 arrive sums the partial sums in the fixed slice order ``j = 0..V_SPLIT-1``, normalises, applies the weight and
-sigmoid(gate), stores the whole ``o`` row, writes the q/k conv windows back (only it may: every program reads the
+sigmoid(gate), stores the whole ``o`` row (all M tokens as one tile: one L2 round trip for an M-token verify), writes the q/k conv windows back (only it may: every program reads the
 old windows in its first phase, and all of them have passed the ticket) and resets the ticket (the pattern of
 ``triton_moe_split``'s KP slices). No float atomics, every sum in an order fixed by the launch shape: outputs are
 bit-identical run to run and graph replay == eager. ``V_SPLIT`` and ``num_warps`` come from
@@ -117,7 +117,8 @@ if tl is not None:
             B, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
             M, SAFE_GATE: tl.constexpr, HIST, VS: tl.constexpr, SCR,
             FENCE: tl.constexpr, BETA_X: tl.constexpr = False, HID: tl.constexpr = 1, HB: tl.constexpr = 1,
-            PDL: tl.constexpr = False, NTH: tl.constexpr = 128, PF: tl.constexpr = False):
+            PDL: tl.constexpr = False, NTH: tl.constexpr = 128, PF: tl.constexpr = False,
+            MT: tl.constexpr = 8):
         pid = tl.program_id(0)          # batch row x head
         if VS == 1:
             vs = 0                      # a constant: the unsplit kernel's addressing stays as simple as before
@@ -342,20 +343,26 @@ if tl is not None:
                 _store_window(conv_b, chk, wk0, wk1, wk2, mk)
                 cf = tl.arange(0, BV)
                 mf = cf < V
+                # all M tokens as one [MT, BV] tile (rows >= M masked: no bytes move), so their loads make one L2
+                # round trip, not one per token after the previous token's store; every element's arithmetic (the
+                # slices' sum of squares in the order j = 0..VS-1, then rsqrt, weight and gate) is the per-token
+                # form's, so the bits are too
+                tt = tl.arange(0, MT)
+                mt = tt < M
+                m2f = mt[:, None] & mf[None, :]
                 # slice j of the row lives in program (pid, j)'s scratch; .cg: read L2, not a stale L1 line
                 part = scratch_ptr + (pid * VS + cf // BVS).to(tl.int64) * SCR + PO + cf % BVS
                 head = scratch_ptr + (pid * VS).to(tl.int64) * SCR + PO + M * BVS
                 nwf = tl.load(normw_ptr + cf, mask=mf, other=0.0).to(tl.float32)
-                for t in range(M):
-                    ss = tl.load(head + t, cache_modifier=".cg")
-                    for j in tl.static_range(1, VS):
-                        ss += tl.load(head + j * SCR + t, cache_modifier=".cg")
-                    of = tl.load(part + t * BVS, mask=mf, other=0.0, cache_modifier=".cg")
-                    gt = tl.load(gate_ptr + bi * s_gate_b + t * s_gate_t + h * V + cf, mask=mf,
-                                 other=0.0).to(tl.float32)
-                    of = of * tl.rsqrt(ss / V + eps) * nwf * tl.sigmoid(gt)
-                    tl.store(o_ptr + bi * s_o_b + t * s_o_t + h * V + cf,
-                             of.to(o_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mf)
+                ss = tl.load(head + tt, mask=mt, other=0.0, cache_modifier=".cg")
+                for j in tl.static_range(1, VS):
+                    ss += tl.load(head + j * SCR + tt, mask=mt, other=0.0, cache_modifier=".cg")
+                of = tl.load(part[None, :] + tt[:, None] * BVS, mask=m2f, other=0.0, cache_modifier=".cg")
+                gt = tl.load(gate_ptr + bi * s_gate_b + tt[:, None] * s_gate_t + h * V + cf[None, :], mask=m2f,
+                             other=0.0).to(tl.float32)
+                of = of * tl.rsqrt(ss / V + eps)[:, None] * nwf[None, :] * tl.sigmoid(gt)
+                tl.store(o_ptr + bi * s_o_b + tt[:, None] * s_o_t + h * V + cf[None, :],
+                         of.to(o_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=m2f)
                 tl.store(ticket_ptr + pid, 0)       # self-contained launch: the next one finds 0 (graph replay)
 
 
@@ -609,7 +616,7 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
         bsz, H=h, K=dk, V=dv, BK=bk, BV=bv, M=t, SAFE_GATE=lower_bound is not None, HIST=int(hist), VS=v_split,
         SCR=_scratch_per_program(t, bk, bv, v_split, beta_x),
         FENCE=qkv.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", BETA_X=beta_x, HID=hid,
-        HB=triton.next_power_of_2(hid), PDL=pdl, NTH=32 * num_warps, PF=pf,
+        HB=triton.next_power_of_2(hid), PDL=pdl, NTH=32 * num_warps, PF=pf, MT=triton.next_power_of_2(MAX_TOKENS),
         num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
     return o
 
