@@ -33,8 +33,9 @@ The gated RMSNorm needs the whole V row of ``o``. With ``V_SPLIT = 1`` the progr
 each program stores its slice of the un-normalised ``o`` (float32) and its partial sum of squares per token into
 its scratch, fences, and takes an acq_rel ticket of its (batch row, head); the last of the ``V_SPLIT`` programs to
 arrive sums the partial sums in the fixed slice order ``j = 0..V_SPLIT-1``, normalises, applies the weight and
-sigmoid(gate), stores the whole ``o`` row (all M tokens as one tile: one L2 round trip for an M-token verify), writes the q/k conv windows back (only it may: every program reads the
-old windows in its first phase, and all of them have passed the ticket) and resets the ticket (the pattern of
+sigmoid(gate), stores the whole ``o`` row (all M tokens as one tile: one L2 round trip for an M-token verify),
+writes the q/k conv windows back (only it may: every program reads the old windows in its first phase, and all
+of them have passed the ticket) and resets the ticket (the pattern of
 ``triton_moe_split``'s KP slices). No float atomics, every sum in an order fixed by the launch shape: outputs are
 bit-identical run to run and graph replay == eager. ``V_SPLIT`` and ``num_warps`` come from
 ``configs/triton_kda.json`` (:func:`resolve_launch`; written from ``scripts/bench_kda.py``'s sweep), else a default

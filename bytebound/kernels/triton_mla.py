@@ -68,7 +68,8 @@ _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 # M = 1); for a span of at most SHORT_SPAN slots SHORT_CFG replaces the long-context keys (more, shorter splits;
 # merge order: resolve_cfg); absorb_BC latent columns per q-absorption program, combine_BV v columns / combine_BK
 # latent columns per merge step / combine_SB splits per load;
-# pdl: each of the three kernels enters through kernels.pdl.enter (launched as a PDL dependent on sm_90+).
+# pdl: each of the three kernels enters through kernels.pdl.enter (launched as a PDL dependent on sm_90+);
+# prefetch (with pdl): the merge prefetches its W_vc block into L2 before its PDL wait (_mla_combine_out's PF).
 # skip_empty (opt-in, BYTEBOUND_MLA_CFG='{"skip_empty": true}'): the splits past the sequence (a power-of-two span
 # holds a sequence between half and all of it) run no key block, write no partial output and are not read by the
 # merge: the same bits as running them (they weigh exactly 0). Off by default: its first form made the captured
@@ -78,7 +79,7 @@ SHORT_CFG = {"BN": 32, "num_warps": 8, "min_split": 64, "target_single": None}
 DEFAULT_CFG = {"BM": 32, "BN": 64, "num_warps": 4, "num_stages": 2, "min_split": 128, "target_programs": None,
                "target_single": "half",
                "split": None, "absorb_BC": 128, "combine_BV": 64, "combine_BK": 128, "combine_SB": 16,
-               "combine_warps": 4, "pdl": True, "skip_empty": False}
+               "combine_warps": 4, "pdl": True, "skip_empty": False, "prefetch": True}
 
 
 def available(dev) -> str | None:
@@ -86,7 +87,7 @@ def available(dev) -> str | None:
 
 
 if tl is not None:
-    from bytebound.kernels.pdl import enter as pdl_enter
+    from bytebound.kernels.pdl import enter as pdl_enter, gdc as pdl_gdc, l2_prefetch as pdl_l2_prefetch
 
     @triton.jit
     def _dot(a, b, F32: tl.constexpr):
@@ -224,7 +225,7 @@ if tl is not None:
                          NS: tl.constexpr,
                          T: tl.constexpr, H: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
                          BV: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, SKIP: tl.constexpr = False,
-                         PDL: tl.constexpr = False, NTH: tl.constexpr = 128):
+                         PDL: tl.constexpr = False, NTH: tl.constexpr = 128, PF: tl.constexpr = False):
         """Program ``(h, v block, b * T + t)``: merge the splits of row (t, h), gate, multiply by W_vc[h]^T.
 
         The latent output is built ``BK`` columns at a time and multiplied into that ``[BK, BV]`` block of W_vc
@@ -232,10 +233,19 @@ if tl is not None:
         verify rows of a head re-read its W_vc block, from L2. ``SKIP``: the splits past the one holding the row's
         position (split length ``SPLIT``) have no key for the row (lse -inf, weight exactly 0) and, with SKIP in
         ``_mla_attn_split``, no partial output written: their loads are masked off (no bytes move), which leaves
-        every sum bit for bit as when they added exact zeros."""
-        pdl_enter(PDL, NTH)
+        every sum bit for bit as when they added exact zeros.
+
+        ``PF`` (with ``PDL``; ``cfg["prefetch"]``): between letting the next kernel launch and waiting for the one
+        before, the program issues one L2 bulk prefetch of its ``[BV, R]`` block of W_vc (contiguous, static: no
+        kernel writes it), so the weight loads of the latent-column loop below, which follow the partials' merge,
+        hit L2 instead of starting cold in HBM."""
         h = tl.program_id(0)
         vb = tl.program_id(1)
+        if PDL:
+            pdl_gdc("griddepcontrol.launch_dependents; mov.u32 $0, 0;", NTH)
+            if PF:
+                pdl_l2_prefetch(wv_ptr + h * (V * R) + vb * (BV * R), BV * R * 2, NTH)
+            pdl_gdc("griddepcontrol.wait; mov.u32 $0, 0;", NTH)
         bt = tl.program_id(2).to(tl.int64)
         b = bt // T
         t = bt % T
@@ -411,9 +421,11 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
         PDL=pdl, NTH=32 * cfg["num_warps"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pk)
     out = torch.empty(b, t, h, vdim, dtype=q.dtype, device=dev)
     bv = math.gcd(cfg["combine_BV"], vdim)          # a power of two dividing v (cfg values are powers of two)
+    # the W_vc prefetch: a 16-byte aligned block (torch allocations are; BV * R * 2 bytes is a multiple of 16)
+    pf = pdl and bool(cfg.get("prefetch", True)) and wvc.data_ptr() % 16 == 0
     _mla_combine_out[(h, vdim // bv, b * t)](o_part, lse, g2, wvc, out, positions, b, g2.stride(0), h * vdim,
                                              split, NS=ns, T=t, H=h, R=rank, V=vdim, BV=bv, SB=cfg["combine_SB"],
-                                             BK=min(cfg["combine_BK"], rank), SKIP=skip, PDL=pdl,
+                                             BK=min(cfg["combine_BK"], rank), SKIP=skip, PDL=pdl, PF=pf,
                                              NTH=32 * cfg["combine_warps"], num_warps=cfg["combine_warps"], **pk)
     return out
 
