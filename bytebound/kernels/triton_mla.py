@@ -69,17 +69,18 @@ _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 # merge order: resolve_cfg); absorb_BC latent columns per q-absorption program, combine_BV v columns / combine_BK
 # latent columns per merge step / combine_SB splits per load;
 # pdl: each of the three kernels enters through kernels.pdl.enter (launched as a PDL dependent on sm_90+);
-# prefetch (with pdl): the merge prefetches its W_vc block into L2 before its PDL wait (_mla_combine_out's PF).
+# prefetch (opt-in, with pdl): the merge prefetches its W_vc block into L2 before its PDL wait (_mla_combine_out's
+# PF). Off by default: no gain in the captured step on the H100 (docs/perf/session32-h100-kda-tail/).
 # skip_empty (opt-in, BYTEBOUND_MLA_CFG='{"skip_empty": true}'): the splits past the sequence (a power-of-two span
 # holds a sequence between half and all of it) run no key block, write no partial output and are not read by the
-# merge: the same bits as running them (they weigh exactly 0). Off by default: its first form made the captured
-# step slower on the H100 and today's form is not yet timed on a GPU (docs/perf/session31-h200/).
+# merge: the same bits as running them (they weigh exactly 0). Off by default: neither of its two forms made the
+# captured step faster on the H100 (docs/perf/session31-h200/, docs/perf/session32-h100-kda-tail/).
 SHORT_SPAN = 4096
 SHORT_CFG = {"BN": 32, "num_warps": 8, "min_split": 64, "target_single": None}
 DEFAULT_CFG = {"BM": 32, "BN": 64, "num_warps": 4, "num_stages": 2, "min_split": 128, "target_programs": None,
                "target_single": "half",
                "split": None, "absorb_BC": 128, "combine_BV": 64, "combine_BK": 128, "combine_SB": 16,
-               "combine_warps": 4, "pdl": True, "skip_empty": False, "prefetch": True}
+               "combine_warps": 4, "pdl": True, "skip_empty": False, "prefetch": False}
 
 
 def available(dev) -> str | None:
@@ -422,7 +423,7 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
     out = torch.empty(b, t, h, vdim, dtype=q.dtype, device=dev)
     bv = math.gcd(cfg["combine_BV"], vdim)          # a power of two dividing v (cfg values are powers of two)
     # the W_vc prefetch: a 16-byte aligned block (torch allocations are; BV * R * 2 bytes is a multiple of 16)
-    pf = pdl and bool(cfg.get("prefetch", True)) and wvc.data_ptr() % 16 == 0
+    pf = pdl and bool(cfg.get("prefetch")) and wvc.data_ptr() % 16 == 0
     _mla_combine_out[(h, vdim // bv, b * t)](o_part, lse, g2, wvc, out, positions, b, g2.stride(0), h * vdim,
                                              split, NS=ns, T=t, H=h, R=rank, V=vdim, BV=bv, SB=cfg["combine_SB"],
                                              BK=min(cfg["combine_BK"], rank), SKIP=skip, PDL=pdl, PF=pf,

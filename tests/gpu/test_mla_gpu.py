@@ -157,6 +157,34 @@ def test_graph_replay_equals_eager(ling_layer, m):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("cfg", [{"prefetch": True}, {"skip_empty": True}, {"prefetch": True, "skip_empty": True}])
+@pytest.mark.parametrize("pos,span,m", [(2048, 4096, 1), (2045, 4096, 4), (20000, 32768, 1), (20000, 32768, 4)])
+def test_opt_in_switches_keep_the_bits(ling_layer, cfg, pos, span, m):
+    """The opt-in tiling switches (``prefetch``: the merge's W_vc L2 prefetch before its PDL wait; ``skip_empty``:
+    the splits past the sequence skipped) give the default's output and cache bit for bit, eagerly and under graph
+    replay, at the engine's power-of-two spans (at 2K about half the splits are past the sequence)."""
+    from bytebound.kernels.triton_mla import TritonMLA
+    from bytebound.runner.graphs import capture_graph
+    layer = ling_layer
+    base, opt = TritonMLA().bind(layer, torch.bfloat16), TritonMLA(cfg).bind(layer, torch.bfloat16)
+    kv = filled(pos, span, seed=pos + m)
+    g = torch.Generator(device=DEV).manual_seed(m)
+    q = torch.randn(1, m, 32, 192, generator=g, device=DEV).to(torch.bfloat16)
+    ckv = torch.randn(1, m, 576, generator=g, device=DEV).to(torch.bfloat16)
+    gl = torch.randn(1, m, 32, generator=g, device=DEV).to(torch.bfloat16)
+    positions = torch.arange(pos, pos + m, device=DEV)
+    kv_b, kv_o, kv_g = kv.clone(), kv.clone(), kv.clone()
+    want = base(q, ckv, gl, positions, kv_b, span)
+    got = opt(q, ckv, gl, positions, kv_o, span)
+    graph, out = capture_graph(lambda: opt(q, ckv, gl, positions, kv_g, span))
+    kv_g.copy_(kv)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want) and torch.equal(kv_o, kv_b)
+    assert torch.equal(out, want) and torch.equal(kv_g, kv_b)
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_fused_projection_layer_equals_three_projections(ling_fp8_layer, m):
     """Five launches per layer (fused GEMV, prep, attention, combine, dense) against seven (three GEMVs first)."""
