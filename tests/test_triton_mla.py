@@ -428,6 +428,8 @@ def test_kernels_compile_for_sm90(t):
     ]
     # the opt-in skip_empty path too (the attention and the merge with SKIP on)
     kernels += [(fn, dict(consts, SKIP=True), warps, sig) for fn, consts, warps, sig in kernels[1:3]]
+    # the opt-in W_vc prefetch of the merge (its L2 bulk prefetch between the PDL trigger and wait)
+    kernels.append((M._mla_combine_out, dict(kernels[2][1], PF=True), kernels[2][2], kernels[2][3]))
     short = {**cfg, **M.SHORT_CFG}         # the tiling of spans up to SHORT_SPAN (resolve_cfg)
     kernels.append((M._mla_attn_split, dict(kernels[1][1], BM=short["BM"], BN=short["BN"]), short["num_warps"],
                     kernels[1][3]))
