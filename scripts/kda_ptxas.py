@@ -35,7 +35,7 @@ def resource_usage(warps: int, heads: int, d: int, arch: int, safe: bool = True,
     # launches it
     const = dict(H=heads, K=d, V=d, BK=bk, BV=bk, SAFE_GATE=safe, VS=v_split, FENCE=True, PDL=True, PF=True,
                  NTH=32 * warps, BETA_X=True, HID=hidden, HB=triton.next_power_of_2(hidden),
-                 MT=triton.next_power_of_2(tk.MAX_TOKENS))
+                 MT=tk.TAIL_ROWS)
     k = ptxas_util.compile_kernel(fn, const, types, arch, dict(num_warps=warps),
                                   default=lambda n: f32 if n.endswith("_ptr") else "i32",
                                   aligned=lambda n, ty: ty.startswith("*") or n.startswith("s_"))

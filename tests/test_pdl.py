@@ -94,6 +94,6 @@ def test_prefetch_kernels_compile_for_sm90(kernel):
                      ticket_ptr="*i32", lower_bound="fp32", eps="fp32", scale="fp32")
         for vs, warps in ((1, 4), (4, 4)):
             const = dict(H=32, K=128, V=128, BK=128, BV=128, SAFE_GATE=True, VS=vs, FENCE=True, PDL=True, PF=True,
-                         NTH=32 * warps, BETA_X=True, HID=2560, HB=4096, MT=triton.next_power_of_2(tk.MAX_TOKENS))
+                         NTH=32 * warps, BETA_X=True, HID=2560, HB=4096, MT=tk.TAIL_ROWS)
             # the state, the b_proj row and the value-side conv weights/windows; the q/k ones (4) from slice 0
             _check_prefetch_ptx(build(tk._fused_kda_kernel, types, const, warps), 8)

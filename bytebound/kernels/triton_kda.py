@@ -72,6 +72,7 @@ from bytebound.kernels.registry import cuda_only, optional_triton, register
 from bytebound.kernels import scratch as shared
 
 MAX_TOKENS = 8          # largest M of the fused kernel (MTP verify is k+1 = 4; 6-token chains fit)
+TAIL_ROWS = 1 << (MAX_TOKENS - 1).bit_length()      # the V_SPLIT tail's token tile (MT): >= MAX_TOKENS, a power of 2
 CONV_KERNEL = 4         # Ling's short_conv_kernel_size; the kernel keeps the 3-input window in registers
 MAX_HEAD_DIM = 256      # K, V <= 256: the [K, V] float32 state of one head lives in one program's registers
 V_SPLITS = (1, 2, 4, 8, 16)  # programs per (batch row, head), each holding V / V_SPLIT state columns
@@ -119,7 +120,7 @@ if tl is not None:
             M, SAFE_GATE: tl.constexpr, HIST, VS: tl.constexpr, SCR,
             FENCE: tl.constexpr, BETA_X: tl.constexpr = False, HID: tl.constexpr = 1, HB: tl.constexpr = 1,
             PDL: tl.constexpr = False, NTH: tl.constexpr = 128, PF: tl.constexpr = False,
-            MT: tl.constexpr = 8):
+            MT: tl.constexpr = TAIL_ROWS):
         pid = tl.program_id(0)          # batch row x head
         if VS == 1:
             vs = 0                      # a constant: the unsplit kernel's addressing stays as simple as before
@@ -617,7 +618,7 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
         bsz, H=h, K=dk, V=dv, BK=bk, BV=bv, M=t, SAFE_GATE=lower_bound is not None, HIST=int(hist), VS=v_split,
         SCR=_scratch_per_program(t, bk, bv, v_split, beta_x),
         FENCE=qkv.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", BETA_X=beta_x, HID=hid,
-        HB=triton.next_power_of_2(hid), PDL=pdl, NTH=32 * num_warps, PF=pf, MT=triton.next_power_of_2(MAX_TOKENS),
+        HB=triton.next_power_of_2(hid), PDL=pdl, NTH=32 * num_warps, PF=pf, MT=TAIL_ROWS,
         num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
     return o
 

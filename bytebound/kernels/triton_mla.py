@@ -88,7 +88,7 @@ def available(dev) -> str | None:
 
 
 if tl is not None:
-    from bytebound.kernels.pdl import enter as pdl_enter, gdc as pdl_gdc, l2_prefetch as pdl_l2_prefetch
+    from bytebound.kernels.pdl import enter as pdl_enter, l2_prefetch as pdl_l2_prefetch
 
     @triton.jit
     def _dot(a, b, F32: tl.constexpr):
@@ -236,17 +236,15 @@ if tl is not None:
         ``_mla_attn_split``, no partial output written: their loads are masked off (no bytes move), which leaves
         every sum bit for bit as when they added exact zeros.
 
-        ``PF`` (with ``PDL``; ``cfg["prefetch"]``): between letting the next kernel launch and waiting for the one
-        before, the program issues one L2 bulk prefetch of its ``[BV, R]`` block of W_vc (contiguous, static: no
-        kernel writes it), so the weight loads of the latent-column loop below, which follow the partials' merge,
-        hit L2 instead of starting cold in HBM."""
+        ``PF`` (set only with ``PDL``; ``cfg["prefetch"]``): before its PDL entry (and so before waiting for the
+        kernel before it), the program issues one L2 bulk prefetch of its ``[BV, R]`` block of W_vc (contiguous,
+        static: no kernel writes it), so the weight loads of the latent-column loop below, which follow the
+        partials' merge, hit L2 instead of starting cold in HBM."""
         h = tl.program_id(0)
         vb = tl.program_id(1)
-        if PDL:
-            pdl_gdc("griddepcontrol.launch_dependents; mov.u32 $0, 0;", NTH)
-            if PF:
-                pdl_l2_prefetch(wv_ptr + h * (V * R) + vb * (BV * R), BV * R * 2, NTH)
-            pdl_gdc("griddepcontrol.wait; mov.u32 $0, 0;", NTH)
+        if PF:
+            pdl_l2_prefetch(wv_ptr + h * (V * R) + vb * (BV * R), BV * R * 2, NTH)
+        pdl_enter(PDL, NTH)
         bt = tl.program_id(2).to(tl.int64)
         b = bt // T
         t = bt % T
@@ -412,7 +410,7 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
         TP=max(16, triton.next_power_of_2(b * t)), BRC=brc, DOT_F32=_DOT_F32, PDL=pdl, NTH=128, num_warps=4, **pk)
     rows = t * h
     bm, split, ns = split_plan(span, rows, b, cfg, dev)
-    skip = bool(cfg.get("skip_empty", False))
+    skip = bool(cfg["skip_empty"])
     o_part = torch.empty(ns, b, rows, rank, dtype=torch.float32, device=dev)
     lse = torch.empty(ns, b, rows, dtype=torch.float32, device=dev)
     _mla_attn_split[(ns, -(-rows // bm), b)](
@@ -423,7 +421,7 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
     out = torch.empty(b, t, h, vdim, dtype=q.dtype, device=dev)
     bv = math.gcd(cfg["combine_BV"], vdim)          # a power of two dividing v (cfg values are powers of two)
     # the W_vc prefetch: a 16-byte aligned block (torch allocations are; BV * R * 2 bytes is a multiple of 16)
-    pf = pdl and bool(cfg.get("prefetch")) and wvc.data_ptr() % 16 == 0
+    pf = pdl and bool(cfg["prefetch"]) and wvc.data_ptr() % 16 == 0
     _mla_combine_out[(h, vdim // bv, b * t)](o_part, lse, g2, wvc, out, positions, b, g2.stride(0), h * vdim,
                                              split, NS=ns, T=t, H=h, R=rank, V=vdim, BV=bv, SB=cfg["combine_SB"],
                                              BK=min(cfg["combine_BK"], rank), SKIP=skip, PDL=pdl, PF=pf,
