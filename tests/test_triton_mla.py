@@ -269,6 +269,43 @@ def test_skipping_empty_splits_keeps_the_bits(mla, monkeypatch, t, pos, kv_len):
 
 
 @needs_triton
+@pytest.mark.parametrize("heads,vdim", [(4, 128), (3, 48)])
+@pytest.mark.parametrize("t,pos,kv_len,skip", [(1, 40, 128, False), (4, 62, 128, True), (2, 94, 96, False)])
+@torch.no_grad()
+def test_latent_block_merge_keeps_the_bits(mla, monkeypatch, heads, vdim, t, pos, kv_len, skip):
+    """``combine_kc`` (opt-in): the merge split over latent blocks, the last block's program summing their
+    partials after a ticket, gives the per-v-block merge's output bit for bit (same per-element arithmetic and
+    order), with and without ``skip_empty``, for Ling's v width and a narrower one that takes several v blocks;
+    ``torch.empty`` buffers start as NaN, so a partial read before it is written shows. Two calls in a row: the
+    tickets are left at zero for the next launch."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    layer = make_layer(heads, 64, vdim, seed=11)
+    kv = filled_cache(layer, pos, kv_len)
+    q, ckv, gate = inputs(layer, t, seed=pos)
+    positions = torch.arange(pos, pos + t, device=DEV)
+    cfg = {**SMALL, "skip_empty": skip, "combine_BV": 16}
+    kv_on, kv_off = kv.clone(), kv.clone()
+    off = run(mla, layer, q, ckv, gate, positions, kv_off, kv_len, cfg)
+    for _ in range(2):
+        on = run(mla, layer, q, ckv, gate, positions, kv_on.copy_(kv), kv_len, {**cfg, "combine_kc": True})
+        assert torch.isfinite(on).all() and torch.equal(on, off) and torch.equal(kv_on, kv_off)
+    from bytebound.kernels.scratch import scratch
+    assert not scratch(DEV, "mla_tickets", 1, torch.int32).any()
+    with pytest.raises(BackendError, match="prefetch"):
+        run(mla, layer, q, ckv, gate, positions, kv_on, kv_len, {**cfg, "combine_kc": True, "prefetch": True})
+    # combine_pre: the W_vc block loaded before the PDL entry, one v block per program (BV >= v)
+    wide = {**cfg, "combine_kc": True, "combine_BV": 128}
+    if vdim == 128:
+        want = run(mla, layer, q, ckv, gate, positions, kv_off.copy_(kv), kv_len, wide)
+        got = run(mla, layer, q, ckv, gate, positions, kv_on.copy_(kv), kv_len, {**wide, "combine_pre": True})
+        assert torch.isfinite(got).all() and torch.equal(got, want) and torch.equal(kv_on, kv_off)
+    else:
+        with pytest.raises(BackendError, match="combine_pre"):
+            run(mla, layer, q, ckv, gate, positions, kv_on, kv_len, {**wide, "combine_pre": True})
+
+
+@needs_triton
 def test_cfg_by_span(mla, monkeypatch):
     """:func:`resolve_cfg`: DEFAULT_CFG, SHORT_CFG up to SHORT_SPAN slots (inclusive), the explicit cfg over both,
     BYTEBOUND_MLA_CFG over all; a bad override is a named error, not a silent default."""
@@ -430,6 +467,10 @@ def test_kernels_compile_for_sm90(t):
     kernels += [(fn, dict(consts, SKIP=True), warps, sig) for fn, consts, warps, sig in kernels[1:3]]
     # the opt-in W_vc prefetch of the merge (its L2 bulk prefetch between the PDL trigger and wait)
     kernels.append((M._mla_combine_out, dict(kernels[2][1], PF=True), kernels[2][2], kernels[2][3]))
+    # the opt-in merge over latent blocks (combine_kc: ticket, fence and last-program sum), with and without SKIP
+    kc_sig = dict(kernels[2][3], y_ptr="*fp32", tk_ptr="*i32")
+    kernels += [(M._mla_combine_kc, dict(kernels[2][1], SKIP=sk), kernels[2][2], kc_sig) for sk in (False, True)]
+    kernels.append((M._mla_combine_kc, dict(kernels[2][1], BV=128, PRE=True), kernels[2][2], kc_sig))
     short = {**cfg, **M.SHORT_CFG}         # the tiling of spans up to SHORT_SPAN (resolve_cfg)
     kernels.append((M._mla_attn_split, dict(kernels[1][1], BM=short["BM"], BN=short["BN"]), short["num_warps"],
                     kernels[1][3]))

@@ -55,13 +55,15 @@ from bytebound.errors import BackendError
 from bytebound.kernels.device import sm_count
 from bytebound.kernels.pdl import enabled as pdl_enabled
 from bytebound.kernels.registry import cuda_only, needs_capability, optional_triton, register
+from bytebound.kernels.scratch import scratch
 
 triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machines without Triton
 
 LOG2E = 1.4426950408889634
 # Triton's interpreter multiplies BF16 operands of tl.dot as their raw 16-bit patterns: there the products run on
 # the same BF16 values widened to float32 (exact products, float32 sums, as the tensor cores do).
-_DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_DOT_F32 = _INTERPRET
 # Tilings (``TritonMLA(cfg)`` overrides; chosen on the H200 from scripts/bench_mla.py --sweep and an in-model A/B of
 # the captured step, docs/perf/decode-h200.md): BM query rows and BN keys per attention block, split sizing
 # (split_plan: ``target_single`` "half" halves the default program target when all query rows fit one block, as at
@@ -80,7 +82,8 @@ SHORT_CFG = {"BN": 32, "num_warps": 8, "min_split": 64, "target_single": None}
 DEFAULT_CFG = {"BM": 32, "BN": 64, "num_warps": 4, "num_stages": 2, "min_split": 128, "target_programs": None,
                "target_single": "half",
                "split": None, "absorb_BC": 128, "combine_BV": 64, "combine_BK": 128, "combine_SB": 16,
-               "combine_warps": 4, "pdl": True, "skip_empty": False, "prefetch": False}
+               "combine_warps": 4, "pdl": True, "skip_empty": False, "prefetch": False, "combine_kc": False,
+               "combine_pre": False}
 
 
 def available(dev) -> str | None:
@@ -290,6 +293,99 @@ if tl is not None:
         tl.store(out_ptr + bt * s_out_t + h * V + v, y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"))
 
 
+    @triton.jit
+    def _fence_all(x):
+        """``fence.acq_rel.gpu`` by every thread (each holds >= 1 element of ``x``), then a CTA barrier: the
+        program's scratch stores are visible GPU-wide before it takes its ticket (``triton_kda._fence_all``)."""
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [x.to(tl.int32)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+        tl.debug_barrier()
+
+    @triton.jit
+    def _mla_combine_kc(o_ptr, lse_ptr, g_ptr, wv_ptr, out_ptr, pos_ptr, y_ptr, tk_ptr, B, s_g_t, s_out_t, SPLIT,
+                        NS: tl.constexpr,
+                        T: tl.constexpr, H: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
+                        BV: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, SKIP: tl.constexpr = False,
+                        PDL: tl.constexpr = False, NTH: tl.constexpr = 128, FENCE: tl.constexpr = True,
+                        PRE: tl.constexpr = False):
+        """``_mla_combine_out`` parallel over the latent columns (``cfg["combine_kc"]``). Program ``(h, latent
+        block kc, b * T + t)`` merges the splits of row (t, h) over latent columns ``[kc * BK, +BK)`` only and
+        multiplies them into that ``[V, BK]`` block of W_vc, writing a float32 partial ``y_kc [V]`` to ``y_ptr``;
+        the last of the row's ``R / BK`` programs (an acq_rel ticket, the pattern of ``triton_kda``) sums the
+        partials in the order kc = 0, 1, ... and applies the gate. Each partial output and each W_vc byte is read
+        by one program (``_mla_combine_out`` re-reads a row's partials for every v block) and a program's chain
+        of dependent loads is one latent block long, not ``R / BK``. Every element's arithmetic is
+        ``_mla_combine_out``'s with the same ``BK``, ``BV`` and ``SB``, in the same order (its y starts at 0 and
+        adds the latent blocks in order), so the bits are too. Tickets: int32 ``[>= B * T * H]``, zero before the
+        launch and reset by each row's last program.
+
+        ``PRE`` (``cfg["combine_pre"]``; needs ``BV == V``): the program loads its ``[BK, V]`` W_vc block into
+        registers before its PDL entry, so that HBM read overlaps the attention kernel still running (W_vc is
+        static: no kernel writes it, so it may be read before the wait)."""
+        h = tl.program_id(0)
+        kc = tl.program_id(1)
+        KC: tl.constexpr = R // BK
+        k0 = kc * BK
+        k = tl.arange(0, BK)
+        if PRE:
+            wpre = tl.load(wv_ptr + h * (V * R) + tl.arange(0, BV)[None, :] * R + k0 + k[:, None])
+        pdl_enter(PDL, NTH)
+        bt = tl.program_id(2).to(tl.int64)
+        b = bt // T
+        t = bt % T
+        row = t * H + h
+        sb = tl.arange(0, SB)
+        ns = tl.minimum(tl.load(pos_ptr + t) // SPLIT + 1, NS) if SKIP else NS
+        m = tl.full([SB], float("-inf"), tl.float32)
+        for s0 in range(0, NS, SB):
+            sm = (s0 + sb) < ns
+            lse = tl.load(lse_ptr + ((s0 + sb).to(tl.int64) * B + b) * (T * H) + row, mask=sm,
+                          other=float("-inf"))
+            m = tl.maximum(m, lse)
+        m_max = tl.max(m, axis=0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        acc = tl.zeros([BK], tl.float32)
+        for s0 in range(0, NS, SB):
+            sm = (s0 + sb) < ns
+            prow = ((s0 + sb).to(tl.int64) * B + b) * (T * H) + row
+            wgt = tl.exp2(tl.load(lse_ptr + prow, mask=sm, other=float("-inf")) - m_max)
+            o = tl.load(o_ptr + prow[:, None] * R + k0 + k[None, :], mask=sm[:, None], other=0.0)
+            acc += tl.sum(wgt[:, None] * o, axis=0)
+        yb = y_ptr + ((bt * H + h) * KC + kc) * V
+        for v0 in range(0, V, BV):             # a loop, not unrolled (register budget, as the latent loop there)
+            v = v0 + tl.arange(0, BV)
+            if PRE:
+                wv = wpre.to(tl.float32)
+            else:
+                wv = tl.load(wv_ptr + h * (V * R) + v[None, :] * R + k0 + k[:, None]).to(tl.float32)  # [BK, BV]
+            tl.store(yb + v, tl.zeros([BV], tl.float32) + tl.sum(acc[:, None] * wv, axis=0))
+        if FENCE:
+            _fence_all(k)
+        else:
+            tl.debug_barrier()              # Triton's interpreter (no inline asm) runs the programs one by one
+        ticket = tl.atomic_add(tk_ptr + bt * H + h, 1, sem="acq_rel", scope="gpu")
+        if ticket == KC - 1:
+            den = tl.zeros([SB], tl.float32)
+            for s0 in range(0, NS, SB):
+                sm = (s0 + sb) < ns
+                lse = tl.load(lse_ptr + ((s0 + sb).to(tl.int64) * B + b) * (T * H) + row, mask=sm,
+                              other=float("-inf"))
+                den += tl.exp2(lse - m_max)
+            den_s = tl.sum(den, axis=0)
+            gate = tl.sigmoid(tl.load(g_ptr + bt * s_g_t + h).to(tl.float32))
+            scl = gate / tl.where(den_s > 0, den_s, 1.0)
+            for u0 in tl.static_range(0, V, BV):
+                u = u0 + tl.arange(0, BV)
+                yr = y_ptr + (bt * H + h) * KC * V + u
+                y = tl.zeros([BV], tl.float32)
+                for c in tl.static_range(KC):    # .cg: the other programs' partials from L2, not a stale L1 line
+                    y += tl.load(yr + c * V, cache_modifier=".cg")
+                y = y * scl
+                tl.store(out_ptr + bt * s_out_t + h * V + u, y.to(out_ptr.dtype.element_ty,
+                                                                  fp_downcast_rounding="rtne"))
+            tl.store(tk_ptr + bt * H + h, 0)      # self-contained launch: the next one finds 0 (graph replay)
+
+
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -420,11 +516,29 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
         PDL=pdl, NTH=32 * cfg["num_warps"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pk)
     out = torch.empty(b, t, h, vdim, dtype=q.dtype, device=dev)
     bv = math.gcd(cfg["combine_BV"], vdim)          # a power of two dividing v (cfg values are powers of two)
+    bk = min(cfg["combine_BK"], rank)
+    if cfg["combine_kc"]:
+        if cfg["prefetch"]:
+            raise BackendError("mla[triton]: the W_vc prefetch is a switch of the per-v-block merge; "
+                               "combine_kc reads W_vc in [v, BK] column blocks: set one of the two")
+        kc = rank // bk
+        y = scratch(dev, "mla_y", b * t * h * kc * vdim)
+        tickets = scratch(dev, "mla_tickets", b * t * h, torch.int32)
+        pre = bool(cfg["combine_pre"])
+        if pre and bv != vdim:
+            raise BackendError(f"mla[triton]: combine_pre holds a [BK, v] block of W_vc: it needs combine_BV >= "
+                               f"v ({vdim}), got {cfg['combine_BV']}")
+        _mla_combine_kc[(h, kc, b * t)](o_part, lse, g2, wvc, out, positions, y, tickets, b, g2.stride(0),
+                                        h * vdim, split, NS=ns, T=t, H=h, R=rank, V=vdim, BV=bv,
+                                        SB=cfg["combine_SB"], BK=bk, SKIP=skip, PDL=pdl, PRE=pre,
+                                        NTH=32 * cfg["combine_warps"], FENCE=not _INTERPRET,
+                                        num_warps=cfg["combine_warps"], **pk)
+        return out
     # the W_vc prefetch: a 16-byte aligned block (torch allocations are; BV * R * 2 bytes is a multiple of 16)
     pf = pdl and bool(cfg["prefetch"]) and wvc.data_ptr() % 16 == 0
     _mla_combine_out[(h, vdim // bv, b * t)](o_part, lse, g2, wvc, out, positions, b, g2.stride(0), h * vdim,
                                              split, NS=ns, T=t, H=h, R=rank, V=vdim, BV=bv, SB=cfg["combine_SB"],
-                                             BK=min(cfg["combine_BK"], rank), SKIP=skip, PDL=pdl, PF=pf,
+                                             BK=bk, SKIP=skip, PDL=pdl, PF=pf,
                                              NTH=32 * cfg["combine_warps"], num_warps=cfg["combine_warps"], **pk)
     return out
 

@@ -157,16 +157,22 @@ def test_graph_replay_equals_eager(ling_layer, m):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("cfg", [{"prefetch": True}, {"skip_empty": True}, {"prefetch": True, "skip_empty": True}])
+@pytest.mark.parametrize("cfg", [{"prefetch": True}, {"skip_empty": True}, {"prefetch": True, "skip_empty": True},
+                                 {"combine_kc": True}, {"combine_kc": True, "skip_empty": True},
+                                 {"combine_kc": True, "combine_BV": 128},
+                                 {"combine_kc": True, "combine_BV": 128, "combine_pre": True}])
 @pytest.mark.parametrize("pos,span,m", [(2048, 4096, 1), (2045, 4096, 4), (20000, 32768, 1), (20000, 32768, 4)])
 def test_opt_in_switches_keep_the_bits(ling_layer, cfg, pos, span, m):
     """The opt-in tiling switches (``prefetch``: the merge's W_vc L2 prefetch before its PDL wait; ``skip_empty``:
-    the splits past the sequence skipped) give the default's output and cache bit for bit, eagerly and under graph
+    the splits past the sequence skipped; ``combine_kc``: the merge over latent blocks with a ticket, ``combine_pre``
+    its W_vc block loaded before the PDL wait) give the default's output and cache bit for bit, eagerly and under graph
     replay, at the engine's power-of-two spans (at 2K about half the splits are past the sequence)."""
     from bytebound.kernels.triton_mla import TritonMLA
     from bytebound.runner.graphs import capture_graph
     layer = ling_layer
-    base, opt = TritonMLA().bind(layer, torch.bfloat16), TritonMLA(cfg).bind(layer, torch.bfloat16)
+    # a v-block width is a tiling (it may change a sum's order): the base runs the switch's width
+    base = TritonMLA({k: cfg[k] for k in ("combine_BV",) if k in cfg}).bind(layer, torch.bfloat16)
+    opt = TritonMLA(cfg).bind(layer, torch.bfloat16)
     kv = filled(pos, span, seed=pos + m)
     g = torch.Generator(device=DEV).manual_seed(m)
     q = torch.randn(1, m, 32, 192, generator=g, device=DEV).to(torch.bfloat16)
