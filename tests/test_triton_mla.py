@@ -316,6 +316,12 @@ def test_cfg_by_span(mla, monkeypatch):
     assert mla.resolve_cfg(2048, {"BN": 16})["BN"] == 16 and mla.resolve_cfg(2048, {"BN": 16})["min_split"] == \
         mla.SHORT_CFG["min_split"]
     assert mla.resolve_cfg(32768, {"num_warps": 8}) == {**mla.DEFAULT_CFG, "num_warps": 8}
+    # the decode tiling replaces BM / num_warps for a one-token call only
+    one = {"decode_BM": 16, "decode_warps": 2}
+    assert (mla.resolve_cfg(2048, one, 1)["BM"], mla.resolve_cfg(2048, one, 1)["num_warps"]) == (16, 2)
+    assert (mla.resolve_cfg(2048, one, 4)["BM"], mla.resolve_cfg(2048, one, 4)["num_warps"]) == (short["BM"],
+                                                                                                short["num_warps"])
+    assert mla.resolve_cfg(2048, None, 1) == short or short["decode_BM"] is not None
     monkeypatch.setenv("BYTEBOUND_MLA_CFG", '{"BN": 128, "min_split": 256}')
     c = mla.resolve_cfg(2048, {"BN": 16, "split": 32})
     assert (c["BN"], c["min_split"], c["split"], c["num_warps"]) == (128, 256, 32, mla.SHORT_CFG["num_warps"])

@@ -21,8 +21,10 @@ strided views; dense after), so a decode/verify layer is five launches after its
    query position are masked off (no bytes move), so a static span larger than the sequence costs no reads; with
    ``skip_empty`` an empty split runs no key block and a row with no key in its split writes only its lse (-inf),
    not its partial output.
-3. ``_mla_combine_out``: merges the splits per row (log-sum-exp weights; with ``skip_empty`` only the splits up to
-   the one holding the row's position, whose partials were written), applies the head gate
+3. ``_mla_combine_out`` (or, opt-in, ``_mla_combine_kc``: the same merge parallel over latent blocks, their
+   partial products summed by each row's last program after a ticket): merges the splits per row (log-sum-exp
+   weights; with ``skip_empty`` only the splits up to the one holding the row's position, whose partials were
+   written), applies the head gate
    ``sigmoid(g_proj x)`` (a per-head scalar commutes with the v absorption), and multiplies by ``W_vc[h]^T``
    (float32 FMAs on the float32 latent output; BF16 weights), writing ``[B, M, H, v]`` in the layout ``dense``
    reads.
@@ -77,13 +79,17 @@ _DOT_F32 = _INTERPRET
 # holds a sequence between half and all of it) run no key block, write no partial output and are not read by the
 # merge: the same bits as running them (they weigh exactly 0). Off by default: neither of its two forms made the
 # captured step faster on the H100 (docs/perf/session31-h200/, docs/perf/session32-h100-kda-tail/).
+# decode_BM / decode_warps (opt-in): the attention's BM / num_warps for a one-token call (resolve_cfg).
+# combine_kc (opt-in, not yet measured on a GPU): the merge as _mla_combine_kc, parallel over latent blocks with
+# a ticket (each partial and W_vc byte read once); combine_pre (with combine_kc and combine_BV >= v) loads its W_vc
+# block before the PDL wait.
 SHORT_SPAN = 4096
 SHORT_CFG = {"BN": 32, "num_warps": 8, "min_split": 64, "target_single": None}
 DEFAULT_CFG = {"BM": 32, "BN": 64, "num_warps": 4, "num_stages": 2, "min_split": 128, "target_programs": None,
                "target_single": "half",
                "split": None, "absorb_BC": 128, "combine_BV": 64, "combine_BK": 128, "combine_SB": 16,
                "combine_warps": 4, "pdl": True, "skip_empty": False, "prefetch": False, "combine_kc": False,
-               "combine_pre": False}
+               "combine_pre": False, "decode_BM": None, "decode_warps": None}
 
 
 def available(dev) -> str | None:
@@ -390,10 +396,12 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def resolve_cfg(span: int, cfg: dict | None = None) -> dict:
+def resolve_cfg(span: int, cfg: dict | None = None, tokens: int | None = None) -> dict:
     """The tiling of a call over ``span`` slots: :data:`DEFAULT_CFG`, then :data:`SHORT_CFG` when ``span <=
     SHORT_SPAN``, then ``cfg`` (``TritonMLA(cfg)``), then ``BYTEBOUND_MLA_CFG`` (a JSON object of overrides: a
     diagnostic for in-model A/B, e.g. ``profile_decode.py --ab``; read per call, so a re-captured graph picks it up).
+    For a call of ``tokens == 1`` new token (a decode step) ``decode_BM`` / ``decode_warps``, where not None, then
+    replace the attention's ``BM`` / ``num_warps``.
 
     Raises:
         BackendError: ``BYTEBOUND_MLA_CFG`` not a JSON object, or naming a key :data:`DEFAULT_CFG` does not have (a
@@ -409,7 +417,13 @@ def resolve_cfg(span: int, cfg: dict | None = None) -> dict:
         if not isinstance(over, dict) or set(over) - set(DEFAULT_CFG):
             raise BackendError(f"mla[triton]: BYTEBOUND_MLA_CFG must be a JSON object with keys of DEFAULT_CFG "
                                f"({', '.join(DEFAULT_CFG)}), got {env!r}")
-    return {**DEFAULT_CFG, **(SHORT_CFG if span <= SHORT_SPAN else {}), **(cfg or {}), **over}
+    out = {**DEFAULT_CFG, **(SHORT_CFG if span <= SHORT_SPAN else {}), **(cfg or {}), **over}
+    if tokens == 1:
+        for key in ("BM", "num_warps"):
+            dk = "decode_warps" if key == "num_warps" else "decode_BM"
+            if out[dk] is not None:
+                out[key] = out[dk]
+    return out
 
 
 def split_plan(span: int, rows: int, batch: int, cfg: dict, device) -> tuple[int, int, int]:
@@ -469,8 +483,8 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
     if _TRITON_ERR:
         raise BackendError(f"mla[triton]: {_TRITON_ERR}")
     span = kv.shape[1] if kv_len is None else int(kv_len)
-    cfg = resolve_cfg(span, cfg)
     b, t, h, qd = q.shape
+    cfg = resolve_cfg(span, cfg, t)
     _, nope, rank = wkc.shape
     vdim = wvc.shape[1]
     pdim = qd - nope
