@@ -73,23 +73,25 @@ _DOT_F32 = _INTERPRET
 # merge order: resolve_cfg); absorb_BC latent columns per q-absorption program, combine_BV v columns / combine_BK
 # latent columns per merge step / combine_SB splits per load;
 # pdl: each of the three kernels enters through kernels.pdl.enter (launched as a PDL dependent on sm_90+);
-# prefetch (opt-in, with pdl): the merge prefetches its W_vc block into L2 before its PDL wait (_mla_combine_out's
-# PF). Off by default: no gain in the captured step on the H100 (docs/perf/session32-h100-kda-tail/).
+# prefetch (opt-in, with pdl and combine_kc False): the merge prefetches its W_vc block into L2 before its PDL wait
+# (_mla_combine_out's PF). Off by default: no gain in the captured step on the H100
+# (docs/perf/session32-h100-kda-tail/).
 # skip_empty (opt-in, BYTEBOUND_MLA_CFG='{"skip_empty": true}'): the splits past the sequence (a power-of-two span
 # holds a sequence between half and all of it) run no key block, write no partial output and are not read by the
 # merge: the same bits as running them (they weigh exactly 0). Off by default: neither of its two forms made the
 # captured step faster on the H100 (docs/perf/session31-h200/, docs/perf/session32-h100-kda-tail/).
-# decode_BM / decode_warps (opt-in): the attention's BM / num_warps for a one-token call (resolve_cfg).
-# combine_kc (opt-in, not yet measured on a GPU): the merge as _mla_combine_kc, parallel over latent blocks with
-# a ticket (each partial and W_vc byte read once); combine_pre (with combine_kc and combine_BV >= v) loads its W_vc
-# block before the PDL wait.
+# decode_BM / decode_warps: the attention's BM / num_warps for a one-token call (resolve_cfg; None: BM /
+# num_warps); combine_kc: the merge as _mla_combine_kc, parallel over latent blocks with a ticket (each partial and
+# W_vc byte read once; False: _mla_combine_out); combine_pre (with combine_kc, where the v block is the whole v row,
+# combine_BV >= v) loads the program's W_vc block before its PDL wait. These four measured faster together on the
+# H100 (the MLA class 0.45 -> 0.33 ms a decode step, docs/perf/session33-h100-mla-merge/).
 SHORT_SPAN = 4096
 SHORT_CFG = {"BN": 32, "num_warps": 8, "min_split": 64, "target_single": None}
 DEFAULT_CFG = {"BM": 32, "BN": 64, "num_warps": 4, "num_stages": 2, "min_split": 128, "target_programs": None,
                "target_single": "half",
-               "split": None, "absorb_BC": 128, "combine_BV": 64, "combine_BK": 128, "combine_SB": 16,
-               "combine_warps": 4, "pdl": True, "skip_empty": False, "prefetch": False, "combine_kc": False,
-               "combine_pre": False, "decode_BM": None, "decode_warps": None}
+               "split": None, "absorb_BC": 128, "combine_BV": 128, "combine_BK": 128, "combine_SB": 16,
+               "combine_warps": 4, "pdl": True, "skip_empty": False, "prefetch": False, "combine_kc": True,
+               "combine_pre": True, "decode_BM": 16, "decode_warps": 4}
 
 
 def available(dev) -> str | None:
@@ -325,7 +327,7 @@ if tl is not None:
         adds the latent blocks in order), so the bits are too. Tickets: int32 ``[>= B * T * H]``, zero before the
         launch and reset by each row's last program.
 
-        ``PRE`` (``cfg["combine_pre"]``; needs ``BV == V``): the program loads its ``[BK, V]`` W_vc block into
+        ``PRE`` (``cfg["combine_pre"]``, set where ``BV == V``): the program loads its ``[BK, V]`` W_vc block into
         registers before its PDL entry, so that HBM read overlaps the attention kernel still running (W_vc is
         static: no kernel writes it, so it may be read before the wait)."""
         h = tl.program_id(0)
@@ -533,15 +535,12 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
     bk = min(cfg["combine_BK"], rank)
     if cfg["combine_kc"]:
         if cfg["prefetch"]:
-            raise BackendError("mla[triton]: the W_vc prefetch is a switch of the per-v-block merge; "
-                               "combine_kc reads W_vc in [v, BK] column blocks: set one of the two")
+            raise BackendError("mla[triton]: the W_vc prefetch is a switch of the per-v-block merge "
+                               "(combine_kc false); combine_kc reads W_vc in [v, BK] column blocks")
         kc = rank // bk
         y = scratch(dev, "mla_y", b * t * h * kc * vdim)
         tickets = scratch(dev, "mla_tickets", b * t * h, torch.int32)
-        pre = bool(cfg["combine_pre"])
-        if pre and bv != vdim:
-            raise BackendError(f"mla[triton]: combine_pre holds a [BK, v] block of W_vc: it needs combine_BV >= "
-                               f"v ({vdim}), got {cfg['combine_BV']}")
+        pre = bool(cfg["combine_pre"]) and bv == vdim     # one [BK, v] register block (v narrower than BV)
         _mla_combine_kc[(h, kc, b * t)](o_part, lse, g2, wvc, out, positions, y, tickets, b, g2.stride(0),
                                         h * vdim, split, NS=ns, T=t, H=h, R=rank, V=vdim, BV=bv,
                                         SB=cfg["combine_SB"], BK=bk, SKIP=skip, PDL=pdl, PRE=pre,
