@@ -303,22 +303,6 @@ def test_latent_block_merge_keeps_the_bits(mla, monkeypatch, heads, vdim, t, pos
 
 
 @needs_triton
-@pytest.mark.parametrize("t,pos", [(1, 40), (3, 70)])
-@torch.no_grad()
-def test_absorb_pre_keeps_the_bits(mla, t, pos):
-    """``absorb_pre`` (opt-in): the q-absorption programs load their W_kc block before the PDL entry (masked off
-    for the token programs); the output and the cache are the default's bit for bit."""
-    layer = make_layer(4, 128, 128, seed=5)
-    kv = filled_cache(layer, pos, 128)
-    q, ckv, gate = inputs(layer, t, seed=pos)
-    positions = torch.arange(pos, pos + t, device=DEV)
-    kv_on, kv_off = kv.clone(), kv.clone()
-    off = run(mla, layer, q, ckv, gate, positions, kv_off, 128, SMALL)
-    on = run(mla, layer, q, ckv, gate, positions, kv_on, 128, {**SMALL, "absorb_pre": True})
-    assert torch.isfinite(on).all() and torch.equal(on, off) and torch.equal(kv_on, kv_off)
-
-
-@needs_triton
 def test_cfg_by_span(mla, monkeypatch):
     """:func:`resolve_cfg`: DEFAULT_CFG, SHORT_CFG up to SHORT_SPAN slots (inclusive), the explicit cfg over both,
     BYTEBOUND_MLA_CFG over all; a bad override is a named error, not a silent default."""
@@ -490,7 +474,6 @@ def test_kernels_compile_for_sm90(t):
     kc_sig = dict(kernels[2][3], y_ptr="*fp32", tk_ptr="*i32")
     kernels += [(M._mla_combine_kc, dict(kernels[2][1], SKIP=sk), kernels[2][2], kc_sig) for sk in (False, True)]
     kernels.append((M._mla_combine_kc, dict(kernels[2][1], BV=128, PRE=True), kernels[2][2], kc_sig))
-    kernels.append((M._mla_prep, dict(kernels[0][1], PRE=True), kernels[0][2], kernels[0][3]))
     short = {**cfg, **M.SHORT_CFG}         # the tiling of spans up to SHORT_SPAN (resolve_cfg)
     kernels.append((M._mla_attn_split, dict(kernels[1][1], BM=short["BM"], BN=short["BN"]), short["num_warps"],
                     kernels[1][3]))

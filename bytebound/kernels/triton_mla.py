@@ -84,15 +84,14 @@ _DOT_F32 = _INTERPRET
 # num_warps); combine_kc: the merge as _mla_combine_kc, parallel over latent blocks with a ticket (each partial and
 # W_vc byte read once; False: _mla_combine_out); combine_pre (with combine_kc, where the v block is the whole v row,
 # combine_BV >= v) loads the program's W_vc block before its PDL wait. These four measured faster together on the
-# H100 (the MLA class 0.45 -> 0.33 ms a decode step, docs/perf/session33-h100-mla-merge/). absorb_pre (opt-in):
-# the q-absorption programs load their W_kc block before the PDL wait (_mla_prep's PRE).
+# H100 (the MLA class 0.45 -> 0.33 ms a decode step, docs/perf/session33-h100-mla-merge/).
 SHORT_SPAN = 4096
 SHORT_CFG = {"BN": 32, "num_warps": 8, "min_split": 64, "target_single": None}
 DEFAULT_CFG = {"BM": 32, "BN": 64, "num_warps": 4, "num_stages": 2, "min_split": 128, "target_programs": None,
                "target_single": "half",
                "split": None, "absorb_BC": 128, "combine_BV": 128, "combine_BK": 128, "combine_SB": 16,
                "combine_warps": 4, "pdl": True, "skip_empty": False, "prefetch": False, "combine_kc": True,
-               "combine_pre": True, "decode_BM": 16, "decode_warps": 4, "absorb_pre": False}
+               "combine_pre": True, "decode_BM": 16, "decode_warps": 4}
 
 
 def available(dev) -> str | None:
@@ -113,18 +112,12 @@ if tl is not None:
                   s_ckv_t, s_q_t, s_q_h, s_kv_b, s_kv_l, BT,
                   T: tl.constexpr, H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, NOPE: tl.constexpr,
                   HP: tl.constexpr, TP: tl.constexpr, BRC: tl.constexpr, DOT_F32: tl.constexpr,
-                  PDL: tl.constexpr = False, NTH: tl.constexpr = 128, PRE: tl.constexpr = False):
+                  PDL: tl.constexpr = False, NTH: tl.constexpr = 128):
         """Two roles in one launch. Programs ``0 .. BT-1``, one per new token ``(b, t)``: kv_a norm + rope + cache
         write, and rope of the H q_pe heads. Programs ``BT + h * (R / BRC) + c``: q absorption of head h, latent
-        columns ``[c * BRC, +BRC)``, for all BT tokens (W_kc read once). ``PRE`` (``cfg["absorb_pre"]``): an
-        absorption program loads its ``[NOPE, BRC]`` block of W_kc before its PDL entry (static: no kernel writes
-        it), so that HBM read overlaps the projection GEMV before it."""
-        pid = tl.program_id(0)
-        if PRE:
-            jp = tl.maximum(pid - BT, 0)
-            wkp = tl.load(wk_ptr + (jp // (R // BRC)) * (NOPE * R) + tl.arange(0, NOPE)[:, None] * R
-                          + (jp % (R // BRC)) * BRC + tl.arange(0, BRC)[None, :], mask=pid >= BT, other=0.0)
+        columns ``[c * BRC, +BRC)``, for all BT tokens (W_kc read once)."""
         pdl_enter(PDL, NTH)
+        pid = tl.program_id(0)
         if pid < BT:
             bt = pid.to(tl.int64)
             b = bt // T
@@ -170,10 +163,7 @@ if tl is not None:
             cols = c0 + tl.arange(0, BRC)
             qn = tl.load(q_ptr + rr[:, None].to(tl.int64) * s_q_t + hh * s_q_h + n[None, :],
                          mask=rr[:, None] < BT, other=0.0)                               # [TP, NOPE]
-            if PRE:
-                wk = wkp
-            else:
-                wk = tl.load(wk_ptr + hh * (NOPE * R) + n[:, None] * R + cols[None, :])  # [NOPE, BRC]
+            wk = tl.load(wk_ptr + hh * (NOPE * R) + n[:, None] * R + cols[None, :])      # [NOPE, BRC]
             ql = _dot(qn, wk, DOT_F32)
             tl.store(ql_ptr + (hh * BT + rr[:, None]) * R + cols[None, :],
                      ql.to(ql_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=rr[:, None] < BT)
@@ -529,8 +519,7 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
         ckv2, q2, q_rope, q_lat, wkc, kv, positions, norm_w, inv_freq, float(eps), float(att),
         ckv2.stride(0), q2.stride(0), q2.stride(1), kv.stride(0), kv.stride(1), b * t,
         T=t, H=h, R=rank, P=pdim, NOPE=nope, HP=triton.next_power_of_2(h),
-        TP=max(16, triton.next_power_of_2(b * t)), BRC=brc, DOT_F32=_DOT_F32, PDL=pdl, NTH=128,
-        PRE=bool(cfg["absorb_pre"]), num_warps=4, **pk)
+        TP=max(16, triton.next_power_of_2(b * t)), BRC=brc, DOT_F32=_DOT_F32, PDL=pdl, NTH=128, num_warps=4, **pk)
     rows = t * h
     bm, split, ns = split_plan(span, rows, b, cfg, dev)
     skip = bool(cfg["skip_empty"])

@@ -159,15 +159,15 @@ def test_graph_replay_equals_eager(ling_layer, m):
 @torch.no_grad()
 @pytest.mark.parametrize("cfg", [{"combine_kc": False}, {"combine_kc": False, "prefetch": True},
                                  {"skip_empty": True}, {"combine_kc": False, "prefetch": True, "skip_empty": True},
-                                 {"combine_pre": False}, {"absorb_pre": True},
+                                 {"combine_pre": False},
                                  {"combine_BV": 64, "combine_kc": False, "prefetch": True}])
 @pytest.mark.parametrize("pos,span,m", [(2048, 4096, 1), (2045, 4096, 4), (20000, 32768, 1), (20000, 32768, 4)])
 def test_opt_in_switches_keep_the_bits(ling_layer, cfg, pos, span, m):
-    """The kernels' forms and switches (``combine_kc`` false: the per-v-block merge instead of the one over latent
+    """The merge's forms and switches (``combine_kc`` false: the per-v-block merge instead of the one over latent
     blocks with a ticket; ``prefetch``: that merge's W_vc L2 prefetch before its PDL wait; ``combine_pre`` false: the
-    W_vc block loaded after the wait; ``absorb_pre``: the W_kc blocks loaded before the prep's wait; ``skip_empty``:
-    the splits past the sequence skipped) give the default's output and cache bit for bit, eagerly and under graph
-    replay, at the engine's power-of-two spans (at 2K about half the splits are past the sequence)."""
+    W_vc block loaded after the wait; ``skip_empty``: the splits past the sequence skipped) give the default's output
+    and cache bit for bit, eagerly and under graph replay, at the engine's power-of-two spans (at 2K about half the
+    splits are past the sequence)."""
     from bytebound.kernels.triton_mla import TritonMLA
     from bytebound.runner.graphs import capture_graph
     layer = ling_layer
