@@ -3,12 +3,12 @@
 The ``split`` MoE kernels (``kernels.triton_moe_split``: activations, partials, tickets), the fused MoE kernels'
 ``partials`` mode (``kernels.triton_moe_variants``), the one-launch router (``kernels.triton_router.gemv_route``:
 logits, ticket), the TMA-ring form of the split kernel A (``kernels.triton_moe_ring``: ``ring_info``, one row of
-slot experts per program), the fused KDA kernel (``kernels.triton_kda``: ``kda_work``, tickets), the split-K FP8 GEMV and the
-FP8 head's fused argmax (``kernels.triton_fp8``: ``gemv_*``, ``head_argmax_*``) each need a workspace per launch,
-but never two at once: the MoE layers and their routers run in sequence on one stream and each launch has consumed
-its scratch before the next one writes it. So one buffer per ``(device, name)`` serves every layer (at full scale
-15.7 MB of MoE partials instead of 0.6 GB for 40 per-layer copies). The price: such kernels must not run
-concurrently on two streams.
+slot experts per program), the fused KDA kernel (``kernels.triton_kda``: ``kda_work``, tickets), the MLA merge
+(``kernels.triton_mla``: ``mla_y``, ``mla_tickets``), the split-K FP8 GEMV and the FP8 head's fused argmax
+(``kernels.triton_fp8``: ``gemv_*``, ``head_argmax_*``) each need a workspace per launch, but never two at once: the
+MoE layers and their routers run in sequence on one stream and each launch has consumed its scratch before the next
+one writes it. So one buffer per ``(device, name)`` serves every layer (at full scale 15.7 MB of MoE partials
+instead of 0.6 GB for 40 per-layer copies). The price: such kernels must not run concurrently on two streams.
 """
 
 from __future__ import annotations
