@@ -233,6 +233,47 @@ if tl is not None:
         tl.store(lse_ptr + prow, lse, mask=row_ok)
 
     @triton.jit
+    def _split_max(lse_ptr, b, row, ns, B, TH: tl.constexpr, NS: tl.constexpr, SB: tl.constexpr):
+        """The largest log2-sum-exp of row ``row``'s splits ``< ns`` (0 when none has a key). The loops keep the
+        constexpr bound NS (unrolled, their loads in flight together; a run-time bound ns made the merge slower in
+        the captured step on the H100) and mask the splits past ns: no bytes move for them."""
+        sb = tl.arange(0, SB)
+        m = tl.full([SB], float("-inf"), tl.float32)
+        for s0 in range(0, NS, SB):                  # elementwise running max over the chunks, then one max
+            sm = (s0 + sb) < ns
+            lse = tl.load(lse_ptr + ((s0 + sb).to(tl.int64) * B + b) * TH + row, mask=sm, other=float("-inf"))
+            m = tl.maximum(m, lse)
+        m_max = tl.max(m, axis=0)
+        return tl.where(m_max == float("-inf"), 0.0, m_max)
+
+    @triton.jit
+    def _split_den(lse_ptr, b, row, ns, m_max, B, TH: tl.constexpr, NS: tl.constexpr, SB: tl.constexpr):
+        """``sum_s 2^(lse_s - m_max)`` over row ``row``'s splits ``< ns``: the softmax denominator of the merge."""
+        sb = tl.arange(0, SB)
+        den = tl.zeros([SB], tl.float32)
+        for s0 in range(0, NS, SB):
+            sm = (s0 + sb) < ns
+            lse = tl.load(lse_ptr + ((s0 + sb).to(tl.int64) * B + b) * TH + row, mask=sm, other=float("-inf"))
+            den += tl.exp2(lse - m_max)
+        return tl.sum(den, axis=0)
+
+    @triton.jit
+    def _split_merge(o_ptr, lse_ptr, b, row, ns, m_max, k0, B, TH: tl.constexpr, R: tl.constexpr,
+                     NS: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr):
+        """``sum_s 2^(lse_s - m_max) o_s[k0 : k0 + BK]`` over row ``row``'s splits ``< ns`` (float32 ``[BK]``,
+        the un-normalised merged latent output of those columns)."""
+        sb = tl.arange(0, SB)
+        k = tl.arange(0, BK)
+        acc = tl.zeros([BK], tl.float32)
+        for s0 in range(0, NS, SB):
+            sm = (s0 + sb) < ns
+            prow = ((s0 + sb).to(tl.int64) * B + b) * TH + row
+            wgt = tl.exp2(tl.load(lse_ptr + prow, mask=sm, other=float("-inf")) - m_max)
+            o = tl.load(o_ptr + prow[:, None] * R + k0 + k[None, :], mask=sm[:, None], other=0.0)
+            acc += tl.sum(wgt[:, None] * o, axis=0)
+        return acc
+
+    @triton.jit
     def _mla_combine_out(o_ptr, lse_ptr, g_ptr, wv_ptr, out_ptr, pos_ptr, B, s_g_t, s_out_t, SPLIT,
                          NS: tl.constexpr,
                          T: tl.constexpr, H: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
@@ -260,27 +301,11 @@ if tl is not None:
         b = bt // T
         t = bt % T
         row = t * H + h
-        sb = tl.arange(0, SB)
         # SKIP: splits past the one holding the row's position have no key for it (lse -inf, weight 0)
         ns = tl.minimum(tl.load(pos_ptr + t) // SPLIT + 1, NS) if SKIP else NS
         # pass 1, log2-sum-exp of the splits (lse only): the weight of split s is 2^(lse_s - m) / den
-        m = tl.full([SB], float("-inf"), tl.float32)
-        # the loops keep the constexpr bound NS (unrolled, their loads in flight together; a run-time bound ns made
-        # the merge slower in the captured step on the H100) and mask the splits past ns: no bytes move for them
-        for s0 in range(0, NS, SB):                  # elementwise running max over the chunks, then one max
-            sm = (s0 + sb) < ns
-            lse = tl.load(lse_ptr + ((s0 + sb).to(tl.int64) * B + b) * (T * H) + row, mask=sm,
-                          other=float("-inf"))
-            m = tl.maximum(m, lse)
-        m_max = tl.max(m, axis=0)
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-        den = tl.zeros([SB], tl.float32)
-        for s0 in range(0, NS, SB):
-            sm = (s0 + sb) < ns
-            lse = tl.load(lse_ptr + ((s0 + sb).to(tl.int64) * B + b) * (T * H) + row, mask=sm,
-                          other=float("-inf"))
-            den += tl.exp2(lse - m_max)
-        den_s = tl.sum(den, axis=0)
+        m_max = _split_max(lse_ptr, b, row, ns, B, T * H, NS, SB)
+        den_s = _split_den(lse_ptr, b, row, ns, m_max, B, T * H, NS, SB)
         gate = tl.sigmoid(tl.load(g_ptr + bt * s_g_t + h).to(tl.float32))
         scl = gate / tl.where(den_s > 0, den_s, 1.0)           # head gate folded into the normalisation
         v = vb * BV + tl.arange(0, BV)
@@ -288,13 +313,7 @@ if tl is not None:
         y = tl.zeros([BV], tl.float32)
         # pass 2, per BK latent columns: weighted sum of the partials, times that block of W_vc^T
         for k0 in range(0, R, BK):             # a loop, not unrolled: unrolled copies spill registers
-            acc = tl.zeros([BK], tl.float32)
-            for s0 in range(0, NS, SB):
-                sm = (s0 + sb) < ns
-                prow = ((s0 + sb).to(tl.int64) * B + b) * (T * H) + row
-                wgt = tl.exp2(tl.load(lse_ptr + prow, mask=sm, other=float("-inf")) - m_max)
-                o = tl.load(o_ptr + prow[:, None] * R + k0 + k[None, :], mask=sm[:, None], other=0.0)
-                acc += tl.sum(wgt[:, None] * o, axis=0)
+            acc = _split_merge(o_ptr, lse_ptr, b, row, ns, m_max, k0, B, T * H, R, NS, SB, BK)
             wv = tl.load(wv_ptr + h * (V * R) + v[None, :] * R + k0 + k[:, None]).to(tl.float32)  # [BK, BV]
             y += tl.sum(acc[:, None] * wv, axis=0)
         y = y * scl
@@ -342,23 +361,9 @@ if tl is not None:
         b = bt // T
         t = bt % T
         row = t * H + h
-        sb = tl.arange(0, SB)
         ns = tl.minimum(tl.load(pos_ptr + t) // SPLIT + 1, NS) if SKIP else NS
-        m = tl.full([SB], float("-inf"), tl.float32)
-        for s0 in range(0, NS, SB):
-            sm = (s0 + sb) < ns
-            lse = tl.load(lse_ptr + ((s0 + sb).to(tl.int64) * B + b) * (T * H) + row, mask=sm,
-                          other=float("-inf"))
-            m = tl.maximum(m, lse)
-        m_max = tl.max(m, axis=0)
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-        acc = tl.zeros([BK], tl.float32)
-        for s0 in range(0, NS, SB):
-            sm = (s0 + sb) < ns
-            prow = ((s0 + sb).to(tl.int64) * B + b) * (T * H) + row
-            wgt = tl.exp2(tl.load(lse_ptr + prow, mask=sm, other=float("-inf")) - m_max)
-            o = tl.load(o_ptr + prow[:, None] * R + k0 + k[None, :], mask=sm[:, None], other=0.0)
-            acc += tl.sum(wgt[:, None] * o, axis=0)
+        m_max = _split_max(lse_ptr, b, row, ns, B, T * H, NS, SB)
+        acc = _split_merge(o_ptr, lse_ptr, b, row, ns, m_max, k0, B, T * H, R, NS, SB, BK)
         yb = y_ptr + ((bt * H + h) * KC + kc) * V
         for v0 in range(0, V, BV):             # a loop, not unrolled (register budget, as the latent loop there)
             v = v0 + tl.arange(0, BV)
@@ -373,13 +378,7 @@ if tl is not None:
             tl.debug_barrier()              # Triton's interpreter (no inline asm) runs the programs one by one
         ticket = tl.atomic_add(tk_ptr + bt * H + h, 1, sem="acq_rel", scope="gpu")
         if ticket == KC - 1:
-            den = tl.zeros([SB], tl.float32)
-            for s0 in range(0, NS, SB):
-                sm = (s0 + sb) < ns
-                lse = tl.load(lse_ptr + ((s0 + sb).to(tl.int64) * B + b) * (T * H) + row, mask=sm,
-                              other=float("-inf"))
-                den += tl.exp2(lse - m_max)
-            den_s = tl.sum(den, axis=0)
+            den_s = _split_den(lse_ptr, b, row, ns, m_max, B, T * H, NS, SB)
             gate = tl.sigmoid(tl.load(g_ptr + bt * s_g_t + h).to(tl.float32))
             scl = gate / tl.where(den_s > 0, den_s, 1.0)
             for u0 in tl.static_range(0, V, BV):
