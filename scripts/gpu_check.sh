@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela nr regcap gemvcap moetable routerseg)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela nr regcap gemvcap moetable routerseg mlalong)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -307,6 +307,23 @@ section_ab() {           # the twentieth session's A/Bs in one call (docs/perf/r
     local r=(python3 scripts/profile_round.py --no-phases --ctx 2048 --draft-vocab "${AB_DRAFT_VOCAB:-32768}" --out "$OUT")
     run_step round_default "${r[@]}" --token-ab --name round-default
     run_step round_argmax_all env BYTEBOUND_HEAD_ARGMAX=1 "${r[@]}" --name round-argmax-all
+}
+
+section_mlalong() {      # the thirty-third session's next MLA A/Bs (docs/perf/session33-h100-mla-merge/, section 4): the
+    # long-span attention tiling, which spills in offline ptxas with BN 64 and 4 warps (344 B of stack at BM 16, 776 B
+    # at BM 32). The MLA GPU tests with 8 warps for one-token calls; bench_mla at the engine's spans for each setting;
+    # the captured step at 32K in one process. Synthetic weights.
+    local c8='{"decode_warps": 8}' c32='{"BN": 32, "decode_warps": 8}'
+    run_step tests env BYTEBOUND_MLA_CFG="$c8" python3 -m pytest tests/gpu/test_mla_gpu.py -q -p no:cacheprovider \
+        -rfE --tb=short $(pytest_timeout) -k "float64 or graph_replay"
+    local n=0 c
+    for c in '' "$c8" "$c32"; do
+        n=$((n + 1))
+        run_step "bench_mla_$n" env BYTEBOUND_MLA_CFG="$c" python3 scripts/bench_mla.py --contexts 2049 32768 \
+            --m 1 4 --span bucket --backends triton --out "$OUT/mlalong-$n"
+    done
+    run_step step_32k python3 scripts/profile_decode.py --ctx 32768 --verify-m 0 --steps 2 --ab '' \
+        "BYTEBOUND_MLA_CFG=$c8" "BYTEBOUND_MLA_CFG=$c32" --ab-rounds 5 --out "$OUT" --name profile-decode-mlalong-ab
 }
 
 # moe_key_ab KEY PARTS: an MoE config key on against off. Two copies of the committed table set KEY 1 and KEY 0 in
