@@ -140,7 +140,8 @@ def sweep(layers, states, x, positions, ctx: int, reps: int, ref: torch.Tensor, 
         best = best_c
     log(f"  best {best}: {best_t:.2f} us" if best_t is not None else "  no config passed")
     from bytebound.kernels.triton_mla import resolve_cfg
-    return {"best": best, "best_us": best_t, "best_resolved": resolve_cfg(ctx, best), "tried": tried}
+    return {"best": best, "best_us": best_t, "best_resolved": resolve_cfg(ctx, best, positions.numel()),
+            "tried": tried}
 
 
 def main() -> None:

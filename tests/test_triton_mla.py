@@ -276,8 +276,10 @@ def test_latent_block_merge_keeps_the_bits(mla, monkeypatch, heads, vdim, t, pos
     """``combine_kc`` (the default): the merge split over latent blocks, the last block's program summing their
     partials after a ticket, gives the per-v-block merge's output bit for bit (same per-element arithmetic and
     order), with and without ``skip_empty``, for Ling's v width and a narrower one that takes several v blocks;
-    ``torch.empty`` buffers start as NaN, so a partial read before it is written shows. Two calls in a row: the
-    tickets are left at zero for the next launch."""
+    ``torch.empty`` buffers and the partial products' scratch start as NaN, so a slot read that no program wrote
+    shows. Two calls in a row: the tickets are left at zero for the next launch. The interpreter runs the programs
+    one after another, so the ticket's ordering across concurrent programs is tested on the GPU
+    (tests/gpu/test_mla_gpu.py)."""
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
     layer = make_layer(heads, 64, vdim, seed=11)
@@ -285,12 +287,15 @@ def test_latent_block_merge_keeps_the_bits(mla, monkeypatch, heads, vdim, t, pos
     q, ckv, gate = inputs(layer, t, seed=pos)
     positions = torch.arange(pos, pos + t, device=DEV)
     cfg = {**SMALL, "skip_empty": skip, "combine_BV": 16}
+    from bytebound.kernels.scratch import scratch
+    # the partial products' scratch as NaN (it comes from torch.zeros, kept between calls): a partial summed before
+    # it was written shows; sized as the kernel sizes it, so the call does not grow (replace) it
+    scratch(DEV, "mla_y", max(t, 8) * heads * (512 // 128) * vdim).fill_(float("nan"))
     kv_on, kv_off = kv.clone(), kv.clone()
     off = run(mla, layer, q, ckv, gate, positions, kv_off, kv_len, {**cfg, "combine_kc": False})
     for _ in range(2):
         on = run(mla, layer, q, ckv, gate, positions, kv_on.copy_(kv), kv_len, {**cfg, "combine_kc": True})
         assert torch.isfinite(on).all() and torch.equal(on, off) and torch.equal(kv_on, kv_off)
-    from bytebound.kernels.scratch import scratch
     assert not scratch(DEV, "mla_tickets", 1, torch.int32).any()
     with pytest.raises(BackendError, match="prefetch"):
         run(mla, layer, q, ckv, gate, positions, kv_on, kv_len, {**cfg, "combine_kc": True, "prefetch": True})
@@ -319,6 +324,12 @@ def test_cfg_by_span(mla, monkeypatch):
     assert (mla.resolve_cfg(2048, one, 4)["BM"], mla.resolve_cfg(2048, one, 4)["num_warps"]) == (short["BM"],
                                                                                                 short["num_warps"])
     assert mla.resolve_cfg(2048, {"decode_BM": None, "decode_warps": None}, 1)["num_warps"] == short["num_warps"]
+    # an explicit BM / num_warps (a sweep's tiling, BYTEBOUND_MLA_CFG) is what runs, also for one token
+    c = mla.resolve_cfg(2048, {**one, "BM": 32}, 1)
+    assert (c["BM"], c["num_warps"]) == (32, 2)
+    monkeypatch.setenv("BYTEBOUND_MLA_CFG", '{"num_warps": 8}')
+    assert (mla.resolve_cfg(2048, one, 1)["BM"], mla.resolve_cfg(2048, one, 1)["num_warps"]) == (16, 8)
+    monkeypatch.delenv("BYTEBOUND_MLA_CFG")
     monkeypatch.setenv("BYTEBOUND_MLA_CFG", '{"BN": 128, "min_split": 256}')
     c = mla.resolve_cfg(2048, {"BN": 16, "split": 32})
     assert (c["BN"], c["min_split"], c["split"], c["num_warps"]) == (128, 256, 32, mla.SHORT_CFG["num_warps"])
@@ -472,8 +483,12 @@ def test_kernels_compile_for_sm90(t):
     kernels.append((M._mla_combine_out, dict(kernels[2][1], PF=True), kernels[2][2], kernels[2][3]))
     # the opt-in merge over latent blocks (combine_kc: ticket, fence and last-program sum), with and without SKIP
     kc_sig = dict(kernels[2][3], y_ptr="*fp32", tk_ptr="*i32")
-    kernels += [(M._mla_combine_kc, dict(kernels[2][1], SKIP=sk), kernels[2][2], kc_sig) for sk in (False, True)]
-    kernels.append((M._mla_combine_kc, dict(kernels[2][1], BV=128, PRE=True), kernels[2][2], kc_sig))
+    kc = dict(kernels[2][1], FENCE=True)
+    kernels += [(M._mla_combine_kc, dict(kc, SKIP=sk), kernels[2][2], kc_sig) for sk in (False, True)]
+    kernels.append((M._mla_combine_kc, dict(kc, BV=128, PRE=True), kernels[2][2], kc_sig))
+    # a one-token call's attention tiling (decode_BM / decode_warps) at the long and the short span
+    kernels += [(M._mla_attn_split, dict(kernels[1][1], T=1, BM=cfg["decode_BM"], BN=bn), cfg["decode_warps"],
+                 kernels[1][3]) for bn in (cfg["BN"], M.SHORT_CFG["BN"])]
     short = {**cfg, **M.SHORT_CFG}         # the tiling of spans up to SHORT_SPAN (resolve_cfg)
     kernels.append((M._mla_attn_split, dict(kernels[1][1], BM=short["BM"], BN=short["BN"]), short["num_warps"],
                     kernels[1][3]))
@@ -486,3 +501,5 @@ def test_kernels_compile_for_sm90(t):
         assert k.asm.get("cubin") and k.metadata.shared <= 227 * 1024, (fn, k.metadata.shared)
         ptx = k.asm["ptx"]
         assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait"), fn
+        if fn is M._mla_combine_kc:          # the partials are visible GPU-wide before the ticket is taken
+            assert ptx.index("fence.acq_rel.gpu") < ptx.index("atom.global.gpu.acq_rel"), consts

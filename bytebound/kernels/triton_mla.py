@@ -58,6 +58,7 @@ from bytebound.kernels.device import sm_count
 from bytebound.kernels.pdl import enabled as pdl_enabled
 from bytebound.kernels.registry import cuda_only, needs_capability, optional_triton, register
 from bytebound.kernels.scratch import scratch
+from bytebound.layers.mla import ABSORB_MAX_T
 
 triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machines without Triton
 
@@ -402,7 +403,8 @@ def resolve_cfg(span: int, cfg: dict | None = None, tokens: int | None = None) -
     SHORT_SPAN``, then ``cfg`` (``TritonMLA(cfg)``), then ``BYTEBOUND_MLA_CFG`` (a JSON object of overrides: a
     diagnostic for in-model A/B, e.g. ``profile_decode.py --ab``; read per call, so a re-captured graph picks it up).
     For a call of ``tokens == 1`` new token (a decode step) ``decode_BM`` / ``decode_warps``, where not None, then
-    replace the attention's ``BM`` / ``num_warps``.
+    replace the attention's ``BM`` / ``num_warps``, unless ``cfg`` or ``BYTEBOUND_MLA_CFG`` names that key itself
+    (an explicit tiling, as in a sweep, is what runs).
 
     Raises:
         BackendError: ``BYTEBOUND_MLA_CFG`` not a JSON object, or naming a key :data:`DEFAULT_CFG` does not have (a
@@ -420,9 +422,9 @@ def resolve_cfg(span: int, cfg: dict | None = None, tokens: int | None = None) -
                                f"({', '.join(DEFAULT_CFG)}), got {env!r}")
     out = {**DEFAULT_CFG, **(SHORT_CFG if span <= SHORT_SPAN else {}), **(cfg or {}), **over}
     if tokens == 1:
-        for key in ("BM", "num_warps"):
-            dk = "decode_warps" if key == "num_warps" else "decode_BM"
-            if out[dk] is not None:
+        explicit = set(cfg or {}) | set(over)
+        for key, dk in (("BM", "decode_BM"), ("num_warps", "decode_warps")):
+            if out[dk] is not None and key not in explicit:
                 out[key] = out[dk]
     return out
 
@@ -537,8 +539,11 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
             raise BackendError("mla[triton]: the W_vc prefetch is a switch of the per-v-block merge "
                                "(combine_kc false); combine_kc reads W_vc in [v, BK] column blocks")
         kc = rank // bk
-        y = scratch(dev, "mla_y", b * t * h * kc * vdim)
-        tickets = scratch(dev, "mla_tickets", b * t * h, torch.int32)
+        # sized for the widest call (ABSORB_MAX_T tokens) at the first one, so a wider call captured later into a
+        # graph does not grow them inside the capture (kernels.scratch: allocation must precede capture)
+        tmax = max(t, ABSORB_MAX_T)
+        y = scratch(dev, "mla_y", b * tmax * h * kc * vdim)
+        tickets = scratch(dev, "mla_tickets", b * tmax * h, torch.int32)
         pre = bool(cfg["combine_pre"]) and bv == vdim     # one [BK, v] register block (v narrower than BV)
         _mla_combine_kc[(h, kc, b * t)](o_part, lse, g2, wvc, out, positions, y, tickets, b, g2.stride(0),
                                         h * vdim, split, NS=ns, T=t, H=h, R=rank, V=vdim, BV=bv,
