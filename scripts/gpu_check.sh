@@ -309,21 +309,28 @@ section_ab() {           # the twentieth session's A/Bs in one call (docs/perf/r
     run_step round_argmax_all env BYTEBOUND_HEAD_ARGMAX=1 "${r[@]}" --name round-argmax-all
 }
 
-section_mlalong() {      # the thirty-third session's next MLA A/Bs (docs/perf/session33-h100-mla-merge/, section 4): the
-    # long-span attention tiling, which spills in offline ptxas with BN 64 and 4 warps (344 B of stack at BM 16, 776 B
-    # at BM 32). The MLA GPU tests with 8 warps for one-token calls; bench_mla at the engine's spans for each setting;
-    # the captured step at 32K in one process. Synthetic weights.
-    local c8='{"decode_warps": 8}' c32='{"BN": 32, "decode_warps": 8}'
+section_mlalong() {      # the thirty-third session's next MLA A/B (docs/perf/session33-h100-mla-merge/, section 4): the
+    # long-span attention of the 4-token verify (BM 32, BN 64, 4 warps) spills in an offline sm_90 compile (104 B of
+    # stack); 8 warps do not. An explicit num_warps also sets the one-token calls' warps (triton_mla.resolve_cfg). The
+    # MLA GPU tests with 8 warps; bench_mla at the engine's spans for each setting; bench_decode at 32K with the verify
+    # ops, two processes per setting in alternation. Synthetic weights.
+    local c8='{"num_warps": 8}' c32='{"BN": 32, "num_warps": 8}'
     run_step tests env BYTEBOUND_MLA_CFG="$c8" python3 -m pytest tests/gpu/test_mla_gpu.py -q -p no:cacheprovider \
         -rfE --tb=short $(pytest_timeout) -k "float64 or graph_replay"
-    local n=0 c
+    local n=0 c r
     for c in '' "$c8" "$c32"; do
         n=$((n + 1))
         run_step "bench_mla_$n" env BYTEBOUND_MLA_CFG="$c" python3 scripts/bench_mla.py --contexts 2049 32768 \
             --m 1 4 --span bucket --backends triton --out "$OUT/mlalong-$n"
     done
-    run_step step_32k python3 scripts/profile_decode.py --ctx 32768 --verify-m 0 --steps 2 --ab '' \
-        "BYTEBOUND_MLA_CFG=$c8" "BYTEBOUND_MLA_CFG=$c32" --ab-rounds 5 --out "$OUT" --name profile-decode-mlalong-ab
+    for r in 1 2; do
+        n=0
+        for c in '' "$c8"; do
+            n=$((n + 1))
+            run_step "decode_32k_${n}_$r" env BYTEBOUND_MLA_CFG="$c" python3 scripts/bench_decode.py --contexts 32768 \
+                --ttft-len 0 --moe-backends triton --heads fp8 --verify-ops --out "$OUT" --name "decode-mlalong-$n-$r"
+        done
+    done
 }
 
 # moe_key_ab KEY PARTS: an MoE config key on against off. Two copies of the committed table set KEY 1 and KEY 0 in
