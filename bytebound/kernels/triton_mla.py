@@ -21,10 +21,10 @@ strided views; dense after), so a decode/verify layer is five launches after its
    query position are masked off (no bytes move), so a static span larger than the sequence costs no reads; with
    ``skip_empty`` an empty split runs no key block and a row with no key in its split writes only its lse (-inf),
    not its partial output.
-3. ``_mla_combine_out`` (or, opt-in, ``_mla_combine_kc``: the same merge parallel over latent blocks, their
-   partial products summed by each row's last program after a ticket): merges the splits per row (log-sum-exp
-   weights; with ``skip_empty`` only the splits up to the one holding the row's position, whose partials were
-   written), applies the head gate
+3. ``_mla_combine_kc`` (the default: one program per head, latent block and token, the row's partial products
+   summed by its last program after a ticket; ``combine_kc`` false: ``_mla_combine_out``, one program per head,
+   v block and token, the same bits): merges the splits per row (log-sum-exp weights; with ``skip_empty`` only the
+   splits up to the one holding the row's position, whose partials were written), applies the head gate
    ``sigmoid(g_proj x)`` (a per-head scalar commutes with the v absorption), and multiplies by ``W_vc[h]^T``
    (float32 FMAs on the float32 latent output; BF16 weights), writing ``[B, M, H, v]`` in the layout ``dense``
    reads.
@@ -34,8 +34,10 @@ depends on the position and nothing syncs with the host: graph-capturable, and r
 eager. Rounding differs from the reference where BF16 tensor cores replace float32 einsums: the softmax
 probabilities are rounded to BF16 before the product with the latents (as FlashAttention does).
 
-Register budget (sm_90, compiled offline with Triton 3.6's ptxas): the defaults keep every kernel free of spills;
-an unrolled loop over the latent chunks of the merge, or 4 warps for a 32-row attention block, spill.
+Register budget (sm_90, compiled offline with Triton 3.6's ptxas, integer arguments specialised as a launch
+specialises them): every default kernel is free of spills except the long-span attention of a verify (BM 32, BN 64,
+4 warps: 104 B of stack; 8 warps do not spill, not yet measured: ``scripts/gpu_check.sh mlalong``); an unrolled
+loop over the latent chunks of the merge spills.
 
 Shapes: any head count; ``kv_lora_rank``, qk_nope and rope widths powers of two >= 16 (Ling: 512 / 128 / 64), v
 head dim a multiple of 16; BF16 model only. Trip counts are constexprs of the static span (key blocks per split, number
@@ -84,8 +86,8 @@ _DOT_F32 = _INTERPRET
 # decode_BM / decode_warps: the attention's BM / num_warps for a one-token call (resolve_cfg; None: BM /
 # num_warps); combine_kc: the merge as _mla_combine_kc, parallel over latent blocks with a ticket (each partial and
 # W_vc byte read once; False: _mla_combine_out); combine_pre (with combine_kc, where the v block is the whole v row,
-# combine_BV >= v) loads the program's W_vc block before its PDL wait. These four measured faster together on the
-# H100 (the MLA class 0.45 -> 0.33 ms a decode step, docs/perf/session33-h100-mla-merge/).
+# combine_BV >= v) loads the program's W_vc block before its PDL wait. These four measured faster together in the
+# captured step on the H100 (docs/perf/session33-h100-mla-merge/).
 SHORT_SPAN = 4096
 SHORT_CFG = {"BN": 32, "num_warps": 8, "min_split": 64, "target_single": None}
 DEFAULT_CFG = {"BM": 32, "BN": 64, "num_warps": 4, "num_stages": 2, "min_split": 128, "target_programs": None,
