@@ -102,7 +102,7 @@ def available(dev) -> str | None:
 
 
 if tl is not None:
-    from bytebound.kernels.pdl import enter as pdl_enter, l2_prefetch as pdl_l2_prefetch
+    from bytebound.kernels.pdl import enter as pdl_enter, gdc as pdl_gdc, l2_prefetch as pdl_l2_prefetch
 
     @triton.jit
     def _dot(a, b, F32: tl.constexpr):
@@ -236,6 +236,16 @@ if tl is not None:
         tl.store(lse_ptr + prow, lse, mask=row_ok)
 
     @triton.jit
+    def _merge_row(pos_ptr, h, SPLIT, T: tl.constexpr, H: tl.constexpr, NS: tl.constexpr, SKIP: tl.constexpr):
+        """A merge program's row: ``(bt, b, row, ns)`` for token ``bt = b * T + t`` (program axis 2) and head ``h``;
+        ``ns``: the splits to merge, NS, or with ``SKIP`` those up to the one holding the token's position (split
+        length ``SPLIT``): the splits past it have no key for the row (lse -inf, weight 0)."""
+        bt = tl.program_id(2).to(tl.int64)
+        t = bt % T
+        ns = tl.minimum(tl.load(pos_ptr + t) // SPLIT + 1, NS) if SKIP else NS
+        return bt, bt // T, t * H + h, ns
+
+    @triton.jit
     def _split_max(lse_ptr, b, row, ns, B, TH: tl.constexpr, NS: tl.constexpr, SB: tl.constexpr):
         """The largest log2-sum-exp of row ``row``'s splits ``< ns`` (0 when none has a key). The loops keep the
         constexpr bound NS (unrolled, their loads in flight together; a run-time bound ns made the merge slower in
@@ -300,12 +310,7 @@ if tl is not None:
         if PF:
             pdl_l2_prefetch(wv_ptr + h * (V * R) + vb * (BV * R), BV * R * 2, NTH)
         pdl_enter(PDL, NTH)
-        bt = tl.program_id(2).to(tl.int64)
-        b = bt // T
-        t = bt % T
-        row = t * H + h
-        # SKIP: splits past the one holding the row's position have no key for it (lse -inf, weight 0)
-        ns = tl.minimum(tl.load(pos_ptr + t) // SPLIT + 1, NS) if SKIP else NS
+        bt, b, row, ns = _merge_row(pos_ptr, h, SPLIT, T, H, NS, SKIP)
         # pass 1, log2-sum-exp of the splits (lse only): the weight of split s is 2^(lse_s - m) / den
         m_max = _split_max(lse_ptr, b, row, ns, B, T * H, NS, SB)
         den_s = _split_den(lse_ptr, b, row, ns, m_max, B, T * H, NS, SB)
@@ -324,14 +329,6 @@ if tl is not None:
 
 
     @triton.jit
-    def _fence_all(x):
-        """``fence.acq_rel.gpu`` by every thread (each holds >= 1 element of ``x``), then a CTA barrier: the
-        program's scratch stores are visible GPU-wide before it takes its ticket (``triton_kda._fence_all``)."""
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [x.to(tl.int32)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-        tl.debug_barrier()
-
-    @triton.jit
     def _mla_combine_kc(o_ptr, lse_ptr, g_ptr, wv_ptr, out_ptr, pos_ptr, y_ptr, tk_ptr, B, s_g_t, s_out_t, SPLIT,
                         NS: tl.constexpr,
                         T: tl.constexpr, H: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
@@ -341,7 +338,7 @@ if tl is not None:
         """``_mla_combine_out`` parallel over the latent columns (``cfg["combine_kc"]``). Program ``(h, latent
         block kc, b * T + t)`` merges the splits of row (t, h) over latent columns ``[kc * BK, +BK)`` only and
         multiplies them into that ``[V, BK]`` block of W_vc, writing a float32 partial ``y_kc [V]`` to ``y_ptr``;
-        the last of the row's ``R / BK`` programs (an acq_rel ticket, the pattern of ``triton_kda``) sums the
+        the last of the row's ``R / BK`` programs (an acq_rel ticket, the pattern of ``triton_kda`` and ``triton_fp8``) sums the
         partials in the order kc = 0, 1, ... and applies the gate. Each partial output and each W_vc byte is read
         by one program (``_mla_combine_out`` re-reads a row's partials for every v block) and a program's chain
         of dependent loads is one latent block long, not ``R / BK``. Every element's arithmetic is
@@ -360,11 +357,7 @@ if tl is not None:
         if PRE:
             wpre = tl.load(wv_ptr + h * (V * R) + tl.arange(0, BV)[None, :] * R + k0 + k[:, None])
         pdl_enter(PDL, NTH)
-        bt = tl.program_id(2).to(tl.int64)
-        b = bt // T
-        t = bt % T
-        row = t * H + h
-        ns = tl.minimum(tl.load(pos_ptr + t) // SPLIT + 1, NS) if SKIP else NS
+        bt, b, row, ns = _merge_row(pos_ptr, h, SPLIT, T, H, NS, SKIP)
         m_max = _split_max(lse_ptr, b, row, ns, B, T * H, NS, SB)
         acc = _split_merge(o_ptr, lse_ptr, b, row, ns, m_max, k0, B, T * H, R, NS, SB, BK)
         yb = y_ptr + ((bt * H + h) * KC + kc) * V
@@ -375,10 +368,9 @@ if tl is not None:
             else:
                 wv = tl.load(wv_ptr + h * (V * R) + v[None, :] * R + k0 + k[:, None]).to(tl.float32)  # [BK, BV]
             tl.store(yb + v, tl.zeros([BV], tl.float32) + tl.sum(acc[:, None] * wv, axis=0))
-        if FENCE:
-            _fence_all(k)
-        else:
-            tl.debug_barrier()              # Triton's interpreter (no inline asm) runs the programs one by one
+        if FENCE:       # every thread's partial stores are visible GPU-wide before the program takes its ticket
+            pdl_gdc("fence.acq_rel.gpu; mov.u32 $0, 0;", NTH)
+        tl.debug_barrier()                  # (no inline asm in Triton's interpreter, which runs programs one by one)
         ticket = tl.atomic_add(tk_ptr + bt * H + h, 1, sem="acq_rel", scope="gpu")
         if ticket == KC - 1:
             den_s = _split_den(lse_ptr, b, row, ns, m_max, B, T * H, NS, SB)
