@@ -309,23 +309,24 @@ section_ab() {           # the twentieth session's A/Bs in one call (docs/perf/r
     run_step round_argmax_all env BYTEBOUND_HEAD_ARGMAX=1 "${r[@]}" --name round-argmax-all
 }
 
-section_mlalong() {      # the thirty-third session's next MLA A/B (docs/perf/session33-h100-mla-merge/, section 4): the
-    # long-span attention of the 4-token verify (BM 32, BN 64, 4 warps) spills in an offline sm_90 compile (104 B of
-    # stack); 8 warps do not. An explicit num_warps also sets the one-token calls' warps (triton_mla.resolve_cfg). The
-    # MLA GPU tests with 8 warps; bench_mla at the engine's spans for each setting; bench_decode at 32K with the verify
-    # ops, two processes per setting in alternation. Synthetic weights.
-    local c8='{"num_warps": 8}' c32='{"BN": 32, "num_warps": 8}'
-    run_step tests env BYTEBOUND_MLA_CFG="$c8" python3 -m pytest tests/gpu/test_mla_gpu.py -q -p no:cacheprovider \
+section_mlalong() {      # the long-span attention tiling of the 4-token verify (BM 32, BN 64): 8 warps (the default
+    # since the thirty-fourth session, docs/perf/session34-h100/) against 4 (spills 104 B in an offline sm_90 compile)
+    # and BN 32 with 8 warps. An explicit num_warps also sets the one-token calls' warps (triton_mla.resolve_cfg), so
+    # the 4-warp arm is the tiling before (one-token calls ran 4 warps then too). The MLA GPU tests with 4 warps;
+    # bench_mla at the engine's spans for each setting; bench_decode at 32K with the verify ops, two processes per
+    # setting in alternation. Synthetic weights.
+    local c4='{"num_warps": 4}' c32='{"BN": 32, "num_warps": 8}'
+    run_step tests env BYTEBOUND_MLA_CFG="$c4" python3 -m pytest tests/gpu/test_mla_gpu.py -q -p no:cacheprovider \
         -rfE --tb=short $(pytest_timeout) -k "float64 or graph_replay"
     local n=0 c r
-    for c in '' "$c8" "$c32"; do
+    for c in '' "$c4" "$c32"; do
         n=$((n + 1))
         run_step "bench_mla_$n" env BYTEBOUND_MLA_CFG="$c" python3 scripts/bench_mla.py --contexts 2049 32768 \
             --m 1 4 --span bucket --backends triton --out "$OUT/mlalong-$n"
     done
     for r in 1 2; do
         n=0
-        for c in '' "$c8"; do
+        for c in '' "$c4"; do
             n=$((n + 1))
             run_step "decode_32k_${n}_$r" env BYTEBOUND_MLA_CFG="$c" python3 scripts/bench_decode.py --contexts 32768 \
                 --ttft-len 0 --moe-backends triton --heads fp8 --verify-ops --out "$OUT" --name "decode-mlalong-$n-$r"

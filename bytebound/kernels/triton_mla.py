@@ -35,9 +35,8 @@ eager. Rounding differs from the reference where BF16 tensor cores replace float
 probabilities are rounded to BF16 before the product with the latents (as FlashAttention does).
 
 Register budget (sm_90, compiled offline with Triton 3.6's ptxas, integer arguments specialised as a launch
-specialises them): every default kernel is free of spills except the long-span attention of a verify (BM 32, BN 64,
-4 warps: 104 B of stack; 8 warps do not spill, not yet measured: ``scripts/gpu_check.sh mlalong``); an unrolled
-loop over the latent chunks of the merge spills.
+specialises them): every default kernel is free of spills (the long-span attention of a verify, BM 32 and BN 64,
+spilled 104 B with 4 warps: it runs 8); an unrolled loop over the latent chunks of the merge spills.
 
 Shapes: any head count; ``kv_lora_rank``, qk_nope and rope widths powers of two >= 16 (Ling: 512 / 128 / 64), v
 head dim a multiple of 16; BF16 model only. Trip counts are constexprs of the static span (key blocks per split, number
@@ -87,10 +86,12 @@ _DOT_F32 = _INTERPRET
 # num_warps); combine_kc: the merge as _mla_combine_kc, parallel over latent blocks with a ticket (each partial and
 # W_vc byte read once; False: _mla_combine_out); combine_pre (with combine_kc, where the v block is the whole v row,
 # combine_BV >= v) loads the program's W_vc block before its PDL wait. These four measured faster together in the
-# captured step on the H100 (docs/perf/session33-h100-mla-merge/).
+# captured step on the H100 (docs/perf/session33-h100-mla-merge/). num_warps 8 (the long-span tiling, so a verify's:
+# one-token calls take decode_warps): with 4 warps ptxas spilled that tiling (BM 32, BN 64) and the 4-token verify
+# at 32K was slower in bench_mla and bench_decode on the H100 (docs/perf/session34-h100/).
 SHORT_SPAN = 4096
 SHORT_CFG = {"BN": 32, "num_warps": 8, "min_split": 64, "target_single": None}
-DEFAULT_CFG = {"BM": 32, "BN": 64, "num_warps": 4, "num_stages": 2, "min_split": 128, "target_programs": None,
+DEFAULT_CFG = {"BM": 32, "BN": 64, "num_warps": 8, "num_stages": 2, "min_split": 128, "target_programs": None,
                "target_single": "half",
                "split": None, "absorb_BC": 128, "combine_BV": 128, "combine_BK": 128, "combine_SB": 16,
                "combine_warps": 4, "pdl": True, "skip_empty": False, "prefetch": False, "combine_kc": True,
