@@ -126,31 +126,36 @@ if tl is not None:
             bt = pid.to(tl.int64)
             b = bt // T
             t = bt % T
+            # Every load of this token's role is issued here, before the norm's reduction: none depends on another
+            # (only the cache row's address and the angle need pos), and a load below the reduction's barrier would
+            # start only after the latent's round trip (one program runs this role: its chain of round trips is the
+            # launch's tail, the absorption programs beside it are done sooner).
             pos = tl.load(pos_ptr + t)
-            # kv_a RMSNorm, rounded as layers.norm.RMSNorm: dtype(w * dtype(x * rsqrt(mean(x^2) + eps)))
             r = tl.arange(0, R)
             x = tl.load(ckv_ptr + bt * s_ckv_t + r).to(tl.float32)
-            inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / R + eps)
             w = tl.load(nw_ptr + r).to(tl.float32)
-            dt = kv_ptr.dtype.element_ty
-            lat = w * (x * inv_rms).to(dt, fp_downcast_rounding="rtne").to(tl.float32)
-            dst = kv_ptr + b * s_kv_b + pos * s_kv_l
-            tl.store(dst + r, lat.to(dt, fp_downcast_rounding="rtne"))
-            # interleaved (GPT-J) RoPE: pairs (x[2i], x[2i+1]) rotate by pos * inv_freq[i]; YaRN amplitude ``att``
             i = tl.arange(0, P // 2)
-            ang = pos.to(tl.float32) * tl.load(inv_ptr + i)
-            cos = tl.cos(ang) * att
-            sin = tl.sin(ang) * att
+            inv = tl.load(inv_ptr + i)
             k1 = tl.load(ckv_ptr + bt * s_ckv_t + R + 2 * i).to(tl.float32)
             k2 = tl.load(ckv_ptr + bt * s_ckv_t + R + 2 * i + 1).to(tl.float32)
-            tl.store(dst + R + 2 * i, (k1 * cos - k2 * sin).to(dt, fp_downcast_rounding="rtne"))
-            tl.store(dst + R + 2 * i + 1, (k2 * cos + k1 * sin).to(dt, fp_downcast_rounding="rtne"))
-            # q_pe of all heads -> q_rope [B*T, H, P] (rounded to the model dtype like Rope.apply)
             h = tl.arange(0, HP)
             hm = h[:, None] < H
             qb = q_ptr + bt * s_q_t + h[:, None] * s_q_h + NOPE + 2 * i[None, :]
             q1 = tl.load(qb, mask=hm, other=0.0).to(tl.float32)
             q2 = tl.load(qb + 1, mask=hm, other=0.0).to(tl.float32)
+            # kv_a RMSNorm, rounded as layers.norm.RMSNorm: dtype(w * dtype(x * rsqrt(mean(x^2) + eps)))
+            inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / R + eps)
+            dt = kv_ptr.dtype.element_ty
+            lat = w * (x * inv_rms).to(dt, fp_downcast_rounding="rtne").to(tl.float32)
+            dst = kv_ptr + b * s_kv_b + pos * s_kv_l
+            tl.store(dst + r, lat.to(dt, fp_downcast_rounding="rtne"))
+            # interleaved (GPT-J) RoPE: pairs (x[2i], x[2i+1]) rotate by pos * inv_freq[i]; YaRN amplitude ``att``
+            ang = pos.to(tl.float32) * inv
+            cos = tl.cos(ang) * att
+            sin = tl.sin(ang) * att
+            tl.store(dst + R + 2 * i, (k1 * cos - k2 * sin).to(dt, fp_downcast_rounding="rtne"))
+            tl.store(dst + R + 2 * i + 1, (k2 * cos + k1 * sin).to(dt, fp_downcast_rounding="rtne"))
+            # q_pe of all heads -> q_rope [B*T, H, P] (rounded to the model dtype like Rope.apply)
             ob = qr_ptr + (bt * H + h[:, None]) * P + 2 * i[None, :]
             qdt = qr_ptr.dtype.element_ty
             tl.store(ob, (q1 * cos[None, :] - q2 * sin[None, :]).to(qdt, fp_downcast_rounding="rtne"), mask=hm)
