@@ -20,6 +20,16 @@ timed as CUDA-graph replays of the whole chain (median of ``--reps``, CUDA event
    are stored (acquire), computes the block, stores it, and bumps its own op's counter (release). The counters are
    zeroed by one extra node inside the same graph, just before the kernel (its time is included).
 4. ``read``: one launch that only reads all L ops' weight bytes: the no-boundary floor.
+5. ``flag`` / ``flaglate``: the ``pdl`` launches (one per op, ``launch_pdl``) with the dependency carried by a
+   counter instead of ``griddepcontrol.wait``: each program of op i spins (acquire) until op i - 1's counter holds
+   all of its row blocks, computes, and adds 1 to op i's counter (CTA barrier, then release), as ``persist``'s
+   blocks do. So op i may start its reads as soon as op i - 1's last block is stored, instead of when op i - 1's
+   grid has retired and its memory been flushed (what ``griddepcontrol.wait`` waits for). ``flag`` lets the next
+   op launch at the top of each program (several ops may then be resident and spinning), ``flaglate`` only after
+   the program's wait (one op of lookahead, as ``pdl``). Counters are zeroed by one plain node before op 0, which
+   alone waits with ``griddepcontrol.wait`` (the zeroes visible) and only then lets op 1 launch. This separates
+   the boundary's cost into the launch structure (which ``flag`` keeps) and the grid-completion wait (which it
+   drops).
 
 ``--prefetch-l2`` adds, for pdl and persist, one bulk L2 prefetch of each row block's whole weights before the
 wait (the "weights streamed independently of the dependencies" of section 3, one block deep).
@@ -64,7 +74,7 @@ from bytebound.kernels.registry import optional_triton  # noqa: E402
 
 triton, tl, _TRITON_ERR = optional_triton()
 
-EXECUTIONS = ("plain", "pdl", "persist", "read")
+EXECUTIONS = ("plain", "pdl", "persist", "read", "flag", "flaglate")
 DEFAULT_SHAPES = "2560x16384,16384x2560"
 META = 8                # int64 words per op in the persistent kernel's op table (see Chain.meta)
 WEIGHTS = "synthetic (random FP8)"
@@ -272,6 +282,33 @@ if tl is not None:
                 _block_rest(w, w_i, s_i, x_i, y_i, blk, K, BN, BK, HW)
                 tl.debug_barrier()      # release cumulativity covers the stores the barrier ordered before it
                 tl.atomic_add(cnt_ptr + i, 1, sem="release", scope="gpu")
+
+    @triton.jit
+    def _gemv_flag(w_ptr, s_ptr, x_ptr, y_ptr, cnt_ptr, err_ptr, need, op, K: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, FIRST: tl.constexpr, LATE: tl.constexpr, MAX_POLLS: tl.constexpr,
+                   HW: tl.constexpr, NT: tl.constexpr):
+        """One op of the ``flag`` / ``flaglate`` executions: program ``b`` computes rows ``b*BN .. +BN`` of ``y =
+        bf16(s * (w @ x))`` as :func:`_gemv_op` does, with its dependency on the previous op carried by counters:
+        ``cnt_ptr[0]`` counts the previous op's stored row blocks (the program spins until it reaches ``need``,
+        :func:`_wait_count`), ``cnt_ptr[1]`` this op's (a CTA barrier, then one release add per program).
+
+        ``FIRST`` (op 0): no counter to wait for; ``griddepcontrol.wait`` instead, so the counters' reset by the
+        plain node before it is complete and visible before op 1 may launch. ``LATE``: ``launch_dependents`` after
+        the wait (one op of lookahead) instead of at the top. ``HW``: compiled for a GPU (on CPU neither
+        ``griddepcontrol`` instruction is issued: the interpreter has no PTX, and runs the launches in order)."""
+        blk = tl.program_id(0)
+        if HW and FIRST:
+            _gdc("griddepcontrol.wait; mov.u32 $0, 0;", NT)
+        if HW and not LATE:
+            _gdc("griddepcontrol.launch_dependents; mov.u32 $0, 0;", NT)
+        w = _first_tile(w_ptr, blk, K, BN, BK)
+        if not FIRST:
+            _wait_count(cnt_ptr, need, blk * 0, err_ptr, op, MAX_POLLS)
+        if HW and LATE:
+            _gdc("griddepcontrol.launch_dependents; mov.u32 $0, 0;", NT)
+        _block_rest(w, w_ptr, s_ptr, x_ptr, y_ptr, blk, K, BN, BK, HW)
+        tl.debug_barrier()          # release cumulativity covers the stores the barrier ordered before it
+        tl.atomic_add(cnt_ptr + 1, 1, sem="release", scope="gpu")
 
     @triton.jit
     def _read_all(words_ptr, out_ptr, n, STEP: tl.constexpr, STEPS: tl.constexpr):
@@ -534,6 +571,46 @@ def persist_check(chain: Chain, st: Persist) -> None:
         raise RuntimeError(f"persist: counters {got} after the run, expected the row blocks per op {want}")
 
 
+def flag_setup(chain: Chain) -> Persist:
+    """Counters int32 ``[L + 1]`` (``cnt[i + 1]``: op i's stored row blocks; ``cnt[0]`` unused) and error words
+    for the ``flag`` executions; the grid field is unused (one launch per op)."""
+    dev = chain.w.device
+    return Persist(torch.zeros(len(chain.ops) + 1, dtype=torch.int32, device=dev),
+                   torch.zeros(2, dtype=torch.int32, device=dev), 0, False)
+
+
+def run_flag(chain: Chain, cfg: Config, st: Persist, late: bool) -> None:
+    """Zero the counters (a plain node), then launch the L op kernels with ``launch_pdl`` (:func:`_gemv_flag`).
+
+    No deadlock: a kernel launched early spins only on its predecessor, and it can launch only once every program
+    of its predecessor has started (issued ``launch_dependents``), so every op it waits for is entirely resident
+    or done; op 0 waits for nothing."""
+    hw = chain.w.device.type == "cuda"
+    extra = {"launch_pdl": True} if hw else {}
+    st.cnt.zero_()
+    for i, (k, n) in enumerate(chain.ops):
+        need = chain.ops[i - 1][1] // cfg.bn if i else 0
+        _gemv_flag[(n // cfg.bn,)](chain.weight(i), chain.scale(i), chain.x(i), chain.y(i), st.cnt[i:], st.err,
+                                   need, i, K=k, BN=cfg.bn, BK=cfg.bk, FIRST=i == 0, LATE=late,
+                                   MAX_POLLS=cfg.max_polls, HW=hw, NT=32 * cfg.num_warps, num_warps=cfg.num_warps,
+                                   num_stages=1, **extra)
+
+
+def flag_check(chain: Chain, st: Persist) -> None:
+    """After a ``flag`` run: no wait timed out and op i's counter equals its row blocks.
+
+    Raises:
+        RuntimeError: a spin wait timed out or a counter is off."""
+    err = st.err.tolist()
+    if err[0]:
+        raise RuntimeError(f"flag: {err[0]} spin wait(s) timed out after the poll limit (last at op {err[1]}); "
+                           "the outputs of this run are garbage")
+    want = [n // chain.bn for _, n in chain.ops]
+    got = st.cnt.tolist()[1:]
+    if got != want:
+        raise RuntimeError(f"flag: counters {got} after the run, expected the row blocks per op {want}")
+
+
 def read_steps(chain: Chain, cfg: Config) -> int:
     """Chunks per ``read`` program: ``--read-steps``, else the plain launches' mean (total BN x BK tiles over
     total programs), so a read program reads what a typical GEMV program reads."""
@@ -608,6 +685,20 @@ def _execution(name: str, chain: Chain, cfg: Config, rec: dict):
             rec["notes"].append("cpu: no griddepcontrol/launch_pdl (the interpreter has no PTX): the same kernel "
                                 "maths as plain")
         return (lambda: run_plain(chain, cfg, pdl)), None
+    if name in ("flag", "flaglate"):
+        if dev.type == "cuda":
+            from bytebound.kernels.pdl import capable
+            if not capable(dev):
+                rec["skipped"] = "PDL needs compute capability >= 9.0"
+                return None, None
+        else:
+            rec["notes"].append("cpu: no griddepcontrol (the interpreter has no PTX; it runs the launches in "
+                                "order, so no wait blocks): checks the counters' bookkeeping and the maths")
+        st = flag_setup(chain)
+        rec["notes"].append("counters zeroed by one extra node (cnt.zero_()) in the same graph, before op 0; "
+                            "its time is included")
+        late = name == "flaglate"
+        return (lambda: run_flag(chain, cfg, st, late)), st
     if name == "persist":
         if dev.type != "cuda":
             rec["skipped"] = PERSIST_CPU_SKIP
@@ -639,8 +730,9 @@ def _measure(name: str, chain: Chain, fn, state, rec: dict, ref: list[torch.Tens
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     ys = None
-    if name == "persist":
-        persist_check(chain, state)
+    check = {"persist": persist_check, "flag": flag_check, "flaglate": flag_check}.get(name)
+    if check:
+        check(chain, state)
     if name == "read":
         rec["ok"] = xor_all(state) == xor_all(chain.w.view(torch.int32))
         if not rec["ok"]:
@@ -657,12 +749,12 @@ def _measure(name: str, chain: Chain, fn, state, rec: dict, ref: list[torch.Tens
         log(f"persist: capturing the cooperative launch failed ({exc}); retrying without the attribute")
         state.cooperative = rec["cooperative"] = False
         rec["time_s"], rec["timing"] = time_execution(fn, dev, reps)
-    if name == "persist":
-        persist_check(chain, state)
+    if check:
+        check(chain, state)
     if dev.type == "cuda" and ys is not None:
         rec["replay_equals_eager"] = _replay_check(chain, fn, dev, ys)
-        if name == "persist":
-            persist_check(chain, state)
+        if check:
+            check(chain, state)
         rec["ok"] = rec["ok"] and rec["replay_equals_eager"]
     return ys
 
@@ -690,7 +782,7 @@ def run_all(chain: Chain, cfg: Config, only: list[str], reps: int, log=print) ->
         try:
             ys = _measure(name, chain, fn, state, rec, ref, reps, log)
         except RuntimeError as exc:
-            if name != "persist":
+            if name not in ("persist", "flag", "flaglate"):
                 raise
             rec["error"], rec["ok"] = str(exc), False
             log(str(exc))
@@ -700,8 +792,11 @@ def run_all(chain: Chain, cfg: Config, only: list[str], reps: int, log=print) ->
     if "plain" in outs and "pdl" in outs:
         res["pdl"]["bit_equal_plain"] = all(torch.equal(a, b) for a, b in zip(outs["plain"], outs["pdl"]))
         res["pdl"]["ok"] = res["pdl"]["ok"] and res["pdl"]["bit_equal_plain"]
-    if "plain" in outs and "persist" in outs:
-        res["persist"]["bit_equal_plain"] = all(torch.equal(a, b) for a, b in zip(outs["plain"], outs["persist"]))
+    for name in ("persist", "flag", "flaglate"):
+        if "plain" in outs and name in outs:
+            res[name]["bit_equal_plain"] = all(torch.equal(a, b) for a, b in zip(outs["plain"], outs[name]))
+            if name != "persist":       # the same per-block function over the same inputs: must be bit-equal
+                res[name]["ok"] = res[name]["ok"] and res[name]["bit_equal_plain"]
     return res
 
 
@@ -824,6 +919,31 @@ def compile_ptx(arch: int = 90, cfg: Config | None = None, L: int = 4) -> dict:
             assert bars and (not stores or bars[-1] > stores[-1]), \
                 "persist: no CTA barrier between the y stores and the release"
         out["persist" + ("+pf" if pf else "")] = ptxas_util.resource_usage(k)
+    for first, late in ((False, False), (False, True), (True, False)):
+        k = ptxas_util.compile_kernel(
+            _gemv_flag, dict(K=2560, BN=cfg.bn, BK=cfg.bk, FIRST=first, LATE=late, MAX_POLLS=cfg.max_polls, HW=True,
+                             NT=nt),
+            dict(w_ptr="*fp8e4nv", s_ptr="*fp32", x_ptr="*bf16", y_ptr="*bf16", cnt_ptr="*i32", err_ptr="*i32",
+                 need="i32", op="i32"), arch, opts)
+        ptx = k.asm["ptx"]
+        lines = ptx.splitlines()
+        launch = _lines(ptx, "griddepcontrol.launch_dependents")
+        waits = _lines(ptx, "griddepcontrol.wait")
+        rel = [n for n in _lines(ptx, ".release") if "atom.global" in lines[n] or "red.global" in lines[n]]
+        assert launch and rel and all(".gpu" in lines[n] for n in rel), "flag: no trigger or no GPU-scope release"
+        bars = [m for m in _lines(ptx, "bar.sync") if m < rel[-1]]
+        stores = [m for m in _lines(ptx, "st.global") if m < rel[-1]]
+        assert bars and stores and bars[-1] > stores[-1], "flag: no CTA barrier between the y stores and the release"
+        xs = _lines(ptx, "ld.global.cg")
+        if first:
+            assert waits and waits[0] < launch[0] and waits[0] < xs[0], "flag: op 0 must wait before trigger and x"
+        else:
+            acq = [n for n in _lines(ptx, ".acquire") if "ld.global" in lines[n] or "atom.global" in lines[n]]
+            assert not waits, "flag: griddepcontrol.wait in an op that waits on its counter"
+            assert acq and all(".gpu" in lines[n] for n in acq), "flag: no GPU-scope acquire spin"
+            assert _lines(ptx, "ld.global.v4")[0] < acq[0] < xs[0], "flag: first tile, spin, x: out of order"
+            assert (launch[0] > acq[0]) == late, "flag: the trigger is not where LATE puts it"
+        out["flag" + ("late" if late else "") + ("-first" if first else "")] = ptxas_util.resource_usage(k)
     k = ptxas_util.compile_kernel(_read_all, dict(STEP=cfg.bn * cfg.bk // 4, STEPS=8),
                                   dict(words_ptr="*i32", out_ptr="*i32", n="i32"), arch, opts,
                                   aligned=lambda name, ty: ty.startswith("*") or name == "n")
@@ -844,7 +964,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--only", default=",".join(EXECUTIONS), help="comma list of " + ",".join(EXECUTIONS))
     ap.add_argument("--max-polls", type=int, default=2 ** 24,
-                    help="persist: polls per spin wait before it reports a timeout (each poll ~1 us: 2^24 is "
+                    help="persist, flag, flaglate: polls per spin wait before it reports a timeout (each poll ~1 us: 2^24 is "
                     "seconds, a legitimate wait is one op)")
     ap.add_argument("--read-steps", type=int, default=0, help="read: BNxBK tiles per program (0: plain's mean)")
     ap.add_argument("--prefetch-l2", action="store_true", help="pdl, persist: also a bulk L2 prefetch of each row "

@@ -1,6 +1,6 @@
 """scripts/bench_chain.py on CPU: the smoke path in Triton's interpreter (plain, pdl and read against the float64
 reference), the shape errors, the checks' power to fail, the persistent kernel's bookkeeping with a one-program
-grid (and its timeout report), and the sm_90 compile with the PTX orderings its protocols rely on."""
+grid (and its timeout report), the counter-carried ``flag`` launches' bookkeeping, and the sm_90 compile with the PTX orderings its protocols rely on."""
 
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ def test_cpu_smoke_matches_float64(bc, tmp_path):
         assert r["ok"] and r["chain_err_max_over_bound"] <= 1.0 and r["local_err_max_over_bound"] <= 1.0, (name, r)
         assert r["local_err_max"] == 0.0        # K <= 128: float32 sums round to the float64 result's bf16
     assert res["pdl"]["bit_equal_plain"] is True
+    for name in ("flag", "flaglate"):          # the counter-carried dependency: the same bits as plain
+        assert res[name]["ok"] and res[name]["bit_equal_plain"] is True, (name, res[name])
     assert res["read"]["ok"] and res["read"]["grid"] > 0
     assert "interpreter" in res["persist"]["skipped"]
     assert any(ln.startswith("persist") and "skipped" in ln for ln in lines)
@@ -121,6 +123,29 @@ def test_persist_bookkeeping_in_the_interpreter(bc, small):
     assert st.cnt.tolist() == [8, 4, 8, 4]
 
 
+def test_flag_bookkeeping_and_timeout(bc, small):
+    """``flag``: every op's counter ends at its row blocks and the outputs equal plain's; an op launched while its
+    predecessor's counter is short (op 1 alone after a reset) times out and flag_check names it."""
+    _interpreted()
+    chain, cfg, _ = small
+    chain.poison()
+    bc.run_plain(chain, cfg, False)
+    plain = chain.outputs()
+    st = bc.flag_setup(chain)
+    chain.poison()
+    bc.run_flag(chain, cfg, st, late=False)
+    bc.flag_check(chain, st)
+    assert st.cnt.tolist() == [0, 8, 4, 8, 4]
+    assert all(torch.equal(a, b) for a, b in zip(chain.outputs(), plain))
+    st.cnt.zero_()
+    k, n = chain.ops[1]
+    bc._gemv_flag[(n // cfg.bn,)](chain.weight(1), chain.scale(1), chain.x(1), chain.y(1), st.cnt[1:], st.err,
+                                  chain.ops[0][1] // cfg.bn, 1, K=k, BN=cfg.bn, BK=cfg.bk, FIRST=False, LATE=False,
+                                  MAX_POLLS=cfg.max_polls, HW=False, NT=32 * cfg.num_warps)
+    with pytest.raises(RuntimeError, match=r"flag: 4 spin wait\(s\) timed out .*last at op 1"):
+        bc.flag_check(chain, st)
+
+
 def test_kernels_compile_for_sm90_with_the_protocol_orderings():
     """``--ptx``: every kernel compiles for sm_90 (ptxas accepts it) and the PTX has pdl's launch_dependents /
     first tile / wait order and persist's tile-before-spin, acquire-before-x and barrier-before-release. Runs in a
@@ -131,3 +156,4 @@ def test_kernels_compile_for_sm90_with_the_protocol_orderings():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "PTX orderings: ok" in r.stdout
     assert "persist    sm_90: REG:" in r.stdout
+    assert "flaglate   sm_90: REG:" in r.stdout
