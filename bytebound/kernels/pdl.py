@@ -9,7 +9,8 @@ load or store, so the kernel is safe whatever it follows (the caching allocator 
 previous kernel still reads: nothing is touched before the wait) and lets the next kernel launch early. The
 FP8 GEMVs (``triton_fp8``) additionally prefetch their weights between the two; the MoE kernels keep their own
 protocol (``triton_moe_split``). Users of :func:`enter`: the RMSNorm / add+RMSNorm kernel (``triton_norm``) and the
-three MLA decode/verify kernels (``triton_mla``). The fused KDA kernel (``triton_kda``) issues the same two
+three MLA decode/verify kernels (``triton_mla``). :func:`ticket` is the fence + barrier + acq_rel add with which a
+split's last program is found (the Triton kernels' split-K tickets). The fused KDA kernel (``triton_kda``) issues the same two
 instructions itself, with :func:`l2_prefetch` of its weights and state between them when :func:`early` names it;
 the router GEMV (``triton_router.gemv_route``) is a PDL dependent (wait, prefetch before it) only when
 :func:`early` names it (``BYTEBOUND_PDL_PREFETCH``, default off for both).
@@ -77,6 +78,19 @@ if tl is not None:
         if PDL:
             gdc("griddepcontrol.launch_dependents; mov.u32 $0, 0;", NT)
             gdc("griddepcontrol.wait; mov.u32 $0, 0;", NT)
+
+    @triton.jit
+    def ticket(cnt_ptr, FENCE: tl.constexpr, NT: tl.constexpr):
+        """Take a split's ticket: every thread's earlier global stores are made visible GPU-wide (``fence.acq_rel.gpu``
+        by every thread, with ``FENCE``; False only under Triton's interpreter, which has no PTX and runs the programs
+        one after another), a CTA barrier (every thread's fence before the atomic), then one ``acq_rel`` add of 1 at
+        ``cnt_ptr`` (int32, GPU scope). Returns the count before the add: the program that reads (programs - 1) is
+        the last of its group and sees every other program's stores (the split-K pattern of ``triton_moe_split``).
+        ``NT``: at least 32 * num_warps (every thread holds one of its elements)."""
+        if FENCE:
+            gdc("fence.acq_rel.gpu; mov.u32 $0, 0;", NT)
+        tl.debug_barrier()
+        return tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
 
     # $1 a 16-byte aligned global address, $2 a byte count (a multiple of 16; 0: nothing). Thread 0 of the CTA
     # issues it: one bulk request per program, not one per thread that holds a replica of the pointer.
