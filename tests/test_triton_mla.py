@@ -269,6 +269,26 @@ def test_skipping_empty_splits_keeps_the_bits(mla, monkeypatch, t, pos, kv_len):
 
 
 @needs_triton
+@pytest.mark.parametrize("heads,t,pos", [(4, 1, 40), (3, 4, 62)])
+@torch.no_grad()
+def test_rope_split_keeps_the_bits(mla, monkeypatch, heads, t, pos):
+    """``rope_split`` (opt-in): the q_pe rope in programs of its own (one per head, all tokens) instead of the token
+    programs gives the same bits: output and cache, for one token and a verify of four, with a head count that is
+    not a power of two (the token program's head tile is masked). ``torch.empty`` buffers start as NaN, so a q_rope
+    row no program wrote shows."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    layer = make_layer(heads, 64, 128, seed=5)
+    kv = filled_cache(layer, pos, 128)
+    q, ckv, gate = inputs(layer, t, seed=pos)
+    positions = torch.arange(pos, pos + t, device=DEV)
+    kv_on, kv_off = kv.clone(), kv.clone()
+    off = run(mla, layer, q, ckv, gate, positions, kv_off, 128, {**SMALL, "rope_split": False})
+    on = run(mla, layer, q, ckv, gate, positions, kv_on, 128, {**SMALL, "rope_split": True})
+    assert torch.isfinite(on).all() and torch.equal(on, off) and torch.equal(kv_on, kv_off)
+
+
+@needs_triton
 @pytest.mark.parametrize("heads,vdim", [(4, 128), (3, 48)])
 @pytest.mark.parametrize("t,pos,kv_len,skip", [(1, 40, 128, False), (4, 62, 128, True), (2, 94, 96, False)])
 @torch.no_grad()
@@ -477,6 +497,8 @@ def test_kernels_compile_for_sm90(t):
          dict(o_ptr="*fp32", lse_ptr="*fp32", g_ptr="*bf16", wv_ptr="*bf16", out_ptr="*bf16", pos_ptr="*i64",
               B="i32", s_g_t="i32", s_out_t="i32", SPLIT="i32")),
     ]
+    # the opt-in rope_split prep (the q_pe rope in programs of its own)
+    kernels.append((M._mla_prep, dict(kernels[0][1], QSPLIT=True), kernels[0][2], kernels[0][3]))
     # the opt-in skip_empty path too (the attention and the merge with SKIP on)
     kernels += [(fn, dict(consts, SKIP=True), warps, sig) for fn, consts, warps, sig in kernels[1:3]]
     # the opt-in W_vc prefetch of the merge (its L2 bulk prefetch between the PDL trigger and wait)

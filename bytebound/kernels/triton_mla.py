@@ -89,13 +89,15 @@ _DOT_F32 = _INTERPRET
 # captured step on the H100 (docs/perf/session33-h100-mla-merge/). num_warps 8 (the long-span tiling, so a verify's:
 # one-token calls take decode_warps): with 4 warps ptxas spilled that tiling (BM 32, BN 64) and the 4-token verify
 # at 32K was slower in bench_mla and bench_decode on the H100 (docs/perf/session34-h100/).
+# rope_split (opt-in): the prep's q_pe rope in H programs of its own instead of the token program (_mla_prep QSPLIT;
+# the same bits).
 SHORT_SPAN = 4096
 SHORT_CFG = {"BN": 32, "num_warps": 8, "min_split": 64, "target_single": None}
 DEFAULT_CFG = {"BM": 32, "BN": 64, "num_warps": 8, "num_stages": 2, "min_split": 128, "target_programs": None,
                "target_single": "half",
                "split": None, "absorb_BC": 128, "combine_BV": 128, "combine_BK": 128, "combine_SB": 16,
                "combine_warps": 4, "pdl": True, "skip_empty": False, "prefetch": False, "combine_kc": True,
-               "combine_pre": True, "decode_BM": 16, "decode_warps": 4}
+               "combine_pre": True, "decode_BM": 16, "decode_warps": 4, "rope_split": False}
 
 
 def available(dev) -> str | None:
@@ -103,7 +105,7 @@ def available(dev) -> str | None:
 
 
 if tl is not None:
-    from bytebound.kernels.pdl import enter as pdl_enter, gdc as pdl_gdc, l2_prefetch as pdl_l2_prefetch
+    from bytebound.kernels.pdl import enter as pdl_enter, l2_prefetch as pdl_l2_prefetch, ticket as pdl_ticket
 
     @triton.jit
     def _dot(a, b, F32: tl.constexpr):
@@ -116,12 +118,17 @@ if tl is not None:
                   s_ckv_t, s_q_t, s_q_h, s_kv_b, s_kv_l, BT,
                   T: tl.constexpr, H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, NOPE: tl.constexpr,
                   HP: tl.constexpr, TP: tl.constexpr, BRC: tl.constexpr, DOT_F32: tl.constexpr,
-                  PDL: tl.constexpr = False, NTH: tl.constexpr = 128):
+                  PDL: tl.constexpr = False, NTH: tl.constexpr = 128, QSPLIT: tl.constexpr = False):
         """Two roles in one launch. Programs ``0 .. BT-1``, one per new token ``(b, t)``: kv_a norm + rope + cache
-        write, and rope of the H q_pe heads. Programs ``BT + h * (R / BRC) + c``: q absorption of head h, latent
-        columns ``[c * BRC, +BRC)``, for all BT tokens (W_kc read once)."""
+        write, and rope of the H q_pe heads. Programs ``BT + QN + h * (R / BRC) + c``: q absorption of head h,
+        latent columns ``[c * BRC, +BRC)``, for all BT tokens (W_kc read once).
+
+        ``QSPLIT`` (``cfg["rope_split"]``): the q_pe rope leaves the token programs for ``QN = H`` programs of their
+        own, ``BT + h`` roping head h's q_pe of all BT tokens, so that the token program (the launch's tail in ncu)
+        runs a shorter chain. The same operations on the same values: the same bits."""
         pdl_enter(PDL, NTH)
         pid = tl.program_id(0)
+        QN: tl.constexpr = H if QSPLIT else 0
         if pid < BT:
             bt = pid.to(tl.int64)
             b = bt // T
@@ -138,11 +145,12 @@ if tl is not None:
             inv = tl.load(inv_ptr + i)
             k1 = tl.load(ckv_ptr + bt * s_ckv_t + R + 2 * i).to(tl.float32)
             k2 = tl.load(ckv_ptr + bt * s_ckv_t + R + 2 * i + 1).to(tl.float32)
-            h = tl.arange(0, HP)
-            hm = h[:, None] < H
-            qb = q_ptr + bt * s_q_t + h[:, None] * s_q_h + NOPE + 2 * i[None, :]
-            q1 = tl.load(qb, mask=hm, other=0.0).to(tl.float32)
-            q2 = tl.load(qb + 1, mask=hm, other=0.0).to(tl.float32)
+            if not QSPLIT:
+                h = tl.arange(0, HP)
+                hm = h[:, None] < H
+                qb = q_ptr + bt * s_q_t + h[:, None] * s_q_h + NOPE + 2 * i[None, :]
+                q1 = tl.load(qb, mask=hm, other=0.0).to(tl.float32)
+                q2 = tl.load(qb + 1, mask=hm, other=0.0).to(tl.float32)
             # kv_a RMSNorm, rounded as layers.norm.RMSNorm: dtype(w * dtype(x * rsqrt(mean(x^2) + eps)))
             inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / R + eps)
             dt = kv_ptr.dtype.element_ty
@@ -155,16 +163,35 @@ if tl is not None:
             sin = tl.sin(ang) * att
             tl.store(dst + R + 2 * i, (k1 * cos - k2 * sin).to(dt, fp_downcast_rounding="rtne"))
             tl.store(dst + R + 2 * i + 1, (k2 * cos + k1 * sin).to(dt, fp_downcast_rounding="rtne"))
-            # q_pe of all heads -> q_rope [B*T, H, P] (rounded to the model dtype like Rope.apply)
-            ob = qr_ptr + (bt * H + h[:, None]) * P + 2 * i[None, :]
+            if not QSPLIT:
+                # q_pe of all heads -> q_rope [B*T, H, P] (rounded to the model dtype like Rope.apply)
+                ob = qr_ptr + (bt * H + h[:, None]) * P + 2 * i[None, :]
+                qdt = qr_ptr.dtype.element_ty
+                tl.store(ob, (q1 * cos[None, :] - q2 * sin[None, :]).to(qdt, fp_downcast_rounding="rtne"), mask=hm)
+                tl.store(ob + 1, (q2 * cos[None, :] + q1 * sin[None, :]).to(qdt, fp_downcast_rounding="rtne"),
+                         mask=hm)
+        elif pid < BT + QN:
+            # QSPLIT: head hh's q_pe of every new token -> q_rope, as the token programs do it without QSPLIT
+            hh = pid - BT
+            rr = tl.arange(0, TP)
+            rm = rr < BT
+            pos = tl.load(pos_ptr + rr % T, mask=rm, other=0)
+            i = tl.arange(0, P // 2)
+            inv = tl.load(inv_ptr + i)
+            qb = q_ptr + rr[:, None].to(tl.int64) * s_q_t + hh * s_q_h + NOPE + 2 * i[None, :]
+            q1 = tl.load(qb, mask=rm[:, None], other=0.0).to(tl.float32)
+            q2 = tl.load(qb + 1, mask=rm[:, None], other=0.0).to(tl.float32)
+            ang = pos.to(tl.float32)[:, None] * inv[None, :]
+            cos = tl.cos(ang) * att
+            sin = tl.sin(ang) * att
+            ob = qr_ptr + (rr[:, None].to(tl.int64) * H + hh) * P + 2 * i[None, :]
             qdt = qr_ptr.dtype.element_ty
-            tl.store(ob, (q1 * cos[None, :] - q2 * sin[None, :]).to(qdt, fp_downcast_rounding="rtne"), mask=hm)
-            tl.store(ob + 1, (q2 * cos[None, :] + q1 * sin[None, :]).to(qdt, fp_downcast_rounding="rtne"),
-                     mask=hm)
+            tl.store(ob, (q1 * cos - q2 * sin).to(qdt, fp_downcast_rounding="rtne"), mask=rm[:, None])
+            tl.store(ob + 1, (q2 * cos + q1 * sin).to(qdt, fp_downcast_rounding="rtne"), mask=rm[:, None])
         else:
             # q_lat[h, bt, cols] = q_nope[bt, h, :] @ W_kc[h][:, cols]: BF16 in, float32 accumulate, BF16 out (the
             # reference's q_lat is a BF16 einsum too)
-            j = pid - BT
+            j = pid - BT - QN
             hh = j // (R // BRC)
             c0 = (j % (R // BRC)) * BRC
             rr = tl.arange(0, TP)
@@ -374,10 +401,9 @@ if tl is not None:
             else:
                 wv = tl.load(wv_ptr + h * (V * R) + v[None, :] * R + k0 + k[:, None]).to(tl.float32)  # [BK, BV]
             tl.store(yb + v, tl.zeros([BV], tl.float32) + tl.sum(acc[:, None] * wv, axis=0))
-        if FENCE:       # every thread's partial stores are visible GPU-wide before the program takes its ticket
-            pdl_gdc("fence.acq_rel.gpu; mov.u32 $0, 0;", NTH)
-        tl.debug_barrier()                  # (no inline asm in Triton's interpreter, which runs programs one by one)
-        ticket = tl.atomic_add(tk_ptr + bt * H + h, 1, sem="acq_rel", scope="gpu")
+        # every thread's partial stores are visible GPU-wide before the program takes its ticket (FENCE false only
+        # in Triton's interpreter, which has no inline asm and runs the programs one by one)
+        ticket = pdl_ticket(tk_ptr + bt * H + h, FENCE, NTH)
         if ticket == KC - 1:
             den_s = _split_den(lse_ptr, b, row, ns, m_max, B, T * H, NS, SB)
             gate = tl.sigmoid(tl.load(g_ptr + bt * s_g_t + h).to(tl.float32))
@@ -516,11 +542,13 @@ def mla_decode(q: torch.Tensor, ckv: torch.Tensor, g: torch.Tensor, positions: t
     q_rope = torch.empty(b * t, h, pdim, dtype=q.dtype, device=dev)
     q_lat = torch.empty(h, b * t, rank, dtype=q.dtype, device=dev)
     brc = min(cfg["absorb_BC"], rank)
-    _mla_prep[(b * t + h * (rank // brc),)](
+    qsplit = bool(cfg["rope_split"])
+    _mla_prep[(b * t + (h if qsplit else 0) + h * (rank // brc),)](
         ckv2, q2, q_rope, q_lat, wkc, kv, positions, norm_w, inv_freq, float(eps), float(att),
         ckv2.stride(0), q2.stride(0), q2.stride(1), kv.stride(0), kv.stride(1), b * t,
         T=t, H=h, R=rank, P=pdim, NOPE=nope, HP=triton.next_power_of_2(h),
-        TP=max(16, triton.next_power_of_2(b * t)), BRC=brc, DOT_F32=_DOT_F32, PDL=pdl, NTH=128, num_warps=4, **pk)
+        TP=max(16, triton.next_power_of_2(b * t)), BRC=brc, DOT_F32=_DOT_F32, PDL=pdl, NTH=128, QSPLIT=qsplit,
+        num_warps=4, **pk)
     rows = t * h
     bm, split, ns = split_plan(span, rows, b, cfg, dev)
     skip = bool(cfg["skip_empty"])
