@@ -80,17 +80,21 @@ if tl is not None:
             gdc("griddepcontrol.wait; mov.u32 $0, 0;", NT)
 
     @triton.jit
-    def ticket(cnt_ptr, FENCE: tl.constexpr, NT: tl.constexpr):
+    def ticket(cnt_ptr, FENCE: tl.constexpr, NT: tl.constexpr, idx=0):
         """Take a split's ticket: every thread's earlier global stores are made visible GPU-wide (``fence.acq_rel.gpu``
         by every thread, with ``FENCE``; False only under Triton's interpreter, which has no PTX and runs the programs
         one after another), a CTA barrier (every thread's fence before the atomic), then one ``acq_rel`` add of 1 at
-        ``cnt_ptr`` (int32, GPU scope). Returns the count before the add: the program that reads (programs - 1) is
-        the last of its group and sees every other program's stores (the split-K pattern of ``triton_moe_split``).
-        ``NT``: at least 32 * num_warps (every thread holds one of its elements)."""
+        ``cnt_ptr + idx`` (int32, GPU scope). Returns the count before the add: the program that reads (programs - 1)
+        is the last of its group and sees every other program's stores (the split-K pattern of ``triton_moe_split``).
+        ``idx`` (a program's counter in an array of them) is added here, after the barrier, as the kernels' own
+        copies of this sequence did: ``cnt_ptr + pid`` passed in is computed before the fence, and ptxas then
+        allocated 56 registers instead of 48 for one sm_90 specialisation of ``triton_fp8._fp8_gemv``.
+        ``NT``: 32 * num_warps gives every thread one element; a tensor smaller than the CTA is replicated (every
+        thread still holds one), a larger one gives threads several (each issues the fence once per element)."""
         if FENCE:
             gdc("fence.acq_rel.gpu; mov.u32 $0, 0;", NT)
         tl.debug_barrier()
-        return tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        return tl.atomic_add(cnt_ptr + idx, 1, sem="acq_rel", scope="gpu")
 
     # $1 a 16-byte aligned global address, $2 a byte count (a multiple of 16; 0: nothing). Thread 0 of the CTA
     # issues it: one bulk request per program, not one per thread that holds a replica of the pointer.

@@ -78,6 +78,7 @@ def available(dev) -> str | None:
 
 if tl is not None:
     from bytebound.kernels.pdl import gdc as _gdc     # griddepcontrol / fence, every thread
+    from bytebound.kernels.pdl import ticket as _ticket     # a split's ticket: fence, barrier, acq_rel add
     from bytebound.kernels.triton_router import _key as _router_key     # float order as int64 keys
 
     # $1 a 16-byte aligned global address, $2 a byte count (a multiple of 16; 0: nothing); also used by the Gluon
@@ -215,10 +216,8 @@ if tl is not None:
         else:
             base = part_ptr + pid.to(tl.int64) * (SPLIT * 4 * BN)
             tl.store(base + pk * (4 * BN) + mr[:, None] * BN + lr[None, :], out, mask=mr[:, None] < M)
-            if HW:      # every thread's partial stores are visible before the program takes its ticket
-                _gdc("fence.acq_rel.gpu; mov.u32 $0, 0;", NT)
-            tl.debug_barrier()
-            ticket = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            # every thread's partial stores are visible before the program takes its ticket (the fence with HW)
+            ticket = _ticket(cnt_ptr, HW, NT, pid)
             if ticket == SPLIT - 1:
                 tot = tl.zeros([4, BN], tl.float32)
                 for q in tl.static_range(SPLIT):        # fixed order: bit-identical on every run and replay
@@ -314,11 +313,9 @@ if tl is not None:
         key = _argmax_key(out, rows[:, None] + tl.zeros([BN, 16], tl.int32), N)
         key = tl.where(rmask[:, None], key, -0x7FFFFFFFFFFFFFFF - 1)      # rows past N never win
         tl.store(part_ptr + mm * P + pid, tl.max(key, axis=0), mask=mm < M)
-        if FENCE:   # (False only under TRITON_INTERPRET)
-            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [tl.arange(0, 128)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        # FENCE: False only under TRITON_INTERPRET. 128 elements: one per thread at HEAD_CONFIG's 4 warps (a wider
+        # launch replicates them, so every thread still fences)
+        ticket = _ticket(cnt_ptr, FENCE, 128)
         if ticket == P - 1:
             r = tl.arange(0, MP)
             best = tl.full([MP], -0x7FFFFFFFFFFFFFFF - 1, tl.int64)

@@ -82,7 +82,7 @@ triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machine
 
 
 if tl is not None:
-    from bytebound.kernels.pdl import gdc as pdl_gdc, l2_prefetch as pdl_l2_prefetch
+    from bytebound.kernels.pdl import gdc as pdl_gdc, l2_prefetch as pdl_l2_prefetch, ticket as pdl_ticket
 
     @triton.jit
     def _store_window(ptr, ch, w0, w1, w2, mask):
@@ -97,14 +97,6 @@ if tl is not None:
         """One causal depthwise-conv output (kernel 4) + SiLU: window (w0 oldest .. w2 newest) and input x."""
         y = c0 * w0 + c1 * w1 + c2 * w2 + c3 * x
         return y * tl.sigmoid(y)
-
-    @triton.jit
-    def _fence_all(x):
-        """``fence.acq_rel.gpu`` issued by every thread (each holds >= 1 element of ``x``), then a CTA barrier: the
-        thread's scratch stores are visible GPU-wide before the CTA takes its ticket."""
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [x.to(tl.int32)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-        tl.debug_barrier()
 
     # M (tokens), HIST (per-token history stores) and SCR (scratch floats per program) are run-time arguments,
     # not specialised (Triton would otherwise fold M = 1 into a separate binary): one compiled kernel serves the
@@ -334,11 +326,9 @@ if tl is not None:
 
         if VS > 1:
             # ---- the head's last program: the gated RMSNorm over the whole V row (triton_moe_split's tickets) ----
-            if FENCE:
-                _fence_all(ck)
-            else:
-                tl.debug_barrier()          # Triton's interpreter (no inline asm) runs the programs one by one
-            ticket = tl.atomic_add(ticket_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            # every thread's scratch stores are visible GPU-wide before the CTA takes its ticket (FENCE: False only
+            # in Triton's interpreter, which has no inline asm and runs the programs one by one)
+            ticket = pdl_ticket(ticket_ptr, FENCE, NTH, pid)
             if ticket == VS - 1:
                 # every program of the head has read the old q/k windows (phase 1, before its ticket)
                 _store_window(conv_b, chq, wq0, wq1, wq2, mk)

@@ -282,6 +282,8 @@ if gluon is not None:
 # Plain-Triton implementation (tl.dot_scaled; the compiler's MX up-cast) - same algorithm, the fallback
 # ---------------------------------------------------------------------------------------------------------
 if tl is not None:
+    from bytebound.kernels.pdl import ticket as pdl_ticket     # a split's ticket: fence, barrier, acq_rel add
+
     @triton.jit
     def _moe_fused_tl(x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, w2_ptr, s2_ptr, ws_ptr, cnt_ptr, out_ptr,
                       part_ptr, limit,
@@ -343,11 +345,9 @@ if tl is not None:
                     tl.atomic_add(ws_ptr + (hb * BH + hr[:, None]) * 8 + mcol[None, :], d, mask=mcol[None, :] < M,
                                   sem="relaxed", scope="gpu")
         if not PARTIALS:        # (PARTIALS: the second kernel, _moe_reduce_partials, sums the partials)
-            if FENCE:   # (False only under TRITON_INTERPRET, which cannot run PTX)
-                tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [tl.arange(0, 128)],
-                                          dtype=tl.int32, is_pure=False, pack=1)
-            tl.debug_barrier()
-            ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+            # FENCE: False only under TRITON_INTERPRET, which cannot run PTX. 128 elements: at least one per thread
+            # up to 4 warps (a wider launch replicates them)
+            ticket = pdl_ticket(cnt_ptr, FENCE, 128)
             if ticket == NPROG - 1:
                 fh = tl.arange(0, 256)
                 fn = tl.arange(0, 8)

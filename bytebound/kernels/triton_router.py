@@ -59,7 +59,7 @@ triton, tl, _TRITON_ERR = optional_triton()      # None, None, reason on machine
 
 
 if tl is not None:
-    from bytebound.kernels.pdl import gdc as pdl_gdc, l2_prefetch as pdl_l2_prefetch
+    from bytebound.kernels.pdl import gdc as pdl_gdc, l2_prefetch as pdl_l2_prefetch, ticket as pdl_ticket
 
     @triton.jit
     def _key(v, low):
@@ -386,11 +386,9 @@ if tl is not None:
                 else:
                     xv = tl.load(x_ptr + m * H + kk, mask=km, other=0.0).to(tl.float32)
                 tl.store(logits_ptr + m * E + e, tl.sum(wt * xv[None, :], axis=1))
-        if FENCE:   # (False only under TRITON_INTERPRET)
-            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [tl.arange(0, 128)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        # FENCE: False only under TRITON_INTERPRET. 128 elements (not NTH): at 8 warps (M > 1) they are replicated,
+        # so every thread still fences; NTH there changes the index arithmetic's SASS for no gain
+        ticket = pdl_ticket(cnt_ptr, FENCE, 128)
         NP: tl.constexpr = E // BE
         if SPLIT_TAIL:
             r = NP - 1 - ticket
