@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela nr regcap gemvcap moetable routerseg mlalong)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela nr regcap gemvcap moetable routerseg mlalong ticketrope)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -307,6 +307,26 @@ section_ab() {           # the twentieth session's A/Bs in one call (docs/perf/r
     local r=(python3 scripts/profile_round.py --no-phases --ctx 2048 --draft-vocab "${AB_DRAFT_VOCAB:-32768}" --out "$OUT")
     run_step round_default "${r[@]}" --token-ab --name round-default
     run_step round_argmax_all env BYTEBOUND_HEAD_ARGMAX=1 "${r[@]}" --name round-argmax-all
+}
+
+section_ticketrope() {   # the thirty-fourth session's changes not yet run on a GPU (docs/perf/session34/, section 5): the
+    # split tickets through kernels.pdl.ticket (offline sm_90 SASS identical for the engine's launches) under the engine,
+    # KDA, router / head-argmax and MLA GPU tests; the opt-in MLA rope_split: its MLA GPU tests and bench_mla at 2K
+    # against the default, two pairs in alternation. Synthetic weights.
+    local c='{"rope_split": true}' r
+    for r in 1 2; do
+        run_step "bench_mla_default_$r" python3 scripts/bench_mla.py --contexts 2049 --m 1 4 --span bucket \
+            --backends triton --out "$OUT/ropesplit-default-$r"
+        run_step "bench_mla_split_$r" env BYTEBOUND_MLA_CFG="$c" python3 scripts/bench_mla.py --contexts 2049 --m 1 4 \
+            --span bucket --backends triton --out "$OUT/ropesplit-split-$r"
+    done
+    run_step tests_engine python3 -m pytest tests/gpu/test_engine_gpu.py -q -p no:cacheprovider -rfE --tb=short \
+        $(pytest_timeout) -k "verify_equals or captured_mtp or nano_greedy"
+    run_step tests_kda python3 -m pytest tests/gpu/test_kda_gpu.py -q -p no:cacheprovider -rfE --tb=short $(pytest_timeout)
+    run_step tests_mla_split env BYTEBOUND_MLA_CFG="$c" python3 -m pytest tests/gpu/test_mla_gpu.py -q -p no:cacheprovider \
+        -rfE --tb=short $(pytest_timeout)
+    run_step tests_router python3 -m pytest tests/test_head_argmax.py tests/test_triton_router.py -q -p no:cacheprovider \
+        -rfE --tb=short $(pytest_timeout) -k "argmax or split_tail or gemv_route"
 }
 
 section_mlalong() {      # the long-span attention tiling of the 4-token verify (BM 32, BN 64): 8 warps (the default
