@@ -330,7 +330,7 @@ section_ticketrope() {   # the thirty-fourth session's changes not yet run on a 
 }
 
 section_mlalong() {      # the long-span attention tiling of the 4-token verify (BM 32, BN 64): 8 warps (the default
-    # since the thirty-fourth session, docs/perf/session34-h100/) against 4 (spills 104 B in an offline sm_90 compile)
+    # since the thirty-fourth session, docs/perf/session34/) against 4 (spills 104 B in an offline sm_90 compile)
     # and BN 32 with 8 warps. An explicit num_warps also sets the one-token calls' warps (triton_mla.resolve_cfg), so
     # the 4-warp arm is the tiling before (one-token calls ran 4 warps then too). The MLA GPU tests with 4 warps;
     # bench_mla at the engine's spans for each setting; bench_decode at 32K with the verify ops, two processes per

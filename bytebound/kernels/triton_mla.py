@@ -88,7 +88,7 @@ _DOT_F32 = _INTERPRET
 # combine_BV >= v) loads the program's W_vc block before its PDL wait. These four measured faster together in the
 # captured step on the H100 (docs/perf/session33-h100-mla-merge/). num_warps 8 (the long-span tiling, so a verify's:
 # one-token calls take decode_warps): with 4 warps ptxas spilled that tiling (BM 32, BN 64) and the 4-token verify
-# at 32K was slower in bench_mla and bench_decode on the H100 (docs/perf/session34-h100/).
+# at 32K was slower in bench_mla and bench_decode on the H100 (docs/perf/session34/).
 # rope_split (opt-in): the prep's q_pe rope in H programs of its own instead of the token program (_mla_prep QSPLIT;
 # the same bits).
 SHORT_SPAN = 4096
@@ -112,6 +112,13 @@ if tl is not None:
         if F32:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         return tl.dot(a, b)
+
+    @triton.jit
+    def _rope_pairs(x1, x2, cos, sin, dt):
+        """Interleaved (GPT-J) rotation of the pairs ``(x1, x2)`` (float32) by the angles whose amplitude-scaled
+        ``cos`` / ``sin`` are given, each half rounded to ``dt`` (round to nearest even) as ``Rope.apply`` rounds."""
+        return ((x1 * cos - x2 * sin).to(dt, fp_downcast_rounding="rtne"),
+                (x2 * cos + x1 * sin).to(dt, fp_downcast_rounding="rtne"))
 
     @triton.jit
     def _mla_prep(ckv_ptr, q_ptr, qr_ptr, ql_ptr, wk_ptr, kv_ptr, pos_ptr, nw_ptr, inv_ptr, eps, att,
@@ -161,15 +168,15 @@ if tl is not None:
             ang = pos.to(tl.float32) * inv
             cos = tl.cos(ang) * att
             sin = tl.sin(ang) * att
-            tl.store(dst + R + 2 * i, (k1 * cos - k2 * sin).to(dt, fp_downcast_rounding="rtne"))
-            tl.store(dst + R + 2 * i + 1, (k2 * cos + k1 * sin).to(dt, fp_downcast_rounding="rtne"))
+            kr1, kr2 = _rope_pairs(k1, k2, cos, sin, dt)
+            tl.store(dst + R + 2 * i, kr1)
+            tl.store(dst + R + 2 * i + 1, kr2)
             if not QSPLIT:
                 # q_pe of all heads -> q_rope [B*T, H, P] (rounded to the model dtype like Rope.apply)
                 ob = qr_ptr + (bt * H + h[:, None]) * P + 2 * i[None, :]
-                qdt = qr_ptr.dtype.element_ty
-                tl.store(ob, (q1 * cos[None, :] - q2 * sin[None, :]).to(qdt, fp_downcast_rounding="rtne"), mask=hm)
-                tl.store(ob + 1, (q2 * cos[None, :] + q1 * sin[None, :]).to(qdt, fp_downcast_rounding="rtne"),
-                         mask=hm)
+                qr1, qr2 = _rope_pairs(q1, q2, cos[None, :], sin[None, :], qr_ptr.dtype.element_ty)
+                tl.store(ob, qr1, mask=hm)
+                tl.store(ob + 1, qr2, mask=hm)
         elif pid < BT + QN:
             # QSPLIT: head hh's q_pe of every new token -> q_rope, as the token programs do it without QSPLIT
             hh = pid - BT
@@ -185,9 +192,9 @@ if tl is not None:
             cos = tl.cos(ang) * att
             sin = tl.sin(ang) * att
             ob = qr_ptr + (rr[:, None].to(tl.int64) * H + hh) * P + 2 * i[None, :]
-            qdt = qr_ptr.dtype.element_ty
-            tl.store(ob, (q1 * cos - q2 * sin).to(qdt, fp_downcast_rounding="rtne"), mask=rm[:, None])
-            tl.store(ob + 1, (q2 * cos + q1 * sin).to(qdt, fp_downcast_rounding="rtne"), mask=rm[:, None])
+            qr1, qr2 = _rope_pairs(q1, q2, cos, sin, qr_ptr.dtype.element_ty)
+            tl.store(ob, qr1, mask=rm[:, None])
+            tl.store(ob + 1, qr2, mask=rm[:, None])
         else:
             # q_lat[h, bt, cols] = q_nope[bt, h, :] @ W_kc[h][:, cols]: BF16 in, float32 accumulate, BF16 out (the
             # reference's q_lat is a BF16 einsum too)
