@@ -555,20 +555,29 @@ def run_persist(chain: Chain, cfg: Config, st: Persist) -> None:
                                num_stages=1, **_coop(st))
 
 
+def _check_counters(chain: Chain, st: Persist, name: str, why: str) -> None:
+    """No spin wait of execution ``name`` timed out (``why``: the likely cause, appended to the message) and the last
+    L counters equal the ops' row blocks (each block signalled once).
+
+    Raises:
+        RuntimeError: a spin wait timed out or a counter is off."""
+    err = st.err.tolist()
+    if err[0]:
+        raise RuntimeError(f"{name}: {err[0]} spin wait(s) timed out after the poll limit (last at op {err[1]})"
+                           f"{why}; the outputs of this run are garbage")
+    want = [n // chain.bn for _, n in chain.ops]
+    got = st.cnt.tolist()[-len(chain.ops):]
+    if got != want:
+        raise RuntimeError(f"{name}: counters {got} after the run, expected the row blocks per op {want}")
+
+
 def persist_check(chain: Chain, st: Persist) -> None:
     """After a run: no wait timed out and every counter equals its op's row blocks (each block signalled once).
 
     Raises:
         RuntimeError: a spin wait timed out (programs not co-resident, or a lost signal) or a counter is off."""
-    err = st.err.tolist()
-    if err[0]:
-        raise RuntimeError(f"persist: {err[0]} spin wait(s) timed out after the poll limit (last at op {err[1]}): "
-                           f"the {st.grid} programs were not all resident at once, or a block's signal was lost; "
-                           "the outputs of this run are garbage")
-    want = [n // chain.bn for _, n in chain.ops]
-    got = st.cnt.tolist()
-    if got != want:
-        raise RuntimeError(f"persist: counters {got} after the run, expected the row blocks per op {want}")
+    _check_counters(chain, st, "persist", f": the {st.grid} programs were not all resident at once, or a block's "
+                    "signal was lost")
 
 
 def flag_setup(chain: Chain) -> Persist:
@@ -597,18 +606,11 @@ def run_flag(chain: Chain, cfg: Config, st: Persist, late: bool) -> None:
 
 
 def flag_check(chain: Chain, st: Persist) -> None:
-    """After a ``flag`` run: no wait timed out and op i's counter equals its row blocks.
+    """After a ``flag`` run: no wait timed out and op i's counter (``cnt[i + 1]``) equals its row blocks.
 
     Raises:
         RuntimeError: a spin wait timed out or a counter is off."""
-    err = st.err.tolist()
-    if err[0]:
-        raise RuntimeError(f"flag: {err[0]} spin wait(s) timed out after the poll limit (last at op {err[1]}); "
-                           "the outputs of this run are garbage")
-    want = [n // chain.bn for _, n in chain.ops]
-    got = st.cnt.tolist()[1:]
-    if got != want:
-        raise RuntimeError(f"flag: counters {got} after the run, expected the row blocks per op {want}")
+    _check_counters(chain, st, "flag", "")
 
 
 def read_steps(chain: Chain, cfg: Config) -> int:
@@ -670,28 +672,33 @@ PERSIST_CPU_SKIP = ("Triton's interpreter runs the programs one after another, s
                     "tests/test_bench_chain.py)")
 
 
+def _pdl_unavailable(dev: torch.device, rec: dict) -> bool:
+    """On a CUDA device without PDL (compute capability < 9.0): records why in ``rec["skipped"]`` and returns True.
+    False on CPU (the interpreter runs the same maths without ``griddepcontrol``) and on PDL-capable GPUs."""
+    if dev.type == "cuda":
+        from bytebound.kernels.pdl import capable
+        if not capable(dev):
+            rec["skipped"] = "PDL needs compute capability >= 9.0"
+            return True
+    return False
+
+
 def _execution(name: str, chain: Chain, cfg: Config, rec: dict):
     """``(fn, state)`` for one execution: ``fn()`` runs the whole chain once; ``state`` the :class:`Persist` or
     the read kernel's output buffer. Returns ``(None, None)`` with ``rec["skipped"]`` set when it cannot run here."""
     dev = chain.w.device
     if name in ("plain", "pdl"):
         pdl = name == "pdl"
-        if pdl and dev.type == "cuda":
-            from bytebound.kernels.pdl import capable
-            if not capable(dev):
-                rec["skipped"] = "PDL needs compute capability >= 9.0"
-                return None, None
+        if pdl and _pdl_unavailable(dev, rec):
+            return None, None
         if pdl and dev.type != "cuda":
             rec["notes"].append("cpu: no griddepcontrol/launch_pdl (the interpreter has no PTX): the same kernel "
                                 "maths as plain")
         return (lambda: run_plain(chain, cfg, pdl)), None
     if name in ("flag", "flaglate"):
-        if dev.type == "cuda":
-            from bytebound.kernels.pdl import capable
-            if not capable(dev):
-                rec["skipped"] = "PDL needs compute capability >= 9.0"
-                return None, None
-        else:
+        if _pdl_unavailable(dev, rec):
+            return None, None
+        if dev.type != "cuda":
             rec["notes"].append("cpu: no griddepcontrol (the interpreter has no PTX; it runs the launches in "
                                 "order, so no wait blocks): checks the counters' bookkeeping and the maths")
         st = flag_setup(chain)
@@ -964,8 +971,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--only", default=",".join(EXECUTIONS), help="comma list of " + ",".join(EXECUTIONS))
     ap.add_argument("--max-polls", type=int, default=2 ** 24,
-                    help="persist, flag, flaglate: polls per spin wait before it reports a timeout (each poll ~1 us: 2^24 is "
-                    "seconds, a legitimate wait is one op)")
+                    help="persist, flag, flaglate: polls per spin wait before it reports a timeout (each poll ~1 us: "
+                    "2^24 is seconds, a legitimate wait is one op)")
     ap.add_argument("--read-steps", type=int, default=0, help="read: BNxBK tiles per program (0: plain's mean)")
     ap.add_argument("--prefetch-l2", action="store_true", help="pdl, persist: also a bulk L2 prefetch of each row "
                     "block's whole weights (BN x K bytes) before the wait (default: only the first tile is loaded)")

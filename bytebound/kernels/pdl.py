@@ -10,10 +10,10 @@ previous kernel still reads: nothing is touched before the wait) and lets the ne
 FP8 GEMVs (``triton_fp8``) additionally prefetch their weights between the two; the MoE kernels keep their own
 protocol (``triton_moe_split``). Users of :func:`enter`: the RMSNorm / add+RMSNorm kernel (``triton_norm``) and the
 three MLA decode/verify kernels (``triton_mla``). :func:`ticket` is the fence + barrier + acq_rel add with which a
-split's last program is found (the Triton kernels' split-K tickets). The fused KDA kernel (``triton_kda``) issues the same two
-instructions itself, with :func:`l2_prefetch` of its weights and state between them when :func:`early` names it;
-the router GEMV (``triton_router.gemv_route``) is a PDL dependent (wait, prefetch before it) only when
-:func:`early` names it (``BYTEBOUND_PDL_PREFETCH``, default off for both).
+split's last program is found (the Triton kernels' split-K tickets). The fused KDA kernel (``triton_kda``) issues
+the same two PDL instructions itself, with :func:`l2_prefetch` of its weights and state between them when
+:func:`early` names it; the router GEMV (``triton_router.gemv_route``) is a PDL dependent (wait, prefetch before
+it) only when :func:`early` names it (``BYTEBOUND_PDL_PREFETCH``, default off for both).
 
 A kernel not launched with ``launch_pdl`` waits for full completion of the previous one, as without PDL, and
 its ``griddepcontrol.wait`` returns at once. ``BYTEBOUND_PDL=0`` in the environment turns PDL off for these

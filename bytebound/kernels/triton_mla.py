@@ -378,8 +378,8 @@ if tl is not None:
         """``_mla_combine_out`` parallel over the latent columns (``cfg["combine_kc"]``). Program ``(h, latent
         block kc, b * T + t)`` merges the splits of row (t, h) over latent columns ``[kc * BK, +BK)`` only and
         multiplies them into that ``[V, BK]`` block of W_vc, writing a float32 partial ``y_kc [V]`` to ``y_ptr``;
-        the last of the row's ``R / BK`` programs (an acq_rel ticket, the pattern of ``triton_kda`` and ``triton_fp8``) sums the
-        partials in the order kc = 0, 1, ... and applies the gate. Each partial output and each W_vc byte is read
+        the last of the row's ``R / BK`` programs (an acq_rel ticket, ``kernels.pdl.ticket``) sums the partials in
+        the order kc = 0, 1, ... and applies the gate. Each partial output and each W_vc byte is read
         by one program (``_mla_combine_out`` re-reads a row's partials for every v block) and a program's chain
         of dependent loads is one latent block long, not ``R / BK``. Every element's arithmetic is
         ``_mla_combine_out``'s with the same ``BK``, ``BV`` and ``SB``, in the same order (its y starts at 0 and
