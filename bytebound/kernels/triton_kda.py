@@ -22,23 +22,20 @@ tokens (q/k conv + SiLU, L2 norms, gate) as 1-D vectors, written to its own floa
 head recomputes these 128-wide vectors: cheaper than a second sync); then, after a barrier, the value-side conv,
 the delta rule and ``S^T q`` on its state slice. Both phases loop over the tokens as a software pipeline: token t+1's
 inputs are loaded before token t's arithmetic and stores, so an M-token verify pays one L2 round trip per phase, not M
-(the arithmetic, and so every rounding, is the same for M = 1 and M > 1). In the state's register layout every
-K-vector is replicated over the lanes that hold different V columns, so building the ~20 key-side vectors there makes
-ptxas spill; passing the three results (q, k, exp(g)) through the scratch keeps the state phase within the register
-file. The delta rule's prediction for token t+1 is taken from the state token t leaves, with the decay folded into
-the key side (``pred_{t+1} = S_t^T (k_{t+1} exp(g_{t+1}))``, the same sum as ``(S_t exp(g_{t+1}))^T k_{t+1}`` up to
-float32 rounding), so token t's output and token t+1's prediction are one two-operand reduction over K: one
-cross-warp exchange per token instead of two (M + 1 per call, every one of the same shape, so the bits do not depend
-on M). With a history request the kernel also writes, after each token i, the conv window to ``conv_hist[i]`` and
-the recurrent state to ``rec_hist[i]`` (MTP verify: rollback to token i is a copy from, or an index into, those
-buffers; no Python loop, no clones); each program writes its own columns (and a 1/V_SPLIT share of the q/k windows).
+(the arithmetic, and so every rounding, is the same for M = 1 and M > 1). In the state's register layout every K-vector is replicated over
+the lanes that hold different V columns, so building the ~20 key-side vectors there makes ptxas spill; passing the
+three results (q, k, exp(g)) through the scratch keeps the state phase within the register file. With a history
+request the kernel also writes, after each token i, the conv window to ``conv_hist[i]`` and the recurrent state to
+``rec_hist[i]`` (MTP verify: rollback to token i is a copy from, or an index into, those buffers; no Python loop,
+no clones); each program writes its own columns (and a 1/V_SPLIT share of the q/k windows).
 
 The gated RMSNorm needs the whole V row of ``o``. With ``V_SPLIT = 1`` the program applies it directly. Otherwise
-each program stores its slice of the un-normalised ``o`` (float32) per token into its scratch, fences, and takes an
-acq_rel ticket of its (batch row, head); the last of the ``V_SPLIT`` programs to arrive loads the whole rows of all
-M tokens as one tile (one L2 round trip for an M-token verify), takes each row's sum of squares, normalises, applies
-the weight and sigmoid(gate), stores ``o``, writes the q/k conv windows back (only it may: every program reads the
-old windows in its first phase, and all of them have passed the ticket) and resets the ticket (the pattern of
+each program stores its slice of the un-normalised ``o`` (float32) and its partial sum of squares per token into
+its scratch, fences, and takes an acq_rel ticket of its (batch row, head); the last of the ``V_SPLIT`` programs to
+arrive sums the partial sums in the fixed slice order ``j = 0..V_SPLIT-1``, normalises, applies the weight and
+sigmoid(gate), stores the whole ``o`` row (all M tokens as one tile: one L2 round trip for an M-token verify),
+writes the q/k conv windows back (only it may: every program reads the old windows in its first phase, and all
+of them have passed the ticket) and resets the ticket (the pattern of
 ``triton_moe_split``'s KP slices). No float atomics, every sum in an order fixed by the launch shape: outputs are
 bit-identical run to run and graph replay == eager. ``V_SPLIT`` and ``num_warps`` come from
 ``configs/triton_kda.json`` (:func:`resolve_launch`; written from ``scripts/bench_kda.py``'s sweep), else a default
@@ -96,18 +93,6 @@ if tl is not None:
         tl.store(ptr + ch * 3 + 2, w2, mask=mask)
 
     @triton.jit
-    def _add_pair(a0, b0, a1, b1):
-        return a0 + a1, b0 + b1
-
-    @triton.jit
-    def _joint_colsum(a, b, s):
-        """``(sum_k a[k] s[k, :], sum_k b[k] s[k, :])`` for a state tile ``s [BK, BV]`` and key-side vectors ``a, b
-        [BK]`` as ONE two-operand reduction: the cross-warp exchange (and its CTA barriers) happens once for both
-        sums, and both come out in the state's column layout. Every caller reduces this same shape, so the sums'
-        order over K (and so their bits) is the same whatever the token count."""
-        return tl.reduce((a[:, None] * s, b[:, None] * s), 0, _add_pair)
-
-    @triton.jit
     def _conv_silu_step(x, w0, w1, w2, c0, c1, c2, c3):
         """One causal depthwise-conv output (kernel 4) + SiLU: window (w0 oldest .. w2 newest) and input x."""
         y = c0 * w0 + c1 * w1 + c2 * w2 + c3 * x
@@ -162,7 +147,7 @@ if tl is not None:
             pdl_gdc("griddepcontrol.wait; mov.u32 $0, 0;", NTH)     # nothing else is touched before it
         # This program's scratch (SCR floats): [M, 3, BK] l2-normalised scaled q, l2-normalised k, decay exp(g);
         # with BETA_X then [M] beta of the M tokens; with VS > 1 then, from offset PO, [M, BVS] its slice of the
-        # un-normalised o.
+        # un-normalised o and [M] its sums of squares.
         PB = M * 3 * BK
         if BETA_X:
             PO = PB + M
@@ -235,11 +220,9 @@ if tl is not None:
             k = _conv_silu_step(xk, wk0, wk1, wk2, ck0, ck1, ck2, ck3)
             wq0, wq1, wq2 = wq1, wq2, xq
             wk0, wk1, wk2 = wk1, wk2, xk
-            # L2 norms (x / sqrt(sum x^2 + 1e-6), fla's form) and the K^-0.5 scale; both sums in one two-operand
-            # reduction (one cross-warp exchange)
-            qq, kk = tl.reduce((q * q, k * k), 0, _add_pair)
-            q = q * tl.rsqrt(qq + 1e-6) * scale
-            k = k * tl.rsqrt(kk + 1e-6)
+            # L2 norms (x / sqrt(sum x^2 + 1e-6), fla's form) and the K^-0.5 scale
+            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
             # gate (kda_ref.kda_gate)
             if SAFE_GATE:
                 g = lower_bound * tl.sigmoid(rate * fx)
@@ -292,18 +275,11 @@ if tl is not None:
         q_n = tl.load(scr + rk, mask=rmk, other=0.0)
         if VS == 1:
             gt_n = tl.load(gate_ptr + bi * s_gate_b + h * V + cv, mask=mv, other=0.0)
-        # The prediction of token t+1 reads the state token t leaves, as token t's output does: pred_{t+1} =
-        # S_t^T (k_{t+1} exp(g_{t+1})) (the decay folded into the key side), so one joint reduction per token
-        # yields o_t and pred_{t+1}, and the chain from one token to the next crosses the warps once, not twice
-        # (M + 1 reductions per call instead of 2M). Token 0's prediction takes one more of the same shape.
-        ke = k_n * eg_n
-        _, pred_n = _joint_colsum(ke, ke, s)
         for t in range(M):
             xv = xv_n.to(tl.float32)
             eg = eg_n
             k = k_n
             q = q_n
-            pred = pred_n
             if BETA_X:
                 beta = beta_n
             else:
@@ -324,13 +300,12 @@ if tl is not None:
                 gt_n = tl.load(gate_ptr + bi * s_gate_b + tn * s_gate_t + h * V + cv, mask=mv & more, other=0.0)
             v = _conv_silu_step(xv, wv0, wv1, wv2, cv0, cv1, cv2, cv3)
             wv0, wv1, wv2 = wv1, wv2, xv
-            # delta rule: decay each key channel, rank-1 update with the prediction made from the previous state
-            # (key-side vectors from phase 1); then o_t and the next token's prediction in one reduction (the next
-            # token's k and exp(g) are 0 past the last token: its prediction is 0 and unused)
-            delta = (v - pred) * beta
+            # delta rule: decay each key channel, predict, rank-1 update (key-side vectors from phase 1)
             s = s * eg[:, None]
+            pred = tl.sum(k[:, None] * s, axis=0)
+            delta = (v - pred) * beta
             s = s + k[:, None] * delta[None, :]
-            o, pred_n = _joint_colsum(q, k_n * eg_n, s)
+            o = tl.sum(q[:, None] * s, axis=0)
             if VS == 1:
                 # gated RMSNorm over V (RMSNormGated: float32 statistics, one rounding at the store)
                 o = tl.where(mv, o, 0.0)
@@ -338,10 +313,10 @@ if tl is not None:
                 tl.store(o_ptr + bi * s_o_b + t * s_o_t + h * V + cv,
                          o.to(o_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mv)
             else:
-                # this slice of the un-normalised o, for the head's last program (which also takes the row's sum
-                # of squares: no reduction over V inside the token loop)
+                # this slice of the un-normalised o and its sum of squares, for the head's last program
                 o = tl.where(mv, o, 0.0)
                 tl.store(scr + PO + t * BVS + tl.arange(0, BVS), o)
+                tl.store(scr + PO + M * BVS + t, tl.sum(o * o, axis=0))
             if HIST:
                 hc = conv_hist_ptr + (t * B + bi) * C * 3
                 _store_window(hc, chv, wv0, wv1, wv2, mv)
@@ -361,16 +336,20 @@ if tl is not None:
                 cf = tl.arange(0, BV)
                 mf = cf < V
                 # all M tokens as one [MT, BV] tile (rows >= M masked: no bytes move), so their loads make one L2
-                # round trip, not one per token after the previous token's store; each row's sum of squares is a
-                # reduction of that row alone over the same tile shape, so its bits do not depend on M
+                # round trip, not one per token after the previous token's store; every element's arithmetic (the
+                # slices' sum of squares in the order j = 0..VS-1, then rsqrt, weight and gate) is the per-token
+                # form's, so the bits are too
                 tt = tl.arange(0, MT)
                 mt = tt < M
                 m2f = mt[:, None] & mf[None, :]
                 # slice j of the row lives in program (pid, j)'s scratch; .cg: read L2, not a stale L1 line
                 part = scratch_ptr + (pid * VS + cf // BVS).to(tl.int64) * SCR + PO + cf % BVS
+                head = scratch_ptr + (pid * VS).to(tl.int64) * SCR + PO + M * BVS
                 nwf = tl.load(normw_ptr + cf, mask=mf, other=0.0).to(tl.float32)
+                ss = tl.load(head + tt, mask=mt, other=0.0, cache_modifier=".cg")
+                for j in tl.static_range(1, VS):
+                    ss += tl.load(head + j * SCR + tt, mask=mt, other=0.0, cache_modifier=".cg")
                 of = tl.load(part[None, :] + tt[:, None] * BVS, mask=m2f, other=0.0, cache_modifier=".cg")
-                ss = tl.sum(of * of, axis=1)
                 gt = tl.load(gate_ptr + bi * s_gate_b + tt[:, None] * s_gate_t + h * V + cf[None, :], mask=m2f,
                              other=0.0).to(tl.float32)
                 of = of * tl.rsqrt(ss / V + eps)[:, None] * nwf[None, :] * tl.sigmoid(gt)
@@ -433,8 +412,8 @@ def resolve_launch(batch: int, heads: int, dk: int, dv: int, tokens: int, device
                    path: str | None = None) -> tuple[int, int, str]:
     """``(V_SPLIT, num_warps, source)`` of the fused kernel for one call shape on ``device``.
 
-    Lookup for :func:`shape_key` in ``configs/triton_kda.json`` (or ``path``, else the file the environment
-    variable ``BYTEBOUND_KDA_CONFIG`` names, as ``BYTEBOUND_MOE_CONFIG`` for the MoE table), entries ``{"v_split": n[,
+    Lookup for :func:`shape_key` in ``configs/triton_kda.json`` (or ``path``, else the file the environment variable
+    ``BYTEBOUND_KDA_CONFIG`` names, as ``BYTEBOUND_MOE_CONFIG`` does for the MoE), entries ``{"v_split": n[,
     "num_warps": w]}`` as ``scripts/bench_kda.py`` prints them: the exact GPU name, then the table's
     ``"_arch_defaults"`` GPU for this architecture (as ``moe_host.resolve_config``), else the default: the
     largest V_SPLIT whose ``batch * heads * V_SPLIT`` programs fit the SMs in one wave with >= 16 state columns
@@ -466,8 +445,10 @@ def resolve_launch(batch: int, heads: int, dk: int, dv: int, tokens: int, device
 
 def _scratch_per_program(tokens: int, bk: int, bv: int, v_split: int, beta: bool = False) -> int:
     """float32 elements of one program's scratch: ``[T, 3, BK]`` key-side vectors, with ``beta`` then ``[T]``
-    beta, with ``v_split > 1`` then ``[T, BV / v_split]`` un-normalised o; rounded up to 16 (64-byte blocks)."""
-    n = tokens * 3 * bk + (tokens if beta else 0) + (tokens * (bv // v_split) if v_split > 1 else 0)
+    beta, with ``v_split > 1`` then ``[T, BV / v_split]`` un-normalised o and ``[T]`` sums of squares; rounded up
+    to 16 (64-byte blocks)."""
+    n = tokens * 3 * bk + (tokens if beta else 0) + \
+        (tokens * (bv // v_split) + tokens if v_split > 1 else 0)
     return -(-n // 16) * 16
 
 
@@ -521,8 +502,8 @@ def fused_kda(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, b: torch.T
         num_warps: launch width (default: :func:`resolve_launch`'s with the table's V_SPLIT, else
             :func:`default_num_warps`).
         scratch: float32 workspace of >= ``scratch_numel(B, H, T, K, V, v_split)`` elements (the key-side vectors
-            passed from the kernel's first phase to its second; with ``v_split > 1`` also the partial ``o``
-            rows); allocated per call when None (:class:`FusedKDA` passes a persistent one, so a
+            passed from the kernel's first phase to its second; with ``v_split > 1`` also the partial ``o`` rows
+            and sums of squares); allocated per call when None (:class:`FusedKDA` passes a persistent one, so a
             captured graph allocates nothing).
         v_split: programs per (batch row, head), one of :data:`V_SPLITS` (<= next_pow2(V)); default: the launch
             table's or the SM-filling default (:func:`resolve_launch`).
