@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela nr regcap gemvcap moetable routerseg mlalong ticketrope)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela nr regcap gemvcap moetable routerseg mlalong ticketrope kdancu)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -327,6 +327,26 @@ section_ticketrope() {   # the thirty-fourth session's changes not yet run on a 
         -rfE --tb=short $(pytest_timeout)
     run_step tests_router python3 -m pytest tests/test_head_argmax.py tests/test_triton_router.py -q -p no:cacheprovider \
         -rfE --tb=short $(pytest_timeout) -k "argmax or split_tail or gemv_route"
+}
+
+section_kdancu() {       # what the fused KDA kernel's time in the step is made of (docs/perf/session35/: joining its
+    # per-token reductions cut barriers but not its in-step time, 7.2 us at M = 1 and 12.5 us at M = 4 eager on the H100):
+    # Nsight Compute, full set with source counters, on the kernel's first two launches of one eager decode step and the
+    # first two of one eager 4-token verify (profile_decode --ncu-range: 35 KDA launches per phase), then the
+    # details table and the SASS source page. Synthetic weights.
+    local n skip
+    for n in decode verify; do
+        skip=0; [ "$n" = verify ] && skip=35
+        echo "=== [$CURRENT] ncu_$n" | tee -a "$LOG"
+        timeout "$SECTION_TIMEOUT" ncu --clock-control none --profile-from-start off --kernel-name regex:_fused_kda \
+            --launch-skip "$skip" --launch-count 2 --set full --import-source yes -f -o "$OUT/kda-$n" \
+            python3 scripts/profile_decode.py --ncu-range --ctx 2048 --verify-m 4 --out /tmp/kdancu \
+            > "$OUT/kda-$n.log" 2>&1 || FAILED+=("$CURRENT/ncu_$n")
+        ncu -i "$OUT/kda-$n.ncu-rep" --page details --csv > "$OUT/kda-$n-details.csv" 2>&1
+        ncu -i "$OUT/kda-$n.ncu-rep" --page source --csv --print-source sass > "$OUT/kda-$n-sass.csv" 2>&1
+        grep -E '"(Duration|DRAM Throughput|Memory Throughput|Registers Per Thread|Achieved Occupancy|Warp Cycles Per Issued Instruction)"' \
+            "$OUT/kda-$n-details.csv" | tee -a "$LOG"
+    done
 }
 
 section_mlalong() {      # the long-span attention tiling of the 4-token verify (BM 32, BN 64): 8 warps (the default
