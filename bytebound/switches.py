@@ -27,6 +27,7 @@ SWITCHES: dict[str, tuple[str | None, str]] = {
     "BYTEBOUND_MOE_CONFIG": (None, "a JSON MoE launch table instead of the committed one"),
     "BYTEBOUND_MOE_VARIANT": (None, "forces an MoE kernel variant (split, persist, ...) over the table's"),
     "BYTEBOUND_GEMV_CONFIG": (None, "a JSON FP8 GEMV launch table instead of the committed one"),
+    "BYTEBOUND_KDA_CONFIG": (None, "a JSON fused-KDA launch table (V_SPLIT, num_warps) instead of the committed one"),
     "BYTEBOUND_MLA_CFG": (None, "a JSON object of MLA decode tiling keys over the committed tiling"),
     "BYTEBOUND_ADAPTIVE_WARMUP": ("1", "0: adaptive speculation's NEXTN catch-up is not compiled at start-up"),
     "BYTEBOUND_SKIP_MEMORY_CHECK": (None, "1: load a checkpoint without the free-memory check"),
