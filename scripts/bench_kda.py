@@ -72,8 +72,8 @@ def bind_kda(layer, backend: str) -> None:
 def graph_ms(fn, reps: int, calls: int = 1) -> float:
     """Median device ms per call of ``fn``: a CUDA graph holding ``calls`` back-to-back calls, replayed ``reps``
     times, each replay's time divided by ``calls``. With one call a replay's time includes the graph's own launch
-    latency, which for a kernel of a few us is as large as the kernel and varies from process to process (the
-    thirty-fifth session's two processes: fla-core's unchanged recurrence 24.5 and 15.0 us; docs/perf/session35/)."""
+    latency, which for a kernel of a few us is as large as the kernel and varies from process to process
+    (docs/perf/session35/, section 1)."""
     def many():
         for _ in range(calls):
             out = fn()
@@ -111,6 +111,8 @@ def main(argv=None) -> int:
                     "kernel at; empty: only the resolved launch")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    if a.calls < 1:
+        ap.error(f"--calls must be >= 1, got {a.calls}")
     if not torch.cuda.is_available():
         print("bench_kda: needs a CUDA GPU", file=sys.stderr)
         return 2
