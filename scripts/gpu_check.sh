@@ -330,7 +330,7 @@ section_ticketrope() {   # the thirty-fourth session's changes not yet run on a 
 }
 
 section_kdancu() {       # what the fused KDA kernel's time in the step is made of (docs/perf/session35/: joining its
-    # per-token reductions cut barriers but not its in-step time, 7.2 us at M = 1 and 12.5 us at M = 4 eager on the H100):
+    # per-token reductions cut barriers but not its in-step time):
     # Nsight Compute, full set with source counters, on the kernel's first two launches of one eager decode step and the
     # first two of one eager 4-token verify (profile_decode --ncu-range: 35 KDA launches per phase), then the
     # details table and the SASS source page. Synthetic weights.
