@@ -309,7 +309,8 @@ section_ab() {           # the twentieth session's A/Bs in one call (docs/perf/r
     run_step round_argmax_all env BYTEBOUND_HEAD_ARGMAX=1 "${r[@]}" --name round-argmax-all
 }
 
-section_ticketrope() {   # the thirty-fourth session's changes not yet run on a GPU (docs/perf/session34/, section 5): the
+section_ticketrope() {   # the thirty-fourth session's offline changes (docs/perf/session34/, section 5; their GPU tests
+    # first ran in the thirty-fifth session, docs/perf/session35/, section 3, bench_mla not): the
     # split tickets through kernels.pdl.ticket (offline sm_90 SASS identical for the engine's launches) under the engine,
     # KDA, router / head-argmax and MLA GPU tests; the opt-in MLA rope_split: its MLA GPU tests and bench_mla at 2K
     # against the default, two pairs in alternation. Synthetic weights.
