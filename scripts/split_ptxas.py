@@ -49,7 +49,8 @@ def compile_split(m: int, cfg: dict, shared: bool = True, arch: int = 90, h: int
                  dict(num_warps=c["num_warps"], **maxnreg(c.get("NR"))), gluon=True)
     b = ptxas_util.compile_kernel(ts._moe_down_split, cb,
                  dict(act_ptr="*bf16", ids_ptr="*i64", w2_ptr="*i32", s2_ptr="*u8", out_ptr="*bf16", part_ptr="*fp32",
-                      cnt_ptr="*i32", lut_ptr="*i32", sw2_ptr="*i32", ss2_ptr="*i32"), arch,
+                      cnt_ptr="*i32", lut_ptr="*i32", sw2_ptr="*i32", ss2_ptr="*i32", tw_ptr="*fp32",
+                      pa_ptr="*fp32", limit="fp32", slimit="fp32"), arch,
                  dict(num_warps=c["down_warps"], **maxnreg(c.get("NR2"))), gluon=True)
     return c, a, b
 

@@ -58,7 +58,12 @@ exceed :data:`SHIFT_DECODE_MAX_E8M0` runs 0 whatever the config says, ``MoEKerne
 1 with ``KP > 1``: kernel A's programs store their partials and end, and :func:`_moe_reduce_swiglu`, a third launch
 between the two kernels, sums them and applies SwiGLU: the same sums in the same order, so the same bits, without the
 fence, ticket and last-program tail in kernel A; the committed M = 4 entry sets it, the M = 1 decode entry does not:
-one more launch per MoE layer there would take the step past its kernel budget), ``XS`` (default 0; experimental: kernel
+one more launch per MoE layer there would take the step past its kernel budget), ``RB`` (default 0; 1 with ``KP >
+1``, excludes ``RK`` and ``TR``: kernel A's programs store their partials and end, as with ``RK``, and kernel B's
+programs, after their PDL wait, form their activation operand from those partials themselves,
+:func:`_b_from_partials`: the same sums in the same order and the same SwiGLU arithmetic, so the same bits, with
+neither kernel A's ticket tail nor a third launch; each B program re-reads the ``KP`` partials of its I slice from
+L2, ``KP`` x 2 float32 values per activation it multiplies instead of one BF16), ``XS`` (default 0; experimental: kernel
 A stages x for its whole H slice in shared memory once, :func:`_stage_b`, instead of every warp loading its own copy
 into registers; the same bits; only where that slice is 128 x 2^n columns, else fitted to 0), ``TR`` (default 0;
 experimental: kernel A as a persistent TMA ring, ``kernels.triton_moe_ring``, 2 = warp-specialised; fits KP to H/256,
@@ -695,6 +700,53 @@ mov.b32 {$2, $3}, a1;
                  mask=(gl.zeros([BI, 8], gl.int32, EL) + gc[None, :]) < M)
 
     @gluon.jit
+    def _b_from_partials(pa_ptr, slot, kq, wtok, limit, I: gl.constexpr, M: gl.constexpr, NS: gl.constexpr,
+                         BIA: gl.constexpr, KPA: gl.constexpr, HAS_LIMIT: gl.constexpr, NW: gl.constexpr,
+                         DB: gl.constexpr, ok=True, DQ: gl.constexpr = 0):
+        """Config ``RB``: kernel B's B operand for slot ``slot``, I slice ``kq`` (``[128*NS, 8]`` BF16 in the mma layout
+        ``DB``, the logical k order of :func:`_load_b`) formed from kernel A's ``KPA`` float32 partials instead of read
+        from ``act``: for each act column the gate and up partials summed in the order ``p = 0..KPA-1``, then SwiGLU
+        and the token's routing weight ``wtok`` (float32 ``[8]``, layout ``SliceLayout(1, RL)``), rounded to BF16:
+        :func:`_sum_partials_swiglu`'s sums and :func:`_swiglu_store`'s arithmetic in the same order, so the operand
+        holds ``act``'s bits. Column ``kappa`` of the logical order holds physical column ``phys(kappa)``
+        (:func:`_b_logical`); tokens ``n >= M``, and everything when the scalar ``ok`` is false, are 0 (not loaded).
+        Each thread forms whole rows (8 tokens), then one layout conversion (through shared memory) gives ``DB``."""
+        MV: gl.constexpr = 1 if M == 1 else 4
+        R1: gl.constexpr = 2 * BIA
+        NJ: gl.constexpr = I // BIA
+        IK: gl.constexpr = NS * 128
+        PL: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [NW, 1], [1, 0])
+        kap = gl.arange(0, IK, layout=gl.SliceLayout(1, PL))
+        n = gl.arange(0, 8, layout=gl.SliceLayout(0, PL))
+        r = kap % 128
+        tau = r // 32
+        pp_ = (r // 16) % 2
+        hh = (r // 8) % 2
+        t = (r // 2) % 4
+        jj = r % 2
+        if DQ == 1:
+            c = 8 * tau + 4 * jj + 2 * pp_ + hh
+        else:
+            c = 8 * tau + 4 * pp_ + 2 * hh + jj
+        col = kq * IK + (kap // 128) * 128 + 32 * t + c           # the act column (within I) of row kappa
+        off = (slot * NJ + col // BIA) * (KPA * R1 * MV) + (col % BIA) * MV
+        ptr = pa_ptr + off[:, None] + n[None, :]
+        msk = (n[None, :] < M) & (kap[:, None] >= 0) & ok
+        g = gl.zeros([IK, 8], gl.float32, PL)
+        u = gl.zeros([IK, 8], gl.float32, PL)
+        for q in gl.static_range(KPA):
+            # .cg: the partials come from L2, never from a line this SM's L1 kept from an earlier layer's call
+            g += gl.load(ptr + q * (R1 * MV), mask=msk, other=0.0, cache_modifier=".cg")
+            u += gl.load(ptr + q * (R1 * MV) + BIA * MV, mask=msk, other=0.0, cache_modifier=".cg")
+        a = g / (1.0 + gl.exp(-g))
+        if HAS_LIMIT:
+            a = gl.minimum(a, limit)
+            u = gl.minimum(gl.maximum(u, -limit), limit)
+        wt = gl.convert_layout(wtok, gl.SliceLayout(0, PL))
+        v = (a * u * wt[None, :]).to(gl.bfloat16)
+        return gl.convert_layout(v, DB)
+
+    @gluon.jit
     def _moe_reduce_swiglu(ids_ptr, tw_ptr, act_ptr, part_ptr, limit, slimit, I: gl.constexpr, TOPK: gl.constexpr,
                            M: gl.constexpr, SP: gl.constexpr, BI: gl.constexpr, KP: gl.constexpr,
                            HAS_LIMIT: gl.constexpr, SHARED: gl.constexpr, PDL: gl.constexpr):
@@ -731,10 +783,14 @@ mov.b32 {$2, $3}, a1;
 
     @gluon.jit
     def _moe_down_split(act_ptr, ids_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, cnt_ptr, lut_ptr, sw2_ptr, ss2_ptr,
+                        tw_ptr, pa_ptr, limit, slimit,
                         H: gl.constexpr, I: gl.constexpr, M: gl.constexpr, S: gl.constexpr, SP: gl.constexpr,
                         BH: gl.constexpr, KP2: gl.constexpr, WD: gl.constexpr, PDL: gl.constexpr,
                         SHARED: gl.constexpr = False, WD8: gl.constexpr = None, SG: gl.constexpr = 1,
-                        DQ: gl.constexpr = 0):
+                        DQ: gl.constexpr = 0, RB: gl.constexpr = 0, BIA: gl.constexpr = 1, KPA: gl.constexpr = 1,
+                        HAS_LIMIT: gl.constexpr = False):
+        # RB (config key): the activations come from kernel A's partials (pa_ptr; :func:`_b_from_partials`), summed
+        # and put through SwiGLU here with the routing weights (tw_ptr) and clamps (limit, slimit), not from act_ptr
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         GR: gl.constexpr = (S + SG - 1) // SG   # groups of SG routed slots (SG 1: one slot per program)
@@ -758,19 +814,22 @@ mov.b32 {$2, $3}, a1;
         if SHARED:
             if s == GR:
                 _down_shared(act_ptr, sw2_ptr, ss2_ptr, slot, omask, S, hb, kq, H, I, M, BH, KP2, WD8, PDL, MMA, DA,
-                             DB, OL)
+                             DB, OL, pa_ptr, slimit, RB, BIA, KPA, HAS_LIMIT, RL)
             elif SG == 1:
                 _down_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, slot, omask, s, hb, kq, H, I, M, S,
-                             SP, BH, KP2, WD, PDL, MMA, DA, DB, RL, OL, DQ)
+                             SP, BH, KP2, WD, PDL, MMA, DA, DB, RL, OL, DQ, tw_ptr, pa_ptr, limit, RB, BIA, KPA,
+                             HAS_LIMIT)
             else:
                 _down_routed_group(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, slot, omask, s, hb, kq, H, I, M, S,
-                                   SP, BH, KP2, SG, WD, PDL, MMA, DA, DB, RL, OL, DQ)
+                                   SP, BH, KP2, SG, WD, PDL, MMA, DA, DB, RL, OL, DQ, tw_ptr, pa_ptr, limit, RB, BIA,
+                                   KPA, HAS_LIMIT)
         elif SG == 1:
             _down_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, slot, omask, s, hb, kq, H, I, M, S,
-                         SP, BH, KP2, WD, PDL, MMA, DA, DB, RL, OL, DQ)
+                         SP, BH, KP2, WD, PDL, MMA, DA, DB, RL, OL, DQ, tw_ptr, pa_ptr, limit, RB, BIA, KPA, HAS_LIMIT)
         else:
             _down_routed_group(act_ptr, ids_ptr, w2_ptr, s2_ptr, lut_ptr, slot, omask, s, hb, kq, H, I, M, S,
-                               SP, BH, KP2, SG, WD, PDL, MMA, DA, DB, RL, OL, DQ)
+                               SP, BH, KP2, SG, WD, PDL, MMA, DA, DB, RL, OL, DQ, tw_ptr, pa_ptr, limit, RB, BIA, KPA,
+                               HAS_LIMIT)
 
         _fence_all(NW)
         ticket = gl.atomic_add(cnt_ptr + hb, 1, sem="acq_rel", scope="gpu")
@@ -796,9 +855,12 @@ mov.b32 {$2, $3}, a1;
     @gluon.jit
     def _down_shared(act_ptr, sw2_ptr, ss2_ptr, slot, omask, s, hb, kq, H: gl.constexpr, I: gl.constexpr,
                      M: gl.constexpr, BH: gl.constexpr, KP2: gl.constexpr, WD8: gl.constexpr, PDL: gl.constexpr,
-                     MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, OL: gl.constexpr):
+                     MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, OL: gl.constexpr, pa_ptr=None,
+                     slimit=None, RB: gl.constexpr = 0, BIA: gl.constexpr = 1, KPA: gl.constexpr = 1,
+                     HAS_LIMIT: gl.constexpr = False, RL: gl.constexpr = None):
         """Kernel B, the shared expert's slot: FP8 E4M3 ``W2s [H, I]`` rows of block ``hb``, I slice ``kq``, times
-        ``act[s]``, into this program's partial slot."""
+        ``act[s]`` (with ``RB``: formed from kernel A's partials, routing weight 1), into this program's partial
+        slot."""
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         IK: gl.constexpr = I // KP2
@@ -808,7 +870,12 @@ mov.b32 {$2, $3}, a1;
         frag = _frag_fp8(wv, sv, DA)
         if PDL:
             _gdc("griddepcontrol.wait; mov.u32 $0, 0;", NW)
-        b = _load_b(act_ptr + s * M * I + kq * IK, I, M, NS, NW, DB)
+        if RB:
+            mcol = gl.arange(0, NPC, layout=gl.SliceLayout(1, RL))
+            b = _b_from_partials(pa_ptr, s, kq, gl.where(mcol < M, 1.0, 0.0), slimit, I, M, NS, BIA, KPA, HAS_LIMIT,
+                                 NW, DB)
+        else:
+            b = _load_b(act_ptr + s * M * I + kq * IK, I, M, NS, NW, DB)
         acc = mma_v2(frag, b, gl.zeros([BH, NPC], gl.float32, MMA))
         gl.store(slot, gl.convert_layout(acc, OL), mask=omask)
 
@@ -817,9 +884,11 @@ mov.b32 {$2, $3}, a1;
                      I: gl.constexpr, M: gl.constexpr, S: gl.constexpr, SP: gl.constexpr, BH: gl.constexpr,
                      KP2: gl.constexpr, WD: gl.constexpr, PDL: gl.constexpr,
                      MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, RL: gl.constexpr, OL: gl.constexpr,
-                     DQ: gl.constexpr = 0):
+                     DQ: gl.constexpr = 0, tw_ptr=None, pa_ptr=None, limit=None, RB: gl.constexpr = 0,
+                     BIA: gl.constexpr = 1, KPA: gl.constexpr = 1, HAS_LIMIT: gl.constexpr = False):
         """Kernel B, routed slot ``s``: its expert's MXFP4 ``W2`` rows into the partial slot, or a zero partial
-        when an earlier slot owns the expert."""
+        when an earlier slot owns the expert. With ``RB`` the activations are formed from kernel A's partials
+        (:func:`_b_from_partials`) with the weight each token gave the expert."""
         NW: gl.constexpr = gl.num_warps()
         NPC: gl.constexpr = 8
         IK: gl.constexpr = I // KP2
@@ -837,7 +906,11 @@ mov.b32 {$2, $3}, a1;
                                  gl.load(lut_ptr + 3), gl.load(lut_ptr + 4), DA, DQ)
             if PDL:
                 _gdc("griddepcontrol.wait; mov.u32 $0, 0;", NW)
-            b = _load_b(act_ptr + s * M * I + kq * IK, I, M, NS, NW, DB, DQ=DQ)
+            if RB:
+                b = _b_from_partials(pa_ptr, s, kq, _token_weights(ids, e, tw_ptr, S, SP, S // M, RL), limit, I, M,
+                                     NS, BIA, KPA, HAS_LIMIT, NW, DB, DQ=DQ)
+            else:
+                b = _load_b(act_ptr + s * M * I + kq * IK, I, M, NS, NW, DB, DQ=DQ)
             acc = mma_v2(frag, b, gl.zeros([BH, NPC], gl.float32, MMA))
             gl.store(slot, gl.convert_layout(acc, OL), mask=omask)
         else:       # a duplicate slot: its expert's share is in the owner's partial
@@ -850,7 +923,9 @@ if gluon is not None:
                            I: gl.constexpr, M: gl.constexpr, S: gl.constexpr, SP: gl.constexpr, BH: gl.constexpr,
                            KP2: gl.constexpr, SG: gl.constexpr, WD: gl.constexpr, PDL: gl.constexpr,
                            MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, RL: gl.constexpr,
-                           OL: gl.constexpr, DQ: gl.constexpr = 0):
+                           OL: gl.constexpr, DQ: gl.constexpr = 0, tw_ptr=None, pa_ptr=None, limit=None,
+                           RB: gl.constexpr = 0, BIA: gl.constexpr = 1, KPA: gl.constexpr = 1,
+                           HAS_LIMIT: gl.constexpr = False):
         """Kernel B, routed slots ``g*SG .. g*SG + SG - 1`` (``SG > 1``): their experts' ``W2`` rows of block
         ``hb``, I slice ``kq``, summed in slot order into one float32 accumulator and one partial slot, so the
         last program of the row block sums ``SG`` times fewer partials. A slot past ``S``, or whose expert an
@@ -882,7 +957,11 @@ if gluon is not None:
         l4 = gl.load(lut_ptr + 4)
         if PDL:
             _gdc("griddepcontrol.wait; mov.u32 $0, 0;", NW)
-        b = _load_b(act_ptr + s0 * M * I + kq * IK, I, M, NS, NW, DB, ok0, DQ)
+        if RB:
+            b = _b_from_partials(pa_ptr, s0, kq, _token_weights(ids, e0, tw_ptr, S, SP, S // M, RL), limit, I, M, NS,
+                                 BIA, KPA, HAS_LIMIT, NW, DB, ok0, DQ)
+        else:
+            b = _load_b(act_ptr + s0 * M * I + kq * IK, I, M, NS, NW, DB, ok0, DQ)
         acc = gl.zeros([BH, NPC], gl.float32, MMA)
         for i in gl.static_range(SG):
             if i + 2 < SG:
@@ -890,12 +969,16 @@ if gluon is not None:
                 wv2, sv2 = mxfp4_tile_if(w2_ptr + e2 * (H * (I // 8)), s2_ptr + e2 * (H * (I // 32)), rows, kq * NS,
                                          I, WD, ok2)
             if i + 1 < SG:
-                b1 = _load_b(act_ptr + (s0 + i + 1) * M * I + kq * IK, I, M, NS, NW, DB, ok1, DQ)
+                if RB:
+                    b1 = _b_from_partials(pa_ptr, s0 + i + 1, kq, _token_weights(ids, e1, tw_ptr, S, SP, S // M, RL),
+                                          limit, I, M, NS, BIA, KPA, HAS_LIMIT, NW, DB, ok1, DQ)
+                else:
+                    b1 = _load_b(act_ptr + (s0 + i + 1) * M * I + kq * IK, I, M, NS, NW, DB, ok1, DQ)
             acc = mma_v2(frag_dequant(wv, sv, l0, l1, l2, l3, l4, DA, DQ), b, acc)
             if i + 1 < SG:
                 wv, sv, b = wv1, sv1, b1
             if i + 2 < SG:
-                wv1, sv1, ok1 = wv2, sv2, ok2
+                wv1, sv1, ok1, e1 = wv2, sv2, ok2, e2
         gl.store(slot, gl.convert_layout(acc, OL), mask=omask)
 
     @gluon.jit
@@ -961,6 +1044,12 @@ def fit_split_config(cfg: dict, h: int, i: int) -> dict:
     if cfg.get("RK", 0) not in (0, 1):
         raise BackendError(f"moe[triton] variant 'split': RK (kernel A's partials summed by a launch of their own) "
                            f"must be 0 or 1, got {cfg.get('RK')!r}")
+    if cfg.get("RB", 0) not in (0, 1):
+        raise BackendError(f"moe[triton] variant 'split': RB (kernel A's partials summed by kernel B) must be 0 or 1, "
+                           f"got {cfg.get('RB')!r}")
+    if cfg.get("RB", 0) and (cfg.get("RK", 0) or cfg.get("TR", 0)):
+        raise BackendError("moe[triton] variant 'split': RB (kernel B sums kernel A's partials) excludes RK and TR "
+                           "(a launch of its own sums them)")
     if cfg.get("DQ") not in (0, 1):
         raise BackendError(f"moe[triton] variant 'split': DQ (the E2M1 decode) must be 0 (table) or 1 (shift), "
                            f"got {cfg.get('DQ')!r}")
@@ -1088,13 +1177,16 @@ def split_constexprs(m: int, k: int, h: int, i: int, cfg: dict, shared: bool, ha
     bi, kp, bh, kp2 = cfg["BI"], cfg["KP"], cfg["BH"], cfg["KP2"]
     kc = int(cfg.get("KC", 1))
     nw, dw = cfg["num_warps"], cfg["down_warps"]
+    rb = int(cfg.get("RB", 0)) if kp > 1 else 0     # (KP 1: kernel A applies SwiGLU itself, there are no partials)
     a = dict(H=h, I=i, TOPK=k, M=m, SP=sp, BI=bi, KP=kp, HAS_LIMIT=has_limit,
              WD=word_layout(2 * bi, h // kp // kc // 128, nw), PDL=pdl, SHARED=shared,
              WD8=fp8_word_layout(2 * bi, max(1, h // kp // kc // 256), nw) if shared else None,
-             PDL_IN=pdl_in, KC=kc, DQ=dq, RK=int(cfg.get("RK", 0)) if kp > 1 else 0, XS=int(cfg.get("XS", 0)))
+             PDL_IN=pdl_in, KC=kc, DQ=dq, RK=int(bool(cfg.get("RK", 0)) or rb) if kp > 1 else 0,
+             XS=int(cfg.get("XS", 0)))
     b = dict(H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2, SG=max(1, min(int(cfg.get("SG", 1)), s)),
              WD=word_layout(bh, i // kp2 // 128, dw), PDL=pdl, SHARED=shared,
-             WD8=fp8_word_layout(bh, i // kp2 // 128, dw) if shared else None, DQ=dq)
+             WD8=fp8_word_layout(bh, i // kp2 // 128, dw) if shared else None, DQ=dq, RB=rb, BIA=bi, KPA=kp,
+             HAS_LIMIT=has_limit)
     return a, b
 
 
@@ -1140,10 +1232,10 @@ def launch_split(kern, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
         _moe_gateup_split[(nj, st, kp)](x, ids, w, kern.w13w, kern.s13, act, part_a, cnt_a, kern.lut, limit,
                                         sw13, ss13, slimit, **ca, num_warps=cfg["num_warps"], launch_pdl=pdl_in > 0,
                                         **maxnreg(cfg.get("NR")))
-    if ca["RK"]:
+    if ca["RK"] and not cb["RB"]:
         _moe_reduce_swiglu[(nj, st)](ids, w, act, part_a, limit, slimit, I=i, TOPK=k, M=m, SP=ca["SP"], BI=bi, KP=kp,
                                      HAS_LIMIT=has_limit, SHARED=sh is not None, PDL=pdl,
                                      num_warps=max(1, min(4, bi // 32)), launch_pdl=pdl)
     _moe_down_split[(h // bh, gt, kp2)](act, ids, kern.w2w, kern.s2, out, part_b, cnt_b, kern.lut, sw2, ss2,
-                                        **cb, num_warps=cfg["down_warps"], launch_pdl=pdl,
+                                        w, part_a, limit, slimit, **cb, num_warps=cfg["down_warps"], launch_pdl=pdl,
                                         **maxnreg(cfg.get("NR2")))

@@ -222,9 +222,11 @@ def make_shared(h, i, limit=None, seed=0, pow2=True):
                                     {"BI": 64, "KP": 1, "KC": 10, "num_warps": 8, "SG": 4, "pdl_in": 2},
                                     {"KP": 1, "BI": 32, "KP2": 6, "BH": 128, "down_warps": 8},
                                     {"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "SG": 4, "pdl_in": 1, "RK": 1},
-                                    {"BI": 64, "KP": 5, "num_warps": 8, "pdl_in": 1, "DQ": 0, "RK": 1}],
+                                    {"BI": 64, "KP": 5, "num_warps": 8, "pdl_in": 1, "DQ": 0, "RK": 1},
+                                    {"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "SG": 4, "pdl_in": 1, "RB": 1},
+                                    {"BI": 64, "KP": 5, "num_warps": 8, "pdl_in": 1, "DQ": 0, "RB": 1}],
                          ids=["default", "h200-m1", "h200-m4", "kc5-sg3", "kc10-sg4-pdl2", "kp1", "h200-m4-rk",
-                              "h200-m1-rk"])
+                              "h200-m1-rk", "h200-m4-rb", "h200-m1-rb"])
 @pytest.mark.parametrize("m,dup", [(1, 0), (2, 3), (4, 0), (4, 5)])
 @pytest.mark.parametrize("limits", [(None, None), (1.0, None), (None, 0.75)], ids=["noclamp", "routed", "shared"])
 def test_split_shared_expert(ling_experts, tiling, m, dup, limits):
@@ -263,7 +265,7 @@ def test_split_shared_expert(ling_experts, tiling, m, dup, limits):
 
 # Each key's "on" value below; NR: the register cap of the committed M = 4 entry (kernels/configs/triton_moe.json),
 # NR2: a kernel-B cap under ptxas' own count at M = 4 (124), which spills there
-KEY_ON = {"RK": 1, "XS": 1, "NR": 80, "NR2": 96}
+KEY_ON = {"RK": 1, "RB": 1, "XS": 1, "NR": 80, "NR2": 96}
 
 
 @pytest.mark.parametrize("tiling", [{"BI": 64, "KP": 2, "KC": 5, "num_warps": 8, "SG": 4, "pdl_in": 1, "DQ": 1},
@@ -278,7 +280,8 @@ def test_split_key_keeps_the_bits(ling_experts, key, tiling, m, dup, limits):
     """Config keys that change how, not what, the kernels compute: the output with the key on equals the output
     with it off (absent from the config) bit for bit, with and without the shared expert, and in a CUDA graph.
     ``RK`` (kernel A's partials summed and SwiGLU applied by a launch between the two kernels) computes the same
-    sums in the same order as kernel A's last program; ``XS`` (x staged in shared memory) reads the same B values
+    sums in the same order as kernel A's last program; ``RB`` (kernel B forms its operand from kernel A's partials;
+    it excludes ``RK``, so a tiling's ``RK`` is dropped in both arms) the same sums and SwiGLU arithmetic; ``XS`` (x staged in shared memory) reads the same B values
     into the same mma order; ``NR`` / ``NR2`` (kernel A's / B's register cap, :data:`KEY_ON`) change only ptxas' register
     allocation and schedule (and spills), not the arithmetic. (The twenty-fourth session's ``PF``, an L2 prefetch of each
     program's tile, passed here too before it was reverted as slower.)"""
@@ -291,7 +294,7 @@ def test_split_key_keeps_the_bits(ling_experts, key, tiling, m, dup, limits):
         x = torch.randn(m, LING["h"], device=DEV).to(torch.bfloat16)
         outs = {}
         for on in (0, 1):
-            tile = {k: v for k, v in tiling.items() if k != key}
+            tile = {k: v for k, v in tiling.items() if k != key and not (key == "RB" and k == "RK")}
             if on:
                 tile[key] = KEY_ON[key]
             cfg = fit_config(_moe_config("split", tile), LING["h"], LING["i"])
