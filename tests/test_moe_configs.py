@@ -126,6 +126,25 @@ def test_split_reduce_kernel_key():
         ts.fit_split_config({"RK": 2}, 2560, 768)
 
 
+@pytest.mark.skipif(ts.gl is None, reason="needs Gluon (triton >= 3.5) for the word layouts")
+def test_split_reduce_in_b_key():
+    """``RB``: kernel B sums kernel A's partials; kernel A then ends after its partials as under ``RK`` (its constexpr
+    ``RK`` 1) while no third launch runs (``launch_split`` skips the reduce launch where kernel B has ``RB``), and B
+    gets A's tiling (``BIA``, ``KPA``) and the clamp switch. Off where there are no partials (KP 1); with ``RK`` or
+    ``TR``, or anything but 0/1, a named error."""
+    c = ts.fit_split_config({"BI": 64, "KP": 5, "num_warps": 8, "RB": 1}, 2560, 768)
+    a, b = ts.split_constexprs(1, 8, 2560, 768, c, True, True, True, 1)
+    assert (a["RK"], b["RB"], b["BIA"], b["KPA"], b["HAS_LIMIT"]) == (1, 1, 64, 5, True)
+    a0, b0 = ts.split_constexprs(1, 8, 2560, 768, ts.fit_split_config({"BI": 64, "KP": 5}, 2560, 768), True, False,
+                                 True, 1)
+    assert (a0["RK"], b0["RB"]) == (0, 0)
+    one = ts.fit_split_config({"KP": 1, "KC": 2, "RB": 1}, 256, 128)
+    assert ts.split_constexprs(1, 4, 256, 128, one, False, False, True, 0)[1]["RB"] == 0
+    for bad in ({"RB": 2}, {"RB": 1, "RK": 1}, {"RB": 1, "TR": 1}):
+        with pytest.raises(BackendError, match="RB"):
+            ts.fit_split_config(bad, 2560, 768)
+
+
 def test_split_decode_key(monkeypatch):
     """``DQ``: the shift decode (1) by default, the table (0) on request, anything else a named error; the constexprs
     carry it to both kernels unless the launch lowers it (scales the shift decode cannot take, or the A/B switch
