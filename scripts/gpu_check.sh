@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela nr regcap gemvcap moetable routerseg mlalong ticketrope kdancu)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela nr regcap gemvcap moetable routerseg mlalong ticketrope kdancu rb)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -348,6 +348,33 @@ section_kdancu() {       # what the fused KDA kernel's time in the step is made 
         grep -E '"(Duration|DRAM Throughput|Memory Throughput|Registers Per Thread|Achieved Occupancy|Warp Cycles Per Issued Instruction)"' \
             "$OUT/kda-$n-details.csv" | tee -a "$LOG"
     done
+}
+
+section_rb() {           # the thirty-sixth session's MoE config key RB (kernel B forms its operand from kernel A's
+    # partials: no ticket tail in kernel A, no third launch; bit-equal by construction, opt-in until this has run):
+    # its kernel tests (float64 references and key on == off bit for bit), then a candidate table with RB in the M = 1
+    # entry and in place of RK in the M = 4 entry, bench_decode with the verify ops (decode graph, 4-token verify,
+    # kernels per step) committed vs candidate after a discarded warm-up process in ABBA order (RB_PAIRS, default 2),
+    # and table_checks with it (engine tests, full-scale canaries, plain step + MTP round). Synthetic weights.
+    local tab="$OUT/rb-table.json" i
+    kernel_tests_by_id 'keeps_the_bits\[RB-|shared_expert\[.*-rb\]'
+    python3 -c 'import json, sys
+t = json.load(open("bytebound/kernels/configs/triton_moe.json"))
+g = t["NVIDIA H200"]
+g["E512_H2560_I768_k8_M1"]["RB"] = 1
+g["E512_H2560_I768_k8_M4"].pop("RK", None)
+g["E512_H2560_I768_k8_M4"]["RB"] = 1
+json.dump(t, open(sys.argv[1], "w"), indent=1)' "$tab" || { FAILED+=("rb/table"); return 0; }
+    local d=(python3 scripts/bench_decode.py --contexts 2048 --ttft-len 0 --moe-backends triton --heads fp8
+        --verify-ops --out "$OUT")
+    run_step decode_warmup env -u BYTEBOUND_MOE_CONFIG "${d[@]}" --name rb-warmup
+    local base_cmd cand_cmd
+    for i in $(seq 1 "${RB_PAIRS:-2}"); do
+        base_cmd=(env -u BYTEBOUND_MOE_CONFIG "${d[@]}" --name "rb-base-$i")
+        cand_cmd=(env BYTEBOUND_MOE_CONFIG="$tab" "${d[@]}" --name "rb-cand-$i")
+        abba_pair "$i" "decode_base_$i" base_cmd "decode_rb_$i" cand_cmd
+    done
+    table_checks BYTEBOUND_MOE_CONFIG "$tab" rb
 }
 
 section_mlalong() {      # the long-span attention tiling of the 4-token verify (BM 32, BN 64): 8 warps (the default
