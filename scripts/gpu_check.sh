@@ -368,12 +368,7 @@ json.dump(t, open(sys.argv[1], "w"), indent=1)' "$tab" || { FAILED+=("rb/table")
     local d=(python3 scripts/bench_decode.py --contexts 2048 --ttft-len 0 --moe-backends triton --heads fp8
         --verify-ops --out "$OUT")
     run_step decode_warmup env -u BYTEBOUND_MOE_CONFIG "${d[@]}" --name rb-warmup
-    local base_cmd cand_cmd
-    for i in $(seq 1 "${RB_PAIRS:-2}"); do
-        base_cmd=(env -u BYTEBOUND_MOE_CONFIG "${d[@]}" --name "rb-base-$i")
-        cand_cmd=(env BYTEBOUND_MOE_CONFIG="$tab" "${d[@]}" --name "rb-cand-$i")
-        abba_pair "$i" "decode_base_$i" base_cmd "decode_rb_$i" cand_cmd
-    done
+    ab_table_pairs "${RB_PAIRS:-2}" decode BYTEBOUND_MOE_CONFIG "$tab" --name rb "${d[@]}"
     table_checks BYTEBOUND_MOE_CONFIG "$tab" rb
 }
 
@@ -582,6 +577,18 @@ abba_pair() {
     fi
 }
 
+# ab_table_pairs PAIRS STEP VAR TABLE FLAG PREFIX CMD...: PAIRS pairs in ABBA order (abba_pair) of CMD with VAR unset
+# (the committed table; step STEP_base_i, CMD given FLAG PREFIX-base-i) and with VAR=TABLE (STEP_cand_i, PREFIX-cand-i).
+ab_table_pairs() {
+    local pairs="$1" step="$2" var="$3" tab="$4" flag="$5" prefix="$6" i base_cmd cand_cmd
+    shift 6
+    for i in $(seq 1 "$pairs"); do
+        base_cmd=(env -u "$var" "$@" "$flag" "$prefix-base-$i")
+        cand_cmd=(env "$var=$tab" "$@" "$flag" "$prefix-cand-$i")
+        abba_pair "$i" "${step}_base_$i" base_cmd "${step}_cand_$i" cand_cmd
+    done
+}
+
 # table_checks VAR TABLE LABEL [BASE]: with VAR=TABLE in the environment (BYTEBOUND_MOE_CONFIG or BYTEBOUND_GEMV_CONFIG),
 # the engine tests of the CUDA defaults and the full-scale canaries; then the plain step and the MTP round
 # (profile_round), BASE (VAR=BASE, or the committed table where BASE is empty) against TABLE, after a discarded
@@ -626,12 +633,7 @@ section_moetable() {     # a candidate MoE table (MOE_TABLE, a path) against the
     local bm=(python3 scripts/bench_moe.py --backends '' --m 1,4 --layers 4 --reps 20 --shared)
     # a discarded warm-up process (the first process of a call ran slow in five of six calls), then ABBA pairs
     run_step shared_warmup env -u BYTEBOUND_MOE_CONFIG "${bm[@]}" --out "$OUT/moetable-warmup"
-    local base_cmd cand_cmd
-    for i in $(seq 1 "${MOETABLE_PAIRS:-4}"); do
-        base_cmd=(env -u BYTEBOUND_MOE_CONFIG "${bm[@]}" --out "$OUT/moetable-base-$i")
-        cand_cmd=(env BYTEBOUND_MOE_CONFIG="$tab" "${bm[@]}" --out "$OUT/moetable-cand-$i")
-        abba_pair "$i" "shared_base_$i" base_cmd "shared_cand_$i" cand_cmd
-    done
+    ab_table_pairs "${MOETABLE_PAIRS:-4}" shared BYTEBOUND_MOE_CONFIG "$tab" --out "$OUT/moetable" "${bm[@]}"
     grep -E "^shared M=|^=== \[moetable\] shared_(warmup|(base|cand)_[0-9]+): [^r]" "$LOG" | tee -a "$OUT/moetable-summary.txt"
     kernel_tests_by_id 'keeps_the_bits\[NR-'
     table_checks BYTEBOUND_MOE_CONFIG "$tab" moetable

@@ -688,12 +688,7 @@ mov.b32 {$2, $3}, a1;
                       HAS_LIMIT: gl.constexpr, EL: gl.constexpr):
         """``act[s, m, j*BI + i] = w_tok[m] * silu(g[i, m]) * u[i, m]`` (clamped as the checkpoint's
         ``swiglu_limit`` asks) in BF16, for tokens ``m < M``; ``g``, ``u`` float32 ``[BI, 8]``."""
-        a = g / (1.0 + gl.exp(-g))
-        if HAS_LIMIT:
-            a = gl.minimum(a, limit)
-            u = gl.minimum(gl.maximum(u, -limit), limit)
-        wt = gl.convert_layout(wtok, gl.SliceLayout(0, EL))
-        v = (a * u * wt[None, :]).to(gl.bfloat16)
+        v = _swiglu(g, u, gl.convert_layout(wtok, gl.SliceLayout(0, EL))[None, :], limit, HAS_LIMIT)
         gr = gl.arange(0, BI, layout=gl.SliceLayout(1, EL))
         gc = gl.arange(0, 8, layout=gl.SliceLayout(0, EL))
         gl.store(act_ptr + (s * M + gc[None, :]) * I + j * BI + gr[:, None], v,
@@ -738,13 +733,20 @@ mov.b32 {$2, $3}, a1;
             # .cg: the partials come from L2, never from a line this SM's L1 kept from an earlier layer's call
             g += gl.load(ptr + q * (R1 * MV), mask=msk, other=0.0, cache_modifier=".cg")
             u += gl.load(ptr + q * (R1 * MV) + BIA * MV, mask=msk, other=0.0, cache_modifier=".cg")
+        v = _swiglu(g, u, gl.convert_layout(wtok, gl.SliceLayout(0, PL))[None, :], limit, HAS_LIMIT)
+        return gl.convert_layout(v, DB)
+
+    @gluon.jit
+    def _swiglu(g, u, wt, limit, HAS_LIMIT: gl.constexpr):
+        """``wt * silu(g) * u`` rounded to BF16 (``g``, ``u`` float32, ``wt`` the routing weights broadcast against
+        them), with ``silu(g)`` clamped above and ``u`` to ``[-limit, limit]`` under ``HAS_LIMIT``: the one arithmetic
+        of ``act``, in kernel A's epilogue, the ``RK`` launch (:func:`_swiglu_store`) and kernel B's ``RB`` operand
+        (:func:`_b_from_partials`), so the three give the same bits."""
         a = g / (1.0 + gl.exp(-g))
         if HAS_LIMIT:
             a = gl.minimum(a, limit)
             u = gl.minimum(gl.maximum(u, -limit), limit)
-        wt = gl.convert_layout(wtok, gl.SliceLayout(0, PL))
-        v = (a * u * wt[None, :]).to(gl.bfloat16)
-        return gl.convert_layout(v, DB)
+        return (a * u * wt).to(gl.bfloat16)
 
     @gluon.jit
     def _moe_reduce_swiglu(ids_ptr, tw_ptr, act_ptr, part_ptr, limit, slimit, I: gl.constexpr, TOPK: gl.constexpr,
