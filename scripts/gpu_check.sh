@@ -356,7 +356,7 @@ section_rb() {           # the thirty-sixth session's MoE config key RB (kernel 
     # entry and in place of RK in the M = 4 entry, bench_decode with the verify ops (decode graph, 4-token verify,
     # kernels per step) committed vs candidate after a discarded warm-up process in ABBA order (RB_PAIRS, default 2),
     # and table_checks with it (engine tests, full-scale canaries, plain step + MTP round). Synthetic weights.
-    local tab="$OUT/rb-table.json" i
+    local tab="$OUT/rb-table.json"
     kernel_tests_by_id 'keeps_the_bits\[RB-|shared_expert\[.*-rb\]'
     python3 -c 'import json, sys
 t = json.load(open("bytebound/kernels/configs/triton_moe.json"))

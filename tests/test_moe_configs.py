@@ -135,9 +135,10 @@ def test_split_reduce_in_b_key():
     c = ts.fit_split_config({"BI": 64, "KP": 5, "num_warps": 8, "RB": 1}, 2560, 768)
     a, b = ts.split_constexprs(1, 8, 2560, 768, c, True, True, True, 1)
     assert (a["RK"], b["RB"], b["BIA"], b["KPA"], b["HAS_LIMIT"]) == (1, 1, 64, 5, True)
-    a0, b0 = ts.split_constexprs(1, 8, 2560, 768, ts.fit_split_config({"BI": 64, "KP": 5}, 2560, 768), True, False,
+    a0, b0 = ts.split_constexprs(1, 8, 2560, 768, ts.fit_split_config({"BI": 64, "KP": 5}, 2560, 768), True, True,
                                  True, 1)
-    assert (a0["RK"], b0["RB"]) == (0, 0)
+    # without RB kernel B gets none of what only RB reads: one binary (and cache key) whatever A's tiling and clamps
+    assert (a0["RK"], b0["RB"], b0["BIA"], b0["KPA"], b0["HAS_LIMIT"]) == (0, 0, 1, 1, False)
     one = ts.fit_split_config({"KP": 1, "KC": 2, "RB": 1}, 256, 128)
     assert ts.split_constexprs(1, 4, 256, 128, one, False, False, True, 0)[1]["RB"] == 0
     for bad in ({"RB": 2}, {"RB": 1, "RK": 1}, {"RB": 1, "TR": 1}):

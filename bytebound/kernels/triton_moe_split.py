@@ -1187,8 +1187,9 @@ def split_constexprs(m: int, k: int, h: int, i: int, cfg: dict, shared: bool, ha
              XS=int(cfg.get("XS", 0)))
     b = dict(H=h, I=i, M=m, S=s, SP=sp, BH=bh, KP2=kp2, SG=max(1, min(int(cfg.get("SG", 1)), s)),
              WD=word_layout(bh, i // kp2 // 128, dw), PDL=pdl, SHARED=shared,
-             WD8=fp8_word_layout(bh, i // kp2 // 128, dw) if shared else None, DQ=dq, RB=rb, BIA=bi, KPA=kp,
-             HAS_LIMIT=has_limit)
+             WD8=fp8_word_layout(bh, i // kp2 // 128, dw) if shared else None, DQ=dq, RB=rb,
+             # (kernel A's tiling and the clamp switch only where RB reads them: otherwise one binary, one cache key)
+             BIA=bi if rb else 1, KPA=kp if rb else 1, HAS_LIMIT=bool(has_limit and rb))
     return a, b
 
 

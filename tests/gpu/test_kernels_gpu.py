@@ -121,8 +121,13 @@ def ling_experts():
     return make_experts(**{k: v for k, v in LING.items() if k != "k"})
 
 
-def _poisoned_call(fn, x, ids, w):
-    """Call with the caching allocator's next block pre-filled with NaN, so unwritten outputs show up."""
+def _poisoned_call(fn, x, ids, w, act=False):
+    """Call with the caching allocator's next block pre-filled with NaN, so unwritten outputs show up; ``act``: the
+    split kernels' shared ``act`` scratch (``kernels.scratch``) NaN too, so a read of an activation no kernel wrote in
+    this call shows up."""
+    if act:
+        from bytebound.kernels.scratch import scratch
+        scratch(DEV, "act", 1, torch.bfloat16).fill_(float("nan"))
     torch.full((x.shape[0], x.shape[1]), float("nan"), dtype=torch.bfloat16, device=DEV)
     return fn(x, ids, w)
 
@@ -299,9 +304,12 @@ def test_split_key_keeps_the_bits(ling_experts, key, tiling, m, dup, limits):
                 tile[key] = KEY_ON[key]
             cfg = fit_config(_moe_config("split", tile), LING["h"], LING["i"])
             fn = MoEKernel(ex, {mm: cfg for mm in range(1, 5)})
-            outs[on, False] = _poisoned_call(fn, x, ids, w)
+            # the on arm runs over a NaN act scratch: a kernel B that read act where the key says it must not (RB)
+            # would otherwise find the off arm's values for the same inputs there and pass; every other key
+            # rewrites act before B reads it
+            outs[on, False] = _poisoned_call(fn, x, ids, w, act=bool(on))
             fn.bind_shared(mlp)
-            outs[on, True] = _poisoned_call(fn, x, ids, w)
+            outs[on, True] = _poisoned_call(fn, x, ids, w, act=bool(on))
             if on:
                 assert torch.equal(_graph_replay_out(fn, x, ids, w, replays=1), outs[1, True]), \
                     "graph replay differs from eager"
