@@ -356,8 +356,10 @@ section_rb() {           # the thirty-sixth session's MoE config key RB (kernel 
     # entry and in place of RK in the M = 4 entry, bench_decode with the verify ops (decode graph, 4-token verify,
     # kernels per step) committed vs candidate after a discarded warm-up process in ABBA order (RB_PAIRS, default 2),
     # and table_checks with it (engine tests, full-scale canaries, plain step + MTP round). Synthetic weights.
-    local tab="$OUT/rb-table.json"
-    kernel_tests_by_id 'keeps_the_bits\[RB-|shared_expert\[.*-rb\]'
+    # RB_PARTS (default "tests decode checks") picks the parts: all three take more than one 10-minute device command,
+    # so e.g. RB_PARTS="tests decode" in one call and RB_PARTS=checks in the next.
+    local tab="$OUT/rb-table.json" parts=" ${RB_PARTS:-tests decode checks} "
+    [[ "$parts" == *" tests "* ]] && kernel_tests_by_id 'keeps_the_bits\[RB-|shared_expert\[.*-rb\]'
     python3 -c 'import json, sys
 t = json.load(open("bytebound/kernels/configs/triton_moe.json"))
 g = t["NVIDIA H200"]
@@ -367,9 +369,12 @@ g["E512_H2560_I768_k8_M4"]["RB"] = 1
 json.dump(t, open(sys.argv[1], "w"), indent=1)' "$tab" || { FAILED+=("rb/table"); return 0; }
     local d=(python3 scripts/bench_decode.py --contexts 2048 --ttft-len 0 --moe-backends triton --heads fp8
         --verify-ops --out "$OUT")
-    run_step decode_warmup env -u BYTEBOUND_MOE_CONFIG "${d[@]}" --name rb-warmup
-    ab_table_pairs "${RB_PAIRS:-2}" decode BYTEBOUND_MOE_CONFIG "$tab" --name rb "${d[@]}"
-    table_checks BYTEBOUND_MOE_CONFIG "$tab" rb
+    if [[ "$parts" == *" decode "* ]]; then
+        run_step decode_warmup env -u BYTEBOUND_MOE_CONFIG "${d[@]}" --name rb-warmup
+        ab_table_pairs "${RB_PAIRS:-2}" decode BYTEBOUND_MOE_CONFIG "$tab" --name rb "${d[@]}"
+    fi
+    [[ "$parts" == *" checks "* ]] && table_checks BYTEBOUND_MOE_CONFIG "$tab" rb
+    return 0
 }
 
 section_mlalong() {      # the long-span attention tiling of the 4-token verify (BM 32, BN 64): 8 warps (the default
