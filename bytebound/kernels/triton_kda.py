@@ -22,12 +22,12 @@ tokens (q/k conv + SiLU, L2 norms, gate) as 1-D vectors, written to its own floa
 head recomputes these 128-wide vectors: cheaper than a second sync); then, after a barrier, the value-side conv,
 the delta rule and ``S^T q`` on its state slice. Both phases loop over the tokens as a software pipeline: token t+1's
 inputs are loaded before token t's arithmetic and stores, so an M-token verify pays one L2 round trip per phase, not M
-(the arithmetic, and so every rounding, is the same for M = 1 and M > 1). In the state's register layout every K-vector is replicated over
-the lanes that hold different V columns, so building the ~20 key-side vectors there makes ptxas spill; passing the
-three results (q, k, exp(g)) through the scratch keeps the state phase within the register file. With a history
-request the kernel also writes, after each token i, the conv window to ``conv_hist[i]`` and the recurrent state to
-``rec_hist[i]`` (MTP verify: rollback to token i is a copy from, or an index into, those buffers; no Python loop,
-no clones); each program writes its own columns (and a 1/V_SPLIT share of the q/k windows).
+(the arithmetic, and so every rounding, is the same for M = 1 and M > 1). In the state's register layout every K-vector
+is replicated over the lanes that hold different V columns, so building the ~20 key-side vectors there makes ptxas
+spill; passing the three results (q, k, exp(g)) through the scratch keeps the state phase within the register file. With
+a history request the kernel also writes, after each token i, the conv window to ``conv_hist[i]`` and the recurrent
+state to ``rec_hist[i]`` (MTP verify: rollback to token i is a copy from, or an index into, those buffers; no Python
+loop, no clones); each program writes its own columns (and a 1/V_SPLIT share of the q/k windows).
 
 The gated RMSNorm needs the whole V row of ``o``. With ``V_SPLIT = 1`` the program applies it directly. Otherwise
 each program stores its slice of the un-normalised ``o`` (float32) and its partial sum of squares per token into

@@ -284,12 +284,13 @@ KEY_ON = {"RK": 1, "RB": 1, "XS": 1, "NR": 80, "NR2": 96}
 def test_split_key_keeps_the_bits(ling_experts, key, tiling, m, dup, limits):
     """Config keys that change how, not what, the kernels compute: the output with the key on equals the output
     with it off (absent from the config) bit for bit, with and without the shared expert, and in a CUDA graph.
-    ``RK`` (kernel A's partials summed and SwiGLU applied by a launch between the two kernels) computes the same
-    sums in the same order as kernel A's last program; ``RB`` (kernel B forms its operand from kernel A's partials;
-    it excludes ``RK``, so a tiling's ``RK`` is dropped in both arms) the same sums and SwiGLU arithmetic; ``XS`` (x staged in shared memory) reads the same B values
-    into the same mma order; ``NR`` / ``NR2`` (kernel A's / B's register cap, :data:`KEY_ON`) change only ptxas' register
-    allocation and schedule (and spills), not the arithmetic. (The twenty-fourth session's ``PF``, an L2 prefetch of each
-    program's tile, passed here too before it was reverted as slower.)"""
+    ``RK`` (kernel A's partials summed and SwiGLU applied by a launch between the two kernels) computes the same sums in
+    the same order as kernel A's last program; ``RB`` (kernel B forms its operand from kernel A's partials; it excludes
+    ``RK``, so a tiling's ``RK`` is dropped in both arms) the same sums and SwiGLU arithmetic; ``XS`` (x staged in
+    shared memory) reads the same B values into the same mma order; ``NR`` / ``NR2`` (kernel A's / B's register cap,
+    :data:`KEY_ON`) change only ptxas' register allocation and schedule (and spills), not the arithmetic. (The
+    twenty-fourth session's ``PF``, an L2 prefetch of each program's tile, passed here too before it was reverted as
+    slower.)"""
     from bytebound.kernels.moe_host import MoEKernel, fit_config
     ex = ling_experts
     ex.limit = limits[0]
