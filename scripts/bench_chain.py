@@ -30,6 +30,14 @@ timed as CUDA-graph replays of the whole chain (median of ``--reps``, CUDA event
    alone waits with ``griddepcontrol.wait`` (the zeroes visible) and only then lets op 1 launch. This separates
    the boundary's cost into the launch structure (which ``flag`` keeps) and the grid-completion wait (which it
    drops).
+6. ``stream``: ONE persistent kernel (one program per SM, cooperative) whose weight tiles stream into a deep
+   shared-memory ring by TMA, in the order the program consumes them and ahead of its dependency waits, up to the
+   ring's ``--stream-stages`` x ``--stream-cps`` tiles of ``--stream-rows`` x 128 bytes (``scripts/chain_stream.py``;
+   the weights repacked into those tiles once, host-side). Per op: one acquire spin on the previous op's counter,
+   x staged once in shared memory, the program's row blocks out of the ring, a release add per block. It sums in
+   another order than the other executions (128-column tiles), so it is checked against the float64 chain and its
+   bit equality with ``plain`` is only reported. Needs sm_90; skipped on CPU (Gluon and TMA do not run in the
+   interpreter). Not in the default ``--only``: name it.
 
 ``--prefetch-l2`` adds, for pdl and persist, one bulk L2 prefetch of each row block's whole weights before the
 wait (the "weights streamed independently of the dependencies" of section 3, one block deep).
@@ -45,6 +53,7 @@ float64 reference (see :data:`LOCAL_TOL`, :func:`chain_tol`).
 
     python scripts/bench_chain.py [--shapes 2560x16384,16384x2560] [--layers 32] [--bn 16] [--bk 512]
         [--num-warps 4] [--programs-per-sm 1] [--reps 100] [--only plain,pdl,persist,read] [--out DIR --name NAME]
+        [--stream-rows 16 --stream-cps 4 --stream-stages 0 --stream-warps 4]   # with --only ...,stream
     TRITON_INTERPRET=1 python scripts/bench_chain.py --device cpu --shapes 64x128,128x64 --layers 4 --bn 16 --bk 32
     python scripts/bench_chain.py --ptx      # no GPU: compile the kernels for sm_90, check the PTX's ordering
 
@@ -69,12 +78,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))          # ptxas_util, chain_stream (imported where needed)
 
 from bytebound.kernels.registry import optional_triton  # noqa: E402
 
 triton, tl, _TRITON_ERR = optional_triton()
 
-EXECUTIONS = ("plain", "pdl", "persist", "read", "flag", "flaglate")
+EXECUTIONS = ("plain", "pdl", "persist", "read", "flag", "flaglate", "stream")
 DEFAULT_SHAPES = "2560x16384,16384x2560"
 META = 8                # int64 words per op in the persistent kernel's op table (see Chain.meta)
 WEIGHTS = "synthetic (random FP8)"
@@ -341,6 +351,10 @@ class Config:
     read_steps: int = 0             # 0: the plain launches' mean K chunks per program
     prefetch_l2: bool = False       # pdl / persist: bulk L2 prefetch of each block's weights before the wait
     cooperative: bool = True
+    stream_rows: int = 16           # stream: rows per tile and row block (R)
+    stream_cps: int = 4             # stream: tiles per ring stage (one mbarrier, one CTA barrier each)
+    stream_stages: int = 0          # stream: ring stages (0: as many as fit in shared memory, at most 64)
+    stream_warps: int = 4
 
 
 @dataclass
@@ -718,11 +732,49 @@ def _execution(name: str, chain: Chain, cfg: Config, rec: dict):
                             f"weight bytes in flight; if persist is bandwidth-bound, sweep --programs-per-sm (up to "
                             f"{st.fit_per_sm} fit)")
         return (lambda: run_persist(chain, cfg, st)), st
+    if name == "stream":
+        return _stream_execution(chain, cfg, rec)
     steps = read_steps(chain, cfg)
     n_prog = -(-chain.w.view(torch.int32).numel() // (cfg.bn * cfg.bk // 4 * steps))
     out = torch.empty(n_prog, dtype=torch.int32, device=dev)
     rec.update(grid=n_prog, steps=steps)
     return (lambda: run_read(chain, cfg, out, steps)), out
+
+
+STREAM_CPU_SKIP = ("the stream kernel is Gluon with TMA copies and mbarriers, which Triton's interpreter cannot run; "
+                   "its host-side plan is checked in tests/test_bench_chain.py, its sm_90 compile by --ptx")
+
+
+def _stream_execution(chain: Chain, cfg: Config, rec: dict):
+    """``(fn, Stream)`` for ``stream``, or ``(None, None)`` with ``rec["skipped"]`` where it cannot run.
+
+    Raises:
+        ShapeError: the chain does not fit the stream's tiles or shared memory (chain_stream.StreamError)."""
+    dev = chain.w.device
+    if dev.type != "cuda":
+        rec["skipped"] = STREAM_CPU_SKIP
+        return None, None
+    if torch.cuda.get_device_capability(dev)[0] < 9:
+        rec["skipped"] = "TMA and mbarriers need compute capability >= 9.0"
+        return None, None
+    import chain_stream
+    try:
+        st = chain_stream.Stream(chain, cfg.stream_rows, cfg.stream_cps, cfg.stream_stages, cfg.stream_warps,
+                                 cfg.max_polls)
+    except chain_stream.StreamError as exc:
+        raise ShapeError(str(exc)) from None
+    rec.update(grid=st.grid, rows=st.rows, cps=st.cps, stages=st.stages, ring_bytes=st.stages * st.cps * st.rows * 128,
+               smem_estimate=st.smem, warps=st.num_warps)
+    rec["notes"].append("counters zeroed by one extra node (cnt.zero_()) in the same graph, before the kernel; "
+                        "its time is included")
+    rec["notes"].append(f"ring of {st.stages} stages x {st.cps} tiles of {st.rows}x128 bytes "
+                        f"({rec['ring_bytes'] // 1024} KB per SM) streamed ahead of the waits; the weights repacked "
+                        "into those tiles (a second copy, same bytes)")
+    def fn():
+        st.run(chain)
+        rec["regs"] = st.regs
+
+    return fn, st
 
 
 def _measure(name: str, chain: Chain, fn, state, rec: dict, ref: list[torch.Tensor], reps: int, log) -> list | None:
@@ -737,7 +789,8 @@ def _measure(name: str, chain: Chain, fn, state, rec: dict, ref: list[torch.Tens
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     ys = None
-    check = {"persist": persist_check, "flag": flag_check, "flaglate": flag_check}.get(name)
+    check = {"persist": persist_check, "flag": flag_check, "flaglate": flag_check,
+             "stream": lambda c, s: s.check(c)}.get(name)
     if check:
         check(chain, state)
     if name == "read":
@@ -750,10 +803,11 @@ def _measure(name: str, chain: Chain, fn, state, rec: dict, ref: list[torch.Tens
     try:
         rec["time_s"], rec["timing"] = time_execution(fn, dev, reps)
     except RuntimeError as exc:
-        if name != "persist" or not state.cooperative:
+        if name not in ("persist", "stream") or not state.cooperative:
             raise
-        # a driver that refuses to capture a cooperative launch: the occupancy check still guards co-residency
-        log(f"persist: capturing the cooperative launch failed ({exc}); retrying without the attribute")
+        # a driver that refuses to capture a cooperative launch: the occupancy check (persist) or the shared memory
+        # (stream: one program per SM, a grid of one per SM) still guards co-residency
+        log(f"{name}: capturing the cooperative launch failed ({exc}); retrying without the attribute")
         state.cooperative = rec["cooperative"] = False
         rec["time_s"], rec["timing"] = time_execution(fn, dev, reps)
     if check:
@@ -789,7 +843,7 @@ def run_all(chain: Chain, cfg: Config, only: list[str], reps: int, log=print) ->
         try:
             ys = _measure(name, chain, fn, state, rec, ref, reps, log)
         except RuntimeError as exc:
-            if name not in ("persist", "flag", "flaglate"):
+            if name not in ("persist", "flag", "flaglate", "stream"):
                 raise
             rec["error"], rec["ok"] = str(exc), False
             log(str(exc))
@@ -799,10 +853,10 @@ def run_all(chain: Chain, cfg: Config, only: list[str], reps: int, log=print) ->
     if "plain" in outs and "pdl" in outs:
         res["pdl"]["bit_equal_plain"] = all(torch.equal(a, b) for a, b in zip(outs["plain"], outs["pdl"]))
         res["pdl"]["ok"] = res["pdl"]["ok"] and res["pdl"]["bit_equal_plain"]
-    for name in ("persist", "flag", "flaglate"):
+    for name in ("persist", "flag", "flaglate", "stream"):
         if "plain" in outs and name in outs:
             res[name]["bit_equal_plain"] = all(torch.equal(a, b) for a, b in zip(outs["plain"], outs[name]))
-            if name != "persist":       # the same per-block function over the same inputs: must be bit-equal
+            if name in ("flag", "flaglate"):    # the same per-block function over the same inputs: bit-equal
                 res[name]["ok"] = res[name]["ok"] and res[name]["bit_equal_plain"]
     return res
 
@@ -853,6 +907,9 @@ def report(meta: dict, res: dict, log=print) -> None:
         if name == "persist" and "grid" in rec:
             extra.append(f"grid {rec['grid']} ({rec['regs']} registers, {rec['fit_per_sm']} fit per SM, "
                          f"cooperative {'yes' if rec['cooperative'] else 'no'})")
+        if name == "stream" and "grid" in rec:
+            extra.append(f"grid {rec['grid']}, {rec['warps']} warps, tiles {rec['rows']}x128, ring {rec['stages']} x "
+                         f"{rec['cps']} tiles ({rec['ring_bytes'] // 1024} KB), registers {rec.get('regs')}")
         if name == "read" and "grid" in rec:
             extra.append(f"grid {rec['grid']} x {rec['steps']} tiles of BNxBK bytes")
         for note in extra + rec.get("notes", []):
@@ -882,7 +939,6 @@ def compile_ptx(arch: int = 90, cfg: Config | None = None, L: int = 4) -> dict:
 
     Raises:
         AssertionError: a check fails (the message says which)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
     import ptxas_util
     cfg = cfg or Config()
     nt = 32 * cfg.num_warps
@@ -951,6 +1007,24 @@ def compile_ptx(arch: int = 90, cfg: Config | None = None, L: int = 4) -> dict:
             assert _lines(ptx, "ld.global.v4")[0] < acq[0] < xs[0], "flag: first tile, spin, x: out of order"
             assert (launch[0] > acq[0]) == late, "flag: the trigger is not where LATE puts it"
         out["flag" + ("late" if late else "") + ("-first" if first else "")] = ptxas_util.resource_usage(k)
+    import chain_stream
+    k = chain_stream.compile_sm90(rows=cfg.stream_rows, cps=cfg.stream_cps, stages=cfg.stream_stages or 16,
+                                  num_warps=cfg.stream_warps)
+    ptx = k.asm["ptx"]
+    lines = ptx.splitlines()
+    tma = _lines(ptx, "cp.async.bulk.tensor")
+    acq = [n for n in _lines(ptx, ".acquire") if "ld.global" in lines[n] or "atom.global" in lines[n]]
+    rel = [n for n in _lines(ptx, ".release") if "atom.global" in lines[n] or "red.global" in lines[n]]
+    assert tma and _lines(ptx, "mbarrier.try_wait"), "stream: no TMA copy or no mbarrier wait"
+    assert acq and rel and all(".gpu" in lines[n] for n in acq + rel), "stream: no GPU-scope acquire spin / release"
+    assert tma[0] < acq[0], "stream: the ring's first copies are not issued before the first spin"
+    xs = _lines(ptx, "ld.global.cg")
+    assert xs and acq[0] < xs[0], "stream: x is read before the spin"
+    for n in rel:
+        bars = [m for m in _lines(ptx, "bar.sync") if m < n]
+        stores = [m for m in _lines(ptx, "st.global") if m < n]
+        assert bars and stores and bars[-1] > stores[-1], "stream: no CTA barrier between the y stores and the release"
+    out["stream"] = f"{ptxas_util.resource_usage(k)}; shared {k.metadata.shared} B"
     k = ptxas_util.compile_kernel(_read_all, dict(STEP=cfg.bn * cfg.bk // 4, STEPS=8),
                                   dict(words_ptr="*i32", out_ptr="*i32", n="i32"), arch, opts,
                                   aligned=lambda name, ty: ty.startswith("*") or name == "n")
@@ -969,7 +1043,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--programs-per-sm", type=int, default=1, help="persist: grid = this x the SM count")
     ap.add_argument("--reps", type=int, default=100)
-    ap.add_argument("--only", default=",".join(EXECUTIONS), help="comma list of " + ",".join(EXECUTIONS))
+    ap.add_argument("--only", default=",".join(e for e in EXECUTIONS if e != "stream"),
+                    help="comma list of " + ",".join(EXECUTIONS) + " (default: all but stream, which must be named: "
+                    "its first GPU run is still to come, and a lost TMA copy would leave an mbarrier wait with no "
+                    "timeout)")
     ap.add_argument("--max-polls", type=int, default=2 ** 24,
                     help="persist, flag, flaglate: polls per spin wait before it reports a timeout (each poll ~1 us: "
                     "2^24 is seconds, a legitimate wait is one op)")
@@ -978,6 +1055,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "block's whole weights (BN x K bytes) before the wait (default: only the first tile is loaded)")
     ap.add_argument("--no-cooperative", action="store_true", help="persist: launch without the cooperative "
                     "attribute (the occupancy check still guards co-residency)")
+    ap.add_argument("--stream-rows", type=int, default=16, help="stream: rows per tile and row block")
+    ap.add_argument("--stream-cps", type=int, default=4, help="stream: tiles per ring stage (must divide K / 128)")
+    ap.add_argument("--stream-stages", type=int, default=0, help="stream: ring stages (0: as many as fit, <= 64)")
+    ap.add_argument("--stream-warps", type=int, default=4, help="stream: warps per program (rows >= 4 x warps)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out/bench_chain")
     ap.add_argument("--name", default="bench_chain")
@@ -993,7 +1074,9 @@ def main(argv=None, log=print) -> dict:
     if tl is None:
         raise SystemExit(f"bench_chain: {_TRITON_ERR}")
     cfg = Config(bn=a.bn, bk=a.bk, num_warps=a.num_warps, programs_per_sm=a.programs_per_sm, max_polls=a.max_polls,
-                 read_steps=a.read_steps, prefetch_l2=a.prefetch_l2, cooperative=not a.no_cooperative)
+                 read_steps=a.read_steps, prefetch_l2=a.prefetch_l2, cooperative=not a.no_cooperative,
+                 stream_rows=a.stream_rows, stream_cps=a.stream_cps, stream_stages=a.stream_stages,
+                 stream_warps=a.stream_warps)
     if a.ptx:
         if os.environ.get("TRITON_INTERPRET") == "1":
             raise SystemExit("--ptx compiles for a GPU target: unset TRITON_INTERPRET")
@@ -1026,7 +1109,8 @@ def main(argv=None, log=print) -> dict:
         "ops": [list(o) for o in ops], "weight_bytes": chain.weight_bytes, "reps": a.reps,
         "config": {"bn": cfg.bn, "bk": cfg.bk, "num_warps": cfg.num_warps, "programs_per_sm": cfg.programs_per_sm,
                    "max_polls": cfg.max_polls, "read_steps": read_steps(chain, cfg), "cooperative": cfg.cooperative,
-                   "prefetch_l2": cfg.prefetch_l2, "num_stages": 1},
+                   "prefetch_l2": cfg.prefetch_l2, "num_stages": 1, "stream_rows": cfg.stream_rows,
+                   "stream_cps": cfg.stream_cps, "stream_stages": cfg.stream_stages, "stream_warps": cfg.stream_warps},
         "tolerances": {"local": LOCAL_TOL, "chain": "2^-7 * sqrt(i + 1) for op i"},
         "command": " ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else list(argv)))}
     if dev.type == "cuda":

@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela nr regcap gemvcap moetable routerseg mlalong ticketrope kdancu rb)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela nr regcap gemvcap moetable routerseg mlalong ticketrope kdancu rb chainstream)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -375,6 +375,27 @@ json.dump(t, open(sys.argv[1], "w"), indent=1)' "$tab" || { FAILED+=("rb/table")
     fi
     [[ "$parts" == *" checks "* ]] && table_checks BYTEBOUND_MOE_CONFIG "$tab" rb
     return 0
+}
+
+section_chainstream() {  # the thirty-seventh session's `stream` execution of bench_chain (scripts/chain_stream.py):
+    # the chain of dependent FP8 GEMVs as one persistent kernel whose weight tiles stream by TMA into a deep
+    # shared-memory ring ahead of its counter waits (docs/perf/u08-design.md section 7), against plain / pdl / read
+    # in the same process: a 2-op smoke run first (a lost TMA copy would hang in an mbarrier wait: 90 s cap), then
+    # the 6.6 MB-per-op chain (2560x2560, BN 8: the pdl row's best tiling) and the 41.9 MB one (2560x16384 /
+    # 16384x2560, BN 16), then the stream's tile rows / warps / tiles per stage on the small chain. Synthetic weights.
+    local before=${#FAILED[@]} r w c
+    SECTION_TIMEOUT=90 run_step smoke python3 scripts/bench_chain.py --shapes 2560x2560 --layers 2 --bn 8 --bk 512 \
+        --only plain,stream --reps 5 --out "$OUT" --name chain-smoke
+    [ "${#FAILED[@]}" -gt "$before" ] && return 0
+    run_step small python3 scripts/bench_chain.py --shapes 2560x2560 --bn 8 --bk 512 --only plain,pdl,read,stream \
+        --out "$OUT" --name chain-small
+    run_step big python3 scripts/bench_chain.py --only plain,pdl,read,stream --out "$OUT" --name chain-big
+    for v in "32 8 4" "16 4 2" "32 4 4" "16 4 1"; do
+        read -r r w c <<< "$v"
+        run_step "sweep_r${r}_w${w}_c${c}" python3 scripts/bench_chain.py --shapes 2560x2560 --bn 8 --bk 512 \
+            --only read,stream --stream-rows "$r" --stream-warps "$w" --stream-cps "$c" --out "$OUT" \
+            --name "chain-small-r$r-w$w-c$c"
+    done
 }
 
 section_mlalong() {      # the long-span attention tiling of the 4-token verify (BM 32, BN 64): 8 warps (the default

@@ -1,6 +1,8 @@
 """scripts/bench_chain.py on CPU: the smoke path in Triton's interpreter (plain, pdl and read against the float64
 reference), the shape errors, the checks' power to fail, the persistent kernel's bookkeeping with a one-program
-grid (and its timeout report), the counter-carried ``flag`` launches' bookkeeping, and the sm_90 compile with the PTX orderings its protocols rely on."""
+grid (and its timeout report), the counter-carried ``flag`` launches' bookkeeping, the ``stream`` execution's
+host-side plan (its tiles and work lists, emulated in float64), and the sm_90 compile with the PTX orderings its
+protocols rely on."""
 
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ def _interpreted():
 def test_cpu_smoke_matches_float64(bc, tmp_path):
     """The documented CPU smoke run: plain and pdl within the bounds of the float64 chain and of each op's own
     float64 product, pdl == plain bit for bit, the read floor's XOR equal to the host's, persist skipped with its
-    reason, and the JSON written with the table's fields and the config."""
+    reason, stream left out unless named and then skipped with its reason, and the JSON written with the table's
+    fields and the config."""
     _interpreted()
     lines = []
     rec = bc.main(SMOKE + ["--out", str(tmp_path), "--name", "smoke"], log=lines.append)
@@ -49,6 +52,10 @@ def test_cpu_smoke_matches_float64(bc, tmp_path):
     assert res["read"]["ok"] and res["read"]["grid"] > 0
     assert "interpreter" in res["persist"]["skipped"]
     assert any(ln.startswith("persist") and "skipped" in ln for ln in lines)
+    assert "stream" not in res                  # not in the default --only: it must be named
+    named = bc.main(SMOKE + ["--only", "read,stream", "--out", str(tmp_path), "--name", "smoke-stream"],
+                    log=lines.append)["results"]
+    assert "interpreter" in named["stream"]["skipped"] and named["read"]["ok"]
     data = json.loads((tmp_path / "smoke.json").read_text())
     meta = data["meta"]
     for k in ("device", "date", "commit", "weights", "shapes", "L", "weight_bytes"):
@@ -146,6 +153,85 @@ def test_flag_bookkeeping_and_timeout(bc, small):
         bc.flag_check(chain, st)
 
 
+@pytest.fixture(scope="module")
+def cs():
+    return load_script("chain_stream")
+
+
+def _emulate_stream(bc, st, chain) -> list[torch.Tensor]:
+    """What the stream kernel computes, from its host-side plan alone: each program walks its items in order and
+    takes its tiles from ``tiles`` one after another (its ring's order), each tile read from the repacked buffer;
+    ops in chain order (the counters' order). float64 sums, then ``bf16(s * rowsum)``. Also checks that every
+    program consumes exactly its own tile list."""
+    r = st.rows
+    plan = {k: v.tolist() for k, v in st.plan.items() if k != "meta"}
+    w8 = st.packed.view(torch.float8_e4m3fn).view(-1, r, 128).double()
+    cursor = list(plan["tile_start"][:-1])
+    act = chain.act.double().clone()
+    for i, (k, n) in enumerate(chain.ops):
+        x = act[chain.x_off(i):chain.x_off(i) + k].clone()
+        for p in range(st.grid):
+            for it in range(plan["item_start"][p], plan["item_start"][p + 1]):
+                op, blk = plan["items"][it]
+                if op != i:
+                    continue
+                acc = torch.zeros(r, dtype=torch.float64)
+                for c in range(k // 128):
+                    acc += w8[plan["tiles"][cursor[p]]] @ x[128 * c:128 * c + 128]
+                    cursor[p] += 1
+                y = (acc * chain.scale(i)[blk * r:blk * r + r].double()).to(torch.bfloat16).double()
+                act[chain.y_off[i] + blk * r:chain.y_off[i] + blk * r + r] = y
+    assert cursor == plan["tile_start"][1:], "a program's tile list does not match its items"
+    return [act[chain.y_off[i]:chain.y_off[i] + n].to(torch.bfloat16) for i, (_, n) in enumerate(chain.ops)]
+
+
+def test_stream_plan_tiles_and_balance(bc, cs):
+    """The ``stream`` execution's host side (the kernel itself needs a GPU): the settings it cannot tile are named
+    errors; every (op, row block) goes to exactly one program, each program's items are in op order, each tile
+    holds the right 16 x 128 bytes of its op's weight; a float64 emulation of the plan (each program's tiles
+    consumed in its ring's order) is within bench_chain's float64-chain bounds; the least-loaded assignment keeps
+    the programs' tile counts within one block of each other over the chain; the counter check passes on N / R per op
+    and names a miscount and a timeout."""
+    cpu = torch.device("cpu")
+    with pytest.raises(cs.StreamError, match="K must be a multiple of 128"):
+        cs.Stream(bc.make_chain([(256, 144), (144, 256)], cpu, 16), 16, 1, 4, 4, 64, programs=3)
+    ops = [(256, 128), (128, 256), (256, 384), (384, 128)]
+    chain = bc.make_chain(ops, cpu, 16, seed=5)
+    with pytest.raises(cs.StreamError, match="--stream-cps 2 must divide"):
+        cs.Stream(chain, 16, 2, 4, 4, 64, programs=3)
+    with pytest.raises(cs.StreamError, match="shared memory"):
+        cs.Stream(chain, 16, 1, 200, 4, 64, programs=3)
+    with pytest.raises(cs.StreamError, match="power of two"):
+        cs.Stream(chain, 8, 1, 4, 4, 64, programs=3)
+    st = cs.Stream(chain, 16, 1, 4, 4, 64, programs=3)
+    items = [tuple(v) for v in st.plan["items"].tolist()]
+    starts = st.plan["item_start"].tolist()
+    assert sorted(items) == sorted((i, b) for i, (_, n) in enumerate(ops) for b in range(n // 16))
+    tiles = []
+    for p in range(3):
+        mine = items[starts[p]:starts[p + 1]]
+        assert [op for op, _ in mine] == sorted(op for op, _ in mine)
+        tiles.append(sum(ops[op][0] // 128 for op, _ in mine))
+    assert max(tiles) - min(tiles) <= max(k // 128 for k, _ in ops), tiles
+    w8 = st.packed.view(-1, 16, 128)
+    base = st.plan["meta"][:, 0].tolist()
+    for i, (k, n) in enumerate(ops):
+        wi = chain.weight(i).view(torch.uint8)
+        for b in (0, n // 16 - 1):
+            for c in (0, k // 128 - 1):
+                assert torch.equal(w8[base[i] + b * (k // 128) + c], wi[16 * b:16 * b + 16, 128 * c:128 * c + 128])
+    res = bc.check_outputs(chain, _emulate_stream(bc, st, chain), bc.chain_reference(chain))
+    assert res["ok"], res
+    st.cnt.copy_(torch.tensor([n // 16 for _, n in ops], dtype=torch.int32))
+    st.check(chain)
+    st.cnt[2] -= 1
+    with pytest.raises(RuntimeError, match="stream: counters"):
+        st.check(chain)
+    st.err[0] = 2
+    with pytest.raises(RuntimeError, match=r"stream: 2 spin wait\(s\) timed out"):
+        st.check(chain)
+
+
 def test_kernels_compile_for_sm90_with_the_protocol_orderings():
     """``--ptx``: every kernel compiles for sm_90 (ptxas accepts it) and the PTX has pdl's launch_dependents /
     first tile / wait order and persist's tile-before-spin, acquire-before-x and barrier-before-release. Runs in a
@@ -157,3 +243,4 @@ def test_kernels_compile_for_sm90_with_the_protocol_orderings():
     assert "PTX orderings: ok" in r.stdout
     assert "persist    sm_90: REG:" in r.stdout
     assert "flaglate   sm_90: REG:" in r.stdout
+    assert "stream     sm_90: REG:" in r.stdout

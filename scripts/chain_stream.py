@@ -1,0 +1,319 @@
+"""The ``stream`` execution of ``scripts/bench_chain.py``: the chain of dependent FP8 GEMVs as ONE persistent kernel
+whose weight tiles stream into a deep shared-memory ring ahead of the dependency waits.
+
+Why: docs/perf/u08-design.md section 3 proposes a decode step as one persistent kernel whose ops wait on
+data-driven counters, with every op's weights streamed independently of its dependency. Two measurements of that
+design's parts were slower than one PDL launch per op: counter waits with a two-tile register pipeline (``persist``,
+sixteenth session, 1.5-2.4x slower) and counters between PDL launches (``flag``, thirty-fourth session). Both
+sections end on the same condition: the design can only pay with a weight stream that runs *ahead of* the waits,
+several items deep. This execution is that stream, on the simplest chain there is, so that its boundary cost can be
+read off against ``pdl`` and ``read`` in one run.
+
+How (one program per SM, all co-resident, a cooperative launch):
+
+- The weights are repacked once, host-side, into tiles of ``R`` rows x ``BKC`` = 128 columns (E4M3 bytes, 2 KB at
+  ``R`` 16), tile ``(op i, row block b, chunk c)`` contiguous: one 2-D TMA box each (:func:`repack`).
+- Work is split by the host into per-program item lists (:func:`plan_items`): each row block, op after op, goes to
+  the program with the fewest tiles so far, so a program that took one block more in one op takes one less in a
+  later one and every program streams about the same bytes over the chain (the ring's lookahead lets a program
+  run ahead of the others across op boundaries only by its ring's depth).
+- Each program keeps a ring of ``ST`` stages of ``CPS`` tiles (one mbarrier per stage). Its tiles are issued in the
+  order it consumes them; a stage is refilled with the ``CPS`` tiles ``ST`` stages ahead as soon as it has been read
+  (a CTA barrier, then ``CPS`` TMA copies): the copies depend on nothing but the ring, so while the program spins on
+  op i - 1's counter the ring fills with op i's and later ops' tiles, up to ``ST * CPS * R * 128`` bytes ahead.
+- Per op (when the program has blocks in it): one acquire spin until op i - 1's counter holds all of its row blocks,
+  x_i staged once into shared memory (one L2 round trip for the whole vector); per block: ``NC = K / 128`` tiles out
+  of the ring into a ``[R, 128]`` float32 accumulator, ``y = bf16(s * rowsum)``, stored; a CTA barrier and one
+  release add on op i's counter (the memory protocol of ``bench_chain._wait_count`` / ``_chain_persist``).
+
+What it computes: ``y_i = bf16(s_i * (W_i @ x_i))``, x_{i+1} = y_i, as the other executions. Its float32 sums run in
+another order than ``_block_rest``'s (128-column tiles, not BK), so it is checked against the float64 chain within
+bench_chain's bounds and its bit equality with ``plain`` is only reported. No deadlock with every program resident:
+a program waiting at op i has finished all its items of the ops before i, so by induction every block of op i - 1
+completes; a program that times out (``MAX_POLLS``) records it, computes garbage and still signals, so the kernel
+ends and the host raises (:meth:`Stream.check`). Needs sm_90 (TMA, mbarriers) and about
+``ST * CPS * R * 128 + K_max * 2`` bytes of shared memory per program (:func:`check_stream`).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    GLUON_ERR = None
+except Exception as exc:  # pragma: no cover
+    gluon = gl = mbarrier = tma = TensorDescriptor = None
+    GLUON_ERR = f"triton.experimental.gluon (Hopper TMA) is not importable: {exc}"
+
+BKC = 128               # tile columns: one 128-byte TMA box row (E4M3), the ring's swizzle width
+STREAM_META = 8         # int64 words per op in the stream kernel's op table (see plan_items)
+
+
+class StreamError(ValueError):
+    """The chain or the stream settings do not fit the ``stream`` execution (tile sizes, shared memory)."""
+
+
+def check_stream(ops: list[tuple[int, int]], r: int, st: int, num_warps: int, smem_limit: int = 227 * 1024) -> int:
+    """The shared memory one program needs (bytes): a ring of ``st`` tiles of ``R x 128`` bytes (stages x tiles per
+    stage), x staged up to the largest K, the mbarriers.
+
+    Raises:
+        StreamError: ``R`` is not a power of two multiple of ``4 * num_warps`` (the tile's register layout), a K is
+            not a multiple of 128 or an N of ``R``, ``ST < 2``, or the ring and x exceed ``smem_limit``."""
+    if r < 4 * num_warps or r & (r - 1):
+        raise StreamError(f"stream: --stream-rows {r} must be a power of two >= 4 x num_warps ({4 * num_warps})")
+    if st < 2:
+        raise StreamError(f"stream: a ring of {st} tile(s): at least 2 are needed (--stream-stages x --stream-cps)")
+    for i, (k, n) in enumerate(ops):
+        if k % BKC or n % r:
+            raise StreamError(f"stream: op {i} ({k}x{n}): K must be a multiple of {BKC} and N of --stream-rows {r}")
+    kmax = max(k for k, _ in ops)
+    need = st * r * BKC + _pow2(kmax // BKC) * BKC * 2 + st * 8 + 1024
+    if need > smem_limit:
+        raise StreamError(f"stream: a ring of {st} tiles of {r}x{BKC} bytes + x of up to {kmax} BF16 values need "
+                          f"{need} B of shared memory per program, over {smem_limit} B: lower --stream-stages")
+    return need
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def repack(w: torch.Tensor, w_off: list[int], ops: list[tuple[int, int]], r: int) -> tuple[torch.Tensor, list[int]]:
+    """Every op's E4M3 ``[N, K]`` weight (in ``w`` at byte offsets ``w_off``) as tiles ``[R, 128]``: returns the
+    uint8 view ``[T * R, 128]`` (tile t = rows ``t*R .. t*R + R - 1``) and each op's first tile index; op i's tile
+    ``(b, c)`` is ``base_i + b * (K_i / 128) + c``. The same bytes, another order."""
+    tiles, base, t = [], [], 0
+    for (k, n), off in zip(ops, w_off):
+        wi = w[off:off + n * k].view(torch.uint8).view(n // r, r, k // BKC, BKC)
+        tiles.append(wi.permute(0, 2, 1, 3).reshape(-1, BKC))
+        base.append(t)
+        t += (n // r) * (k // BKC)
+    return torch.cat(tiles).contiguous(), base
+
+
+def plan_items(ops: list[tuple[int, int]], r: int, programs: int, base: list[int], s_off: list[int],
+               x_off: list[int], y_off: list[int], device) -> dict:
+    """Host-side work lists of the ``programs`` programs.
+
+    Returns ``items`` int32 ``[sum blocks, 2]`` (op, row block) grouped by program in consumption order, ``item_start``
+    int32 ``[P + 1]``, ``tiles`` int32 ``[sum tiles]`` (each program's tile indices in the order it consumes them),
+    ``tile_start`` int32 ``[P + 1]``, and ``meta`` int64 ``[L, STREAM_META]`` per op: first tile, scale offset, x
+    offset, y offset, K, row blocks, row blocks of the previous op (0 for op 0). Each block, op after op, goes to the
+    program with the fewest tiles so far (ties in turn), so the programs' tile counts over the chain stay within one
+    block of each other (module docstring)."""
+    per_items = [[] for _ in range(programs)]
+    per_tiles = [[] for _ in range(programs)]
+    heap = [(0, p, p) for p in range(programs)]        # (tiles so far, tie-break, program)
+    seq = programs
+    meta = []
+    for i, (k, n) in enumerate(ops):
+        nb, nc = n // r, k // BKC
+        for b in range(nb):
+            load, _, p = heapq.heappop(heap)
+            per_items[p].append((i, b))
+            per_tiles[p].extend(range(base[i] + b * nc, base[i] + (b + 1) * nc))
+            heapq.heappush(heap, (load + nc, seq, p))   # ties go round the programs in turn
+            seq += 1
+        meta.append([base[i], s_off[i], x_off[i], y_off[i], k, nb, ops[i - 1][1] // r if i else 0, 0])
+
+    def flat(lists, width):
+        start = [0]
+        for lst in lists:
+            start.append(start[-1] + len(lst))
+        data = [v for lst in lists for v in lst]
+        t = torch.tensor(data if data else ([(0, 0)] if width == 2 else [0]), dtype=torch.int32, device=device)
+        return t, torch.tensor(start, dtype=torch.int32, device=device)
+
+    items, item_start = flat(per_items, 2)
+    tiles, tile_start = flat(per_tiles, 1)
+    return dict(items=items, item_start=item_start, tiles=tiles, tile_start=tile_start,
+                meta=torch.tensor(meta, dtype=torch.int64, device=device))
+
+
+def tile_layout():
+    """The shared layout of one ring stage ``[R, 128]`` uint8 (TMA's 128-byte swizzle)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+
+
+def descriptor(packed: torch.Tensor, r: int):
+    """The TMA descriptor of the repacked tiles (:func:`repack`), box ``[R, 128]``."""
+    return TensorDescriptor.from_tensor(packed, [r, BKC], tile_layout())
+
+
+if gluon is not None:
+    @gluon.jit
+    def _issue(desc, ring, bars, tiles_ptr, t0, g, st, n_tiles, R: gl.constexpr, CPS: gl.constexpr):
+        """Fill stage ``st`` with this program's tile group ``g`` (its tiles ``CPS*g .. CPS*g + CPS - 1``, indices
+        ``tiles[t0 + ..]``): ``CPS`` TMA copies on the stage's one mbarrier; nothing past ``n_tiles``."""
+        bar = bars.index(st)
+        valid = CPS * g < n_tiles
+        mbarrier.expect(bar, CPS * R * 128, pred=valid)
+        for j in gl.static_range(CPS):
+            t = gl.load(tiles_ptr + t0 + CPS * g + j, mask=valid, other=0)
+            tma.async_copy_global_to_shared(desc, [t * R, 0], bar, ring.index(st * CPS + j), pred=valid)
+
+    @gluon.jit
+    def _spin(cnt_ptr, need, dead, err_ptr, op, MAX_POLLS: gl.constexpr):
+        """``bench_chain._wait_count`` in Gluon: spin (acquire, GPU scope) until ``*cnt_ptr >= need``, at most
+        ``MAX_POLLS`` polls; on a timeout count it in ``err`` and return ``dead`` 1 (never spin again). The scalar
+        atomic runs in one thread and its result is broadcast, so the loop condition is uniform; the CTA barrier
+        after it orders every thread's later reads after the acquire."""
+        seen = gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+        polls = 1
+        while (seen < need) & (dead == 0) & (polls < MAX_POLLS):
+            seen = gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+            polls += 1
+        if (seen < need) & (dead == 0):
+            gl.atomic_add(err_ptr, 1, sem="relaxed", scope="gpu")
+            gl.atomic_max(err_ptr + 1, op, sem="relaxed", scope="gpu")
+            dead = dead + 1
+        gl.thread_barrier()
+        return dead
+
+    @gluon.jit
+    def _chain_stream(desc, s_ptr, act_ptr, meta_ptr, items_ptr, item_start_ptr, tiles_ptr, tile_start_ptr,
+                      cnt_ptr, err_ptr, R: gl.constexpr, CPS: gl.constexpr, ST: gl.constexpr, NCP: gl.constexpr,
+                      MAX_POLLS: gl.constexpr, META_W: gl.constexpr):
+        """The whole chain in one persistent launch (module docstring). ``desc``: the repacked tiles' TMA
+        descriptor (box ``[R, 128]``); ``s_ptr`` float32 scales, ``act_ptr`` bf16 activations (x_0, y_0, y_1, ...),
+        ``meta_ptr`` / ``items_ptr`` / ``tiles_ptr`` and their starts: :func:`plan_items`; ``cnt_ptr`` int32 ``[L]``
+        zeroed before the launch; ``err_ptr`` int32 ``[2]``. The ring: ``ST`` stages of ``CPS`` tiles (one mbarrier
+        and one CTA barrier per stage); every K / 128 must be a multiple of ``CPS``. ``NCP``: the largest K / 128,
+        rounded up to a power of two (x's shared-memory rows)."""
+        NW: gl.constexpr = gl.num_warps()
+        BL: gl.constexpr = gl.BlockedLayout([R // (4 * NW), 16], [4, 8], [NW, 1], [1, 0])     # [R, 128] tiles
+        XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])                # [NCP, 128] x rows
+        XS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])                          # unswizzled
+        pid = gl.program_id(0)
+        ring = gl.allocate_shared_memory(gl.uint8, [ST * CPS, R, 128], desc.layout)
+        x_s = gl.allocate_shared_memory(gl.bfloat16, [NCP, 128], XS)     # row c: x's columns 128c .. 128c + 127
+        # the same bytes as rows, for the per-tile reads (an unswizzled row-major buffer: a view, no copy)
+        x_rows = x_s._reinterpret(gl.bfloat16, [NCP, 128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        bars = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(ST):
+            mbarrier.init(bars.index(i), count=1)
+        gl.thread_barrier()                     # every barrier initialised before any thread arms or waits on one
+        t0 = gl.load(tile_start_ptr + pid)
+        n_tiles = gl.load(tile_start_ptr + pid + 1) - t0
+        i0 = gl.load(item_start_ptr + pid)
+        n_items = gl.load(item_start_ptr + pid + 1) - i0
+        for j in gl.static_range(ST):
+            _issue(desc, ring, bars, tiles_ptr, t0, j, j, n_tiles, R, CPS)
+        rows = gl.arange(0, R, layout=gl.SliceLayout(1, BL))
+        xr = gl.arange(0, NCP, layout=gl.SliceLayout(1, XL))
+        xc = gl.arange(0, 128, layout=gl.SliceLayout(0, XL))
+        g = 0                                   # tile groups (stages' fills) consumed so far
+        dead = pid * 0
+        prev = pid * 0 - 1
+        for it in range(n_items):
+            op = gl.load(items_ptr + (i0 + it) * 2)
+            blk = gl.load(items_ptr + (i0 + it) * 2 + 1)
+            m = meta_ptr + op * META_W
+            s_i = s_ptr + gl.load(m + 1)
+            y_i = act_ptr + gl.multiple_of(gl.load(m + 3), 16)     # offsets: multiples of R >= 16 elements
+            nc = gl.load(m + 4).to(gl.int32) // 128
+            if op != prev:
+                # this program's first block of op `op`: its input is op - 1's whole output
+                if op > 0:
+                    dead = _spin(cnt_ptr + (op - 1), gl.load(m + 6).to(gl.int32), dead, err_ptr, op, MAX_POLLS)
+                x_i = act_ptr + gl.multiple_of(gl.load(m + 2), 16)
+                xv = gl.load(x_i + xr[:, None] * 128 + xc[None, :], mask=(xr < nc)[:, None], other=0.0,
+                             cache_modifier=".cg")
+                x_s.store(xv)
+                gl.thread_barrier()
+                prev = op
+            acc = gl.zeros([R, 128], gl.float32, BL)
+            for c0 in range(0, nc, CPS):
+                st = g % ST
+                mbarrier.wait(bars.index(st), (g // ST) & 1)
+                for j in gl.static_range(CPS):
+                    w = ring.index(st * CPS + j).load(BL).to(gl.float8e4nv, bitcast=True)
+                    x = x_rows.index(c0 + j).load(gl.SliceLayout(0, BL))
+                    acc += w.to(gl.float32) * x.to(gl.float32)[None, :]
+                gl.thread_barrier()             # every warp has read stage st before TMA overwrites it
+                _issue(desc, ring, bars, tiles_ptr, t0, g + ST, st, n_tiles, R, CPS)
+                g += 1
+            y = gl.sum(acc, axis=1) * gl.load(s_i + blk * R + rows)
+            gl.store(y_i + blk * R + rows, y.to(gl.bfloat16))
+            gl.thread_barrier()                 # release cumulativity covers the stores ordered before it
+            gl.atomic_add(cnt_ptr + op, 1, sem="release", scope="gpu")
+
+
+class Stream:
+    """The ``stream`` execution's state on one device: the repacked tiles and their descriptor, the work plan
+    (:func:`plan_items`), counters int32 ``[L]``, error words int32 ``[2]``, and the launch settings."""
+
+    def __init__(self, chain, rows: int, cps: int, stages: int, num_warps: int, max_polls: int,
+                 programs: int | None = None):
+        ops = chain.ops
+        dev = chain.w.device
+        if any((k // BKC) % cps for k, _ in ops):
+            raise StreamError(f"stream: --stream-cps {cps} must divide every K / {BKC} "
+                              f"({sorted({k // BKC for k, _ in ops})})")
+        self.ncp = _pow2(max(k for k, _ in ops) // BKC)
+        fixed = self.ncp * BKC * 2 + 2048
+        if stages <= 0:             # as many as fit, at most 64 (the prologue is unrolled)
+            stages = min(64, (227 * 1024 - fixed) // (cps * rows * BKC))
+        self.smem = check_stream(ops, rows, stages * cps, num_warps)
+        self.rows, self.cps, self.stages, self.num_warps, self.max_polls = rows, cps, stages, num_warps, max_polls
+        self.grid = programs or (torch.cuda.get_device_properties(dev).multi_processor_count
+                                 if dev.type == "cuda" else 1)
+        self.packed, base = repack(chain.w, chain.w_off, ops, rows)
+        self.plan = plan_items(ops, rows, self.grid, base, chain.s_off, [chain.x_off(i) for i in range(len(ops))],
+                               chain.y_off, dev)
+        self.cnt = torch.zeros(len(ops), dtype=torch.int32, device=dev)
+        self.err = torch.zeros(2, dtype=torch.int32, device=dev)
+        self.desc = descriptor(self.packed, rows) if dev.type == "cuda" else None
+        self.cooperative = dev.type == "cuda"
+        self.regs = None
+
+    def constexprs(self) -> dict:
+        return dict(R=self.rows, CPS=self.cps, ST=self.stages, NCP=self.ncp, MAX_POLLS=self.max_polls,
+                    META_W=STREAM_META)
+
+    def run(self, chain) -> None:
+        """Zero the counters (one node in a captured graph) and launch the persistent kernel."""
+        self.cnt.zero_()
+        p = self.plan
+        k = _chain_stream[(self.grid,)](self.desc, chain.s, chain.act, p["meta"], p["items"], p["item_start"],
+                                        p["tiles"], p["tile_start"], self.cnt, self.err, **self.constexprs(),
+                                        num_warps=self.num_warps,
+                                        **({"launch_cooperative_grid": True} if self.cooperative else {}))
+        if self.regs is None and k is not None:
+            self.regs = getattr(k, "n_regs", None)
+
+    def check(self, chain) -> None:
+        """No spin wait timed out and op i's counter equals its ``N / R`` row blocks.
+
+        Raises:
+            RuntimeError: a wait timed out or a counter is off."""
+        err = self.err.tolist()
+        if err[0]:
+            raise RuntimeError(f"stream: {err[0]} spin wait(s) timed out (last at op {err[1]}): the {self.grid} "
+                               "programs were not all resident at once, or a block's signal was lost; the outputs "
+                               "of this run are garbage")
+        want = [n // self.rows for _, n in chain.ops]
+        if self.cnt.tolist() != want:
+            raise RuntimeError(f"stream: counters {self.cnt.tolist()} after the run, expected {want}")
+
+
+def compile_sm90(rows: int = 16, cps: int = 4, stages: int = 16, ncp: int = 128, num_warps: int = 4,
+                 max_polls: int = 1 << 24):
+    """:func:`_chain_stream` compiled for sm_90 without a GPU (``scripts/ptxas_util.py``): the kernel object (its
+    ``asm["ptx"]``, ``asm["sass"]`` via ptxas_util, ``metadata.shared``)."""
+    import ptxas_util
+    from triton.runtime.jit import mangle_type
+    t = torch.empty(0, dtype=torch.uint8).new_empty((1 << 20, BKC), device="meta")
+    d = TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, BKC], tile_layout())
+    return ptxas_util.compile_kernel(
+        _chain_stream, dict(R=rows, CPS=cps, ST=stages, NCP=ncp, MAX_POLLS=max_polls, META_W=STREAM_META),
+        dict(desc=mangle_type(d), s_ptr="*fp32", act_ptr="*bf16", meta_ptr="*i64", items_ptr="*i32",
+             item_start_ptr="*i32", tiles_ptr="*i32", tile_start_ptr="*i32", cnt_ptr="*i32", err_ptr="*i32"),
+        90, dict(num_warps=num_warps), gluon=True)
