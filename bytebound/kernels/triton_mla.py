@@ -43,7 +43,8 @@ head dim a multiple of 16; BF16 model only. Trip counts are constexprs of the st
 of splits): one compiled variant per (M, span bucket). CUDA with compute capability >= 8.0 (BF16 ``mma``).
 Tested against the layer's torch path and a float64 expanded-form reference in Triton's interpreter
 (tests/test_triton_mla.py; there ``tl.dot`` runs on the BF16 values widened to float32) and at Ling shapes on a
-GPU (tests/gpu/test_mla_gpu.py). Not the CUDA default (``--mla-backend triton``).
+GPU (tests/gpu/test_mla_gpu.py). The CUDA default (``runner.plan.DEFAULTS_CUDA``); ``--backend mla=torch`` selects the
+float32 torch reference.
 """
 
 from __future__ import annotations
