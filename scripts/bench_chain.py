@@ -37,7 +37,10 @@ timed as CUDA-graph replays of the whole chain (median of ``--reps``, CUDA event
    x staged once in shared memory, the program's row blocks out of the ring, a release add per block. It sums in
    another order than the other executions (128-column tiles), so it is checked against the float64 chain and its
    bit equality with ``plain`` is only reported. Needs sm_90; skipped on CPU (Gluon and TMA do not run in the
-   interpreter). Not in the default ``--only``: name it.
+   interpreter). Not in the default ``--only``: name it. ``streamfree``: the same kernel with no dependencies
+   (every op reads one fixed input from a buffer of its own, no program waits; each op checked against float64 of
+   that input): the stream's and the consumer's own rate, so that ``stream - streamfree`` is what the dependency
+   chain itself costs.
 
 ``--prefetch-l2`` adds, for pdl and persist, one bulk L2 prefetch of each row block's whole weights before the
 wait (the "weights streamed independently of the dependencies" of section 3, one block deep).
@@ -84,7 +87,7 @@ from bytebound.kernels.registry import optional_triton  # noqa: E402
 
 triton, tl, _TRITON_ERR = optional_triton()
 
-EXECUTIONS = ("plain", "pdl", "persist", "read", "flag", "flaglate", "stream")
+EXECUTIONS = ("plain", "pdl", "persist", "read", "flag", "flaglate", "stream", "streamfree")
 DEFAULT_SHAPES = "2560x16384,16384x2560"
 META = 8                # int64 words per op in the persistent kernel's op table (see Chain.meta)
 WEIGHTS = "synthetic (random FP8)"
@@ -670,15 +673,17 @@ def time_execution(fn, device: torch.device, reps: int) -> tuple[float, str]:
     return statistics.median(ts), "interpreter wall time (not a GPU measurement)"
 
 
-def _replay_check(chain: Chain, fn, device: torch.device, want: list[torch.Tensor]) -> bool:
+def _replay_check(chain: Chain, fn, device: torch.device, want: list[torch.Tensor], poison=None,
+                  outputs=None) -> bool:
     """Capture ``fn`` in a fresh graph, NaN the y buffers, replay once: the outputs equal ``want`` bit for bit
-    (a replay that read a y before it was written would read NaN)."""
+    (a replay that read a y before it was written would read NaN). ``poison`` / ``outputs``: where an execution
+    writes its ys elsewhere (``streamfree``), its own (default: the chain's)."""
     from bytebound.runner.graphs import capture_graph
     g, _ = capture_graph(fn, warmup=1)
-    chain.poison()
+    (poison or chain.poison)()
     g.replay()
     torch.cuda.synchronize(device)
-    return all(torch.equal(a, b) for a, b in zip(chain.outputs(), want))
+    return all(torch.equal(a, b) for a, b in zip((outputs or chain.outputs)(), want))
 
 
 PERSIST_CPU_SKIP = ("Triton's interpreter runs the programs one after another, so a program spinning on another "
@@ -732,8 +737,8 @@ def _execution(name: str, chain: Chain, cfg: Config, rec: dict):
                             f"weight bytes in flight; if persist is bandwidth-bound, sweep --programs-per-sm (up to "
                             f"{st.fit_per_sm} fit)")
         return (lambda: run_persist(chain, cfg, st)), st
-    if name == "stream":
-        return _stream_execution(chain, cfg, rec)
+    if name in ("stream", "streamfree"):
+        return _stream_execution(chain, cfg, rec, dep=name == "stream")
     steps = read_steps(chain, cfg)
     n_prog = -(-chain.w.view(torch.int32).numel() // (cfg.bn * cfg.bk // 4 * steps))
     out = torch.empty(n_prog, dtype=torch.int32, device=dev)
@@ -741,12 +746,14 @@ def _execution(name: str, chain: Chain, cfg: Config, rec: dict):
     return (lambda: run_read(chain, cfg, out, steps)), out
 
 
-STREAM_CPU_SKIP = ("the stream kernel is Gluon with TMA copies and mbarriers, which Triton's interpreter cannot run; "
-                   "its host-side plan is checked in tests/test_bench_chain.py, its sm_90 compile by --ptx")
+STREAM_CPU_SKIP = ("the stream kernel (stream, streamfree) is Gluon with TMA copies and mbarriers, which Triton's "
+                   "interpreter cannot run; its host-side plan is checked in tests/test_bench_chain.py, its sm_90 "
+                   "compile by --ptx")
 
 
-def _stream_execution(chain: Chain, cfg: Config, rec: dict):
-    """``(fn, Stream)`` for ``stream``, or ``(None, None)`` with ``rec["skipped"]`` where it cannot run.
+def _stream_execution(chain: Chain, cfg: Config, rec: dict, dep: bool = True):
+    """``(fn, Stream)`` for ``stream`` (``dep``) or ``streamfree``, or ``(None, None)`` with ``rec["skipped"]``
+    where it cannot run.
 
     Raises:
         ShapeError: the chain does not fit the stream's tiles or shared memory (chain_stream.StreamError)."""
@@ -760,13 +767,19 @@ def _stream_execution(chain: Chain, cfg: Config, rec: dict):
     import chain_stream
     try:
         st = chain_stream.Stream(chain, cfg.stream_rows, cfg.stream_cps, cfg.stream_stages, cfg.stream_warps,
-                                 cfg.max_polls)
+                                 cfg.max_polls, dep=dep, cooperative=cfg.cooperative)
     except chain_stream.StreamError as exc:
         raise ShapeError(str(exc)) from None
+    except Exception as exc:        # e.g. the TMA descriptor: recorded, and the other executions still run
+        raise ShapeError(f"stream: setup failed: {type(exc).__name__}: {exc}") from exc
     rec.update(grid=st.grid, rows=st.rows, cps=st.cps, stages=st.stages, ring_bytes=st.stages * st.cps * st.rows * 128,
                smem_estimate=st.smem, warps=st.num_warps)
     rec["notes"].append("counters zeroed by one extra node (cnt.zero_()) in the same graph, before the kernel; "
                         "its time is included")
+    if not dep:
+        rec["notes"].append("no dependencies: every op reads one fixed input (its own buffer) and no program waits; "
+                            "checked per op against float64 of that input (LOCAL_TOL): the stream's and the "
+                            "consumer's own rate, to set against stream's")
     rec["notes"].append(f"ring of {st.stages} stages x {st.cps} tiles of {st.rows}x128 bytes "
                         f"({rec['ring_bytes'] // 1024} KB per SM) streamed ahead of the waits; the weights repacked "
                         "into those tiles (a second copy, same bytes)")
@@ -784,13 +797,15 @@ def _measure(name: str, chain: Chain, fn, state, rec: dict, ref: list[torch.Tens
     Raises:
         RuntimeError: ``persist`` timed out or miscounted (:func:`persist_check`)."""
     dev = chain.w.device
-    chain.poison()
+    poison, outputs = ((lambda: state.poison(chain)), (lambda: state.outputs(chain))) if name == "streamfree" else \
+        (chain.poison, chain.outputs)
+    poison()
     fn()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     ys = None
     check = {"persist": persist_check, "flag": flag_check, "flaglate": flag_check,
-             "stream": lambda c, s: s.check(c)}.get(name)
+             "stream": lambda c, s: s.check(c), "streamfree": lambda c, s: s.check(c)}.get(name)
     if check:
         check(chain, state)
     if name == "read":
@@ -798,12 +813,12 @@ def _measure(name: str, chain: Chain, fn, state, rec: dict, ref: list[torch.Tens
         if not rec["ok"]:
             rec["notes"].append("the read kernel's XOR differs from the host's: it missed or re-read words")
     else:
-        ys = chain.outputs()
-        rec.update(check_outputs(chain, ys, ref))
+        ys = outputs()
+        rec.update(state.check_free(chain, ys, LOCAL_TOL) if name == "streamfree" else check_outputs(chain, ys, ref))
     try:
         rec["time_s"], rec["timing"] = time_execution(fn, dev, reps)
     except RuntimeError as exc:
-        if name not in ("persist", "stream") or not state.cooperative:
+        if name not in ("persist", "stream", "streamfree") or not state.cooperative:
             raise
         # a driver that refuses to capture a cooperative launch: the occupancy check (persist) or the shared memory
         # (stream: one program per SM, a grid of one per SM) still guards co-residency
@@ -813,7 +828,7 @@ def _measure(name: str, chain: Chain, fn, state, rec: dict, ref: list[torch.Tens
     if check:
         check(chain, state)
     if dev.type == "cuda" and ys is not None:
-        rec["replay_equals_eager"] = _replay_check(chain, fn, dev, ys)
+        rec["replay_equals_eager"] = _replay_check(chain, fn, dev, ys, poison, outputs)
         if check:
             check(chain, state)
         rec["ok"] = rec["ok"] and rec["replay_equals_eager"]
@@ -843,7 +858,7 @@ def run_all(chain: Chain, cfg: Config, only: list[str], reps: int, log=print) ->
         try:
             ys = _measure(name, chain, fn, state, rec, ref, reps, log)
         except RuntimeError as exc:
-            if name not in ("persist", "flag", "flaglate", "stream"):
+            if name not in ("persist", "flag", "flaglate", "stream", "streamfree"):
                 raise
             rec["error"], rec["ok"] = str(exc), False
             log(str(exc))
@@ -907,7 +922,7 @@ def report(meta: dict, res: dict, log=print) -> None:
         if name == "persist" and "grid" in rec:
             extra.append(f"grid {rec['grid']} ({rec['regs']} registers, {rec['fit_per_sm']} fit per SM, "
                          f"cooperative {'yes' if rec['cooperative'] else 'no'})")
-        if name == "stream" and "grid" in rec:
+        if name in ("stream", "streamfree") and "grid" in rec:
             extra.append(f"grid {rec['grid']}, {rec['warps']} warps, tiles {rec['rows']}x128, ring {rec['stages']} x "
                          f"{rec['cps']} tiles ({rec['ring_bytes'] // 1024} KB), registers {rec.get('regs')}")
         if name == "read" and "grid" in rec:
@@ -1008,8 +1023,15 @@ def compile_ptx(arch: int = 90, cfg: Config | None = None, L: int = 4) -> dict:
             assert (launch[0] > acq[0]) == late, "flag: the trigger is not where LATE puts it"
         out["flag" + ("late" if late else "") + ("-first" if first else "")] = ptxas_util.resource_usage(k)
     import chain_stream
-    k = chain_stream.compile_sm90(rows=cfg.stream_rows, cps=cfg.stream_cps, stages=cfg.stream_stages or 16,
+    # the launch's own shape: the stages the run takes with x up to K = 16,384 (the big chain), within sm_90's limit
+    ncp = 128
+    stages = cfg.stream_stages or chain_stream.auto_stages(ncp, cfg.stream_rows, cfg.stream_cps)
+    k = chain_stream.compile_sm90(rows=cfg.stream_rows, cps=cfg.stream_cps, stages=stages, ncp=ncp,
                                   num_warps=cfg.stream_warps)
+    est = chain_stream.check_stream([(ncp * 128, 2560)], cfg.stream_rows, stages * cfg.stream_cps, cfg.stream_warps,
+                                    cps=cfg.stream_cps)
+    assert k.metadata.shared <= est <= chain_stream.SMEM_LIMIT, \
+        f"stream: {k.metadata.shared} B of shared memory compiled, {est} B estimated, {chain_stream.SMEM_LIMIT} B max"
     ptx = k.asm["ptx"]
     lines = ptx.splitlines()
     tma = _lines(ptx, "cp.async.bulk.tensor")
@@ -1025,6 +1047,10 @@ def compile_ptx(arch: int = 90, cfg: Config | None = None, L: int = 4) -> dict:
         stores = [m for m in _lines(ptx, "st.global") if m < n]
         assert bars and stores and bars[-1] > stores[-1], "stream: no CTA barrier between the y stores and the release"
     out["stream"] = f"{ptxas_util.resource_usage(k)}; shared {k.metadata.shared} B"
+    k = chain_stream.compile_sm90(rows=cfg.stream_rows, cps=cfg.stream_cps, stages=stages, ncp=ncp,
+                                  num_warps=cfg.stream_warps, dep=False)
+    assert not _lines(k.asm["ptx"], ".acquire"), "streamfree: a spin wait in the kernel without dependencies"
+    out["streamfree"] = ptxas_util.resource_usage(k)
     k = ptxas_util.compile_kernel(_read_all, dict(STEP=cfg.bn * cfg.bk // 4, STEPS=8),
                                   dict(words_ptr="*i32", out_ptr="*i32", n="i32"), arch, opts,
                                   aligned=lambda name, ty: ty.startswith("*") or name == "n")
@@ -1043,13 +1069,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--programs-per-sm", type=int, default=1, help="persist: grid = this x the SM count")
     ap.add_argument("--reps", type=int, default=100)
-    ap.add_argument("--only", default=",".join(e for e in EXECUTIONS if e != "stream"),
-                    help="comma list of " + ",".join(EXECUTIONS) + " (default: all but stream, which must be named: "
-                    "its first GPU run is still to come, and a lost TMA copy would leave an mbarrier wait with no "
-                    "timeout)")
+    ap.add_argument("--only", default=",".join(e for e in EXECUTIONS if not e.startswith("stream")),
+                    help="comma list of " + ",".join(EXECUTIONS) + " (default: all but stream and streamfree, which "
+                    "must be named: their first GPU run is still to come, and a lost TMA copy would leave an mbarrier "
+                    "wait with no timeout)")
     ap.add_argument("--max-polls", type=int, default=2 ** 24,
-                    help="persist, flag, flaglate: polls per spin wait before it reports a timeout (each poll ~1 us: "
-                    "2^24 is seconds, a legitimate wait is one op)")
+                    help="persist, flag, flaglate, stream: polls per spin wait before it reports a timeout (each poll "
+                    "~1 us: 2^24 is seconds, a legitimate wait is one op)")
     ap.add_argument("--read-steps", type=int, default=0, help="read: BNxBK tiles per program (0: plain's mean)")
     ap.add_argument("--prefetch-l2", action="store_true", help="pdl, persist: also a bulk L2 prefetch of each row "
                     "block's whole weights (BN x K bytes) before the wait (default: only the first tile is loaded)")

@@ -19,7 +19,8 @@ How (one program per SM, all co-resident, a cooperative launch):
   run ahead of the others across op boundaries only by its ring's depth).
 - Each program keeps a ring of ``ST`` stages of ``CPS`` tiles (one mbarrier per stage). Its tiles are issued in the
   order it consumes them; a stage is refilled with the ``CPS`` tiles ``ST`` stages ahead as soon as it has been read
-  (a CTA barrier, then ``CPS`` TMA copies): the copies depend on nothing but the ring, so while the program spins on
+  (a CTA barrier, then one TMA copy: a stage's tiles are consecutive in the repacked buffer, so one box of
+  ``CPS * R`` rows holds them): the copies depend on nothing but the ring, so while the program spins on
   op i - 1's counter the ring fills with op i's and later ops' tiles, up to ``ST * CPS * R * 128`` bytes ahead.
 - Per op (when the program has blocks in it): one acquire spin until op i - 1's counter holds all of its row blocks,
   x_i staged once into shared memory (one L2 round trip for the whole vector); per block: ``NC = K / 128`` tiles out
@@ -52,6 +53,8 @@ except Exception as exc:  # pragma: no cover
     GLUON_ERR = f"triton.experimental.gluon (Hopper TMA) is not importable: {exc}"
 
 BKC = 128               # tile columns: one 128-byte TMA box row (E4M3), the ring's swizzle width
+SMEM_LIMIT = 227 * 1024  # sm_90's largest shared memory per block (opt-in), bytes
+MAX_STAGES = 64         # the ring's init and first fill are unrolled
 STREAM_META = 8         # int64 words per op in the stream kernel's op table (see plan_items)
 
 
@@ -59,15 +62,21 @@ class StreamError(ValueError):
     """The chain or the stream settings do not fit the ``stream`` execution (tile sizes, shared memory)."""
 
 
-def check_stream(ops: list[tuple[int, int]], r: int, st: int, num_warps: int, smem_limit: int = 227 * 1024) -> int:
+def check_stream(ops: list[tuple[int, int]], r: int, st: int, num_warps: int, smem_limit: int = SMEM_LIMIT,
+                 cps: int = 1) -> int:
     """The shared memory one program needs (bytes): a ring of ``st`` tiles of ``R x 128`` bytes (stages x tiles per
     stage), x staged up to the largest K, the mbarriers.
 
     Raises:
-        StreamError: ``R`` is not a power of two multiple of ``4 * num_warps`` (the tile's register layout), a K is
-            not a multiple of 128 or an N of ``R``, ``ST < 2``, or the ring and x exceed ``smem_limit``."""
-    if r < 4 * num_warps or r & (r - 1):
-        raise StreamError(f"stream: --stream-rows {r} must be a power of two >= 4 x num_warps ({4 * num_warps})")
+        StreamError: ``R`` is not a power of two of at least 8 and ``4 * num_warps`` (the swizzle, the tile's register
+            layout), ``cps * R`` over TMA's 256-row box, a K is not a multiple of 128 or an N of ``R``, ``st < 2``,
+            or the ring and x exceed ``smem_limit``."""
+    if r < max(8, 4 * num_warps) or r & (r - 1):
+        raise StreamError(f"stream: --stream-rows {r} must be a power of two >= 8 (the 128-byte swizzle's period) "
+                          f"and >= 4 x num_warps ({4 * num_warps})")
+    if cps * r > 256:
+        raise StreamError(f"stream: --stream-cps {cps} x --stream-rows {r} rows: one TMA box (a ring stage) holds at "
+                          "most 256 rows")
     if st < 2:
         raise StreamError(f"stream: a ring of {st} tile(s): at least 2 are needed (--stream-stages x --stream-cps)")
     for i, (k, n) in enumerate(ops):
@@ -79,6 +88,12 @@ def check_stream(ops: list[tuple[int, int]], r: int, st: int, num_warps: int, sm
         raise StreamError(f"stream: a ring of {st} tiles of {r}x{BKC} bytes + x of up to {kmax} BF16 values need "
                           f"{need} B of shared memory per program, over {smem_limit} B: lower --stream-stages")
     return need
+
+
+def auto_stages(ncp: int, rows: int, cps: int) -> int:
+    """The most ring stages of ``cps`` tiles of ``rows x 128`` bytes that fit beside x (``ncp`` rows of 128 BF16
+    values) in :data:`SMEM_LIMIT`, at most :data:`MAX_STAGES`."""
+    return min(MAX_STAGES, (SMEM_LIMIT - ncp * BKC * 2 - 2048) // (cps * rows * BKC))
 
 
 def _pow2(n: int) -> int:
@@ -107,7 +122,8 @@ def plan_items(ops: list[tuple[int, int]], r: int, programs: int, base: list[int
     ``tile_start`` int32 ``[P + 1]``, and ``meta`` int64 ``[L, STREAM_META]`` per op: first tile, scale offset, x
     offset, y offset, K, row blocks, row blocks of the previous op (0 for op 0). Each block, op after op, goes to the
     program with the fewest tiles so far (ties in turn), so the programs' tile counts over the chain stay within one
-    block of each other (module docstring)."""
+    block of each other (module docstring). A block's tiles are consecutive, so any ``CPS`` dividing ``K / 128``
+    makes every ring stage one contiguous run of tiles (one TMA box)."""
     per_items = [[] for _ in range(programs)]
     per_tiles = [[] for _ in range(programs)]
     heap = [(0, p, p) for p in range(programs)]        # (tiles so far, tie-break, program)
@@ -142,22 +158,22 @@ def tile_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 
 
-def descriptor(packed: torch.Tensor, r: int):
-    """The TMA descriptor of the repacked tiles (:func:`repack`), box ``[R, 128]``."""
-    return TensorDescriptor.from_tensor(packed, [r, BKC], tile_layout())
+def descriptor(packed: torch.Tensor, rows: int):
+    """The TMA descriptor of the repacked tiles (:func:`repack`), box ``[rows, 128]`` (a ring stage: ``CPS * R``)."""
+    return TensorDescriptor.from_tensor(packed, [rows, BKC], tile_layout())
 
 
 if gluon is not None:
     @gluon.jit
     def _issue(desc, ring, bars, tiles_ptr, t0, g, st, n_tiles, R: gl.constexpr, CPS: gl.constexpr):
-        """Fill stage ``st`` with this program's tile group ``g`` (its tiles ``CPS*g .. CPS*g + CPS - 1``, indices
-        ``tiles[t0 + ..]``): ``CPS`` TMA copies on the stage's one mbarrier; nothing past ``n_tiles``."""
+        """Fill stage ``st`` with this program's tile group ``g`` (its tiles ``CPS*g .. CPS*g + CPS - 1``): ONE TMA
+        copy of ``CPS * R`` rows from the group's first tile ``tiles[t0 + CPS*g]`` (a group's tiles are consecutive
+        in the repacked buffer: :func:`plan_items`), on the stage's mbarrier; nothing past ``n_tiles``."""
         bar = bars.index(st)
         valid = CPS * g < n_tiles
+        t = gl.load(tiles_ptr + t0 + CPS * g, mask=valid, other=0)
         mbarrier.expect(bar, CPS * R * 128, pred=valid)
-        for j in gl.static_range(CPS):
-            t = gl.load(tiles_ptr + t0 + CPS * g + j, mask=valid, other=0)
-            tma.async_copy_global_to_shared(desc, [t * R, 0], bar, ring.index(st * CPS + j), pred=valid)
+        tma.async_copy_global_to_shared(desc, [t * R, 0], bar, ring.index(st), pred=valid)
 
     @gluon.jit
     def _spin(cnt_ptr, need, dead, err_ptr, op, MAX_POLLS: gl.constexpr):
@@ -180,19 +196,22 @@ if gluon is not None:
     @gluon.jit
     def _chain_stream(desc, s_ptr, act_ptr, meta_ptr, items_ptr, item_start_ptr, tiles_ptr, tile_start_ptr,
                       cnt_ptr, err_ptr, R: gl.constexpr, CPS: gl.constexpr, ST: gl.constexpr, NCP: gl.constexpr,
-                      MAX_POLLS: gl.constexpr, META_W: gl.constexpr):
+                      MAX_POLLS: gl.constexpr, META_W: gl.constexpr, DEP: gl.constexpr = True):
         """The whole chain in one persistent launch (module docstring). ``desc``: the repacked tiles' TMA
         descriptor (box ``[R, 128]``); ``s_ptr`` float32 scales, ``act_ptr`` bf16 activations (x_0, y_0, y_1, ...),
-        ``meta_ptr`` / ``items_ptr`` / ``tiles_ptr`` and their starts: :func:`plan_items`; ``cnt_ptr`` int32 ``[L]``
+        ``meta_ptr`` / ``items_ptr`` / ``tiles_ptr`` and their starts: :func:`plan_items` (``desc``'s box is ``[CPS *
+        R, 128]``: one copy per stage); ``cnt_ptr`` int32 ``[L]``
         zeroed before the launch; ``err_ptr`` int32 ``[2]``. The ring: ``ST`` stages of ``CPS`` tiles (one mbarrier
         and one CTA barrier per stage); every K / 128 must be a multiple of ``CPS``. ``NCP``: the largest K / 128,
-        rounded up to a power of two (x's shared-memory rows)."""
+        rounded up to a power of two (x's shared-memory rows). ``DEP`` False (``streamfree``): no spin, every op
+        reads the x its op table names (all x_0: the host's plan), so the ops are independent and the run times the
+        stream and the consumer alone."""
         NW: gl.constexpr = gl.num_warps()
         BL: gl.constexpr = gl.BlockedLayout([R // (4 * NW), 16], [4, 8], [NW, 1], [1, 0])     # [R, 128] tiles
         XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])                # [NCP, 128] x rows
         XS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])                          # unswizzled
         pid = gl.program_id(0)
-        ring = gl.allocate_shared_memory(gl.uint8, [ST * CPS, R, 128], desc.layout)
+        ring = gl.allocate_shared_memory(gl.uint8, [ST, CPS * R, 128], desc.layout)
         x_s = gl.allocate_shared_memory(gl.bfloat16, [NCP, 128], XS)     # row c: x's columns 128c .. 128c + 127
         # the same bytes as rows, for the per-tile reads (an unswizzled row-major buffer: a view, no copy)
         x_rows = x_s._reinterpret(gl.bfloat16, [NCP, 128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -221,7 +240,7 @@ if gluon is not None:
             nc = gl.load(m + 4).to(gl.int32) // 128
             if op != prev:
                 # this program's first block of op `op`: its input is op - 1's whole output
-                if op > 0:
+                if DEP and op > 0:
                     dead = _spin(cnt_ptr + (op - 1), gl.load(m + 6).to(gl.int32), dead, err_ptr, op, MAX_POLLS)
                 x_i = act_ptr + gl.multiple_of(gl.load(m + 2), 16)
                 xv = gl.load(x_i + xr[:, None] * 128 + xc[None, :], mask=(xr < nc)[:, None], other=0.0,
@@ -234,7 +253,8 @@ if gluon is not None:
                 st = g % ST
                 mbarrier.wait(bars.index(st), (g // ST) & 1)
                 for j in gl.static_range(CPS):
-                    w = ring.index(st * CPS + j).load(BL).to(gl.float8e4nv, bitcast=True)
+                    # tile j of the stage: rows j*R .. (a multiple of 8 rows: the 128-byte swizzle's period)
+                    w = ring.index(st).slice(j * R, R).load(BL).to(gl.float8e4nv, bitcast=True)
                     x = x_rows.index(c0 + j).load(gl.SliceLayout(0, BL))
                     acc += w.to(gl.float32) * x.to(gl.float32)[None, :]
                 gl.thread_barrier()             # every warp has read stage st before TMA overwrites it
@@ -248,46 +268,86 @@ if gluon is not None:
 
 class Stream:
     """The ``stream`` execution's state on one device: the repacked tiles and their descriptor, the work plan
-    (:func:`plan_items`), counters int32 ``[L]``, error words int32 ``[2]``, and the launch settings."""
+    (:func:`plan_items`), counters int32 ``[L]``, error words int32 ``[2]``, and the launch settings. ``dep`` False:
+    the ``streamfree`` execution (every op reads x_0, no waits: the stream's and the consumer's own rate).
+
+    Raises:
+        StreamError: settings the chain cannot be tiled or fitted with (:func:`check_stream`), or ``cps`` not
+            dividing every K / 128."""
 
     def __init__(self, chain, rows: int, cps: int, stages: int, num_warps: int, max_polls: int,
-                 programs: int | None = None):
+                 programs: int | None = None, dep: bool = True, cooperative: bool = True):
         ops = chain.ops
         dev = chain.w.device
         if any((k // BKC) % cps for k, _ in ops):
             raise StreamError(f"stream: --stream-cps {cps} must divide every K / {BKC} "
                               f"({sorted({k // BKC for k, _ in ops})})")
         self.ncp = _pow2(max(k for k, _ in ops) // BKC)
-        fixed = self.ncp * BKC * 2 + 2048
-        if stages <= 0:             # as many as fit, at most 64 (the prologue is unrolled)
-            stages = min(64, (227 * 1024 - fixed) // (cps * rows * BKC))
-        self.smem = check_stream(ops, rows, stages * cps, num_warps)
+        if stages <= 0:
+            stages = auto_stages(self.ncp, rows, cps)
+        self.smem = check_stream(ops, rows, stages * cps, num_warps, cps=cps)
         self.rows, self.cps, self.stages, self.num_warps, self.max_polls = rows, cps, stages, num_warps, max_polls
         self.grid = programs or (torch.cuda.get_device_properties(dev).multi_processor_count
                                  if dev.type == "cuda" else 1)
         self.packed, base = repack(chain.w, chain.w_off, ops, rows)
-        self.plan = plan_items(ops, rows, self.grid, base, chain.s_off, [chain.x_off(i) for i in range(len(ops))],
-                               chain.y_off, dev)
+        self.dep = dep
+        if dep:
+            self.act, x_off, self.y_off = chain.act, [chain.x_off(i) for i in range(len(ops))], chain.y_off
+        else:
+            # every op reads one fixed input (N(0, 1) BF16, as large as the largest K) from a buffer of its own, so
+            # no op reads what another writes
+            kmax = max(k for k, _ in ops)
+            self.act = torch.empty(kmax + sum(n for _, n in ops), dtype=torch.bfloat16, device=dev)
+            g = torch.Generator(device=dev).manual_seed(1)
+            self.act[:kmax] = torch.randn(kmax, generator=g, device=dev).to(torch.bfloat16)
+            x_off, self.y_off, o = [0] * len(ops), [], kmax
+            for _, n in ops:
+                self.y_off.append(o)
+                o += n
+        self.plan = plan_items(ops, rows, self.grid, base, chain.s_off, x_off, self.y_off, dev)
         self.cnt = torch.zeros(len(ops), dtype=torch.int32, device=dev)
         self.err = torch.zeros(2, dtype=torch.int32, device=dev)
-        self.desc = descriptor(self.packed, rows) if dev.type == "cuda" else None
-        self.cooperative = dev.type == "cuda"
+        self.desc = descriptor(self.packed, rows * cps) if dev.type == "cuda" else None
+        self.cooperative = cooperative and dev.type == "cuda"
         self.regs = None
 
     def constexprs(self) -> dict:
         return dict(R=self.rows, CPS=self.cps, ST=self.stages, NCP=self.ncp, MAX_POLLS=self.max_polls,
-                    META_W=STREAM_META)
+                    META_W=STREAM_META, DEP=self.dep)
 
     def run(self, chain) -> None:
         """Zero the counters (one node in a captured graph) and launch the persistent kernel."""
         self.cnt.zero_()
         p = self.plan
-        k = _chain_stream[(self.grid,)](self.desc, chain.s, chain.act, p["meta"], p["items"], p["item_start"],
+        k = _chain_stream[(self.grid,)](self.desc, chain.s, self.act, p["meta"], p["items"], p["item_start"],
                                         p["tiles"], p["tile_start"], self.cnt, self.err, **self.constexprs(),
                                         num_warps=self.num_warps,
                                         **({"launch_cooperative_grid": True} if self.cooperative else {}))
         if self.regs is None and k is not None:
             self.regs = getattr(k, "n_regs", None)
+
+    def outputs(self, chain) -> list[torch.Tensor]:
+        """Copies of every op's y (bf16 ``[N_i]``) where this execution writes them."""
+        return [self.act[o:o + n].clone() for o, (_, n) in zip(self.y_off, chain.ops)]
+
+    def poison(self, chain) -> None:
+        """NaN into every y this execution writes (the inputs kept)."""
+        if self.dep:
+            chain.poison()
+        else:
+            self.act[self.y_off[0]:].fill_(float("nan"))
+
+    def check_free(self, chain, ys: list[torch.Tensor], tol: float) -> dict:
+        """``dep`` False: each op's y against the float64 product of its weight with the fixed input, within ``tol``
+        relative to its largest value (bench_chain's ``LOCAL_TOL``). Returns ``ok`` and the worst error."""
+        errs = []
+        for i, ((k, _), y) in enumerate(zip(chain.ops, ys)):
+            w = chain.weight(i).float().double() * chain.scale(i).double()[:, None]
+            ref = (w @ self.act[:k].double()).to(torch.bfloat16).double()
+            yd = y.double()
+            errs.append(float("inf") if not torch.isfinite(yd).all() else
+                        ((yd - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item())
+        return {"ok": max(errs) <= tol, "local_err_max": max(errs), "local_err_max_over_bound": max(errs) / tol}
 
     def check(self, chain) -> None:
         """No spin wait timed out and op i's counter equals its ``N / R`` row blocks.
@@ -305,15 +365,15 @@ class Stream:
 
 
 def compile_sm90(rows: int = 16, cps: int = 4, stages: int = 16, ncp: int = 128, num_warps: int = 4,
-                 max_polls: int = 1 << 24):
+                 max_polls: int = 1 << 24, dep: bool = True):
     """:func:`_chain_stream` compiled for sm_90 without a GPU (``scripts/ptxas_util.py``): the kernel object (its
     ``asm["ptx"]``, ``asm["sass"]`` via ptxas_util, ``metadata.shared``)."""
     import ptxas_util
     from triton.runtime.jit import mangle_type
     t = torch.empty(0, dtype=torch.uint8).new_empty((1 << 20, BKC), device="meta")
-    d = TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, BKC], tile_layout())
+    d = TensorDescriptor(t, list(t.shape), list(t.stride()), [rows * cps, BKC], tile_layout())
     return ptxas_util.compile_kernel(
-        _chain_stream, dict(R=rows, CPS=cps, ST=stages, NCP=ncp, MAX_POLLS=max_polls, META_W=STREAM_META),
+        _chain_stream, dict(R=rows, CPS=cps, ST=stages, NCP=ncp, MAX_POLLS=max_polls, META_W=STREAM_META, DEP=dep),
         dict(desc=mangle_type(d), s_ptr="*fp32", act_ptr="*bf16", meta_ptr="*i64", items_ptr="*i32",
              item_start_ptr="*i32", tiles_ptr="*i32", tile_start_ptr="*i32", cnt_ptr="*i32", err_ptr="*i32"),
         90, dict(num_warps=num_warps), gluon=True)

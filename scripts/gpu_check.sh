@@ -382,18 +382,19 @@ section_chainstream() {  # the thirty-seventh session's `stream` execution of be
     # shared-memory ring ahead of its counter waits (docs/perf/u08-design.md section 7), against plain / pdl / read
     # in the same process: a 2-op smoke run first (a lost TMA copy would hang in an mbarrier wait: 90 s cap), then
     # the 6.6 MB-per-op chain (2560x2560, BN 8: the pdl row's best tiling) and the 41.9 MB one (2560x16384 /
-    # 16384x2560, BN 16), then the stream's tile rows / warps / tiles per stage on the small chain. Synthetic weights.
+    # 16384x2560, BN 16), each with `streamfree` (the same kernel, no dependencies: the stream's own rate), then the
+    # stream's tile rows / warps / tiles per stage on the small chain. Synthetic weights.
     local before=${#FAILED[@]} r w c
     SECTION_TIMEOUT=90 run_step smoke python3 scripts/bench_chain.py --shapes 2560x2560 --layers 2 --bn 8 --bk 512 \
         --only plain,stream --reps 5 --out "$OUT" --name chain-smoke
     [ "${#FAILED[@]}" -gt "$before" ] && return 0
-    run_step small python3 scripts/bench_chain.py --shapes 2560x2560 --bn 8 --bk 512 --only plain,pdl,read,stream \
-        --out "$OUT" --name chain-small
-    run_step big python3 scripts/bench_chain.py --only plain,pdl,read,stream --out "$OUT" --name chain-big
+    run_step small python3 scripts/bench_chain.py --shapes 2560x2560 --bn 8 --bk 512 \
+        --only plain,pdl,read,stream,streamfree --out "$OUT" --name chain-small
+    run_step big python3 scripts/bench_chain.py --only plain,pdl,read,stream,streamfree --out "$OUT" --name chain-big
     for v in "32 8 4" "16 4 2" "32 4 4" "16 4 1"; do
         read -r r w c <<< "$v"
         run_step "sweep_r${r}_w${w}_c${c}" python3 scripts/bench_chain.py --shapes 2560x2560 --bn 8 --bk 512 \
-            --only read,stream --stream-rows "$r" --stream-warps "$w" --stream-cps "$c" --out "$OUT" \
+            --only read,stream,streamfree --stream-rows "$r" --stream-warps "$w" --stream-cps "$c" --out "$OUT" \
             --name "chain-small-r$r-w$w-c$c"
     done
 }

@@ -52,10 +52,11 @@ def test_cpu_smoke_matches_float64(bc, tmp_path):
     assert res["read"]["ok"] and res["read"]["grid"] > 0
     assert "interpreter" in res["persist"]["skipped"]
     assert any(ln.startswith("persist") and "skipped" in ln for ln in lines)
-    assert "stream" not in res                  # not in the default --only: it must be named
-    named = bc.main(SMOKE + ["--only", "read,stream", "--out", str(tmp_path), "--name", "smoke-stream"],
+    assert "stream" not in res and "streamfree" not in res      # not in the default --only: they must be named
+    named = bc.main(SMOKE + ["--only", "read,stream,streamfree", "--out", str(tmp_path), "--name", "smoke-stream"],
                     log=lines.append)["results"]
-    assert "interpreter" in named["stream"]["skipped"] and named["read"]["ok"]
+    assert "interpreter" in named["stream"]["skipped"] and "interpreter" in named["streamfree"]["skipped"]
+    assert named["read"]["ok"]
     data = json.loads((tmp_path / "smoke.json").read_text())
     meta = data["meta"]
     for k in ("device", "date", "commit", "weights", "shapes", "L", "weight_bytes"):
@@ -161,15 +162,17 @@ def cs():
 def _emulate_stream(bc, st, chain) -> list[torch.Tensor]:
     """What the stream kernel computes, from its host-side plan alone: each program walks its items in order and
     takes its tiles from ``tiles`` one after another (its ring's order), each tile read from the repacked buffer;
-    ops in chain order (the counters' order). float64 sums, then ``bf16(s * rowsum)``. Also checks that every
-    program consumes exactly its own tile list."""
+    ops in chain order (the counters' order), x at the offset the op table names in the execution's activation
+    buffer. float64 sums, then ``bf16(s * rowsum)``. Also checks that every program consumes exactly its own tile
+    list."""
     r = st.rows
-    plan = {k: v.tolist() for k, v in st.plan.items() if k != "meta"}
+    plan = {k: v.tolist() for k, v in st.plan.items()}
     w8 = st.packed.view(torch.float8_e4m3fn).view(-1, r, 128).double()
     cursor = list(plan["tile_start"][:-1])
-    act = chain.act.double().clone()
+    act = st.act.double().clone()
     for i, (k, n) in enumerate(chain.ops):
-        x = act[chain.x_off(i):chain.x_off(i) + k].clone()
+        xo, yo = plan["meta"][i][2], plan["meta"][i][3]
+        x = act[xo:xo + k].clone()
         for p in range(st.grid):
             for it in range(plan["item_start"][p], plan["item_start"][p + 1]):
                 op, blk = plan["items"][it]
@@ -180,9 +183,9 @@ def _emulate_stream(bc, st, chain) -> list[torch.Tensor]:
                     acc += w8[plan["tiles"][cursor[p]]] @ x[128 * c:128 * c + 128]
                     cursor[p] += 1
                 y = (acc * chain.scale(i)[blk * r:blk * r + r].double()).to(torch.bfloat16).double()
-                act[chain.y_off[i] + blk * r:chain.y_off[i] + blk * r + r] = y
+                act[yo + blk * r:yo + blk * r + r] = y
     assert cursor == plan["tile_start"][1:], "a program's tile list does not match its items"
-    return [act[chain.y_off[i]:chain.y_off[i] + n].to(torch.bfloat16) for i, (_, n) in enumerate(chain.ops)]
+    return [act[o:o + n].to(torch.bfloat16) for o, (_, n) in zip(st.y_off, chain.ops)]
 
 
 def test_stream_plan_tiles_and_balance(bc, cs):
@@ -191,7 +194,8 @@ def test_stream_plan_tiles_and_balance(bc, cs):
     holds the right 16 x 128 bytes of its op's weight; a float64 emulation of the plan (each program's tiles
     consumed in its ring's order) is within bench_chain's float64-chain bounds; the least-loaded assignment keeps
     the programs' tile counts within one block of each other over the chain; the counter check passes on N / R per op
-    and names a miscount and a timeout."""
+    and names a miscount and a timeout; ``streamfree``'s plan reads one input of its own for every op, and its
+    per-op check passes on the emulated outputs and fails on a block 5 % off."""
     cpu = torch.device("cpu")
     with pytest.raises(cs.StreamError, match="K must be a multiple of 128"):
         cs.Stream(bc.make_chain([(256, 144), (144, 256)], cpu, 16), 16, 1, 4, 4, 64, programs=3)
@@ -203,6 +207,8 @@ def test_stream_plan_tiles_and_balance(bc, cs):
         cs.Stream(chain, 16, 1, 200, 4, 64, programs=3)
     with pytest.raises(cs.StreamError, match="power of two"):
         cs.Stream(chain, 8, 1, 4, 4, 64, programs=3)
+    with pytest.raises(cs.StreamError, match="at most 256 rows"):      # a stage of 16 tiles x 32 rows
+        cs.Stream(bc.make_chain([(2048, 64)], cpu, 16), 32, 16, 2, 4, 64, programs=3)
     st = cs.Stream(chain, 16, 1, 4, 4, 64, programs=3)
     items = [tuple(v) for v in st.plan["items"].tolist()]
     starts = st.plan["item_start"].tolist()
@@ -222,6 +228,15 @@ def test_stream_plan_tiles_and_balance(bc, cs):
                 assert torch.equal(w8[base[i] + b * (k // 128) + c], wi[16 * b:16 * b + 16, 128 * c:128 * c + 128])
     res = bc.check_outputs(chain, _emulate_stream(bc, st, chain), bc.chain_reference(chain))
     assert res["ok"], res
+    # with CPS tiles a stage, each stage is one contiguous run of tiles (the kernel copies it as one TMA box from
+    # the group's first tile), and the emulation over that plan still matches
+    chain2 = bc.make_chain([(512, 256), (256, 512)], cpu, 16, seed=2)
+    st2 = cs.Stream(chain2, 16, 2, 4, 4, 64, programs=3)
+    tl2, ts2 = st2.plan["tiles"].tolist(), st2.plan["tile_start"].tolist()
+    for p in range(3):
+        mine = tl2[ts2[p]:ts2[p + 1]]
+        assert len(mine) % 2 == 0 and all(mine[g + 1] == mine[g] + 1 for g in range(0, len(mine), 2)), (p, mine)
+    assert bc.check_outputs(chain2, _emulate_stream(bc, st2, chain2), bc.chain_reference(chain2))["ok"]
     st.cnt.copy_(torch.tensor([n // 16 for _, n in ops], dtype=torch.int32))
     st.check(chain)
     st.cnt[2] -= 1
@@ -230,6 +245,14 @@ def test_stream_plan_tiles_and_balance(bc, cs):
     st.err[0] = 2
     with pytest.raises(RuntimeError, match=r"stream: 2 spin wait\(s\) timed out"):
         st.check(chain)
+    # streamfree: every op reads one fixed input from the execution's own buffer (no op reads what another writes)
+    free = cs.Stream(chain, 16, 1, 4, 4, 64, programs=3, dep=False)
+    assert free.plan["meta"][:, 2].tolist() == [0] * len(ops) and free.act.data_ptr() != chain.act.data_ptr()
+    assert min(free.y_off) >= max(k for k, _ in ops)
+    ys = _emulate_stream(bc, free, chain)
+    assert free.check_free(chain, ys, bc.LOCAL_TOL)["ok"]
+    ys[2][:16] = (ys[2][:16].float() * 1.05).to(torch.bfloat16)
+    assert not free.check_free(chain, ys, bc.LOCAL_TOL)["ok"]
 
 
 def test_kernels_compile_for_sm90_with_the_protocol_orderings():
@@ -243,4 +266,4 @@ def test_kernels_compile_for_sm90_with_the_protocol_orderings():
     assert "PTX orderings: ok" in r.stdout
     assert "persist    sm_90: REG:" in r.stdout
     assert "flaglate   sm_90: REG:" in r.stdout
-    assert "stream     sm_90: REG:" in r.stdout
+    assert "stream     sm_90: REG:" in r.stdout and "streamfree sm_90: REG:" in r.stdout
