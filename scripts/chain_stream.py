@@ -68,12 +68,12 @@ def check_stream(ops: list[tuple[int, int]], r: int, st: int, num_warps: int, sm
     stage), x staged up to the largest K, the mbarriers.
 
     Raises:
-        StreamError: ``R`` is not a power of two of at least 8 and ``4 * num_warps`` (the swizzle, the tile's register
+        StreamError: ``R`` is not a power of two of at least 8 and ``2 * num_warps`` (the swizzle, the tile's register
             layout), ``cps * R`` over TMA's 256-row box, a K is not a multiple of 128 or an N of ``R``, ``st < 2``,
             or the ring and x exceed ``smem_limit``."""
-    if r < max(8, 4 * num_warps) or r & (r - 1):
+    if r < max(8, 2 * num_warps) or r & (r - 1):
         raise StreamError(f"stream: --stream-rows {r} must be a power of two >= 8 (the 128-byte swizzle's period) "
-                          f"and >= 4 x num_warps ({4 * num_warps})")
+                          f"and >= 2 x num_warps ({2 * num_warps}: the tile's register layout, tile_layout_regs)")
     if cps * r > 256:
         raise StreamError(f"stream: --stream-cps {cps} x --stream-rows {r} rows: one TMA box (a ring stage) holds at "
                           "most 256 rows")
@@ -158,6 +158,15 @@ def tile_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 
 
+def tile_layout_regs(rows: int, num_warps: int):
+    """The register layout of a ``[rows, 128]`` E4M3 tile in the consumer: 16 bytes a thread and 8 threads a row
+    (``rows >= 4 * num_warps``, ``rows / (4 * num_warps)`` rows a thread), else 8 bytes a thread and 16 threads a row
+    (``rows = 2 * num_warps``, one row a thread: twice the row blocks of an op for the same warps)."""
+    if rows >= 4 * num_warps:
+        return gl.BlockedLayout([rows // (4 * num_warps), 16], [4, 8], [num_warps, 1], [1, 0])
+    return gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+
+
 def descriptor(packed: torch.Tensor, rows: int):
     """The TMA descriptor of the repacked tiles (:func:`repack`), box ``[rows, 128]`` (a ring stage: ``CPS * R``)."""
     return TensorDescriptor.from_tensor(packed, [rows, BKC], tile_layout())
@@ -196,18 +205,18 @@ if gluon is not None:
     @gluon.jit
     def _chain_stream(desc, s_ptr, act_ptr, meta_ptr, items_ptr, item_start_ptr, tiles_ptr, tile_start_ptr,
                       cnt_ptr, err_ptr, R: gl.constexpr, CPS: gl.constexpr, ST: gl.constexpr, NCP: gl.constexpr,
-                      MAX_POLLS: gl.constexpr, META_W: gl.constexpr, DEP: gl.constexpr = True):
+                      MAX_POLLS: gl.constexpr, META_W: gl.constexpr, BL: gl.constexpr, DEP: gl.constexpr = True):
         """The whole chain in one persistent launch (module docstring). ``desc``: the repacked tiles' TMA
         descriptor (box ``[R, 128]``); ``s_ptr`` float32 scales, ``act_ptr`` bf16 activations (x_0, y_0, y_1, ...),
         ``meta_ptr`` / ``items_ptr`` / ``tiles_ptr`` and their starts: :func:`plan_items` (``desc``'s box is ``[CPS *
         R, 128]``: one copy per stage); ``cnt_ptr`` int32 ``[L]``
         zeroed before the launch; ``err_ptr`` int32 ``[2]``. The ring: ``ST`` stages of ``CPS`` tiles (one mbarrier
         and one CTA barrier per stage); every K / 128 must be a multiple of ``CPS``. ``NCP``: the largest K / 128,
-        rounded up to a power of two (x's shared-memory rows). ``DEP`` False (``streamfree``): no spin, every op
+        rounded up to a power of two (x's shared-memory rows). ``BL``: the tiles' register layout
+        (:func:`tile_layout_regs`). ``DEP`` False (``streamfree``): no spin, every op
         reads the x its op table names (all x_0: the host's plan), so the ops are independent and the run times the
         stream and the consumer alone."""
         NW: gl.constexpr = gl.num_warps()
-        BL: gl.constexpr = gl.BlockedLayout([R // (4 * NW), 16], [4, 8], [NW, 1], [1, 0])     # [R, 128] tiles
         XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])                # [NCP, 128] x rows
         XS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])                          # unswizzled
         pid = gl.program_id(0)
@@ -313,7 +322,7 @@ class Stream:
 
     def constexprs(self) -> dict:
         return dict(R=self.rows, CPS=self.cps, ST=self.stages, NCP=self.ncp, MAX_POLLS=self.max_polls,
-                    META_W=STREAM_META, DEP=self.dep)
+                    META_W=STREAM_META, BL=tile_layout_regs(self.rows, self.num_warps), DEP=self.dep)
 
     def run(self, chain) -> None:
         """Zero the counters (one node in a captured graph) and launch the persistent kernel."""
@@ -373,7 +382,8 @@ def compile_sm90(rows: int = 16, cps: int = 4, stages: int = 16, ncp: int = 128,
     t = torch.empty(0, dtype=torch.uint8).new_empty((1 << 20, BKC), device="meta")
     d = TensorDescriptor(t, list(t.shape), list(t.stride()), [rows * cps, BKC], tile_layout())
     return ptxas_util.compile_kernel(
-        _chain_stream, dict(R=rows, CPS=cps, ST=stages, NCP=ncp, MAX_POLLS=max_polls, META_W=STREAM_META, DEP=dep),
+        _chain_stream, dict(R=rows, CPS=cps, ST=stages, NCP=ncp, MAX_POLLS=max_polls, META_W=STREAM_META,
+                            BL=tile_layout_regs(rows, num_warps), DEP=dep),
         dict(desc=mangle_type(d), s_ptr="*fp32", act_ptr="*bf16", meta_ptr="*i64", items_ptr="*i32",
              item_start_ptr="*i32", tiles_ptr="*i32", tile_start_ptr="*i32", cnt_ptr="*i32", err_ptr="*i32"),
         90, dict(num_warps=num_warps), gluon=True)

@@ -391,7 +391,7 @@ section_chainstream() {  # the thirty-seventh session's `stream` execution of be
     run_step small python3 scripts/bench_chain.py --shapes 2560x2560 --bn 8 --bk 512 \
         --only plain,pdl,read,stream,streamfree --out "$OUT" --name chain-small
     run_step big python3 scripts/bench_chain.py --only plain,pdl,read,stream,streamfree --out "$OUT" --name chain-big
-    for v in "32 8 4" "16 4 2" "32 4 4" "16 4 1"; do
+    for v in "32 8 4" "16 4 2" "32 4 4" "16 4 1" "8 4 4"; do
         read -r r w c <<< "$v"
         run_step "sweep_r${r}_w${w}_c${c}" python3 scripts/bench_chain.py --shapes 2560x2560 --bn 8 --bk 512 \
             --only read,stream,streamfree --stream-rows "$r" --stream-warps "$w" --stream-cps "$c" --out "$OUT" \
