@@ -186,10 +186,11 @@ if gluon is not None:
 
     @gluon.jit
     def _spin(cnt_ptr, need, dead, err_ptr, op, MAX_POLLS: gl.constexpr):
-        """``bench_chain._wait_count`` in Gluon: spin (acquire, GPU scope) until ``*cnt_ptr >= need``, at most
-        ``MAX_POLLS`` polls; on a timeout count it in ``err`` and return ``dead`` 1 (never spin again). The scalar
-        atomic runs in one thread and its result is broadcast, so the loop condition is uniform; the CTA barrier
-        after it orders every thread's later reads after the acquire."""
+        """``bench_chain._wait_count`` in Gluon (a Gluon kernel cannot call a ``@triton.jit`` function): spin
+        (acquire, GPU scope) until ``*cnt_ptr >= need``, at most ``MAX_POLLS`` polls; on a timeout count it in
+        ``err`` and return ``dead`` 1 (never spin again). The scalar atomic runs in one thread and its result is
+        broadcast, so the loop condition is uniform; the CTA barrier after it orders every thread's later reads
+        after the acquire."""
         seen = gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
         polls = 1
         while (seen < need) & (dead == 0) & (polls < MAX_POLLS):
@@ -207,15 +208,15 @@ if gluon is not None:
                       cnt_ptr, err_ptr, R: gl.constexpr, CPS: gl.constexpr, ST: gl.constexpr, NCP: gl.constexpr,
                       MAX_POLLS: gl.constexpr, META_W: gl.constexpr, BL: gl.constexpr, DEP: gl.constexpr = True):
         """The whole chain in one persistent launch (module docstring). ``desc``: the repacked tiles' TMA
-        descriptor (box ``[R, 128]``); ``s_ptr`` float32 scales, ``act_ptr`` bf16 activations (x_0, y_0, y_1, ...),
-        ``meta_ptr`` / ``items_ptr`` / ``tiles_ptr`` and their starts: :func:`plan_items` (``desc``'s box is ``[CPS *
-        R, 128]``: one copy per stage); ``cnt_ptr`` int32 ``[L]``
-        zeroed before the launch; ``err_ptr`` int32 ``[2]``. The ring: ``ST`` stages of ``CPS`` tiles (one mbarrier
-        and one CTA barrier per stage); every K / 128 must be a multiple of ``CPS``. ``NCP``: the largest K / 128,
+        descriptor, box ``[CPS * R, 128]`` (one copy per ring stage); ``s_ptr`` float32 scales, ``act_ptr`` bf16
+        activations (x_0, y_0, y_1, ...), ``meta_ptr`` / ``items_ptr`` / ``tiles_ptr`` and their starts:
+        :func:`plan_items`; ``cnt_ptr`` int32 ``[L]`` zeroed before the launch; ``err_ptr`` int32 ``[2]``. The
+        ring: ``ST`` stages of ``CPS`` tiles (one mbarrier and one CTA barrier per stage); every K / 128 must be a
+        multiple of ``CPS``. ``NCP``: the largest K / 128,
         rounded up to a power of two (x's shared-memory rows). ``BL``: the tiles' register layout
-        (:func:`tile_layout_regs`). ``DEP`` False (``streamfree``): no spin, every op
-        reads the x its op table names (all x_0: the host's plan), so the ops are independent and the run times the
-        stream and the consumer alone."""
+        (:func:`tile_layout_regs`). ``DEP`` False (``streamfree``): no spin, every op reads the x its op table names
+        (all one fixed input: the host's plan), so the ops are independent and the run times the stream and the
+        consumer alone."""
         NW: gl.constexpr = gl.num_warps()
         XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])                # [NCP, 128] x rows
         XS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])                          # unswizzled
@@ -245,7 +246,8 @@ if gluon is not None:
             blk = gl.load(items_ptr + (i0 + it) * 2 + 1)
             m = meta_ptr + op * META_W
             s_i = s_ptr + gl.load(m + 1)
-            y_i = act_ptr + gl.multiple_of(gl.load(m + 3), 16)     # offsets: multiples of R >= 16 elements
+            # x / y offsets: multiples of 128 elements (every N but the last is the next op's K, a multiple of 128)
+            y_i = act_ptr + gl.multiple_of(gl.load(m + 3), 16)
             nc = gl.load(m + 4).to(gl.int32) // 128
             if op != prev:
                 # this program's first block of op `op`: its input is op - 1's whole output
