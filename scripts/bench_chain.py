@@ -1,4 +1,4 @@
-"""The fixed cost per op boundary of a chain of dependent FP8 GEMVs at batch 1, under four executions.
+"""The fixed cost per op boundary of a chain of dependent FP8 GEMVs at batch 1, under several executions.
 
 Why: a decode step today is (its weight bytes at full bandwidth) + (about 6 us per kernel boundary), and U = 0.8
 needs that boundary cost below ~0.75 us. docs/perf/u08-design.md section 3 proposes one persistent kernel whose
@@ -355,7 +355,7 @@ class Config:
     prefetch_l2: bool = False       # pdl / persist: bulk L2 prefetch of each block's weights before the wait
     cooperative: bool = True
     stream_rows: int = 16           # stream: rows per tile and row block (R)
-    stream_cps: int = 4             # stream: tiles per ring stage (one mbarrier, one CTA barrier each)
+    stream_cps: int = 4             # stream: tiles per ring stage (one mbarrier and one TMA copy each)
     stream_stages: int = 0          # stream: ring stages (0: as many as fit in shared memory, at most 64)
     stream_warps: int = 4
 
@@ -783,6 +783,7 @@ def _stream_execution(chain: Chain, cfg: Config, rec: dict, dep: bool = True):
     rec["notes"].append(f"ring of {st.stages} stages x {st.cps} tiles of {st.rows}x128 bytes "
                         f"({rec['ring_bytes'] // 1024} KB per SM) streamed ahead of the waits; the weights repacked "
                         "into those tiles (a second copy, same bytes)")
+
     def fn():
         st.run(chain)
         rec["regs"] = st.regs
@@ -1079,12 +1080,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--read-steps", type=int, default=0, help="read: BNxBK tiles per program (0: plain's mean)")
     ap.add_argument("--prefetch-l2", action="store_true", help="pdl, persist: also a bulk L2 prefetch of each row "
                     "block's whole weights (BN x K bytes) before the wait (default: only the first tile is loaded)")
-    ap.add_argument("--no-cooperative", action="store_true", help="persist: launch without the cooperative "
-                    "attribute (the occupancy check still guards co-residency)")
+    ap.add_argument("--no-cooperative", action="store_true", help="persist, stream, streamfree: launch without the "
+                    "cooperative attribute (persist's occupancy check, or the stream's shared memory, one program per "
+                    "SM, still guards co-residency)")
     ap.add_argument("--stream-rows", type=int, default=16, help="stream: rows per tile and row block")
     ap.add_argument("--stream-cps", type=int, default=4, help="stream: tiles per ring stage (must divide K / 128)")
     ap.add_argument("--stream-stages", type=int, default=0, help="stream: ring stages (0: as many as fit, <= 64)")
-    ap.add_argument("--stream-warps", type=int, default=4, help="stream: warps per program (rows >= 4 x warps)")
+    ap.add_argument("--stream-warps", type=int, default=4,
+                    help="stream: warps per program (--stream-rows a power of two >= max(8, 2 x warps))")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out/bench_chain")
     ap.add_argument("--name", default="bench_chain")

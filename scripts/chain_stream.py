@@ -32,8 +32,8 @@ another order than ``_block_rest``'s (128-column tiles, not BK), so it is checke
 bench_chain's bounds and its bit equality with ``plain`` is only reported. No deadlock with every program resident:
 a program waiting at op i has finished all its items of the ops before i, so by induction every block of op i - 1
 completes; a program that times out (``MAX_POLLS``) records it, computes garbage and still signals, so the kernel
-ends and the host raises (:meth:`Stream.check`). Needs sm_90 (TMA, mbarriers) and about
-``ST * CPS * R * 128 + K_max * 2`` bytes of shared memory per program (:func:`check_stream`).
+ends and the host raises (:meth:`Stream.check`). (A design argument: not yet run on a GPU.) Needs sm_90 (TMA,
+mbarriers) and about ``ST * CPS * R * 128 + K_max * 2`` bytes of shared memory per program (:func:`check_stream`).
 """
 
 from __future__ import annotations
@@ -211,8 +211,8 @@ if gluon is not None:
         descriptor, box ``[CPS * R, 128]`` (one copy per ring stage); ``s_ptr`` float32 scales, ``act_ptr`` bf16
         activations (x_0, y_0, y_1, ...), ``meta_ptr`` / ``items_ptr`` / ``tiles_ptr`` and their starts:
         :func:`plan_items`; ``cnt_ptr`` int32 ``[L]`` zeroed before the launch; ``err_ptr`` int32 ``[2]``. The
-        ring: ``ST`` stages of ``CPS`` tiles (one mbarrier and one CTA barrier per stage); every K / 128 must be a
-        multiple of ``CPS``. ``NCP``: the largest K / 128,
+        ring: ``ST`` stages of ``CPS`` tiles (one mbarrier, one TMA copy and one explicit CTA barrier per stage; 3
+        ``bar.sync`` once compiled); every K / 128 must be a multiple of ``CPS``. ``NCP``: the largest K / 128,
         rounded up to a power of two (x's shared-memory rows). ``BL``: the tiles' register layout
         (:func:`tile_layout_regs`). ``DEP`` False (``streamfree``): no spin, every op reads the x its op table names
         (all one fixed input: the host's plan), so the ops are independent and the run times the stream and the
@@ -280,7 +280,8 @@ if gluon is not None:
 class Stream:
     """The ``stream`` execution's state on one device: the repacked tiles and their descriptor, the work plan
     (:func:`plan_items`), counters int32 ``[L]``, error words int32 ``[2]``, and the launch settings. ``dep`` False:
-    the ``streamfree`` execution (every op reads x_0, no waits: the stream's and the consumer's own rate).
+    the ``streamfree`` execution (every op reads the same fixed input, held in this object's own buffer; no waits:
+    the stream's and the consumer's own rate).
 
     Raises:
         StreamError: settings the chain cannot be tiled or fitted with (:func:`check_stream`), or ``cps`` not

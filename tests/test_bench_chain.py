@@ -194,7 +194,8 @@ def test_stream_plan_tiles_and_balance(bc, cs):
     holds the right 16 x 128 bytes of its op's weight; a float64 emulation of the plan (each program's tiles
     consumed in its ring's order) is within bench_chain's float64-chain bounds; the least-loaded assignment keeps
     the programs' tile counts within one block of each other over the chain; the counter check passes on N / R per op
-    and names a miscount and a timeout; ``streamfree``'s plan reads one input of its own for every op, and its
+    and names a miscount and a timeout; in ``streamfree``'s plan every op reads the same input, in a buffer of
+    its own, and its
     per-op check passes on the emulated outputs and fails on a block 5 % off."""
     cpu = torch.device("cpu")
     with pytest.raises(cs.StreamError, match="K must be a multiple of 128"):
@@ -224,8 +225,8 @@ def test_stream_plan_tiles_and_balance(bc, cs):
     base = st.plan["meta"][:, 0].tolist()
     for i, (k, n) in enumerate(ops):
         wi = chain.weight(i).view(torch.uint8)
-        for b in (0, n // 16 - 1):
-            for c in (0, k // 128 - 1):
+        for b in range(n // 16):
+            for c in range(k // 128):
                 assert torch.equal(w8[base[i] + b * (k // 128) + c], wi[16 * b:16 * b + 16, 128 * c:128 * c + 128])
     res = bc.check_outputs(chain, _emulate_stream(bc, st, chain), bc.chain_reference(chain))
     assert res["ok"], res
@@ -258,8 +259,10 @@ def test_stream_plan_tiles_and_balance(bc, cs):
 
 def test_kernels_compile_for_sm90_with_the_protocol_orderings():
     """``--ptx``: every kernel compiles for sm_90 (ptxas accepts it) and the PTX has pdl's launch_dependents /
-    first tile / wait order and persist's tile-before-spin, acquire-before-x and barrier-before-release. Runs in a
-    subprocess without the interpreter (conftest puts this session's Triton in interpreter mode)."""
+    first tile / wait order, persist's tile-before-spin, acquire-before-x and barrier-before-release, and the stream
+    kernel's TMA copies before its first spin, its GPU-scope acquire / release, x after the spin and a barrier before
+    each release, within sm_90's shared memory (``streamfree``: no spin at all). Runs in a subprocess without the
+    interpreter (conftest puts this session's Triton in interpreter mode)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["BYTEBOUND_TRITON_COMPILE_ONLY"] = "1"
     r = subprocess.run([sys.executable, str(SCRIPT), "--ptx"], env=env, capture_output=True, text=True, timeout=300)
