@@ -238,4 +238,5 @@ def test_gsm8k_skipped_questions_are_not_in_the_accuracy(ckpt, tmp_path, capsys)
     assert data["n"] == 1 and data["skipped"] == 1 and data["accuracy"] == data["correct"]
     assert data["questions"][0]["skipped"] and not data["questions"][1].get("skipped")
     assert f"accuracy {data['correct']}/1 " in out and "1 skipped: prompt does not fit max_model_len" in out
+    assert f"(0-shot prompts of {lens[1]} tokens on average)" in out     # the skipped question's prompt not in it
     assert f"**{data['correct']}/1 = " in md and "1 skipped: prompt does not fit max_model_len" in md

@@ -368,9 +368,12 @@ def cmd_gsm8k(a) -> int:
     paths = rp.write_report(a.out, a.name, data, md, {"latency": rp.draw_latency(res["outputs"], title)})
     acc = s.get("accept_length", {}).get("aggregate")
     skip = f" ({_skipped(res)})" if res["skipped"] else ""       # skipped questions are not in k/n
+    # the prompt length next to TTFT: a 5-shot prompt is ~1,100 tokens, so TTFT here is a prefill of that length
+    plen = [r["prompt_tokens"] for r in res["rows"] if "prompt_tokens" in r and not r.get("skipped")]
+    pnote = f" ({a.shots}-shot prompts of {sum(plen) / len(plen):.0f} tokens on average)" if plen else ""
     print(f"[bench] gsm8k: accuracy {k}/{n} = {100 * k / max(n, 1):.1f}%{skip}, "
           f"TPOT {rp.fmt(s['tpot_ms']['mean'], 3)} ms, decode {rp.fmt(s['decode_tok_s']['aggregate'], 1)} tok/s, "
-          f"TTFT {rp.fmt(s['ttft_ms']['mean'], 1)} ms, "
+          f"TTFT {rp.fmt(s['ttft_ms']['mean'], 1)} ms{pnote}, "
           f"e2e mean {rp.fmt(s['e2e_ms']['mean'], 0)} ms" + (f", accept length {acc:.2f}" if acc else ""))
     _print(paths)
     return 0

@@ -556,7 +556,7 @@ def _completion_prompt(body: dict, engine, max_chars: int | None = None) -> list
         raise APIError(400, "'prompt' must be one string or one list of token ids (batched prompts are not "
                        "supported: this is a batch-1 engine)", param="prompt")
     if not isinstance(p, str) or not p:
-        raise APIError(400, "'prompt' must be a non-empty string", param="prompt")
+        raise APIError(400, "'prompt' must be a non-empty string or a non-empty list of token ids", param="prompt")
     _check_chars(len(p), max_chars, "prompt")
     _check_unicode(p, "'prompt'", "prompt")
     if engine.tokenizer is None:
