@@ -62,28 +62,38 @@ class StreamError(ValueError):
     """The chain or the stream settings do not fit the ``stream`` execution (tile sizes, shared memory)."""
 
 
+def smem_bytes(ncp: int, rows: int, tiles: int) -> int:
+    """The shared memory one program needs (bytes, an upper estimate of the compiled kernel's): a ring of ``tiles``
+    tiles of ``rows x 128`` bytes, x staged as ``ncp`` rows of 128 BF16 values, a barrier word per tile (at most one
+    per stage is used), 1 KB of the compiler's own."""
+    return tiles * rows * BKC + ncp * BKC * 2 + tiles * 8 + 1024
+
+
 def check_stream(ops: list[tuple[int, int]], r: int, st: int, num_warps: int, smem_limit: int = SMEM_LIMIT,
                  cps: int = 1) -> int:
-    """The shared memory one program needs (bytes): a ring of ``st`` tiles of ``R x 128`` bytes (stages x tiles per
-    stage), x staged up to the largest K, the mbarriers.
+    """:func:`smem_bytes` of a ring of ``st`` tiles of ``R x 128`` bytes (stages x tiles per stage) with x up to the
+    largest K, after checking that the settings fit the chain.
 
     Raises:
         StreamError: ``R`` is not a power of two of at least 8 and ``2 * num_warps`` (the swizzle, the tile's register
-            layout), ``cps * R`` over TMA's 256-row box, a K is not a multiple of 128 or an N of ``R``, ``st < 2``,
-            or the ring and x exceed ``smem_limit``."""
+            layout), ``cps * R`` over TMA's 256-row box, ``cps`` not dividing every K / 128, a K is not a multiple of
+            128 or an N of ``R``, ``st < 2``, or the ring and x exceed ``smem_limit``."""
     if r < max(8, 2 * num_warps) or r & (r - 1):
         raise StreamError(f"stream: --stream-rows {r} must be a power of two >= 8 (the 128-byte swizzle's period) "
                           f"and >= 2 x num_warps ({2 * num_warps}: the tile's register layout, tile_layout_regs)")
     if cps * r > 256:
         raise StreamError(f"stream: --stream-cps {cps} x --stream-rows {r} rows: one TMA box (a ring stage) holds at "
                           "most 256 rows")
+    if any((k // BKC) % cps for k, _ in ops):
+        raise StreamError(f"stream: --stream-cps {cps} must divide every K / {BKC} "
+                          f"({sorted({k // BKC for k, _ in ops})})")
     if st < 2:
         raise StreamError(f"stream: a ring of {st} tile(s): at least 2 are needed (--stream-stages x --stream-cps)")
     for i, (k, n) in enumerate(ops):
         if k % BKC or n % r:
             raise StreamError(f"stream: op {i} ({k}x{n}): K must be a multiple of {BKC} and N of --stream-rows {r}")
     kmax = max(k for k, _ in ops)
-    need = st * r * BKC + _pow2(kmax // BKC) * BKC * 2 + st * 8 + 1024
+    need = smem_bytes(_pow2(kmax // BKC), r, st)
     if need > smem_limit:
         raise StreamError(f"stream: a ring of {st} tiles of {r}x{BKC} bytes + x of up to {kmax} BF16 values need "
                           f"{need} B of shared memory per program, over {smem_limit} B: lower --stream-stages")
@@ -91,9 +101,9 @@ def check_stream(ops: list[tuple[int, int]], r: int, st: int, num_warps: int, sm
 
 
 def auto_stages(ncp: int, rows: int, cps: int) -> int:
-    """The most ring stages of ``cps`` tiles of ``rows x 128`` bytes that fit beside x (``ncp`` rows of 128 BF16
-    values) in :data:`SMEM_LIMIT`, at most :data:`MAX_STAGES`."""
-    return min(MAX_STAGES, (SMEM_LIMIT - ncp * BKC * 2 - 2048) // (cps * rows * BKC))
+    """The most ring stages of ``cps`` tiles of ``rows x 128`` bytes whose :func:`smem_bytes` (x: ``ncp`` rows of 128
+    BF16 values) fit :data:`SMEM_LIMIT`, at most :data:`MAX_STAGES`."""
+    return min(MAX_STAGES, (SMEM_LIMIT - smem_bytes(ncp, rows, 0)) // (cps * (rows * BKC + 8)))
 
 
 def _pow2(n: int) -> int:
@@ -284,16 +294,12 @@ class Stream:
     the stream's and the consumer's own rate).
 
     Raises:
-        StreamError: settings the chain cannot be tiled or fitted with (:func:`check_stream`), or ``cps`` not
-            dividing every K / 128."""
+        StreamError: settings the chain cannot be tiled or fitted with (:func:`check_stream`)."""
 
     def __init__(self, chain, rows: int, cps: int, stages: int, num_warps: int, max_polls: int,
                  programs: int | None = None, dep: bool = True, cooperative: bool = True):
         ops = chain.ops
         dev = chain.w.device
-        if any((k // BKC) % cps for k, _ in ops):
-            raise StreamError(f"stream: --stream-cps {cps} must divide every K / {BKC} "
-                              f"({sorted({k // BKC for k, _ in ops})})")
         self.ncp = _pow2(max(k for k, _ in ops) // BKC)
         if stages <= 0:
             stages = auto_stages(self.ncp, rows, cps)
@@ -348,18 +354,6 @@ class Stream:
             chain.poison()
         else:
             self.act[self.y_off[0]:].fill_(float("nan"))
-
-    def check_free(self, chain, ys: list[torch.Tensor], tol: float) -> dict:
-        """``dep`` False: each op's y against the float64 product of its weight with the fixed input, within ``tol``
-        relative to its largest value (bench_chain's ``LOCAL_TOL``). Returns ``ok`` and the worst error."""
-        errs = []
-        for i, ((k, _), y) in enumerate(zip(chain.ops, ys)):
-            w = chain.weight(i).float().double() * chain.scale(i).double()[:, None]
-            ref = (w @ self.act[:k].double()).to(torch.bfloat16).double()
-            yd = y.double()
-            errs.append(float("inf") if not torch.isfinite(yd).all() else
-                        ((yd - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item())
-        return {"ok": max(errs) <= tol, "local_err_max": max(errs), "local_err_max_over_bound": max(errs) / tol}
 
     def check(self, chain) -> None:
         """No spin wait timed out and op i's counter equals its ``N / R`` row blocks.
