@@ -63,7 +63,8 @@ one more launch per MoE layer there would take the step past its kernel budget),
 programs, after their PDL wait, form their activation operand from those partials themselves,
 :func:`_b_from_partials`: the same sums in the same order and the same SwiGLU arithmetic, so the same bits, with
 neither kernel A's ticket tail nor a third launch; each B program re-reads the ``KP`` partials of its I slice from
-L2, ``KP`` x 2 float32 values per activation it multiplies instead of one BF16), ``XS`` (default 0; experimental: kernel
+L2, ``KP`` x 2 float32 values per activation it multiplies instead of one BF16; that re-read costs more than the tail
+it removes, measured in docs/perf/session38/, so no committed entry sets it), ``XS`` (default 0; experimental: kernel
 A stages x for its whole H slice in shared memory once, :func:`_stage_b`, instead of every warp loading its own copy
 into registers; the same bits; only where that slice is 128 x 2^n columns, else fitted to 0), ``TR`` (default 0;
 experimental: kernel A as a persistent TMA ring, ``kernels.triton_moe_ring``, 2 = warp-specialised; fits KP to H/256,
