@@ -40,7 +40,9 @@ timed as CUDA-graph replays of the whole chain (median of ``--reps``, CUDA event
    interpreter). Not in the default ``--only``: name it. ``streamfree``: the same kernel with no dependencies
    (every op reads one fixed input from a buffer of its own, no program waits; each op checked against float64 of
    that input): the stream's and the consumer's own rate, so that ``stream - streamfree`` is what the dependency
-   chain itself costs.
+   chain itself costs. ``--stream-consumer mma``: each tile multiplied on tensor cores (E4M3 -> FP16 mma fragments
+   by the hardware conversion, x staged in FP16; ``_chain_stream_mma``) instead of float32 FMAs, the consumer
+   rate the thirty-eighth session found to limit the FMA kernel (docs/perf/u08-design.md section 7.1).
 
 ``--prefetch-l2`` adds, for pdl and persist, one bulk L2 prefetch of each row block's whole weights before the
 wait (the "weights streamed independently of the dependencies" of section 3, one block deep).
@@ -56,7 +58,7 @@ float64 reference (see :data:`LOCAL_TOL`, :func:`chain_tol`).
 
     python scripts/bench_chain.py [--shapes 2560x16384,16384x2560] [--layers 32] [--bn 16] [--bk 512]
         [--num-warps 4] [--programs-per-sm 1] [--reps 100] [--only plain,pdl,persist,read] [--out DIR --name NAME]
-        [--stream-rows 16 --stream-cps 4 --stream-stages 0 --stream-warps 4]   # with --only ...,stream
+        [--stream-rows 16 --stream-cps 4 --stream-stages 0 --stream-warps 4 --stream-consumer fma]   # with --only ...,stream
     TRITON_INTERPRET=1 python scripts/bench_chain.py --device cpu --shapes 64x128,128x64 --layers 4 --bn 16 --bk 32
     python scripts/bench_chain.py --ptx      # no GPU: compile the kernels for sm_90, check the PTX's ordering
 
@@ -358,6 +360,7 @@ class Config:
     stream_cps: int = 4             # stream: tiles per ring stage (one mbarrier and one TMA copy each)
     stream_stages: int = 0          # stream: ring stages (0: as many as fit in shared memory, at most 64)
     stream_warps: int = 4
+    stream_consumer: str = "fma"    # stream: how a ring stage is multiplied (chain_stream.CONSUMERS)
 
 
 @dataclass
@@ -775,13 +778,14 @@ def _stream_execution(chain: Chain, cfg: Config, rec: dict, dep: bool = True):
     import chain_stream
     try:
         st = chain_stream.Stream(chain, cfg.stream_rows, cfg.stream_cps, cfg.stream_stages, cfg.stream_warps,
-                                 cfg.max_polls, dep=dep, cooperative=cfg.cooperative)
+                                 cfg.max_polls, dep=dep, cooperative=cfg.cooperative,
+                                 consumer=cfg.stream_consumer)
     except chain_stream.StreamError as exc:
         raise ShapeError(str(exc)) from None
     except Exception as exc:        # e.g. the TMA descriptor: recorded, and the other executions still run
         raise ShapeError(f"stream: setup failed: {type(exc).__name__}: {exc}") from exc
     rec.update(grid=st.grid, rows=st.rows, cps=st.cps, stages=st.stages, ring_bytes=st.stages * st.cps * st.rows * 128,
-               smem_estimate=st.smem, warps=st.num_warps)
+               smem_estimate=st.smem, warps=st.num_warps, consumer=st.consumer)
     rec["notes"].append("counters zeroed by one extra node (cnt.zero_()) in the same graph, before the kernel; "
                         "its time is included")
     if not dep:
@@ -1036,7 +1040,7 @@ def compile_ptx(arch: int = 90, cfg: Config | None = None, L: int = 4) -> dict:
     ncp = 128
     stages = cfg.stream_stages or chain_stream.auto_stages(ncp, cfg.stream_rows, cfg.stream_cps)
     k = chain_stream.compile_sm90(rows=cfg.stream_rows, cps=cfg.stream_cps, stages=stages, ncp=ncp,
-                                  num_warps=cfg.stream_warps)
+                                  num_warps=cfg.stream_warps, consumer=cfg.stream_consumer)
     est = chain_stream.smem_bytes(ncp, cfg.stream_rows, stages * cfg.stream_cps)
     assert k.metadata.shared <= est <= chain_stream.SMEM_LIMIT, \
         f"stream: {k.metadata.shared} B of shared memory compiled, {est} B estimated, {chain_stream.SMEM_LIMIT} B max"
@@ -1056,7 +1060,7 @@ def compile_ptx(arch: int = 90, cfg: Config | None = None, L: int = 4) -> dict:
         assert bars and stores and bars[-1] > stores[-1], "stream: no CTA barrier between the y stores and the release"
     out["stream"] = f"{ptxas_util.resource_usage(k)}; shared {k.metadata.shared} B"
     k = chain_stream.compile_sm90(rows=cfg.stream_rows, cps=cfg.stream_cps, stages=stages, ncp=ncp,
-                                  num_warps=cfg.stream_warps, dep=False)
+                                  num_warps=cfg.stream_warps, dep=False, consumer=cfg.stream_consumer)
     assert not _lines(k.asm["ptx"], ".acquire"), "streamfree: a spin wait in the kernel without dependencies"
     out["streamfree"] = ptxas_util.resource_usage(k)
     k = ptxas_util.compile_kernel(_read_all, dict(STEP=cfg.bn * cfg.bk // 4, STEPS=8),
@@ -1095,6 +1099,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stream-stages", type=int, default=0, help="stream: ring stages (0: as many as fit, <= 64)")
     ap.add_argument("--stream-warps", type=int, default=4,
                     help="stream: warps per program (--stream-rows a power of two >= max(8, 2 x warps))")
+    ap.add_argument("--stream-consumer", default="fma", choices=("fma", "mma"),
+                    help="stream: how a ring stage is multiplied: float32 FMAs (fma), or E4M3 -> FP16 mma fragments "
+                         "with x in FP16 (mma; --stream-rows a multiple of 16 x --stream-warps)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out/bench_chain")
     ap.add_argument("--name", default="bench_chain")
@@ -1112,7 +1119,7 @@ def main(argv=None, log=print) -> dict:
     cfg = Config(bn=a.bn, bk=a.bk, num_warps=a.num_warps, programs_per_sm=a.programs_per_sm, max_polls=a.max_polls,
                  read_steps=a.read_steps, prefetch_l2=a.prefetch_l2, cooperative=not a.no_cooperative,
                  stream_rows=a.stream_rows, stream_cps=a.stream_cps, stream_stages=a.stream_stages,
-                 stream_warps=a.stream_warps)
+                 stream_warps=a.stream_warps, stream_consumer=a.stream_consumer)
     if a.ptx:
         if os.environ.get("TRITON_INTERPRET") == "1":
             raise SystemExit("--ptx compiles for a GPU target: unset TRITON_INTERPRET")
@@ -1146,7 +1153,8 @@ def main(argv=None, log=print) -> dict:
         "config": {"bn": cfg.bn, "bk": cfg.bk, "num_warps": cfg.num_warps, "programs_per_sm": cfg.programs_per_sm,
                    "max_polls": cfg.max_polls, "read_steps": read_steps(chain, cfg), "cooperative": cfg.cooperative,
                    "prefetch_l2": cfg.prefetch_l2, "num_stages": 1, "stream_rows": cfg.stream_rows,
-                   "stream_cps": cfg.stream_cps, "stream_stages": cfg.stream_stages, "stream_warps": cfg.stream_warps},
+                   "stream_cps": cfg.stream_cps, "stream_stages": cfg.stream_stages, "stream_warps": cfg.stream_warps,
+                   "stream_consumer": cfg.stream_consumer},
         "tolerances": {"local": LOCAL_TOL, "chain": "2^-7 * sqrt(i + 1) for op i"},
         "command": " ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else list(argv)))}
     if dev.type == "cuda":

@@ -51,8 +51,12 @@ try:
 except Exception as exc:  # pragma: no cover
     gluon = gl = mbarrier = tma = TensorDescriptor = None
     GLUON_ERR = f"triton.experimental.gluon (Hopper TMA) is not importable: {exc}"
+if gluon is not None:
+    # the ``mma`` consumer's pieces: the decode step's tensor-core FP8 GEMV (kernels/gluon_fp8_gemv.py)
+    from bytebound.kernels.triton_moe_split import _frag_fp8, fp8_word_layout, mma_v2
 
 BKC = 128               # tile columns: one 128-byte TMA box row (E4M3), the ring's swizzle width
+CONSUMERS = ("fma", "mma")  # the consumer of a ring stage: float32 FMAs, or the BF16 mma of gluon_fp8_gemv
 SMEM_LIMIT = 227 * 1024  # sm_90's largest shared memory per block (opt-in), bytes
 MAX_STAGES = 64         # the ring's init and first fill are unrolled
 STREAM_META = 8         # int64 words per op in the stream kernel's op table (see plan_items)
@@ -70,14 +74,21 @@ def smem_bytes(ncp: int, rows: int, tiles: int) -> int:
 
 
 def check_stream(ops: list[tuple[int, int]], r: int, st: int, num_warps: int, smem_limit: int = SMEM_LIMIT,
-                 cps: int = 1) -> int:
+                 cps: int = 1, consumer: str = "fma") -> int:
     """:func:`smem_bytes` of a ring of ``st`` tiles of ``R x 128`` bytes (stages x tiles per stage) with x up to the
     largest K, after checking that the settings fit the chain.
 
     Raises:
         StreamError: ``R`` is not a power of two of at least 8 and ``2 * num_warps`` (the swizzle, the tile's register
-            layout), ``cps * R`` over TMA's 256-row box, ``cps`` not dividing every K / 128, a K is not a multiple of
-            128 or an N of ``R``, ``st < 2``, or the ring and x exceed ``smem_limit``."""
+            layout), or with the ``mma`` consumer not a multiple of ``16 * num_warps`` (one mma row tile of 16 rows
+            per warp), an unknown ``consumer``, ``cps * R`` over TMA's 256-row box, ``cps`` not dividing every
+            K / 128, a K is not a multiple of 128 or an N of ``R``, ``st < 2``, or the ring and x exceed
+            ``smem_limit``."""
+    if consumer not in CONSUMERS:
+        raise StreamError(f"stream: --stream-consumer {consumer!r}: one of {', '.join(CONSUMERS)}")
+    if consumer == "mma" and (r % (16 * num_warps) or r & (r - 1)):
+        raise StreamError(f"stream: the mma consumer needs --stream-rows a power of two and a multiple of 16 x "
+                          f"num_warps ({16 * num_warps}: a 16-row mma tile per warp), got {r}")
     if r < max(8, 2 * num_warps) or r & (r - 1):
         raise StreamError(f"stream: --stream-rows {r} must be a power of two >= 8 (the 128-byte swizzle's period) "
                           f"and >= 2 x num_warps ({2 * num_warps}: the tile's register layout, tile_layout_regs)")
@@ -168,6 +179,27 @@ def tile_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 
 
+def word_tile_layout():
+    """The shared layout of one ring stage for the ``mma`` consumer: the same bytes as :func:`tile_layout` viewed as
+    int32 words ``[R, 32]`` (TMA's 128-byte swizzle works on 16-byte chunks, so the placement is the same)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+
+
+def word_layout_2d(rows: int, num_warps: int):
+    """The ``mma`` consumer's register layout of a tile's words ``[rows, 32]`` int32 as TMA writes them (word
+    ``8t + q`` of a row): :func:`~bytebound.kernels.triton_moe_split.fp8_word_layout` ``(rows, 1, num_warps)`` with
+    its (t, q) axes flattened, so the reshape to ``[rows, 1, 4, 8]`` moves no data (lane ``4g + t`` of warp ``w``
+    holds rows ``16w + g`` and ``16w + g + 8``, words ``8t .. 8t + 7``: its mma A-fragment rows)."""
+    reg = [[0, 1], [0, 2], [0, 4], [8, 0]]
+    r = 16 * num_warps
+    while r < rows:
+        reg.append([r, 0])
+        r *= 2
+    lane = [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]]
+    warp = [[16 << b, 0] for b in range(num_warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, 32])
+
+
 def tile_layout_regs(rows: int, num_warps: int):
     """The register layout of a ``[rows, 128]`` E4M3 tile in the consumer: 16 bytes a thread and 8 threads a row
     (``rows >= 4 * num_warps``, ``rows / (4 * num_warps)`` rows a thread), else 8 bytes a thread and 16 threads a row
@@ -177,8 +209,11 @@ def tile_layout_regs(rows: int, num_warps: int):
     return gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
 
 
-def descriptor(packed: torch.Tensor, rows: int):
-    """The TMA descriptor of the repacked tiles (:func:`repack`), box ``[rows, 128]`` (a ring stage: ``CPS * R``)."""
+def descriptor(packed: torch.Tensor, rows: int, consumer: str = "fma"):
+    """The TMA descriptor of the repacked tiles (:func:`repack`), box ``[rows, 128]`` bytes (a ring stage: ``CPS *
+    R``); for the ``mma`` consumer the same bytes as int32 words, box ``[rows, 32]``."""
+    if consumer == "mma":
+        return TensorDescriptor.from_tensor(packed.view(torch.int32), [rows, BKC // 4], word_tile_layout())
     return TensorDescriptor.from_tensor(packed, [rows, BKC], tile_layout())
 
 
@@ -287,6 +322,110 @@ if gluon is not None:
             gl.atomic_add(cnt_ptr + op, 1, sem="release", scope="gpu")
 
 
+if gluon is not None:
+    @gluon.jit
+    def _b_row(x4, c, DB: gl.constexpr):
+        """The mma B operand ``[128, 8]`` FP16 of x's columns ``128c .. 128c + 127``, read from x staged in shared
+        memory (``x4``: ``[NCP, 1, 4, 32]`` FP16, row-major) in the logical k order of ``_frag_fp8``
+        (``triton_moe_split._b_logical`` with ``DQ`` 0). Lane ``4g + t`` reads columns ``32t .. 32t + 31`` for
+        every g (lanes of one t read the same address: a broadcast), so all 8 token columns hold x and all 8
+        accumulator columns the same sums; the caller keeps column 0. No masking instructions, no zero fill."""
+        NW: gl.constexpr = gl.num_warps()
+        XL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 32], [1, 8, 4, 1], [1, 1, 1, NW], [3, 2, 1, 0])
+        v = gl.expand_dims(x4.index(c).load(gl.SliceLayout(1, XL)), 1)               # [1, 1, 4, 32]
+        x = gl.broadcast(v, gl.zeros([1, 8, 4, 32], gl.float16, XL))[0]             # [1, 8, 4, 32]
+        x = gl.permute(gl.reshape(x, [1, 8, 4, 4, 2, 2, 2]), [0, 3, 4, 5, 2, 6, 1])  # -> [s, tau, p, h, t, j, n]
+        return gl.convert_layout(gl.reshape(x, [128, 8]), DB, assert_trivial=True)
+
+    @gluon.jit
+    def _chain_stream_mma(desc, s_ptr, act_ptr, meta_ptr, items_ptr, item_start_ptr, tiles_ptr, tile_start_ptr,
+                          cnt_ptr, err_ptr, R: gl.constexpr, CPS: gl.constexpr, ST: gl.constexpr, NCP: gl.constexpr,
+                          MAX_POLLS: gl.constexpr, META_W: gl.constexpr, WL2: gl.constexpr, WD1: gl.constexpr,
+                          DEP: gl.constexpr = True):
+        """:func:`_chain_stream` with the ``mma`` consumer: the same ring, plan, waits, x staging and signals; each
+        tile's words are read out of the ring in ``WL2`` (:func:`word_layout_2d`), converted to exact FP16 mma A
+        fragments by the hardware conversion (``_frag_fp8`` with ``F16``; the row scale applied after the sum) and
+        multiplied by x's 128 columns, staged once per op as FP16, as the B operand (:func:`_b_row`) into a float32
+        mma accumulator ``[R, 8]``: the fragment order of the decode step's FP8 GEMV (kernels/gluon_fp8_gemv.py),
+        fed from shared memory. FP16 rather than BF16 operands: the E4M3 -> BF16 decode of that GEMV takes ~12
+        integer instructions a word, the FP16 conversion 2; x in FP16 is exact for |x| in FP16's normal range (the
+        chain's activations are), a change of rounding point against the other executions, within the checks'
+        bounds or reported.
+        ``desc``: the tiles as int32 words, box ``[CPS * R, 32]`` (:func:`word_tile_layout`). ``WD1``:
+        ``fp8_word_layout(R, 1, num_warps)``; R a multiple of 16 x num_warps."""
+        NW: gl.constexpr = gl.num_warps()
+        XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])                # [NCP, 128] x rows
+        XS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])                          # unswizzled
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        OL: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [NW, 1], [1, 0])
+        pid = gl.program_id(0)
+        ring = gl.allocate_shared_memory(gl.int32, [ST, CPS * R, 32], desc.layout)
+        x_s = gl.allocate_shared_memory(gl.float16, [NCP, 128], XS)      # row c: x's columns 128c .. 128c + 127
+        # the same bytes as [NCP, 1, 4, 32] (row c, lane column group t, column): _b_row's reads (a view, no copy)
+        x4 = x_s._reinterpret(gl.float16, [NCP, 1, 4, 32], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        bars = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(ST):
+            mbarrier.init(bars.index(i), count=1)
+        gl.thread_barrier()                     # every barrier initialised before any thread arms or waits on one
+        t0 = gl.load(tile_start_ptr + pid)
+        n_tiles = gl.load(tile_start_ptr + pid + 1) - t0
+        i0 = gl.load(item_start_ptr + pid)
+        n_items = gl.load(item_start_ptr + pid + 1) - i0
+        for j in gl.static_range(ST):
+            _issue(desc, ring, bars, tiles_ptr, t0, j, j, n_tiles, R, CPS)
+        orow = gl.arange(0, R, layout=gl.SliceLayout(1, OL))
+        ocol = gl.arange(0, 8, layout=gl.SliceLayout(0, OL))
+        xr = gl.arange(0, NCP, layout=gl.SliceLayout(1, XL))
+        xc = gl.arange(0, 128, layout=gl.SliceLayout(0, XL))
+        g = 0                                   # tile groups (stages' fills) consumed so far
+        dead = pid * 0
+        prev = pid * 0 - 1
+        for it in range(n_items):
+            op = gl.load(items_ptr + (i0 + it) * 2)
+            blk = gl.load(items_ptr + (i0 + it) * 2 + 1)
+            m = meta_ptr + op * META_W
+            s_i = s_ptr + gl.load(m + 1)
+            y_i = act_ptr + gl.multiple_of(gl.load(m + 3), 16)
+            nc = gl.load(m + 4).to(gl.int32) // 128
+            if op != prev:
+                if DEP and op > 0:
+                    dead = _spin(cnt_ptr + (op - 1), gl.load(m + 6).to(gl.int32), dead, err_ptr, op, MAX_POLLS)
+                x_i = act_ptr + gl.multiple_of(gl.load(m + 2), 16)
+                xv = gl.load(x_i + xr[:, None] * 128 + xc[None, :], mask=(xr < nc)[:, None], other=0.0,
+                             cache_modifier=".cg")
+                x_s.store(xv.to(gl.float16))
+                gl.thread_barrier()
+                prev = op
+            acc = gl.zeros([R, 8], gl.float32, MMA)
+            for c0 in range(0, nc, CPS):
+                st = g % ST
+                mbarrier.wait(bars.index(st), (g // ST) & 1)
+                for j in gl.static_range(CPS):
+                    w2 = ring.index(st).slice(j * R, R).load(WL2)                      # [R, 32] int32
+                    wv = gl.convert_layout(gl.reshape(w2, [R, 1, 4, 8]), WD1, assert_trivial=True)
+                    acc = mma_v2(_frag_fp8(wv, None, DA, True), _b_row(x4, c0 + j, DB), acc)
+                gl.thread_barrier()             # every warp has read stage st before TMA overwrites it
+                _issue(desc, ring, bars, tiles_ptr, t0, g + ST, st, n_tiles, R, CPS)
+                g += 1
+            out = gl.convert_layout(acc, OL)    # [R, 8]: row r, token column (only column 0 is x)
+            y = gl.sum(gl.where(ocol[None, :] == 0, out, 0.0), axis=1) * gl.load(s_i + blk * R + orow)
+            gl.store(y_i + blk * R + orow, y.to(gl.bfloat16))
+            gl.thread_barrier()                 # release cumulativity covers the stores ordered before it
+            gl.atomic_add(cnt_ptr + op, 1, sem="release", scope="gpu")
+
+
+def stream_constexprs(rows: int, cps: int, stages: int, ncp: int, num_warps: int, max_polls: int, dep: bool,
+                      consumer: str) -> dict:
+    """The compile-time arguments of the stream kernel of ``consumer`` (``fma``: :func:`_chain_stream`, ``mma``:
+    :func:`_chain_stream_mma`), shared by the launch and :func:`compile_sm90`."""
+    d = dict(R=rows, CPS=cps, ST=stages, NCP=ncp, MAX_POLLS=max_polls, META_W=STREAM_META, DEP=dep)
+    if consumer == "mma":
+        return dict(d, WL2=word_layout_2d(rows, num_warps), WD1=fp8_word_layout(rows, 1, num_warps))
+    return dict(d, BL=tile_layout_regs(rows, num_warps))
+
+
 class Stream:
     """The ``stream`` execution's state on one device: the repacked tiles and their descriptor, the work plan
     (:func:`plan_items`), counters int32 ``[L]``, error words int32 ``[2]``, and the launch settings. ``dep`` False:
@@ -297,13 +436,14 @@ class Stream:
         StreamError: settings the chain cannot be tiled or fitted with (:func:`check_stream`)."""
 
     def __init__(self, chain, rows: int, cps: int, stages: int, num_warps: int, max_polls: int,
-                 programs: int | None = None, dep: bool = True, cooperative: bool = True):
+                 programs: int | None = None, dep: bool = True, cooperative: bool = True, consumer: str = "fma"):
         ops = chain.ops
         dev = chain.w.device
         self.ncp = _pow2(max(k for k, _ in ops) // BKC)
         if stages <= 0:
             stages = auto_stages(self.ncp, rows, cps)
-        self.smem = check_stream(ops, rows, stages * cps, num_warps, cps=cps)
+        self.smem = check_stream(ops, rows, stages * cps, num_warps, cps=cps, consumer=consumer)
+        self.consumer = consumer
         self.rows, self.cps, self.stages, self.num_warps, self.max_polls = rows, cps, stages, num_warps, max_polls
         self.grid = programs or (torch.cuda.get_device_properties(dev).multi_processor_count
                                  if dev.type == "cuda" else 1)
@@ -325,19 +465,20 @@ class Stream:
         self.plan = plan_items(ops, rows, self.grid, base, chain.s_off, x_off, self.y_off, dev)
         self.cnt = torch.zeros(len(ops), dtype=torch.int32, device=dev)
         self.err = torch.zeros(2, dtype=torch.int32, device=dev)
-        self.desc = descriptor(self.packed, rows * cps) if dev.type == "cuda" else None
+        self.desc = descriptor(self.packed, rows * cps, consumer) if dev.type == "cuda" else None
         self.cooperative = cooperative and dev.type == "cuda"
         self.regs = None
 
     def constexprs(self) -> dict:
-        return dict(R=self.rows, CPS=self.cps, ST=self.stages, NCP=self.ncp, MAX_POLLS=self.max_polls,
-                    META_W=STREAM_META, BL=tile_layout_regs(self.rows, self.num_warps), DEP=self.dep)
+        return stream_constexprs(self.rows, self.cps, self.stages, self.ncp, self.num_warps, self.max_polls,
+                                 self.dep, self.consumer)
 
     def run(self, chain) -> None:
         """Zero the counters (one node in a captured graph) and launch the persistent kernel."""
         self.cnt.zero_()
         p = self.plan
-        k = _chain_stream[(self.grid,)](self.desc, chain.s, self.act, p["meta"], p["items"], p["item_start"],
+        kern = _chain_stream_mma if self.consumer == "mma" else _chain_stream
+        k = kern[(self.grid,)](self.desc, chain.s, self.act, p["meta"], p["items"], p["item_start"],
                                         p["tiles"], p["tile_start"], self.cnt, self.err, **self.constexprs(),
                                         num_warps=self.num_warps,
                                         **({"launch_cooperative_grid": True} if self.cooperative else {}))
@@ -371,16 +512,20 @@ class Stream:
 
 
 def compile_sm90(rows: int = 16, cps: int = 4, stages: int = 16, ncp: int = 128, num_warps: int = 4,
-                 max_polls: int = 1 << 24, dep: bool = True):
-    """:func:`_chain_stream` compiled for sm_90 without a GPU (``scripts/ptxas_util.py``): the kernel object (its
-    ``asm["ptx"]``, ``asm["sass"]`` via ptxas_util, ``metadata.shared``)."""
+                 max_polls: int = 1 << 24, dep: bool = True, consumer: str = "fma"):
+    """The stream kernel of ``consumer`` compiled for sm_90 without a GPU (``scripts/ptxas_util.py``): the kernel
+    object (its ``asm["ptx"]``, ``asm["sass"]`` via ptxas_util, ``metadata.shared``)."""
     import ptxas_util
     from triton.runtime.jit import mangle_type
-    t = torch.empty(0, dtype=torch.uint8).new_empty((1 << 20, BKC), device="meta")
-    d = TensorDescriptor(t, list(t.shape), list(t.stride()), [rows * cps, BKC], tile_layout())
+    if consumer == "mma":
+        t = torch.empty(0, dtype=torch.int32).new_empty((1 << 20, BKC // 4), device="meta")
+        d = TensorDescriptor(t, list(t.shape), list(t.stride()), [rows * cps, BKC // 4], word_tile_layout())
+    else:
+        t = torch.empty(0, dtype=torch.uint8).new_empty((1 << 20, BKC), device="meta")
+        d = TensorDescriptor(t, list(t.shape), list(t.stride()), [rows * cps, BKC], tile_layout())
     return ptxas_util.compile_kernel(
-        _chain_stream, dict(R=rows, CPS=cps, ST=stages, NCP=ncp, MAX_POLLS=max_polls, META_W=STREAM_META,
-                            BL=tile_layout_regs(rows, num_warps), DEP=dep),
+        _chain_stream_mma if consumer == "mma" else _chain_stream,
+        stream_constexprs(rows, cps, stages, ncp, num_warps, max_polls, dep, consumer),
         dict(desc=mangle_type(d), s_ptr="*fp32", act_ptr="*bf16", meta_ptr="*i64", items_ptr="*i32",
              item_start_ptr="*i32", tiles_ptr="*i32", tile_start_ptr="*i32", cnt_ptr="*i32", err_ptr="*i32"),
         90, dict(num_warps=num_warps), gluon=True)

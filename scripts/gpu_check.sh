@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela nr regcap gemvcap moetable routerseg mlalong ticketrope kdancu rb chainstream)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela nr regcap gemvcap moetable routerseg mlalong ticketrope kdancu rb chainstream chainmma)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -397,6 +397,29 @@ section_chainstream() {  # the thirty-seventh session's `stream` execution of be
             --only read,stream,streamfree --stream-rows "$r" --stream-warps "$w" --stream-cps "$c" --out "$OUT" \
             --name "chain-small-r$r-w$w-c$c"
     done
+}
+
+section_chainmma() {     # the stream of section_chainstream with the mma consumer (--stream-consumer mma: E4M3 ->
+    # FP16 mma fragments by the hardware conversion, x staged in FP16): the thirty-eighth session found the FMA
+    # consumer's rate (3.4-7.6 bytes per cycle per SM) to be what limits the stream (u08-design.md section 7.1).
+    # A 2-op smoke run (90 s cap), then the 6.6 MB-per-op chain at R 16 / 1 warp, R 32 / 2 warps and R 64 / 4 warps
+    # (a 16-row mma tile per warp), each with streamfree, against read / pdl and the FMA consumer's best (R 32, 4
+    # warps) in the same run, then the 41.9 MB chain at R 32 / 2 warps. Synthetic weights.
+    local before=${#FAILED[@]} r w
+    SECTION_TIMEOUT=90 run_step smoke python3 scripts/bench_chain.py --shapes 2560x2560 --layers 2 --bn 8 --bk 512 \
+        --only plain,stream --stream-consumer mma --stream-rows 32 --stream-warps 2 --reps 5 --out "$OUT" \
+        --name chainmma-smoke
+    [ "${#FAILED[@]}" -gt "$before" ] && return 0
+    run_step small_fma python3 scripts/bench_chain.py --shapes 2560x2560 --bn 8 --bk 512 \
+        --only pdl,read,stream,streamfree --stream-rows 32 --stream-warps 4 --out "$OUT" --name chainmma-small-fma
+    for v in "16 1" "32 2" "64 4"; do
+        read -r r w <<< "$v"
+        run_step "small_r${r}_w${w}" python3 scripts/bench_chain.py --shapes 2560x2560 --bn 8 --bk 512 \
+            --only read,stream,streamfree --stream-consumer mma --stream-rows "$r" --stream-warps "$w" --out "$OUT" \
+            --name "chainmma-small-r$r-w$w"
+    done
+    run_step big python3 scripts/bench_chain.py --only pdl,read,stream,streamfree --stream-consumer mma \
+        --stream-rows 32 --stream-warps 2 --out "$OUT" --name chainmma-big
 }
 
 section_mlalong() {      # the long-span attention tiling of the 4-token verify (BM 32, BN 64): 8 warps (the default

@@ -211,6 +211,12 @@ def test_stream_plan_tiles_and_balance(bc, cs):
             cs.Stream(chain, rows, 1, 4, 4, 64, programs=3)
     with pytest.raises(cs.StreamError, match="at most 256 rows"):      # a stage of 16 tiles x 32 rows
         cs.Stream(bc.make_chain([(2048, 64)], cpu, 16), 32, 16, 2, 4, 64, programs=3)
+    # the mma consumer: a 16-row mma tile per warp, so R a multiple of 16 x warps; an unknown consumer is named
+    with pytest.raises(cs.StreamError, match="multiple of 16 x num_warps"):
+        cs.Stream(chain, 16, 1, 4, 2, 64, programs=3, consumer="mma")
+    with pytest.raises(cs.StreamError, match="one of fma, mma"):
+        cs.Stream(chain, 16, 1, 4, 4, 64, programs=3, consumer="wgmma")
+    assert cs.Stream(chain, 32, 1, 4, 2, 64, programs=3, consumer="mma").consumer == "mma"
     st = cs.Stream(chain, 16, 1, 4, 4, 64, programs=3)
     items = [tuple(v) for v in st.plan["items"].tolist()]
     starts = st.plan["item_start"].tolist()

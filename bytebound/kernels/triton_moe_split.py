@@ -294,17 +294,36 @@ mov.b32 {$2, $3}, a1;
 }
 """)
 
+    # E4M3 pairs -> FP16 pairs by the hardware conversion (sm_89+), exact: 2 instructions per word against the
+    # BF16 decode's ~12 (_ASM_FP8X4); _frag_fp8's F16 operands (then the B operand must be FP16 too)
+    _ASM_FP8X4_F16 = gl.constexpr("""
+{
+.reg .b16 l, h;
+.reg .b32 a0, a1;
+mov.b32 {l, h}, $4;
+cvt.rn.f16x2.e4m3x2 a0, l;
+cvt.rn.f16x2.e4m3x2 a1, h;
+mov.b32 {$0, $1}, a0;
+mov.b32 {$2, $3}, a1;
+}
+""")
+
     @gluon.jit
-    def _frag_fp8(w, s, DA: gl.constexpr):
+    def _frag_fp8(w, s, DA: gl.constexpr, F16: gl.constexpr = False):
         """FP8 E4M3 words straight into mma A fragments, in the logical k order of :func:`frag_dequant` (so the
         same B operand, :func:`_load_b`, fits). ``w`` int32 ``[R, NS, 4, 8]`` in :func:`fp8_word_layout` (row,
         128-column super-block, lane column group t, word): lane ``t``'s 32 bytes are physical columns ``128s +
         32t + o``, ``o = 8tau + 4p + 2h + j`` in word ``2tau + p``, byte ``2h + j``; ``s`` int32 ``[R, NS]``, the
-        BF16x2 factor (block scale x 2^120) of each row and super-block. -> BF16 ``[R, 128*NS]`` in layout ``DA``."""
+        BF16x2 factor (block scale x 2^120) of each row and super-block. -> BF16 ``[R, 128*NS]`` in layout ``DA``.
+        ``F16``: the E4M3 values themselves as FP16 (exact; ``s`` unused, any scale applied by the caller), by the
+        hardware conversion (``_ASM_FP8X4_F16``, sm_89+)."""
         R: gl.constexpr = w.shape[0]
         NS: gl.constexpr = w.shape[1]
-        s2 = gl.broadcast(gl.expand_dims(gl.expand_dims(s, 2), 3), w)[0]
-        v = gl.inline_asm_elementwise(_ASM_FP8X4, "=h,=h,=h,=h,r,r", [w, s2], (gl.bfloat16,) * 4, True, 1)
+        if F16:
+            v = gl.inline_asm_elementwise(_ASM_FP8X4_F16, "=h,=h,=h,=h,r", [w], (gl.float16,) * 4, True, 1)
+        else:
+            s2 = gl.broadcast(gl.expand_dims(gl.expand_dims(s, 2), 3), w)[0]
+            v = gl.inline_asm_elementwise(_ASM_FP8X4, "=h,=h,=h,=h,r,r", [w, s2], (gl.bfloat16,) * 4, True, 1)
         # v[i] is byte i = 2h + j of the word; the joins append dims j, then h
         a = gl.join(gl.join(v[0], v[1]), gl.join(v[2], v[3]))          # [R, NS, t, word, j, h]
         a = gl.reshape(a, [R, NS, 4, 4, 2, 2, 2])                        # word = 2tau + p
