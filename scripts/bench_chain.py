@@ -42,7 +42,9 @@ timed as CUDA-graph replays of the whole chain (median of ``--reps``, CUDA event
    that input): the stream's and the consumer's own rate, so that ``stream - streamfree`` is what the dependency
    chain itself costs. ``--stream-consumer mma``: each tile multiplied on tensor cores (E4M3 -> FP16 mma fragments
    by the hardware conversion, x staged in FP16; ``_chain_stream_mma``) instead of float32 FMAs, the consumer
-   rate the thirty-eighth session found to limit the FMA kernel (docs/perf/u08-design.md section 7.1).
+   rate the thirty-eighth session found to limit the FMA kernel (docs/perf/u08-design.md section 7.1);
+   ``--stream-ksplit`` splits each row block over K as well (float32 partials, summed in a fixed order by the next
+   op's programs as they stage x), so that every op spreads over all SMs (section 7.2).
 
 ``--prefetch-l2`` adds, for pdl and persist, one bulk L2 prefetch of each row block's whole weights before the
 wait (the "weights streamed independently of the dependencies" of section 3, one block deep).
@@ -361,6 +363,7 @@ class Config:
     stream_stages: int = 0          # stream: ring stages (0: as many as fit in shared memory, at most 64)
     stream_warps: int = 4
     stream_consumer: str = "fma"    # stream: how a ring stage is multiplied (chain_stream.CONSUMERS)
+    stream_ksplit: int = 1          # stream (mma): K parts per row block (items per op = blocks x this)
 
 
 @dataclass
@@ -779,13 +782,13 @@ def _stream_execution(chain: Chain, cfg: Config, rec: dict, dep: bool = True):
     try:
         st = chain_stream.Stream(chain, cfg.stream_rows, cfg.stream_cps, cfg.stream_stages, cfg.stream_warps,
                                  cfg.max_polls, dep=dep, cooperative=cfg.cooperative,
-                                 consumer=cfg.stream_consumer)
+                                 consumer=cfg.stream_consumer, ksplit=cfg.stream_ksplit)
     except chain_stream.StreamError as exc:
         raise ShapeError(str(exc)) from None
     except Exception as exc:        # e.g. the TMA descriptor: recorded, and the other executions still run
         raise ShapeError(f"stream: setup failed: {type(exc).__name__}: {exc}") from exc
     rec.update(grid=st.grid, rows=st.rows, cps=st.cps, stages=st.stages, ring_bytes=st.stages * st.cps * st.rows * 128,
-               smem_estimate=st.smem, warps=st.num_warps, consumer=st.consumer)
+               smem_estimate=st.smem, warps=st.num_warps, consumer=st.consumer, ksplit=st.ksplit)
     rec["notes"].append("counters zeroed by one extra node (cnt.zero_()) in the same graph, before the kernel; "
                         "its time is included")
     if not dep:
@@ -795,6 +798,10 @@ def _stream_execution(chain: Chain, cfg: Config, rec: dict, dep: bool = True):
     rec["notes"].append(f"ring of {st.stages} stages x {st.cps} tiles of {st.rows}x128 bytes "
                         f"({rec['ring_bytes'] // 1024} KB per SM) streamed ahead of the waits; the weights repacked "
                         "into those tiles (a second copy, same bytes)")
+    if st.ksplit > 1:
+        rec["notes"].append(f"each row block split into {st.ksplit} K parts ({st.ksplit} items per block): float32 "
+                            "partials, summed in order by the next op's programs as they stage x; y formed from them "
+                            "on the host the same way for the checks")
 
     def fn():
         st.run(chain)
@@ -1040,7 +1047,8 @@ def compile_ptx(arch: int = 90, cfg: Config | None = None, L: int = 4) -> dict:
     ncp = 128
     stages = cfg.stream_stages or chain_stream.auto_stages(ncp, cfg.stream_rows, cfg.stream_cps)
     k = chain_stream.compile_sm90(rows=cfg.stream_rows, cps=cfg.stream_cps, stages=stages, ncp=ncp,
-                                  num_warps=cfg.stream_warps, consumer=cfg.stream_consumer)
+                                  num_warps=cfg.stream_warps, consumer=cfg.stream_consumer,
+                                  ksplit=cfg.stream_ksplit)
     est = chain_stream.smem_bytes(ncp, cfg.stream_rows, stages * cfg.stream_cps)
     assert k.metadata.shared <= est <= chain_stream.SMEM_LIMIT, \
         f"stream: {k.metadata.shared} B of shared memory compiled, {est} B estimated, {chain_stream.SMEM_LIMIT} B max"
@@ -1060,7 +1068,8 @@ def compile_ptx(arch: int = 90, cfg: Config | None = None, L: int = 4) -> dict:
         assert bars and stores and bars[-1] > stores[-1], "stream: no CTA barrier between the y stores and the release"
     out["stream"] = f"{ptxas_util.resource_usage(k)}; shared {k.metadata.shared} B"
     k = chain_stream.compile_sm90(rows=cfg.stream_rows, cps=cfg.stream_cps, stages=stages, ncp=ncp,
-                                  num_warps=cfg.stream_warps, dep=False, consumer=cfg.stream_consumer)
+                                  num_warps=cfg.stream_warps, dep=False, consumer=cfg.stream_consumer,
+                                  ksplit=cfg.stream_ksplit)
     assert not _lines(k.asm["ptx"], ".acquire"), "streamfree: a spin wait in the kernel without dependencies"
     out["streamfree"] = ptxas_util.resource_usage(k)
     k = ptxas_util.compile_kernel(_read_all, dict(STEP=cfg.bn * cfg.bk // 4, STEPS=8),
@@ -1102,6 +1111,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stream-consumer", default="fma", choices=("fma", "mma"),
                     help="stream: how a ring stage is multiplied: float32 FMAs (fma), or E4M3 -> FP16 mma fragments "
                          "with x in FP16 (mma; --stream-rows a multiple of 16 x --stream-warps)")
+    ap.add_argument("--stream-ksplit", type=int, default=1,
+                    help="stream with --stream-consumer mma: K parts per row block, a power of two (every K / 128 / "
+                         "this a multiple of --stream-cps), so an op's items spread over more programs; the next op "
+                         "forms x from the float32 partials")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out/bench_chain")
     ap.add_argument("--name", default="bench_chain")
@@ -1119,7 +1132,7 @@ def main(argv=None, log=print) -> dict:
     cfg = Config(bn=a.bn, bk=a.bk, num_warps=a.num_warps, programs_per_sm=a.programs_per_sm, max_polls=a.max_polls,
                  read_steps=a.read_steps, prefetch_l2=a.prefetch_l2, cooperative=not a.no_cooperative,
                  stream_rows=a.stream_rows, stream_cps=a.stream_cps, stream_stages=a.stream_stages,
-                 stream_warps=a.stream_warps, stream_consumer=a.stream_consumer)
+                 stream_warps=a.stream_warps, stream_consumer=a.stream_consumer, stream_ksplit=a.stream_ksplit)
     if a.ptx:
         if os.environ.get("TRITON_INTERPRET") == "1":
             raise SystemExit("--ptx compiles for a GPU target: unset TRITON_INTERPRET")
@@ -1154,7 +1167,7 @@ def main(argv=None, log=print) -> dict:
                    "max_polls": cfg.max_polls, "read_steps": read_steps(chain, cfg), "cooperative": cfg.cooperative,
                    "prefetch_l2": cfg.prefetch_l2, "num_stages": 1, "stream_rows": cfg.stream_rows,
                    "stream_cps": cfg.stream_cps, "stream_stages": cfg.stream_stages, "stream_warps": cfg.stream_warps,
-                   "stream_consumer": cfg.stream_consumer},
+                   "stream_consumer": cfg.stream_consumer, "stream_ksplit": cfg.stream_ksplit},
         "tolerances": {"local": LOCAL_TOL, "chain": "2^-7 * sqrt(i + 1) for op i"},
         "command": " ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else list(argv)))}
     if dev.type == "cuda":

@@ -74,16 +74,17 @@ def smem_bytes(ncp: int, rows: int, tiles: int) -> int:
 
 
 def check_stream(ops: list[tuple[int, int]], r: int, st: int, num_warps: int, smem_limit: int = SMEM_LIMIT,
-                 cps: int = 1, consumer: str = "fma") -> int:
+                 cps: int = 1, consumer: str = "fma", ksplit: int = 1) -> int:
     """:func:`smem_bytes` of a ring of ``st`` tiles of ``R x 128`` bytes (stages x tiles per stage) with x up to the
     largest K, after checking that the settings fit the chain.
 
     Raises:
         StreamError: ``R`` is not a power of two of at least 8 and ``2 * num_warps`` (the swizzle, the tile's register
             layout), or with the ``mma`` consumer not a multiple of ``16 * num_warps`` (one mma row tile of 16 rows
-            per warp), an unknown ``consumer``, ``cps * R`` over TMA's 256-row box, ``cps`` not dividing every
-            K / 128, a K is not a multiple of 128 or an N of ``R``, ``st < 2``, or the ring and x exceed
-            ``smem_limit``."""
+            per warp), an unknown ``consumer``, ``ksplit`` (K parts per row block) not a power of two or above 1
+            with the ``fma`` consumer or not dividing every K / 128, ``cps * R`` over TMA's 256-row box, ``cps`` not
+            dividing every K / 128 / ``ksplit``, a K is not a multiple of 128 or an N of ``R``, ``st < 2``, or the
+            ring and x exceed ``smem_limit``."""
     if consumer not in CONSUMERS:
         raise StreamError(f"stream: --stream-consumer {consumer!r}: one of {', '.join(CONSUMERS)}")
     if consumer == "mma" and (r % (16 * num_warps) or r & (r - 1)):
@@ -95,9 +96,15 @@ def check_stream(ops: list[tuple[int, int]], r: int, st: int, num_warps: int, sm
     if cps * r > 256:
         raise StreamError(f"stream: --stream-cps {cps} x --stream-rows {r} rows: one TMA box (a ring stage) holds at "
                           "most 256 rows")
-    if any((k // BKC) % cps for k, _ in ops):
-        raise StreamError(f"stream: --stream-cps {cps} must divide every K / {BKC} "
+    if ksplit < 1 or ksplit & (ksplit - 1) or (ksplit > 1 and consumer != "mma"):
+        raise StreamError(f"stream: --stream-ksplit {ksplit}: a power of two, above 1 only with "
+                          "--stream-consumer mma")
+    if any((k // BKC) % ksplit for k, _ in ops):
+        raise StreamError(f"stream: --stream-ksplit {ksplit} must divide every K / {BKC} "
                           f"({sorted({k // BKC for k, _ in ops})})")
+    if any((k // BKC // ksplit) % cps for k, _ in ops):
+        raise StreamError(f"stream: --stream-cps {cps} must divide every K / {BKC} / ksplit "
+                          f"({sorted({k // BKC // ksplit for k, _ in ops})})")
     if st < 2:
         raise StreamError(f"stream: a ring of {st} tile(s): at least 2 are needed (--stream-stages x --stream-cps)")
     for i, (k, n) in enumerate(ops):
@@ -135,30 +142,38 @@ def repack(w: torch.Tensor, w_off: list[int], ops: list[tuple[int, int]], r: int
 
 
 def plan_items(ops: list[tuple[int, int]], r: int, programs: int, base: list[int], s_off: list[int],
-               x_off: list[int], y_off: list[int], device) -> dict:
+               x_off: list[int], y_off: list[int], device, ksplit: int = 1) -> dict:
     """Host-side work lists of the ``programs`` programs.
 
-    Returns ``items`` int32 ``[sum blocks, 2]`` (op, row block) grouped by program in consumption order, ``item_start``
-    int32 ``[P + 1]``, ``tiles`` int32 ``[sum tiles]`` (each program's tile indices in the order it consumes them),
-    ``tile_start`` int32 ``[P + 1]``, and ``meta`` int64 ``[L, STREAM_META]`` per op: first tile, scale offset, x
-    offset, y offset, K, row blocks, row blocks of the previous op (0 for op 0). Each block, op after op, goes to the
+    Returns ``items`` int32 ``[sum items, 2]`` (op, row block x ``ksplit`` + K part) grouped by program in
+    consumption order, ``item_start`` int32 ``[P + 1]``, ``tiles`` int32 ``[sum tiles]`` (each program's tile
+    indices in the order it consumes them), ``tile_start`` int32 ``[P + 1]``, and ``meta`` int64 ``[L, STREAM_META]``
+    per op: first tile, scale offset, x offset, y offset, K, row blocks, items of the previous op (its row blocks x
+    ``ksplit``; 0 for op 0), and the offset of the op's float32 partials ``[ksplit, N]`` in the partials buffer
+    (:func:`part_elems` elements in all; used with ``ksplit > 1``). An item is row block b's K part p: tiles ``p *
+    nc/ksplit .. (p + 1) * nc/ksplit - 1`` of the block (``nc = K / 128``). Each item, op after op, goes to the
     program with the fewest tiles so far (ties in turn), so the programs' tile counts over the chain stay within one
-    block of each other (module docstring). A block's tiles are consecutive, so any ``CPS`` dividing ``K / 128``
-    makes every ring stage one contiguous run of tiles (one TMA box)."""
+    item of each other (module docstring). An item's tiles are consecutive, so any ``CPS`` dividing ``K / 128 /
+    ksplit`` makes every ring stage one contiguous run of tiles (one TMA box)."""
     per_items = [[] for _ in range(programs)]
     per_tiles = [[] for _ in range(programs)]
     heap = [(0, p, p) for p in range(programs)]        # (tiles so far, tie-break, program)
     seq = programs
     meta = []
+    part = 0
     for i, (k, n) in enumerate(ops):
         nb, nc = n // r, k // BKC
+        npart = nc // ksplit
         for b in range(nb):
-            load, _, p = heapq.heappop(heap)
-            per_items[p].append((i, b))
-            per_tiles[p].extend(range(base[i] + b * nc, base[i] + (b + 1) * nc))
-            heapq.heappush(heap, (load + nc, seq, p))   # ties go round the programs in turn
-            seq += 1
-        meta.append([base[i], s_off[i], x_off[i], y_off[i], k, nb, ops[i - 1][1] // r if i else 0, 0])
+            for q in range(ksplit):
+                load, _, p = heapq.heappop(heap)
+                per_items[p].append((i, b * ksplit + q))
+                first = base[i] + b * nc + q * npart
+                per_tiles[p].extend(range(first, first + npart))
+                heapq.heappush(heap, (load + npart, seq, p))   # ties go round the programs in turn
+                seq += 1
+        meta.append([base[i], s_off[i], x_off[i], y_off[i], k, nb, ops[i - 1][1] // r * ksplit if i else 0, part])
+        part += ksplit * n
 
     def flat(lists, width):
         start = [0]
@@ -172,6 +187,12 @@ def plan_items(ops: list[tuple[int, int]], r: int, programs: int, base: list[int
     tiles, tile_start = flat(per_tiles, 1)
     return dict(items=items, item_start=item_start, tiles=tiles, tile_start=tile_start,
                 meta=torch.tensor(meta, dtype=torch.int64, device=device))
+
+
+def part_elems(ops: list[tuple[int, int]], ksplit: int) -> int:
+    """float32 elements of the partials buffer of a split over K (``plan_items``' ``meta[:, 7]`` offsets): ``ksplit``
+    partial vectors ``[N]`` per op."""
+    return ksplit * sum(n for _, n in ops)
 
 
 def tile_layout():
@@ -339,9 +360,9 @@ if gluon is not None:
 
     @gluon.jit
     def _chain_stream_mma(desc, s_ptr, act_ptr, meta_ptr, items_ptr, item_start_ptr, tiles_ptr, tile_start_ptr,
-                          cnt_ptr, err_ptr, R: gl.constexpr, CPS: gl.constexpr, ST: gl.constexpr, NCP: gl.constexpr,
-                          MAX_POLLS: gl.constexpr, META_W: gl.constexpr, WL2: gl.constexpr, WD1: gl.constexpr,
-                          DEP: gl.constexpr = True):
+                          cnt_ptr, err_ptr, part_ptr, R: gl.constexpr, CPS: gl.constexpr, ST: gl.constexpr,
+                          NCP: gl.constexpr, MAX_POLLS: gl.constexpr, META_W: gl.constexpr, WL2: gl.constexpr,
+                          WD1: gl.constexpr, DEP: gl.constexpr = True, KS: gl.constexpr = 1):
         """:func:`_chain_stream` with the ``mma`` consumer: the same ring, plan, waits, x staging and signals; each
         tile's words are read out of the ring in ``WL2`` (:func:`word_layout_2d`), converted to exact FP16 mma A
         fragments by the hardware conversion (``_frag_fp8`` with ``F16``; the row scale applied after the sum) and
@@ -352,7 +373,14 @@ if gluon is not None:
         chain's activations are), a change of rounding point against the other executions, within the checks'
         bounds or reported.
         ``desc``: the tiles as int32 words, box ``[CPS * R, 32]`` (:func:`word_tile_layout`). ``WD1``:
-        ``fp8_word_layout(R, 1, num_warps)``; R a multiple of 16 x num_warps."""
+        ``fp8_word_layout(R, 1, num_warps)``; R a multiple of 16 x num_warps.
+
+        ``KS > 1``: each op split over K as well (``plan_items``' items: row block b's K part p), so an op's work
+        spreads over more programs. An item stores its unscaled float32 column sums ``[R]`` into the op's partials
+        (``part_ptr``, ``[KS, N]`` at the op's ``meta[7]``) instead of y; the next op's programs, after their
+        spin, form x themselves: ``bf16(s * (part_0 + part_1 + ...))`` summed in the fixed order p = 0..KS-1 (so
+        every program stages the same bits), then FP16. y is never stored: :meth:`Stream.outputs` forms it from the
+        partials the same way. Without dependencies (``streamfree``) x stays the fixed input."""
         NW: gl.constexpr = gl.num_warps()
         XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])                # [NCP, 128] x rows
         XS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])                          # unswizzled
@@ -365,6 +393,12 @@ if gluon is not None:
         x_s = gl.allocate_shared_memory(gl.float16, [NCP, 128], XS)      # row c: x's columns 128c .. 128c + 127
         # the same bytes as [NCP, 1, 4, 32] (row c, lane column group t, column): _b_row's reads (a view, no copy)
         x4 = x_s._reinterpret(gl.float16, [NCP, 1, 4, 32], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        # KS > 1: x formed XR rows at a time from the partials (a view of the same bytes as [NCP / XR, XR, 128])
+        XR: gl.constexpr = 16 if NCP >= 16 else NCP
+        x_parts = x_s._reinterpret(gl.float16, [NCP // XR, XR, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        PL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])                 # [XR, 128] rows
+        pr = gl.arange(0, XR, layout=gl.SliceLayout(1, PL))
+        pc = gl.arange(0, 128, layout=gl.SliceLayout(0, PL))
         bars = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(ST):
             mbarrier.init(bars.index(i), count=1)
@@ -384,7 +418,9 @@ if gluon is not None:
         prev = pid * 0 - 1
         for it in range(n_items):
             op = gl.load(items_ptr + (i0 + it) * 2)
-            blk = gl.load(items_ptr + (i0 + it) * 2 + 1)
+            bq = gl.load(items_ptr + (i0 + it) * 2 + 1)
+            blk = bq // KS
+            q = bq % KS
             m = meta_ptr + op * META_W
             s_i = s_ptr + gl.load(m + 1)
             y_i = act_ptr + gl.multiple_of(gl.load(m + 3), 16)
@@ -392,14 +428,30 @@ if gluon is not None:
             if op != prev:
                 if DEP and op > 0:
                     dead = _spin(cnt_ptr + (op - 1), gl.load(m + 6).to(gl.int32), dead, err_ptr, op, MAX_POLLS)
-                x_i = act_ptr + gl.multiple_of(gl.load(m + 2), 16)
-                xv = gl.load(x_i + xr[:, None] * 128 + xc[None, :], mask=(xr < nc)[:, None], other=0.0,
-                             cache_modifier=".cg")
-                x_s.store(xv.to(gl.float16))
+                if DEP and (KS > 1) and (op > 0):
+                    # x = op - 1's y, formed from its partials (fixed order), as Stream.outputs forms y; XR rows of
+                    # 128 at a time (the whole [NCP, 128] in float32 at once would spill)
+                    mp = meta_ptr + (op - 1) * META_W
+                    pp = part_ptr + gl.load(mp + 7)
+                    sp = s_ptr + gl.load(mp + 1)
+                    for r0 in range(0, nc, XR):
+                        pm = (r0 + pr < nc)[:, None]
+                        po = (r0 + pr)[:, None] * 128 + pc[None, :]
+                        xs = gl.load(pp + po, mask=pm, other=0.0, cache_modifier=".cg")
+                        for p in gl.static_range(1, KS):
+                            xs += gl.load(pp + p * (nc * 128) + po, mask=pm, other=0.0, cache_modifier=".cg")
+                        xv = (xs * gl.load(sp + po, mask=pm, other=0.0)).to(gl.bfloat16)
+                        x_parts.index(r0 // XR).store(xv.to(gl.float16))
+                else:
+                    x_i = act_ptr + gl.multiple_of(gl.load(m + 2), 16)
+                    xv = gl.load(x_i + xr[:, None] * 128 + xc[None, :], mask=(xr < nc)[:, None], other=0.0,
+                                 cache_modifier=".cg")
+                    x_s.store(xv.to(gl.float16))
                 gl.thread_barrier()
                 prev = op
             acc = gl.zeros([R, 8], gl.float32, MMA)
-            for c0 in range(0, nc, CPS):
+            npart = nc // KS
+            for c0 in range(q * npart, (q + 1) * npart, CPS):
                 st = g % ST
                 mbarrier.wait(bars.index(st), (g // ST) & 1)
                 for j in gl.static_range(CPS):
@@ -409,20 +461,24 @@ if gluon is not None:
                 gl.thread_barrier()             # every warp has read stage st before TMA overwrites it
                 _issue(desc, ring, bars, tiles_ptr, t0, g + ST, st, n_tiles, R, CPS)
                 g += 1
-            out = gl.convert_layout(acc, OL)    # [R, 8]: row r, token column (only column 0 is x)
-            y = gl.sum(gl.where(ocol[None, :] == 0, out, 0.0), axis=1) * gl.load(s_i + blk * R + orow)
-            gl.store(y_i + blk * R + orow, y.to(gl.bfloat16))
+            out = gl.convert_layout(acc, OL)    # [R, 8]: row r, token column (all 8 hold the same sums)
+            col = gl.sum(gl.where(ocol[None, :] == 0, out, 0.0), axis=1)
+            if KS > 1:
+                n_i = gl.load(m + 5).to(gl.int32) * R
+                gl.store(part_ptr + gl.load(m + 7) + q * n_i + blk * R + orow, col)
+            else:
+                gl.store(y_i + blk * R + orow, (col * gl.load(s_i + blk * R + orow)).to(gl.bfloat16))
             gl.thread_barrier()                 # release cumulativity covers the stores ordered before it
             gl.atomic_add(cnt_ptr + op, 1, sem="release", scope="gpu")
 
 
 def stream_constexprs(rows: int, cps: int, stages: int, ncp: int, num_warps: int, max_polls: int, dep: bool,
-                      consumer: str) -> dict:
+                      consumer: str, ksplit: int = 1) -> dict:
     """The compile-time arguments of the stream kernel of ``consumer`` (``fma``: :func:`_chain_stream`, ``mma``:
     :func:`_chain_stream_mma`), shared by the launch and :func:`compile_sm90`."""
     d = dict(R=rows, CPS=cps, ST=stages, NCP=ncp, MAX_POLLS=max_polls, META_W=STREAM_META, DEP=dep)
     if consumer == "mma":
-        return dict(d, WL2=word_layout_2d(rows, num_warps), WD1=fp8_word_layout(rows, 1, num_warps))
+        return dict(d, WL2=word_layout_2d(rows, num_warps), WD1=fp8_word_layout(rows, 1, num_warps), KS=ksplit)
     return dict(d, BL=tile_layout_regs(rows, num_warps))
 
 
@@ -430,20 +486,22 @@ class Stream:
     """The ``stream`` execution's state on one device: the repacked tiles and their descriptor, the work plan
     (:func:`plan_items`), counters int32 ``[L]``, error words int32 ``[2]``, and the launch settings. ``dep`` False:
     the ``streamfree`` execution (every op reads the same fixed input, held in this object's own buffer; no waits:
-    the stream's and the consumer's own rate).
+    the stream's and the consumer's own rate). ``ksplit > 1`` (``mma`` only): each row block also split into that
+    many K parts, their float32 partials in ``part`` (:func:`part_elems`), y formed from them.
 
     Raises:
         StreamError: settings the chain cannot be tiled or fitted with (:func:`check_stream`)."""
 
     def __init__(self, chain, rows: int, cps: int, stages: int, num_warps: int, max_polls: int,
-                 programs: int | None = None, dep: bool = True, cooperative: bool = True, consumer: str = "fma"):
+                 programs: int | None = None, dep: bool = True, cooperative: bool = True, consumer: str = "fma",
+                 ksplit: int = 1):
         ops = chain.ops
         dev = chain.w.device
         self.ncp = _pow2(max(k for k, _ in ops) // BKC)
         if stages <= 0:
             stages = auto_stages(self.ncp, rows, cps)
-        self.smem = check_stream(ops, rows, stages * cps, num_warps, cps=cps, consumer=consumer)
-        self.consumer = consumer
+        self.smem = check_stream(ops, rows, stages * cps, num_warps, cps=cps, consumer=consumer, ksplit=ksplit)
+        self.consumer, self.ksplit = consumer, ksplit
         self.rows, self.cps, self.stages, self.num_warps, self.max_polls = rows, cps, stages, num_warps, max_polls
         self.grid = programs or (torch.cuda.get_device_properties(dev).multi_processor_count
                                  if dev.type == "cuda" else 1)
@@ -462,7 +520,8 @@ class Stream:
             for _, n in ops:
                 self.y_off.append(o)
                 o += n
-        self.plan = plan_items(ops, rows, self.grid, base, chain.s_off, x_off, self.y_off, dev)
+        self.plan = plan_items(ops, rows, self.grid, base, chain.s_off, x_off, self.y_off, dev, ksplit)
+        self.part = torch.zeros(max(1, part_elems(ops, ksplit) if ksplit > 1 else 1), dtype=torch.float32, device=dev)
         self.cnt = torch.zeros(len(ops), dtype=torch.int32, device=dev)
         self.err = torch.zeros(2, dtype=torch.int32, device=dev)
         self.desc = descriptor(self.packed, rows * cps, consumer) if dev.type == "cuda" else None
@@ -471,33 +530,46 @@ class Stream:
 
     def constexprs(self) -> dict:
         return stream_constexprs(self.rows, self.cps, self.stages, self.ncp, self.num_warps, self.max_polls,
-                                 self.dep, self.consumer)
+                                 self.dep, self.consumer, self.ksplit)
 
     def run(self, chain) -> None:
         """Zero the counters (one node in a captured graph) and launch the persistent kernel."""
         self.cnt.zero_()
         p = self.plan
+        args = (self.desc, chain.s, self.act, p["meta"], p["items"], p["item_start"], p["tiles"], p["tile_start"],
+                self.cnt, self.err) + ((self.part,) if self.consumer == "mma" else ())
         kern = _chain_stream_mma if self.consumer == "mma" else _chain_stream
-        k = kern[(self.grid,)](self.desc, chain.s, self.act, p["meta"], p["items"], p["item_start"],
-                                        p["tiles"], p["tile_start"], self.cnt, self.err, **self.constexprs(),
-                                        num_warps=self.num_warps,
-                                        **({"launch_cooperative_grid": True} if self.cooperative else {}))
+        k = kern[(self.grid,)](*args, **self.constexprs(), num_warps=self.num_warps,
+                               **({"launch_cooperative_grid": True} if self.cooperative else {}))
         if self.regs is None and k is not None:
             self.regs = getattr(k, "n_regs", None)
 
     def outputs(self, chain) -> list[torch.Tensor]:
-        """Copies of every op's y (bf16 ``[N_i]``) where this execution writes them."""
-        return [self.act[o:o + n].clone() for o, (_, n) in zip(self.y_off, chain.ops)]
+        """Copies of every op's y (bf16 ``[N_i]``) where this execution writes them; with ``ksplit > 1`` formed from
+        the op's partials as the kernel forms the next op's x: ``bf16(s * (part_0 + part_1 + ...))``, float32 adds
+        in the order p = 0..ksplit-1."""
+        if self.ksplit == 1:
+            return [self.act[o:o + n].clone() for o, (_, n) in zip(self.y_off, chain.ops)]
+        ys, off = [], 0
+        for i, (_, n) in enumerate(chain.ops):
+            parts = self.part[off:off + self.ksplit * n].view(self.ksplit, n)
+            acc = parts[0].clone()
+            for q in range(1, self.ksplit):
+                acc = acc + parts[q]
+            ys.append((acc * chain.s[chain.s_off[i]:chain.s_off[i] + n]).to(torch.bfloat16))
+            off += self.ksplit * n
+        return ys
 
     def poison(self, chain) -> None:
-        """NaN into every y this execution writes (the inputs kept)."""
+        """NaN into every y this execution writes (the inputs kept), and into the partials."""
         if self.dep:
             chain.poison()
         else:
             self.act[self.y_off[0]:].fill_(float("nan"))
+        self.part.fill_(float("nan"))
 
     def check(self, chain) -> None:
-        """No spin wait timed out and op i's counter equals its ``N / R`` row blocks.
+        """No spin wait timed out and op i's counter equals its items (``N / R`` row blocks x ``ksplit``).
 
         Raises:
             RuntimeError: a wait timed out or a counter is off."""
@@ -506,13 +578,13 @@ class Stream:
             raise RuntimeError(f"stream: {err[0]} spin wait(s) timed out (last at op {err[1]}): the {self.grid} "
                                "programs were not all resident at once, or a block's signal was lost; the outputs "
                                "of this run are garbage")
-        want = [n // self.rows for _, n in chain.ops]
+        want = [n // self.rows * self.ksplit for _, n in chain.ops]
         if self.cnt.tolist() != want:
             raise RuntimeError(f"stream: counters {self.cnt.tolist()} after the run, expected {want}")
 
 
 def compile_sm90(rows: int = 16, cps: int = 4, stages: int = 16, ncp: int = 128, num_warps: int = 4,
-                 max_polls: int = 1 << 24, dep: bool = True, consumer: str = "fma"):
+                 max_polls: int = 1 << 24, dep: bool = True, consumer: str = "fma", ksplit: int = 1):
     """The stream kernel of ``consumer`` compiled for sm_90 without a GPU (``scripts/ptxas_util.py``): the kernel
     object (its ``asm["ptx"]``, ``asm["sass"]`` via ptxas_util, ``metadata.shared``)."""
     import ptxas_util
@@ -525,7 +597,8 @@ def compile_sm90(rows: int = 16, cps: int = 4, stages: int = 16, ncp: int = 128,
         d = TensorDescriptor(t, list(t.shape), list(t.stride()), [rows * cps, BKC], tile_layout())
     return ptxas_util.compile_kernel(
         _chain_stream_mma if consumer == "mma" else _chain_stream,
-        stream_constexprs(rows, cps, stages, ncp, num_warps, max_polls, dep, consumer),
+        stream_constexprs(rows, cps, stages, ncp, num_warps, max_polls, dep, consumer, ksplit),
         dict(desc=mangle_type(d), s_ptr="*fp32", act_ptr="*bf16", meta_ptr="*i64", items_ptr="*i32",
-             item_start_ptr="*i32", tiles_ptr="*i32", tile_start_ptr="*i32", cnt_ptr="*i32", err_ptr="*i32"),
+             item_start_ptr="*i32", tiles_ptr="*i32", tile_start_ptr="*i32", cnt_ptr="*i32", err_ptr="*i32",
+             **({"part_ptr": "*fp32"} if consumer == "mma" else {})),
         90, dict(num_warps=num_warps), gluon=True)

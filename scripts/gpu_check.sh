@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
 export BYTEBOUND_COMMIT="${BYTEBOUND_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 SECTIONS=(kernels engine bench_moe decode verify)
-ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela nr regcap gemvcap moetable routerseg mlalong ticketrope kdancu rb chainstream chainmma)   # run only when named
+ON_DEMAND=(env nano mtp bisect numerics shared defaults pdl e2e floor prefill fp8gemm kda mla gemv ladder integration adaptive ab rk retune ring ringocc kernela nr regcap gemvcap moetable routerseg mlalong ticketrope kdancu rb chainstream chainmma chainsplit)   # run only when named
 FAILED=()
 
 install_wheels() {
@@ -420,6 +420,25 @@ section_chainmma() {     # the stream of section_chainstream with the mma consum
     done
     run_step big python3 scripts/bench_chain.py --only pdl,read,stream,streamfree --stream-consumer mma \
         --stream-rows 32 --stream-warps 2 --out "$OUT" --name chainmma-big
+}
+
+section_chainsplit() {   # the mma stream with each row block split over K as well (--stream-ksplit; u08-design.md
+    # section 7.2: with 16-row mma tiles per warp an op had only 40-80 row blocks for 132 SMs): a 2-op smoke run
+    # (90 s cap), then the 6.6 MB-per-op chain against pdl / read at R 64 / 4 warps with 2 and 4 K parts (80 / 160
+    # items per op) and R 32 / 2 warps with 2 (160), then the 41.9 MB chain at R 64 / 4 warps with 4. Synthetic.
+    local before=${#FAILED[@]} v r w c k
+    SECTION_TIMEOUT=90 run_step smoke python3 scripts/bench_chain.py --shapes 2560x2560 --layers 2 --bn 8 --bk 512 \
+        --only plain,stream --stream-consumer mma --stream-rows 64 --stream-warps 4 --stream-cps 1 --stream-ksplit 4 \
+        --reps 5 --out "$OUT" --name chainsplit-smoke
+    [ "${#FAILED[@]}" -gt "$before" ] && return 0
+    for v in "64 4 2 2" "64 4 1 4" "32 2 2 2"; do
+        read -r r w c k <<< "$v"
+        run_step "small_r${r}_w${w}_k${k}" python3 scripts/bench_chain.py --shapes 2560x2560 --bn 8 --bk 512 \
+            --only pdl,read,stream,streamfree --stream-consumer mma --stream-rows "$r" --stream-warps "$w" \
+            --stream-cps "$c" --stream-ksplit "$k" --out "$OUT" --name "chainsplit-small-r$r-w$w-k$k"
+    done
+    run_step big python3 scripts/bench_chain.py --only pdl,read,stream,streamfree --stream-consumer mma \
+        --stream-rows 64 --stream-warps 4 --stream-cps 1 --stream-ksplit 4 --out "$OUT" --name chainsplit-big
 }
 
 section_mlalong() {      # the long-span attention tiling of the 4-token verify (BM 32, BN 64): 8 warps (the default

@@ -188,6 +188,89 @@ def _emulate_stream(bc, st, chain) -> list[torch.Tensor]:
     return [act[o:o + n].to(torch.bfloat16) for o, (_, n) in zip(st.y_off, chain.ops)]
 
 
+def _emulate_stream_split(bc, st, chain) -> list[torch.Tensor]:
+    """What the stream kernel computes with ``ksplit > 1`` (the ``mma`` consumer), from its host-side plan alone:
+    each item (op, row block x ksplit + part) sums its part's tiles (taken from ``tiles`` in the program's order)
+    against x in float64 and stores the float32 partial where the op table's partial offset puts it; op i > 0's x is
+    formed from op i - 1's partials as the kernel forms it (float32 adds in part order, times the row scale, BF16,
+    then FP16: exact). The outputs come from :meth:`Stream.outputs`, the method under test."""
+    r, ks = st.rows, st.ksplit
+    plan = {k: v.tolist() for k, v in st.plan.items()}
+    w8 = st.packed.view(torch.float8_e4m3fn).view(-1, r, 128).double()
+    cursor = list(plan["tile_start"][:-1])
+    st.part.fill_(float("nan"))
+    for i, (k, n) in enumerate(chain.ops):
+        if i == 0:
+            x = st.act[plan["meta"][0][2]:plan["meta"][0][2] + k].double()
+        else:
+            pk, po = chain.ops[i - 1][1], plan["meta"][i - 1][7]
+            xs = st.part[po:po + pk].clone()
+            for q in range(1, ks):
+                xs = xs + st.part[po + q * pk:po + (q + 1) * pk]
+            x = (xs * chain.scale(i - 1)).to(torch.bfloat16).to(torch.float16).double()
+        npart = k // 128 // ks
+        for p in range(st.grid):
+            for it in range(plan["item_start"][p], plan["item_start"][p + 1]):
+                op, bq = plan["items"][it]
+                if op != i:
+                    continue
+                blk, q = divmod(bq, ks)
+                acc = torch.zeros(r, dtype=torch.float64)
+                for c in range(q * npart, (q + 1) * npart):
+                    acc += w8[plan["tiles"][cursor[p]]] @ x[128 * c:128 * c + 128]
+                    cursor[p] += 1
+                o = plan["meta"][i][7] + q * n + blk * r
+                st.part[o:o + r] = acc.float()
+    assert cursor == plan["tile_start"][1:], "a program's tile list does not match its items"
+    assert not torch.isnan(st.part).any(), "a partial was never written"
+    return st.outputs(chain)
+
+
+def test_stream_split_over_k(bc, cs):
+    """``--stream-ksplit`` (the ``mma`` consumer): every (op, row block, K part) is one item of exactly one program,
+    in op order; an item's tiles are its part's consecutive tiles of the block; the programs' tile counts stay
+    within one item of each other; the partial offsets tile one buffer of ``part_elems`` floats; a float64
+    emulation over that plan, with x formed from the partials as the kernel forms it and y from
+    :meth:`Stream.outputs`, is within the chain's float64 bounds; the counters expect blocks x ksplit items; and
+    the settings the split cannot take are named errors."""
+    cpu = torch.device("cpu")
+    ops = [(512, 256), (256, 512), (512, 256)]
+    chain = bc.make_chain(ops, cpu, 16, seed=4)
+    with pytest.raises(cs.StreamError, match="above 1 only with --stream-consumer mma"):
+        cs.Stream(chain, 16, 1, 4, 1, 64, programs=3, ksplit=2)
+    with pytest.raises(cs.StreamError, match="a power of two"):
+        cs.Stream(chain, 16, 1, 4, 1, 64, programs=3, consumer="mma", ksplit=3)
+    with pytest.raises(cs.StreamError, match="--stream-ksplit 4 must divide"):
+        cs.Stream(chain, 16, 1, 4, 1, 64, programs=3, consumer="mma", ksplit=4)      # K / 128 = 2 for op 1
+    with pytest.raises(cs.StreamError, match="--stream-cps 2 must divide every K / 128 / ksplit"):
+        cs.Stream(chain, 16, 2, 4, 1, 64, programs=3, consumer="mma", ksplit=2)
+    st = cs.Stream(chain, 16, 1, 4, 1, 64, programs=3, consumer="mma", ksplit=2)
+    items = [tuple(v) for v in st.plan["items"].tolist()]
+    assert sorted(items) == sorted((i, bq) for i, (_, n) in enumerate(ops) for bq in range(n // 16 * 2))
+    starts, tl, ts = st.plan["item_start"].tolist(), st.plan["tiles"].tolist(), st.plan["tile_start"].tolist()
+    base = st.plan["meta"][:, 0].tolist()
+    for p in range(3):
+        mine = items[starts[p]:starts[p + 1]]
+        assert [op for op, _ in mine] == sorted(op for op, _ in mine)
+        want = []
+        for op, bq in mine:
+            nc = ops[op][0] // 128
+            b, q = divmod(bq, 2)
+            want += list(range(base[op] + b * nc + q * nc // 2, base[op] + b * nc + (q + 1) * nc // 2))
+        assert tl[ts[p]:ts[p + 1]] == want
+    counts = [ts[p + 1] - ts[p] for p in range(3)]
+    assert max(counts) - min(counts) <= max(k // 128 // 2 for k, _ in ops), counts
+    assert st.plan["meta"][:, 7].tolist() == [0, 2 * 256, 2 * (256 + 512)]
+    assert st.part.numel() == cs.part_elems(ops, 2) == 2 * (256 + 512 + 256)
+    assert st.plan["meta"][:, 6].tolist() == [0, 256 // 16 * 2, 512 // 16 * 2]
+    res = bc.check_outputs(chain, _emulate_stream_split(bc, st, chain), bc.chain_reference(chain))
+    assert res["ok"], res
+    st.cnt.copy_(torch.tensor([n // 16 * 2 for _, n in ops], dtype=torch.int32))
+    st.check(chain)
+    st.poison(chain)
+    assert torch.isnan(st.part).all()
+
+
 def test_stream_plan_tiles_and_balance(bc, cs):
     """The ``stream`` execution's host side (the kernel itself needs a GPU): the settings it cannot tile are named
     errors; every (op, row block) goes to exactly one program, each program's items are in op order, each tile
