@@ -817,8 +817,9 @@ def _measure(name: str, chain: Chain, fn, state, rec: dict, ref: list[torch.Tens
     Raises:
         RuntimeError: ``persist`` timed out or miscounted (:func:`persist_check`)."""
     dev = chain.w.device
-    poison, outputs = ((lambda: state.poison(chain)), (lambda: state.outputs(chain))) if name == "streamfree" else \
-        (chain.poison, chain.outputs)
+    # the stream's own (its partials with --stream-ksplit; streamfree's own buffer); the chain's for the others
+    poison, outputs = ((lambda: state.poison(chain)), (lambda: state.outputs(chain))) \
+        if name in ("stream", "streamfree") else (chain.poison, chain.outputs)
     poison()
     fn()
     if dev.type == "cuda":
