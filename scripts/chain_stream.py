@@ -251,6 +251,35 @@ if gluon is not None:
         tma.async_copy_global_to_shared(desc, [t * R, 0], bar, ring.index(st), pred=valid)
 
     @gluon.jit
+    def _ring_start(desc, ring, tiles_ptr, tile_start_ptr, item_start_ptr, pid, R: gl.constexpr, CPS: gl.constexpr,
+                    ST: gl.constexpr):
+        """Program ``pid``'s ring start, shared by both consumers: the ``ST`` stage mbarriers initialised (a CTA
+        barrier before any is armed or waited on), its tile and item ranges read from the plan, and its first
+        ``ST`` stages issued (before any dependency wait). Returns ``(bars, t0, n_tiles, i0, n_items)``."""
+        bars = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(ST):
+            mbarrier.init(bars.index(i), count=1)
+        gl.thread_barrier()                     # every barrier initialised before any thread arms or waits on one
+        t0 = gl.load(tile_start_ptr + pid)
+        n_tiles = gl.load(tile_start_ptr + pid + 1) - t0
+        i0 = gl.load(item_start_ptr + pid)
+        n_items = gl.load(item_start_ptr + pid + 1) - i0
+        for j in gl.static_range(ST):
+            _issue(desc, ring, bars, tiles_ptr, t0, j, j, n_tiles, R, CPS)
+        return bars, t0, n_tiles, i0, n_items
+
+    @gluon.jit
+    def _item(items_ptr, meta_ptr, s_ptr, act_ptr, idx, META_W: gl.constexpr):
+        """Work item ``idx`` of the plan: ``(op, its second word (row block, or block x KS + K part), op's table
+        row, op's scales, op's y, op's K / 128)``. The x / y offsets are multiples of 128 elements (every N but
+        the last is the next op's K, a multiple of 128)."""
+        op = gl.load(items_ptr + idx * 2)
+        b = gl.load(items_ptr + idx * 2 + 1)
+        m = meta_ptr + op * META_W
+        return (op, b, m, s_ptr + gl.load(m + 1), act_ptr + gl.multiple_of(gl.load(m + 3), 16),
+                gl.load(m + 4).to(gl.int32) // 128)
+
+    @gluon.jit
     def _spin(cnt_ptr, need, dead, err_ptr, op, MAX_POLLS: gl.constexpr):
         """``bench_chain._wait_count`` in Gluon (a Gluon kernel cannot call a ``@triton.jit`` function): spin
         (acquire, GPU scope) until ``*cnt_ptr >= need``, at most ``MAX_POLLS`` polls; on a timeout count it in
@@ -291,16 +320,8 @@ if gluon is not None:
         x_s = gl.allocate_shared_memory(gl.bfloat16, [NCP, 128], XS)     # row c: x's columns 128c .. 128c + 127
         # the same bytes as rows, for the per-tile reads (an unswizzled row-major buffer: a view, no copy)
         x_rows = x_s._reinterpret(gl.bfloat16, [NCP, 128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        bars = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(ST):
-            mbarrier.init(bars.index(i), count=1)
-        gl.thread_barrier()                     # every barrier initialised before any thread arms or waits on one
-        t0 = gl.load(tile_start_ptr + pid)
-        n_tiles = gl.load(tile_start_ptr + pid + 1) - t0
-        i0 = gl.load(item_start_ptr + pid)
-        n_items = gl.load(item_start_ptr + pid + 1) - i0
-        for j in gl.static_range(ST):
-            _issue(desc, ring, bars, tiles_ptr, t0, j, j, n_tiles, R, CPS)
+        bars, t0, n_tiles, i0, n_items = _ring_start(desc, ring, tiles_ptr, tile_start_ptr, item_start_ptr, pid, R,
+                                                     CPS, ST)
         rows = gl.arange(0, R, layout=gl.SliceLayout(1, BL))
         xr = gl.arange(0, NCP, layout=gl.SliceLayout(1, XL))
         xc = gl.arange(0, 128, layout=gl.SliceLayout(0, XL))
@@ -308,13 +329,7 @@ if gluon is not None:
         dead = pid * 0
         prev = pid * 0 - 1
         for it in range(n_items):
-            op = gl.load(items_ptr + (i0 + it) * 2)
-            blk = gl.load(items_ptr + (i0 + it) * 2 + 1)
-            m = meta_ptr + op * META_W
-            s_i = s_ptr + gl.load(m + 1)
-            # x / y offsets: multiples of 128 elements (every N but the last is the next op's K, a multiple of 128)
-            y_i = act_ptr + gl.multiple_of(gl.load(m + 3), 16)
-            nc = gl.load(m + 4).to(gl.int32) // 128
+            op, blk, m, s_i, y_i, nc = _item(items_ptr, meta_ptr, s_ptr, act_ptr, i0 + it, META_W)
             if op != prev:
                 # this program's first block of op `op`: its input is op - 1's whole output
                 if DEP and op > 0:
@@ -399,16 +414,8 @@ if gluon is not None:
         PL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])                 # [XR, 128] rows
         pr = gl.arange(0, XR, layout=gl.SliceLayout(1, PL))
         pc = gl.arange(0, 128, layout=gl.SliceLayout(0, PL))
-        bars = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(ST):
-            mbarrier.init(bars.index(i), count=1)
-        gl.thread_barrier()                     # every barrier initialised before any thread arms or waits on one
-        t0 = gl.load(tile_start_ptr + pid)
-        n_tiles = gl.load(tile_start_ptr + pid + 1) - t0
-        i0 = gl.load(item_start_ptr + pid)
-        n_items = gl.load(item_start_ptr + pid + 1) - i0
-        for j in gl.static_range(ST):
-            _issue(desc, ring, bars, tiles_ptr, t0, j, j, n_tiles, R, CPS)
+        bars, t0, n_tiles, i0, n_items = _ring_start(desc, ring, tiles_ptr, tile_start_ptr, item_start_ptr, pid, R,
+                                                     CPS, ST)
         orow = gl.arange(0, R, layout=gl.SliceLayout(1, OL))
         ocol = gl.arange(0, 8, layout=gl.SliceLayout(0, OL))
         xr = gl.arange(0, NCP, layout=gl.SliceLayout(1, XL))
@@ -417,14 +424,9 @@ if gluon is not None:
         dead = pid * 0
         prev = pid * 0 - 1
         for it in range(n_items):
-            op = gl.load(items_ptr + (i0 + it) * 2)
-            bq = gl.load(items_ptr + (i0 + it) * 2 + 1)
+            op, bq, m, s_i, y_i, nc = _item(items_ptr, meta_ptr, s_ptr, act_ptr, i0 + it, META_W)
             blk = bq // KS
             q = bq % KS
-            m = meta_ptr + op * META_W
-            s_i = s_ptr + gl.load(m + 1)
-            y_i = act_ptr + gl.multiple_of(gl.load(m + 3), 16)
-            nc = gl.load(m + 4).to(gl.int32) // 128
             if op != prev:
                 if DEP and op > 0:
                     dead = _spin(cnt_ptr + (op - 1), gl.load(m + 6).to(gl.int32), dead, err_ptr, op, MAX_POLLS)
