@@ -44,7 +44,8 @@ timed as CUDA-graph replays of the whole chain (median of ``--reps``, CUDA event
    by the hardware conversion, x staged in FP16; ``_chain_stream_mma``) instead of float32 FMAs, the consumer
    rate the thirty-eighth session found to limit the FMA kernel (docs/perf/u08-design.md section 7.1);
    ``--stream-ksplit`` splits each row block over K as well (float32 partials, summed in a fixed order by the next
-   op's programs as they stage x), so that every op spreads over all SMs (section 7.2).
+   op's programs as they stage x), so that every op spreads over all SMs (section 7.3). On the H100 every form was
+   slower per dependent op than ``pdl`` (docs/perf/session38/).
 
 ``--prefetch-l2`` adds, for pdl and persist, one bulk L2 prefetch of each row block's whole weights before the
 wait (the "weights streamed independently of the dependencies" of section 3, one block deep).

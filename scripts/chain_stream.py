@@ -32,8 +32,14 @@ another order than ``_block_rest``'s (128-column tiles, not BK), so it is checke
 bench_chain's bounds and its bit equality with ``plain`` is only reported. No deadlock with every program resident:
 a program waiting at op i has finished all its items of the ops before i, so by induction every block of op i - 1
 completes; a program that times out (``MAX_POLLS``) records it, computes garbage and still signals, so the kernel
-ends and the host raises (:meth:`Stream.check`). (A design argument: not yet run on a GPU.) Needs sm_90 (TMA,
-mbarriers) and about ``ST * CPS * R * 128 + K_max * 2`` bytes of shared memory per program (:func:`check_stream`).
+ends and the host raises (:meth:`Stream.check`). (A design argument; no run on the H100 hung, docs/perf/session38/.)
+Needs sm_90 (TMA, mbarriers) and about ``ST * CPS * R * 128 + K_max * 2`` bytes of shared memory per program
+(:func:`check_stream`).
+
+Two variants (docs/perf/u08-design.md sections 7.2, 7.3): the ``mma`` consumer (:func:`_chain_stream_mma`: the
+tiles multiplied on tensor cores as E4M3 -> FP16 fragments, x in FP16) and, with it, a split of every row block
+over K (``ksplit``: float32 partials that the next op's programs sum in a fixed order as they stage x). Measured on
+the H100, every form is slower per dependent op than one PDL launch per op.
 """
 
 from __future__ import annotations
