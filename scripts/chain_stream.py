@@ -59,10 +59,11 @@ except Exception as exc:  # pragma: no cover
     GLUON_ERR = f"triton.experimental.gluon (Hopper TMA) is not importable: {exc}"
 if gluon is not None:
     # the ``mma`` consumer's pieces: the decode step's tensor-core FP8 GEMV (kernels/gluon_fp8_gemv.py)
+    from bytebound.kernels.triton_moe_ring import word_layout_2d
     from bytebound.kernels.triton_moe_split import _frag_fp8, fp8_word_layout, mma_v2
 
 BKC = 128               # tile columns: one 128-byte TMA box row (E4M3), the ring's swizzle width
-CONSUMERS = ("fma", "mma")  # the consumer of a ring stage: float32 FMAs, or the BF16 mma of gluon_fp8_gemv
+CONSUMERS = ("fma", "mma")  # the consumer of a ring stage: float32 FMAs, or FP16 mma in gluon_fp8_gemv's fragment order
 SMEM_LIMIT = 227 * 1024  # sm_90's largest shared memory per block (opt-in), bytes
 MAX_STAGES = 64         # the ring's init and first fill are unrolled
 STREAM_META = 8         # int64 words per op in the stream kernel's op table (see plan_items)
@@ -210,21 +211,6 @@ def word_tile_layout():
     """The shared layout of one ring stage for the ``mma`` consumer: the same bytes as :func:`tile_layout` viewed as
     int32 words ``[R, 32]`` (TMA's 128-byte swizzle works on 16-byte chunks, so the placement is the same)."""
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-
-
-def word_layout_2d(rows: int, num_warps: int):
-    """The ``mma`` consumer's register layout of a tile's words ``[rows, 32]`` int32 as TMA writes them (word
-    ``8t + q`` of a row): :func:`~bytebound.kernels.triton_moe_split.fp8_word_layout` ``(rows, 1, num_warps)`` with
-    its (t, q) axes flattened, so the reshape to ``[rows, 1, 4, 8]`` moves no data (lane ``4g + t`` of warp ``w``
-    holds rows ``16w + g`` and ``16w + g + 8``, words ``8t .. 8t + 7``: its mma A-fragment rows)."""
-    reg = [[0, 1], [0, 2], [0, 4], [8, 0]]
-    r = 16 * num_warps
-    while r < rows:
-        reg.append([r, 0])
-        r *= 2
-    lane = [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]]
-    warp = [[16 << b, 0] for b in range(num_warps.bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, 32])
 
 
 def tile_layout_regs(rows: int, num_warps: int):
@@ -385,7 +371,8 @@ if gluon is not None:
                           NCP: gl.constexpr, MAX_POLLS: gl.constexpr, META_W: gl.constexpr, WL2: gl.constexpr,
                           WD1: gl.constexpr, DEP: gl.constexpr = True, KS: gl.constexpr = 1):
         """:func:`_chain_stream` with the ``mma`` consumer: the same ring, plan, waits, x staging and signals; each
-        tile's words are read out of the ring in ``WL2`` (:func:`word_layout_2d`), converted to exact FP16 mma A
+        tile's words are read out of the ring in ``WL2`` (``triton_moe_ring.word_layout_2d`` with 8 words: the
+        E4M3 fragment rows of ``fp8_word_layout``, flattened), converted to exact FP16 mma A
         fragments by the hardware conversion (``_frag_fp8`` with ``F16``; the row scale applied after the sum) and
         multiplied by x's 128 columns, staged once per op as FP16, as the B operand (:func:`_b_row`) into a float32
         mma accumulator ``[R, 8]``: the fragment order of the decode step's FP8 GEMV (kernels/gluon_fp8_gemv.py),
@@ -486,7 +473,7 @@ def stream_constexprs(rows: int, cps: int, stages: int, ncp: int, num_warps: int
     :func:`_chain_stream_mma`), shared by the launch and :func:`compile_sm90`."""
     d = dict(R=rows, CPS=cps, ST=stages, NCP=ncp, MAX_POLLS=max_polls, META_W=STREAM_META, DEP=dep)
     if consumer == "mma":
-        return dict(d, WL2=word_layout_2d(rows, num_warps), WD1=fp8_word_layout(rows, 1, num_warps), KS=ksplit)
+        return dict(d, WL2=word_layout_2d(rows, 1, num_warps, 8), WD1=fp8_word_layout(rows, 1, num_warps), KS=ksplit)
     return dict(d, BL=tile_layout_regs(rows, num_warps))
 
 
@@ -529,7 +516,7 @@ class Stream:
                 self.y_off.append(o)
                 o += n
         self.plan = plan_items(ops, rows, self.grid, base, chain.s_off, x_off, self.y_off, dev, ksplit)
-        self.part = torch.zeros(max(1, part_elems(ops, ksplit) if ksplit > 1 else 1), dtype=torch.float32, device=dev)
+        self.part = torch.zeros(part_elems(ops, ksplit) if ksplit > 1 else 1, dtype=torch.float32, device=dev)
         self.cnt = torch.zeros(len(ops), dtype=torch.int32, device=dev)
         self.err = torch.zeros(2, dtype=torch.int32, device=dev)
         self.desc = descriptor(self.packed, rows * cps, consumer) if dev.type == "cuda" else None

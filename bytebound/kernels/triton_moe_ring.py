@@ -48,18 +48,20 @@ if gluon is not None:
 
 
 @functools.lru_cache(maxsize=None)
-def word_layout_2d(rows: int, ns: int, num_warps: int):
-    """:func:`~bytebound.kernels.triton_moe_split.word_layout` (E2M1, 4 words) for the flat tile ``[rows, 16*ns]``
-    int32 as TMA writes it (word ``16*sb + 4*t + q``): the same registers, so that the reshape to ``[rows, ns, 4,
-    4]`` is that layout with no data movement."""
-    reg = [[0, 1], [0, 2], [8, 0]] + [[0, 16 << b] for b in range(ns.bit_length() - 1)]
+def word_layout_2d(rows: int, ns: int, num_warps: int, words: int = 4):
+    """:func:`~bytebound.kernels.triton_moe_split.word_layout` (E2M1: ``words`` 4; FP8: 8) for the flat tile
+    ``[rows, 4*words*ns]`` int32 as TMA writes it (word ``4*words*sb + words*t + q``): the same registers, so that
+    the reshape to ``[rows, ns, 4, words]`` is that layout with no data movement. Also the FP8 stream consumer's
+    tile layout (``scripts/chain_stream.py``)."""
+    reg = [[0, 1 << b] for b in range(words.bit_length() - 1)] + [[8, 0]]
+    reg += [[0, 4 * words << b] for b in range(ns.bit_length() - 1)]
     r = 16 * num_warps
     while r < rows:
         reg.append([r, 0])
         r *= 2
-    lane = [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]]
+    lane = [[0, words], [0, 2 * words], [1, 0], [2, 0], [4, 0]]
     warp = [[16 << b, 0] for b in range(num_warps.bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, 16 * ns])
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, 4 * words * ns])
 
 
 if gluon is not None:
